@@ -1,0 +1,73 @@
+"""Where the node-local channels between the hook, the agent and fill jobs live.
+
+Layout under the run directory (one per node)::
+
+    <run_dir>/<training>/stage-<k>/agent.sock        the agent's datagram socket for stage k
+    <run_dir>/<training>/stage-<k>/fill-<job>.sock   an armed fill job's datagram socket
+
+The hook sends every bubble signal to each ``*.sock`` in its stage directory, so the fill job that
+harvests the stage hears of a bubble directly (one hop, no relay through the agent), and the agent
+hears the same signal for accounting, the slowdown guard and the grace-period watchdog.
+Directories are created with mode 0700: only the training's user can signal or listen.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+RUN_DIR_ENV = "BUBBLES_RUN_DIR"
+TRAINING_ENV = "BUBBLES_TRAINING"
+DEFAULT_TRAINING = "default"
+AGENT_SOCKET_NAME = "agent.sock"
+FILL_SOCKET_PREFIX = "fill-"
+SOCKET_SUFFIX = ".sock"
+
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+
+
+def default_run_dir() -> Path:
+    """``$BUBBLES_RUN_DIR``, else ``/run/bubbles`` when writable, else a per-user directory in /tmp."""
+    env = os.environ.get(RUN_DIR_ENV)
+    if env:
+        return Path(env)
+    run = Path("/run")
+    if os.access(run, os.W_OK):
+        return run / "bubbles"
+    return Path(f"/tmp/bubbles-{os.getuid()}")
+
+
+def default_training() -> str:
+    return os.environ.get(TRAINING_ENV, DEFAULT_TRAINING)
+
+
+def check_name(kind: str, name: str) -> str:
+    """Validate a training or fill-job name used in paths (DNS-label style, like Kubernetes names)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"{kind} name {name!r} is not valid: use 1-63 lower-case letters, digits, '.', '_' or '-', "
+            "starting and ending with a letter or digit"
+        )
+    return name
+
+
+def stage_dir(run_dir: Path | str, training: str, stage: int) -> Path:
+    if stage < 0:
+        raise ValueError(f"stage must be >= 0, got {stage}")
+    return Path(run_dir) / check_name("training", training) / f"stage-{stage}"
+
+
+def agent_socket(run_dir: Path | str, training: str, stage: int) -> Path:
+    return stage_dir(run_dir, training, stage) / AGENT_SOCKET_NAME
+
+
+def fill_socket(run_dir: Path | str, training: str, stage: int, job: str) -> Path:
+    return stage_dir(run_dir, training, stage) / f"{FILL_SOCKET_PREFIX}{check_name('fill job', job)}{SOCKET_SUFFIX}"
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) readable only by this user; tighten it if it already exists."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
