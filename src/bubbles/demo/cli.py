@@ -1,0 +1,220 @@
+"""`bubbles demo`: the whole mechanism on one machine with no GPU and no cluster.
+
+It starts the node agent, a real DeepSpeed pipeline training on CPU (gloo, one process per stage,
+each pinned to a core that stands in for its GPU) and one fill job per stage, then runs three modes
+on the same training, interleaved so that drift of a shared machine hits all three alike:
+baseline (no fill work), naive co-location (fill jobs run freely) and bubble harvesting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+IMAGE_ENTRY = "bubbles.fill_examples.image_classification:ImageClassificationJob"
+INFERENCE_ENTRY = "bubbles.fill_examples.batch_inference:BatchInferenceJob"
+TRAINING = "demo"
+AGENT_READY_TIMEOUT_S = 60.0
+# 4 GiB: the free memory the CPU demo reports for every bubble (there is no allocator to ask on CPU).
+DEMO_FREE_BYTES = 4 << 30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages, 2-4 (default 2)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
+    p.add_argument("--iterations", type=int, default=12,
+                   help="training iterations per mode and repetition (default 12; the first 2 of each "
+                        "phase are not counted while the switch settles)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="how many times the baseline/naive/harvest sequence repeats (default 2)")
+    p.add_argument("--hidden", type=int, default=256, help="width of the training's layers (default 256)")
+    p.add_argument("--layers", type=int, default=8, help="layers of the training model (default 8)")
+    p.add_argument("--micro-batch-size", type=int, default=16, help="samples per micro-batch (default 16)")
+    p.add_argument("--slowdown-budget", type=float, default=0.01,
+                   help="training slowdown the guard allows while harvesting (default 0.01 = 1%%)")
+    p.add_argument("--grace-ms", type=float, default=50.0,
+                   help="how long after a bubble ends a fill step may run before it is killed (default 50)")
+    p.add_argument("--report", type=Path, help="write the JSON report here")
+    p.add_argument("--timeline", type=Path, help="write a PNG Gantt chart of a few harvesting iterations here")
+    p.add_argument("--workdir", type=Path,
+                   help="keep the run's files (agent stats, per-rank records, logs) here instead of a "
+                        "temporary directory")
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Every problem with the flags, each saying what to do."""
+    errors = []
+    if not 2 <= args.stages <= 4:
+        errors.append(f"--stages {args.stages}: the CPU demo runs 2 to 4 stages")
+    if args.microbatches < 1:
+        errors.append(f"--microbatches {args.microbatches}: use 1 or more")
+    if args.iterations < 4:
+        errors.append(f"--iterations {args.iterations}: use 4 or more (2 per phase settle and are not counted)")
+    if args.repeats < 1:
+        errors.append(f"--repeats {args.repeats}: use 1 or more")
+    if args.hidden < 8 or args.layers < args.stages or args.micro_batch_size < 1:
+        errors.append("--hidden must be >= 8, --layers >= --stages, --micro-batch-size >= 1")
+    if not 0 < args.slowdown_budget < 1:
+        errors.append(f"--slowdown-budget {args.slowdown_budget}: give a fraction in (0, 1), e.g. 0.01 for 1%")
+    if args.grace_ms <= 0:
+        errors.append(f"--grace-ms {args.grace_ms}: must be > 0")
+    for flag in ("report", "timeline"):
+        path = getattr(args, flag)
+        if path is not None and path.exists() and path.is_dir():
+            errors.append(f"--{flag} {path} is a directory: give a file path")
+    return errors
+
+
+def fill_job_specs(stages: int) -> list[dict[str, Any]]:
+    """One fill job per stage, alternating the two example jobs."""
+    specs = []
+    for stage in range(stages):
+        if stage % 2 == 0:
+            specs.append({"name": f"image-classification-s{stage}", "kind": "iterative", "entry": IMAGE_ENTRY,
+                          "memory": "256Mi", "stage": stage})
+        else:
+            specs.append({"name": f"batch-inference-s{stage}", "kind": "iterative", "entry": INFERENCE_ENTRY,
+                          "memory": "256Mi", "stage": stage})
+    return specs
+
+
+def run(args: argparse.Namespace) -> int:
+    errors = validate(args)
+    if errors:
+        for e in errors:
+            print(f"bubbles demo: error: {e}", file=sys.stderr)
+        return 2
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        return _run_in(args, args.workdir)
+    with tempfile.TemporaryDirectory(prefix="bubbles-demo-") as tmp:
+        return _run_in(args, Path(tmp))
+
+
+def _run_in(args: argparse.Namespace, work: Path) -> int:
+    from bubbles.demo.report import build_report, format_summary
+    from bubbles.demo.timeline import draw_timeline
+
+    run_dir, ranks_dir = work / "run", work / "ranks"
+    ranks_dir.mkdir(parents=True, exist_ok=True)
+    spec_paths = []
+    for spec in fill_job_specs(args.stages):
+        path = work / f"{spec['name']}.json"
+        path.write_text(json.dumps(spec))
+        spec_paths.append(path)
+    stats_path, ready_path = work / "agent-stats.json", work / "agent.ready"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    agent_cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
+                 "--executors", str(args.stages), "--mode", "off", "--stats", str(stats_path),
+                 "--ready-file", str(ready_path), "--grace-ms", str(args.grace_ms),
+                 "--slowdown-budget", str(args.slowdown_budget), "--pin-cores"]
+    for path in spec_paths:
+        agent_cmd += ["--fill-job", str(path)]
+    phases = ",".join(f"{m}:{args.iterations}" for _ in range(args.repeats) for m in ("off", "naive", "harvest"))
+    train_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.stages),
+                 "--master_port", str(_free_port()), "-m", "bubbles.demo.train",
+                 "--microbatches", str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
+                 "--hidden", str(args.hidden), "--layers", str(args.layers), "--phases", phases,
+                 "--run-dir", str(run_dir), "--training", TRAINING, "--out", str(ranks_dir), "--pin-cores",
+                 "--trace", "--free-bytes", str(DEMO_FREE_BYTES)]
+    total = args.repeats * 3 * args.iterations
+    print(f"bubbles demo: {args.stages}-stage DeepSpeed pipeline on CPU, {args.microbatches} micro-batches, "
+          f"{total} iterations (baseline, naive, harvest x {args.repeats}); files in {work}", flush=True)
+    agent_log = (work / "agent.log").open("w")
+    agent = subprocess.Popen(agent_cmd, env=env, stdout=agent_log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        if not _wait_for(ready_path, agent, AGENT_READY_TIMEOUT_S):
+            print(f"bubbles demo: error: the agent did not start; its log:\n{_tail(work / 'agent.log')}",
+                  file=sys.stderr)
+            return 1
+        print("  agent ready; starting the training", flush=True)
+        train_log = work / "train.log"
+        rc = _run_training(train_cmd, env, train_log)
+        if rc != 0:
+            print(f"bubbles demo: error: the training exited with {rc}; its log:\n{_tail(train_log)}",
+                  file=sys.stderr)
+            return 1
+    finally:
+        _stop(agent)
+        agent_log.close()
+    ranks = [json.loads(p.read_text()) for p in sorted(ranks_dir.glob("rank-*.json"))]
+    if len(ranks) != args.stages:
+        print(f"bubbles demo: error: expected {args.stages} rank records in {ranks_dir}, found {len(ranks)}",
+              file=sys.stderr)
+        return 1
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
+    if stats is None:
+        print(f"bubbles demo: warning: the agent wrote no stats; its log:\n{_tail(work / 'agent.log')}",
+              file=sys.stderr)
+    report = build_report(ranks, stats)
+    print()
+    print(format_summary(report))
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nreport: {args.report}")
+    if args.timeline:
+        if draw_timeline(ranks, stats, args.timeline):
+            print(f"timeline: {args.timeline}")
+        else:
+            print("timeline: no traced harvesting iterations to draw", file=sys.stderr)
+    return 0
+
+
+def _run_training(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
+    """Run torchrun, echoing the training's progress lines (those starting with 'bubbles') as they come."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith("[bubbles]"):
+                print("  " + line.rstrip(), flush=True)
+        return proc.wait()
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[Any], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _stop(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
+    """SIGTERM the agent (it stops its fill jobs and writes its stats), SIGKILL its group if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,151 @@
+"""The harvest ledger: hand-computed totals, order independence, conservation of step time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bubbles.ledger import HarvestLedger, LedgerTotals, StepRecord, percentile
+
+MS = 1_000_000  # ns
+
+
+def test_hand_computed_example() -> None:
+    led = HarvestLedger()
+    led.add_bubble(0, 0, 10 * MS)
+    led.add_bubble(0, 20 * MS, 30 * MS)
+    led.add_bubble(1, 40 * MS, 50 * MS)
+    led.add_step(0, "a", 1 * MS, 4 * MS, 1e9)  # fully inside: 3 ms filled
+    led.add_step(0, "a", 8 * MS, 12 * MS, 1e9)  # straddles the end: 2 ms filled, 2 ms over
+    led.add_step(0, "a", 14 * MS, 15 * MS, 1e9)  # entirely outside: 1 ms over
+    led.add_step(0, "b", 41 * MS, 45 * MS, 2e9)  # inside stage 1's bubble, but ran on stage 0: 4 ms over
+    t = led.totals()
+    assert t == LedgerTotals(
+        bubble_s=0.030,
+        filled_s=0.005,
+        fill_steps=4,
+        fill_flops=5e9,
+        overruns=3,
+        overrun_s=0.007,
+        overrun_p99_ms=pytest.approx(percentile([2.0, 1.0, 4.0], 99)),  # type: ignore[arg-type]
+        max_overrun_ms=4.0,
+        step_s=0.012,
+    )
+    assert led.totals(stage=1).bubble_s == pytest.approx(0.010)
+    assert led.totals(stage=1).fill_steps == 0
+    assert led.totals(stage=0).overruns == 3
+
+
+def test_step_spanning_two_bubbles_and_record_before_bubble() -> None:
+    led = HarvestLedger()
+    # The step's record arrives before the bubbles it ran in are closed.
+    led.add_step(2, "a", 5 * MS, 25 * MS, 0.0)
+    led.add_bubble(2, 20 * MS, 30 * MS)
+    led.add_bubble(2, 0, 10 * MS)
+    t = led.totals()
+    assert t.filled_s == pytest.approx(0.010)
+    assert t.overrun_s == pytest.approx(0.010)
+    assert t.overruns == 1
+    assert led.bubble_intervals(2) == ((0, 10 * MS), (20 * MS, 30 * MS))
+    assert led.bubble_intervals(7) == ()
+    assert led.step_records() == (StepRecord(2, "a", 5 * MS, 25 * MS, 0.0),)
+
+
+def test_overlapping_bubbles_count_once_and_exact_fit_is_no_overrun() -> None:
+    led = HarvestLedger()
+    led.add_bubble(0, 0, 10 * MS)
+    led.add_bubble(0, 5 * MS, 15 * MS)  # a duplicate signal must not double the bubble time
+    led.add_step(0, "a", 0, 15 * MS, 1.0)
+    t = led.totals()
+    assert t.bubble_s == pytest.approx(0.015)
+    assert t.filled_s == pytest.approx(0.015)
+    assert t.overruns == 0 and t.overrun_p99_ms == 0.0 and t.max_overrun_ms == 0.0
+
+
+def test_empty_ledger() -> None:
+    t = HarvestLedger().totals()
+    assert t == LedgerTotals(0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_percentile() -> None:
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([4.0, 1.0], 0) == 1.0
+    assert percentile([4.0, 1.0], 100) == 4.0
+    assert percentile(list(map(float, range(101))), 99) == 99.0
+    assert percentile([0.0, 10.0], 25) == 2.5
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile([1.0], 101)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0, 10, 5), "ends before it starts"),
+        ((-1, 0, 5), "stage must be >= 0"),
+        ((0, 0.5, 5), "start_ns must be an integer"),
+    ],
+)
+def test_bad_intervals(args: tuple[int, int, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HarvestLedger().add_bubble(*args)
+    with pytest.raises(ValueError, match=match):
+        HarvestLedger().add_step(args[0], "a", args[1], args[2], 0.0)
+
+
+def test_bad_flops() -> None:
+    with pytest.raises(ValueError, match="flops"):
+        HarvestLedger().add_step(0, "a", 0, 1, float("nan"))
+
+
+@st.composite
+def timelines(draw: st.DrawFn) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Per stage, disjoint bubbles and disjoint (sequential) steps placed anywhere."""
+    bubbles: list[tuple[int, int, int]] = []
+    steps: list[tuple[int, int, int]] = []
+    for stage in range(draw(st.integers(1, 3))):
+        for out in (bubbles, steps):
+            t = 0
+            for _ in range(draw(st.integers(0, 6))):
+                t += draw(st.integers(0, 20))
+                length = draw(st.integers(0, 20))
+                out.append((stage, t, t + length))
+                t += length
+    return bubbles, steps
+
+
+@settings(max_examples=200, deadline=None)
+@given(timelines(), st.randoms(use_true_random=False))
+def test_order_independent_and_conserving(
+    timeline: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]], rnd: random.Random
+) -> None:
+    bubbles, steps = timeline
+
+    def build(order: list[tuple[str, tuple[int, int, int]]]) -> LedgerTotals:
+        led = HarvestLedger()
+        for kind, (stage, a, b) in order:
+            if kind == "b":
+                led.add_bubble(stage, a * MS, b * MS)
+            else:
+                led.add_step(stage, "j", a * MS, b * MS, 1.0)
+        return led.totals()
+
+    records = [("b", x) for x in bubbles] + [("s", x) for x in steps]
+    first = build(records)
+    rnd.shuffle(records)
+    assert build(records) == first
+    assert first.filled_s <= first.bubble_s + 1e-12
+    assert first.filled_s + first.overrun_s == pytest.approx(first.step_s, abs=1e-12)
+    assert first.step_s == pytest.approx(sum(b - a for _, a, b in steps) * MS / 1e9)
+    assert first.fill_steps == len(steps)
+    assert 0 <= first.overrun_p99_ms <= first.max_overrun_ms
+    # Against a brute-force count, millisecond by millisecond.
+    covered = {(s, t) for s, a, b in bubbles for t in range(a, b)}
+    inside = sum(1 for s, a, b in steps for t in range(a, b) if (s, t) in covered)
+    assert first.filled_s == pytest.approx(inside / 1000)
+    assert first.overruns == sum(1 for s, a, b in steps if any((s, t) not in covered for t in range(a, b)))
