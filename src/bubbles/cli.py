@@ -12,6 +12,9 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("bubbles.demo.cli", "run the one-machine harvesting demo on CPU (no GPU, no cluster)"),
     "agent": ("bubbles.agent.cli", "run the node agent that drives fill jobs in the bubbles"),
+    "simulate": (
+        "bubbles.simulator.cli", "estimate what harvesting would recover on a cluster (event-driven simulator)"
+    ),
 }
 
 

@@ -1,0 +1,281 @@
+"""The cluster simulator: bubble model vs PipeFill, trace reading/generation, work conservation, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bubbles.cli import main as bubbles_main
+from bubbles.cycle import theoretical_bubble_ratio
+from bubbles.plan import Bubble
+from bubbles.simulator import (
+    MainJob,
+    generate_trace,
+    load_profiles,
+    read_alibaba,
+    read_trace,
+    simulate,
+    summarize,
+)
+from bubbles.simulator.profiles import parse_profiles
+from bubbles.simulator.trace import TraceError, TraceJob, write_trace
+
+FIXTURE = Path(__file__).parent / "fixtures" / "alibaba-excerpt.csv"
+PROFILES = load_profiles()
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    kept, stats = read_alibaba(FIXTURE)
+    assert stats.candidates > 100 and 0.7 < stats.share_kept < 0.95
+    return kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 32), m=st.integers(1, 64), schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_bubble_ratio_is_the_pipeline_formula(p: int, m: int, schedule: str) -> None:
+    j = MainJob(stages=p, microbatches=m, data_parallel=1, schedule=schedule, fill_fraction=1.0)
+    assert j.bubble_ratio() == pytest.approx(theoretical_bubble_ratio(p, m))
+    if schedule == "gpipe":
+        assert j.fillable_ratio() == pytest.approx(j.bubble_ratio())
+        cyc = j.cycle(p // 2)
+        assert cyc.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+    else:
+        assert j.fillable_ratio() <= j.bubble_ratio() + 1e-12
+
+
+def test_pipefill_physical_setting_is_about_65_percent() -> None:
+    j = MainJob(stages=16, microbatches=8)
+    assert j.bubble_ratio() == pytest.approx(15 / 23)
+    assert abs(j.bubble_ratio() - 0.65) < 0.01
+    # 1F1B fwd-bwd bubble from section 4.5, stage 0 of 16 with 8 micro-batches: 15*bwd + 8*fwd
+    one = MainJob(stages=16, microbatches=8, schedule="1f1b")
+    assert one.stage_bubbles_s(0) == pytest.approx((0.0, 15 * 0.08 + 8 * 0.04))
+    assert len(j.executor_classes()) == 16 and sum(c.executors for c in j.executor_classes()) == 8192
+
+
+def test_main_job_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="schedule 'pipedream' is not one of gpipe, 1f1b"):
+        MainJob(schedule="pipedream")
+    with pytest.raises(ValueError, match="fwd_s must be a number of seconds > 0"):
+        MainJob(fwd_s=0)
+
+
+def _jobs(tasks, n: int, hours: float = 4.0, seed: int = 1, **kw):
+    return [
+        t.to_fill_job(PROFILES) for t in generate_trace(tasks, PROFILES, jobs=n, hours=hours, seed=seed, **kw)
+    ]
+
+
+def test_generator_follows_pipefill(tasks) -> None:
+    trace = generate_trace(tasks, PROFILES, jobs=500, hours=2.0, seed=3, deadline_share=0.2)
+    assert len(trace) == 500
+    assert all(0 <= t.arrival_s <= 2 * 3600 + 1 for t in trace)
+    assert [t.arrival_s for t in trace] == sorted(t.arrival_s for t in trace)
+    big = [t for t in trace if t.model in ("swin-large", "xlm-roberta-xl")]
+    assert big and all(t.kind == "batch-inference" for t in big)
+    small = [t for t in trace if t.model == "bert-base"]
+    assert {t.kind for t in small} == {"training", "batch-inference"}
+    # No job is larger than 1 GPU-hour of isolated work.
+    for t in trace:
+        prof = PROFILES[(t.model, t.kind)]
+        assert t.samples / prof.isolated_samples_per_s <= 3600 + 1
+    assert 50 < sum(t.deadline_s is not None for t in trace) < 150
+
+
+def test_trace_round_trip_and_errors(tmp_path: Path, tasks) -> None:
+    trace = generate_trace(tasks, PROFILES, jobs=20, hours=1.0, seed=0, deadline_share=0.5)
+    p = tmp_path / "t.csv"
+    write_trace(p, trace)
+    back = read_trace(p, PROFILES)
+    assert [(t.job_id, t.model, t.kind, t.samples) for t in back] == [
+        (t.job_id, t.model, t.kind, t.samples) for t in trace
+    ]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,model,kind,samples\n0,bert-base,training,10\nsoon,bert-base,training,10\n")
+    with pytest.raises(TraceError, match="line 3: arrival_s must be a number"):
+        read_trace(bad, PROFILES)
+    bad.write_text("arrival_s,model,kind,samples\n0,gpt-9,training,10\n")
+    with pytest.raises(TraceError, match=r"no profile for model 'gpt-9'.*known: .*bert-base/training"):
+        read_trace(bad, PROFILES)
+    bad.write_text("arrival,model\n1,x\n")
+    with pytest.raises(TraceError, match="needs the columns arrival_s"):
+        read_trace(bad, PROFILES)
+    with pytest.raises(TraceError, match="not an Alibaba GPU trace"):
+        read_alibaba(bad)
+    bad.write_text("arrival_s,model,kind,steps,batch_size,deadline_s\n5,bert-base,training,3,8,1\n")
+    with pytest.raises(TraceError, match="deadline_s 1 is before arrival_s 5"):
+        read_trace(bad, PROFILES)
+
+
+def test_profiles_file_errors() -> None:
+    with pytest.raises(ValueError, match=r"models\[0\].configs\[0\].step_s must be a number > 0"):
+        parse_profiles(
+            {
+                "models": [
+                    {
+                        "model": "m",
+                        "kind": "training",
+                        "flops_per_sample": 1,
+                        "isolated_samples_per_s": 1,
+                        "configs": [
+                            {"name": "a", "batch_size": 1, "step_s": -1, "memory_bytes": 1, "nodes": 1}
+                        ],
+                    }
+                ]
+            }
+        )
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 120), hours=st.floats(0.2, 6.0), seed=st.integers(0, 10))
+def test_work_is_conserved(tasks, n: int, hours: float, seed: int) -> None:
+    main = MainJob(stages=4, microbatches=4, data_parallel=2)
+    jobs = _jobs(tasks, n, hours=4.0, seed=seed)
+    res = simulate(main, jobs, "sjf", hours=hours)
+    s = summarize(res)
+    expected = 0.0
+    for o in res.outcomes:
+        if o.done:
+            assert o.samples_done == o.job.samples
+        assert 0 <= o.samples_done <= o.job.samples
+        expected += o.samples_done * o.job.profile.flops_per_sample
+    assert s["recovered_flops"] == pytest.approx(expected)
+    assert 0 <= s["bubble_time_filled_share"] <= main.fill_fraction + 1e-9
+    # No executor runs two jobs at once.
+    by_exec: dict[int, list[tuple[float, float]]] = {}
+    for o in res.outcomes:
+        if o.placement is not None:
+            by_exec.setdefault(o.placement.executor, []).append((o.placement.start_s, o.placement.end_s))
+    for spans in by_exec.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(spans))
+
+
+def _hetero(main: MainJob):
+    # Half the stages have little free memory (as early 1F1B stages do): jobs run unequally fast there.
+    return [
+        c
+        if k % 2 == 0
+        else dataclasses.replace(
+            c, bubbles=tuple(Bubble(b.duration_s, int(1.5 * 2**30), b.label) for b in c.bubbles)
+        )
+        for k, c in enumerate(main.executor_classes())
+    ]
+
+
+def test_sjf_vs_makespan_as_in_pipefill_section_6_3(tasks) -> None:
+    main = MainJob(stages=4, microbatches=4, data_parallel=4)
+    classes = _hetero(main)
+
+    def totals(n: int) -> dict[str, tuple[float, float]]:
+        out = {}
+        for policy in ("sjf", "makespan"):
+            jct = mk = 0.0
+            for seed in (1, 2, 3):
+                s = summarize(simulate(main, _jobs(tasks, n, seed=seed), policy, hours=None, classes=classes))
+                jct += s["jct_s"]["mean"]
+                mk += s["makespan_s"]
+            out[policy] = (jct, mk)
+        return out
+
+    low = totals(150)
+    assert low["sjf"][0] < low["makespan"][0]  # SJF: lower mean JCT at low load
+    high = totals(400)
+    assert high["makespan"][1] < high["sjf"][1]  # makespan-minimizing: lower makespan at high load
+
+
+def test_cli_runs_writes_report_and_plot(tmp_path: Path, capsys) -> None:
+    report, plot = tmp_path / "r.json", tmp_path / "p.png"
+    rc = bubbles_main(
+        [
+            "simulate",
+            "--stages",
+            "4",
+            "--microbatches",
+            "4",
+            "--gpus",
+            "16",
+            "--hours",
+            "2",
+            "--alibaba",
+            str(FIXTURE),
+            "--jobs",
+            "50",
+            "--policy",
+            "sjf",
+            "--report",
+            str(report),
+            "--plot",
+            str(plot),
+        ]
+    )
+    assert rc == 0
+    doc = json.loads(report.read_text())
+    assert doc["bubble_ratio"] == pytest.approx(3 / 7)
+    assert {"recovered_tflops_per_gpu", "gpu_equivalents", "jct_s", "makespan_s"} <= set(
+        doc["policies"]["sjf"]
+    )
+    assert plot.read_bytes()[:4] == b"\x89PNG" and len(doc["sweep"]) >= 2
+    trace = tmp_path / "t.csv"
+    write_trace(trace, [TraceJob("a", 0.0, "bert-base", "training", 1000)])
+    rc = bubbles_main(
+        [
+            "simulate",
+            "--stages",
+            "4",
+            "--gpus",
+            "8",
+            "--trace",
+            str(trace),
+            "--policy",
+            "fifo",
+            "--policy",
+            "makespan",
+            "--plot",
+            str(plot),
+            "--hours",
+            "1",
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "fifo" in out and "makespan" in out and "bubble ratio" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schedule", "zb"], "use gpipe or 1f1b"),
+        (["--gpus", "10"], "multiple of stages x tensor-parallel"),
+        (["--policy", "nope"], "known policies: deadline, fifo, makespan, sjf"),
+        (["--hours", "0"], "--hours 0.0: must be > 0"),
+        (["--fill-fraction", "2"], "must be in (0, 1]"),
+    ],
+)
+def test_cli_bad_flags_say_what_to_do(argv: list[str], message: str, capsys) -> None:
+    assert bubbles_main(["simulate", "--alibaba", str(FIXTURE), "--jobs", "5", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_bad_config_and_missing_trace(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"stages": 4, "micro_batches": 8}))
+    assert bubbles_main(["simulate", "--config", str(cfg), "--alibaba", str(FIXTURE)]) == 2
+    assert "unknown key 'micro_batches'; known keys: stages, microbatches" in capsys.readouterr().err
+    cfg.write_text("{stages: 4")
+    assert bubbles_main(["simulate", "--config", str(cfg), "--alibaba", str(FIXTURE)]) == 2
+    assert "cannot be parsed" in capsys.readouterr().err
+    cfg.write_text(json.dumps({"stages": 4, "microbatches": 4, "gpus": 8, "hours": 0.5}))
+    assert bubbles_main(["simulate", "--config", str(cfg), "--alibaba", str(FIXTURE), "--jobs", "10"]) == 0
+    monkeypatch.delenv("BUBBLES_ALIBABA_TRACE", raising=False)
+    assert bubbles_main(["simulate", "--config", str(cfg)]) == 2
+    assert "pass --trace CSV, or --alibaba PATH" in capsys.readouterr().err
+    assert bubbles_main(["simulate", "--config", str(cfg), "--trace", str(tmp_path / "none.csv")]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
