@@ -198,15 +198,22 @@ def _alibaba_path(args: argparse.Namespace) -> Path | None:
 
 
 def _progress(label: str) -> Any:
+    """A progress bar redrawn in place on a terminal; in a log (not a TTY), one line per 25%."""
     start = time.monotonic()
+    tty = sys.stderr.isatty()
+    last_quarter = [-1]
 
     def show(frac: float) -> None:
         n = int(frac * 30)
-        sys.stderr.write(
-            f"\r{label:<16} [{'#' * n}{'.' * (30 - n)}] {frac:5.1%} {time.monotonic() - start:6.1f}s"
-        )
-        if frac >= 1.0:
-            sys.stderr.write("\n")
+        line = f"{label:<16} [{'#' * n}{'.' * (30 - n)}] {frac:5.1%} {time.monotonic() - start:6.1f}s"
+        if tty:
+            sys.stderr.write("\r" + line + ("\n" if frac >= 1.0 else ""))
+        else:
+            quarter = int(frac * 4)
+            if quarter == last_quarter[0]:
+                return
+            last_quarter[0] = quarter
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
     return show
