@@ -1,0 +1,222 @@
+"""The hook on a real DeepSpeed pipeline on CPU (gloo, torchrun, one process per stage).
+
+Launches are shared through module-scoped fixtures (each costs several seconds on 2 cores). Stage
+compute is emulated with ``--sleep-compute-ms`` so that stage times do not depend on how the OS shares
+2 cores between 2-4 stage processes: the stages are busy, the cores are not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
+
+pytestmark = pytest.mark.deepspeed
+
+LAUNCH_TIMEOUT_S = 180
+# The ideal (p-1)/(m+p-1) assumes equal stages and nothing but the pipelined steps in a batch. Here
+# the first and last stages also load micro-batches, the last computes the loss, every stage runs the
+# optimizer step, and waits under 0.5 ms are not bubbles: the busiest stage idles a little less than
+# the formula says (0-4% relative in repeated runs on this machine), the others more.
+RATIO_REL_TOL = 0.08
+MODEL = ["--hidden", "64", "--layers", "4", "--microbatches", "4", "--micro-batch-size", "4"]
+KILL_AFTER_STARTS = 10
+
+LISTENER = r"""
+import json, os, selectors, socket, sys, time
+from pathlib import Path
+from bubbles import paths, wire
+run_dir, training, stages, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+sel = selectors.DefaultSelector()
+for k in range(stages):
+    d = paths.make_private_dir(paths.stage_dir(run_dir, training, k))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(d / paths.AGENT_SOCKET_NAME))
+    s.setblocking(False)
+    sel.register(s, selectors.EVENT_READ)
+counts, last = {}, 0.0
+def dump():
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps(counts))
+    os.replace(tmp, marker)
+dump()
+while True:
+    for key, _ in sel.select(0.02):
+        while True:
+            try:
+                msg = wire.decode(key.fileobj.recv(wire.MAX_DATAGRAM_BYTES))
+            except BlockingIOError:
+                break
+            counts[msg.kind.name] = counts.get(msg.kind.name, 0) + 1
+    if time.monotonic() - last > 0.01:
+        dump()
+        last = time.monotonic()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def train_cmd(stages: int, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stages),
+            "--master_port", str(free_port()), "-m", "bubbles.demo.train", "--out", str(out), *flags]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run_training(stages: int, out: Path, *flags: str) -> list[dict[str, Any]]:
+    proc = subprocess.run(train_cmd(stages, out, *flags), env=env(), capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return read_ranks(out, stages)
+
+
+def read_ranks(out: Path, stages: int) -> list[dict[str, Any]]:
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(stages)]
+    return sorted(ranks, key=lambda r: r["stage"])
+
+
+@pytest.fixture(scope="module")
+def short_run_dir() -> Iterator[Path]:
+    # AF_UNIX socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
+    d = Path(f"/tmp/bbds-{os.getpid()}")
+    d.mkdir(mode=0o700)
+    yield d
+    subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+TWO = [*MODEL, "--sleep-compute-ms", "2", "--phases", "off:15,harvest:15"]
+
+
+@pytest.fixture(scope="module")
+def two_stage_baseline(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_training(2, tmp_path_factory.mktemp("nohook"), *TWO, "--no-hook")
+
+
+@pytest.fixture(scope="module")
+def two_stage_killed_listener(tmp_path_factory: pytest.TempPathFactory,
+                              short_run_dir: Path) -> dict[str, Any]:
+    """Hooked 2-stage training with a live listener that is SIGKILLed once it has seen some bubbles."""
+    out = tmp_path_factory.mktemp("hooked")
+    marker = short_run_dir / "listener.json"
+    listener = subprocess.Popen([sys.executable, "-c", LISTENER, str(short_run_dir), "t", "2", str(marker)],
+                                env=env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert listener.poll() is None and time.monotonic() < deadline, "listener did not start"
+            time.sleep(0.02)
+        training = subprocess.Popen(
+            train_cmd(2, out, *TWO, "--run-dir", str(short_run_dir), "--training", "t", "--trace",
+                      "--free-bytes", "1000000"),
+            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        counts: dict[str, int] = {}
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while counts.get("BUBBLE_START", 0) < KILL_AFTER_STARTS:
+            assert training.poll() is None, "training ended before the listener saw enough bubbles"
+            assert time.monotonic() < deadline, "listener saw no bubbles"
+            time.sleep(0.01)
+            counts = json.loads(marker.read_text())
+        training_alive_at_kill = training.poll() is None
+        os.kill(listener.pid, signal.SIGKILL)
+        listener.wait(timeout=10)
+        log, _ = training.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if listener.poll() is None:
+            os.kill(listener.pid, signal.SIGKILL)
+            listener.wait(timeout=10)
+    return {"rc": training.returncode, "log": log, "counts": json.loads(marker.read_text()),
+            "alive_at_kill": training_alive_at_kill, "ranks": read_ranks(out, 2) if training.returncode == 0
+            else None}
+
+
+@pytest.fixture(scope="module")
+def four_stage(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    # 4 stage processes share 2 cores: longer emulated compute keeps host work (and its contention) a
+    # small part of each stage's time, as on a GPU.
+    return run_training(4, tmp_path_factory.mktemp("four"), *MODEL, "--sleep-compute-ms", "4",
+                        "--phases", "off:2", "--run-dir", str(tmp_path_factory.mktemp("run4")))
+
+
+def check_bubbles(ranks: list[dict[str, Any]], stages: int) -> None:
+    assert [r["stage"] for r in ranks] == list(range(stages))
+    ideal = theoretical_bubble_ratio(stages, ranks[0]["microbatches"])
+    for r in ranks:
+        assert r["cycle"] is not None, f"stage {r['stage']}: no cycle"
+        cycle = BubbleCycle.from_dict(r["cycle"])
+        assert cycle.schedule == "TrainSchedule" and cycle.stages == stages and len(cycle.slots) >= 1
+        print(f"{stages} stages, stage {cycle.stage}: bubble ratio {cycle.bubble_ratio:.3f} "
+              f"(ideal {ideal:.3f}), iteration {1e3 * cycle.iteration_s:.1f} ms, slots "
+              + ", ".join(f"{s.instruction}/{s.kind} {1e3 * s.duration_s:.2f} ms" for s in cycle.slots))
+        assert cycle.bubble_ratio >= ideal * (1 - RATIO_REL_TOL), (cycle.stage, cycle.bubble_ratio, ideal)
+    assert len({tuple(r["losses"]) for r in ranks}) == 1  # every stage reports the same loss
+
+
+def test_two_stage_bubbles_detected(two_stage_killed_listener: dict[str, Any]) -> None:
+    assert two_stage_killed_listener["rc"] == 0, two_stage_killed_listener["log"][-4000:]
+    ranks = two_stage_killed_listener["ranks"]
+    check_bubbles(ranks, 2)
+    kinds = {s["kind"] for s in ranks[0]["cycle"]["slots"]} | {s["kind"] for s in ranks[1]["cycle"]["slots"]}
+    assert {"fill", "fwd-bwd", "drain"} <= kinds
+    assert all(s["free_bytes"] == 1000000 for r in ranks for s in r["cycle"]["slots"])
+
+
+def test_four_stage_bubbles_detected(four_stage: list[dict[str, Any]]) -> None:
+    check_bubbles(four_stage, 4)
+
+
+def test_losses_bit_identical_with_and_without_hook_and_listener(
+        two_stage_baseline: list[dict[str, Any]], two_stage_killed_listener: dict[str, Any]) -> None:
+    assert two_stage_killed_listener["rc"] == 0, two_stage_killed_listener["log"][-4000:]
+    hooked = two_stage_killed_listener["ranks"]
+    for base, with_hook in zip(two_stage_baseline, hooked, strict=True):
+        assert not base["hook"] and with_hook["hook"]
+        assert len(base["losses"]) == 7 + 30
+        assert base["losses"] == with_hook["losses"]
+    assert all(math.isfinite(float.fromhex(x)) for x in hooked[0]["losses"])
+
+
+def test_killing_the_listener_mid_run_does_not_disturb_training(
+        two_stage_killed_listener: dict[str, Any]) -> None:
+    run = two_stage_killed_listener
+    assert run["rc"] == 0, run["log"][-4000:]
+    assert run["alive_at_kill"], "the listener was killed only after the training had finished"
+    counts = run["counts"]
+    print(f"listener received before SIGKILL: {counts}")
+    assert counts["PROFILE"] >= 2 and counts["BUBBLE_START"] >= KILL_AFTER_STARTS
+    assert counts.get("BUBBLE_END", 0) >= 1
+    for r in run["ranks"]:
+        stats = r["stats"]
+        assert stats["listeners_removed"] == 1 and stats["listeners"] == 0, stats  # the dead one dropped
+        assert not stats["disabled"]
+        assert len(r["losses"]) == 37 and r["phase"][-1] == "harvest"
+
+
+def test_inference_schedule(tmp_path: Path) -> None:
+    ranks = run_training(2, tmp_path / "out", *MODEL, "--sleep-compute-ms", "1", "--schedule", "inference",
+                         "--phases", "off:2", "--run-dir", str(tmp_path / "run"))
+    for r in ranks:
+        assert set(r["cycles"]) == {"InferenceSchedule"}
+        cycle = BubbleCycle.from_dict(r["cycle"])
+        assert cycle.schedule == "InferenceSchedule" and len(cycle.slots) >= 1
+        print(f"inference stage {cycle.stage}: " + ", ".join(
+            f"{s.instruction}/{s.kind} {1e3 * s.duration_s:.2f} ms" for s in cycle.slots))
+    assert ranks[1]["cycle"]["slots"][0]["kind"] == "fill"
+    assert len({tuple(r["losses"]) for r in ranks}) == 1
