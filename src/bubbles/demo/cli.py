@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "phase are not counted while the switch settles)")
     p.add_argument("--repeats", type=int, default=2,
                    help="how many times the baseline/naive/harvest sequence repeats (default 2)")
-    p.add_argument("--hidden", type=int, default=256, help="width of the training's layers (default 256)")
+    X
     p.add_argument("--layers", type=int, default=8, help="layers of the training model (default 8)")
     p.add_argument("--micro-batch-size", type=int, default=16, help="samples per micro-batch (default 16)")
     p.add_argument("--slowdown-budget", type=float, default=0.01,

@@ -1,0 +1,6 @@
+"""The node agent: executors that drive fill jobs in the bubbles of a local pipeline training.
+
+Modules: ``spec`` (fill-job spec files), ``launcher`` (starting fill processes), ``server`` (the
+event loop, executors, watchdog, slowdown guard, ledgers), ``metrics`` (Prometheus), ``cli``
+(``bubbles agent``). Nothing here imports torch.
+"""

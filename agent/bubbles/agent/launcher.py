@@ -1,0 +1,150 @@
+"""How the agent starts fill processes: a ``Launcher`` interface, local subprocesses for now.
+
+Cluster mode will add a launcher that creates Pods; the executor only sees ``FillProcess``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bubbles import control
+
+from .spec import FillJobSpec
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    spec: FillJobSpec
+    socket_path: Path  # fill-<job>.sock the job binds while armed
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    core: int | None = None  # CPU core to pin to; None: no pinning
+    env: dict[str, str] = field(default_factory=dict)
+
+class FillProcess(ABC):
+    """A running fill job as the executor sees it."""
+
+    pid: int
+    control: socket.socket | None  # the agent's end of the control channel; None for plain commands
+    exit_fd: int  # becomes readable when the process exits (a pidfd)
+
+    @abstractmethod
+    def send_signal(self, sig: int) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> int | None:
+        """Exit code if the process has exited, else None."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the exit; the exit code or None."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the descriptors (after the process has exited)."""
+
+class Launcher(ABC):
+    @abstractmethod
+    def launch(self, request: LaunchRequest) -> FillProcess:
+        """Start the fill job's process; raise OSError if it cannot start."""
+
+class LocalProcess(FillProcess):
+    def __init__(self, popen: subprocess.Popen[bytes], ctrl: socket.socket | None) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.control = ctrl
+        self.exit_fd = os.pidfd_open(popen.pid)
+
+    def send_signal(self, sig: int) -> None:
+        if self.popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.exit_fd, sig)
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+        if self.exit_fd >= 0:
+            os.close(self.exit_fd)
+            self.exit_fd = -1
+
+class ProcessLauncher(Launcher):
+    """Fill jobs as child processes: ``python -m bubbles.sdk`` with an inherited socketpair end.
+
+    An imperative job (``command`` argv, or an ImperativeFillJob ``entry``) gets no control channel:
+    the agent pauses and resumes it with SIGSTOP/SIGCONT only. Pinning is applied right after the
+    start and, for SDK jobs, again by the runtime before torch starts its threads.
+    """
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+
+    def launch(self, request: LaunchRequest) -> FillProcess:
+        spec = request.spec
+        env = dict(os.environ)
+        env.update(request.env)
+        env[control.JOB_ENV] = spec.name
+        env[control.SOCKET_ENV] = str(request.socket_path)
+        env[control.DEVICE_ENV] = request.device
+        env[control.MEMORY_ENV] = str(spec.memory_bytes)
+        if spec.gating_step_s is not None:
+            env[control.STEP_S_ENV] = repr(spec.gating_step_s)
+        if spec.steps is not None:
+            env[control.MAX_STEPS_ENV] = str(spec.steps)
+        if request.core is not None:
+            env[control.CORE_ENV] = str(request.core)
+        ours: socket.socket | None = None
+        theirs: socket.socket | None = None
+        pass_fds: tuple[int, ...] = ()
+        if spec.command:
+            argv = list(spec.command)
+        elif spec.kind == "imperative":
+            # Paused and resumed from outside only: no control channel.
+            assert spec.entry is not None
+            argv = [self.python, "-m", "bubbles.sdk", "--entry", spec.entry, "--args", json.dumps(spec.args)]
+        else:
+            assert spec.entry is not None
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            env[control.CONTROL_FD_ENV] = str(theirs.fileno())
+            argv = [self.python, "-m", "bubbles.sdk", "--entry", spec.entry, "--args", json.dumps(spec.args)]
+            pass_fds = (theirs.fileno(),)
+        try:
+            popen = subprocess.Popen(argv, env=env, pass_fds=pass_fds, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        except OSError:
+            if ours is not None:
+                ours.close()
+            raise
+        finally:
+            if theirs is not None:
+                theirs.close()
+        if request.core is not None:
+            # If this fails (exited already, or the core is not ours) the runtime pins itself too.
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(popen.pid, {request.core})
+        if ours is not None:
+            ours.setblocking(False)
+        return LocalProcess(popen, ours)
+
+def default_device(executor: int, pin: bool) -> tuple[str, int | None]:
+    """CPU: executor k stands in for a stage's accelerator on core k % cpu_count (when pinning)."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[executor % len(cores)]
+    return f"cpu:{core}", (core if pin else None)
+

@@ -1,0 +1,124 @@
+"""The agent's Prometheus metrics, in its own registry (tests and several agents never collide).
+
+Harvest totals (bubble seconds, filled seconds, steps, FLOPs, overruns) are computed from the
+ledgers when scraped, so they always agree with the stats file; events (kills, rejected
+messages) and the latest iteration time and share are ordinary counters and gauges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+@dataclass(frozen=True)
+class StageTotals:
+    stage: int
+    device: str
+    mode: str
+    bubble_s: float
+    filled_s: float
+    overrun_s: float
+
+
+@dataclass(frozen=True)
+class JobTotals:
+    stage: int
+    device: str
+    mode: str
+    job: str
+    steps: int
+    flops: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    stages: list[StageTotals]
+    jobs: list[JobTotals]
+    job_states: list[tuple[int, str, str]]  # (stage, device, state) per job
+
+
+class _HarvestCollector(Collector):
+    def __init__(self, training: str, snapshot: Callable[[], Snapshot]) -> None:
+        self.training = training
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        labels = ["training", "stage", "device", "mode"]
+        bubble = CounterMetricFamily("bubbles_bubble_seconds", "Bubble time signalled by the training",
+                                     labels=labels)
+        filled = CounterMetricFamily("bubbles_filled_bubble_seconds",
+                                     "Fill-step time that ran inside a bubble", labels=labels)
+        overrun = CounterMetricFamily("bubbles_overrun_seconds",
+                                      "Fill-step time outside every bubble (costs the training)",
+                                      labels=labels)
+        for s in snap.stages:
+            lv = [self.training, str(s.stage), s.device, s.mode]
+            bubble.add_metric(lv, s.bubble_s)
+            filled.add_metric(lv, s.filled_s)
+            overrun.add_metric(lv, s.overrun_s)
+        jl = [*labels, "fill_job"]
+        steps = CounterMetricFamily("bubbles_fill_steps", "Fill-job steps completed", labels=jl)
+        flops = CounterMetricFamily("bubbles_recovered_flops", "FLOPs of completed fill steps", labels=jl)
+        for j in snap.jobs:
+            lv = [self.training, str(j.stage), j.device, j.mode, j.job]
+            steps.add_metric(lv, j.steps)
+            flops.add_metric(lv, j.flops)
+        jobs = GaugeMetricFamily("bubbles_fill_jobs", "Fill jobs by life-cycle state",
+                                 labels=["training", "stage", "device", "state"])
+        counts: dict[tuple[int, str, str], int] = {}
+        for key in snap.job_states:
+            counts[key] = counts.get(key, 0) + 1
+        for (stage, device, state), n in sorted(counts.items()):
+            jobs.add_metric([self.training, str(stage), device, state], n)
+        yield from (bubble, filled, overrun, steps, flops, jobs)
+
+
+class AgentMetrics:
+    """Every metric the agent exports; ``snapshot`` is called (from the scrape thread) for the totals."""
+
+    def __init__(self, training: str, snapshot: Callable[[], Snapshot]) -> None:
+        self.training = training
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.kills = Counter("bubbles_fill_kills",
+                             "Fill jobs SIGKILLed for not pausing within the grace period",
+                             ["training", "stage", "device", "fill_job"], registry=r)
+        self.rejected = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped",
+                                ["training", "stage", "source"], registry=r)
+        self.iteration = Gauge("bubbles_main_iteration_seconds", "Latest training iteration time",
+                               ["training", "stage"], registry=r)
+        self.share = Gauge("bubbles_fill_share", "Share of each bubble the slowdown guard gives fill work",
+                           ["training"], registry=r)
+        self.share.labels(training).set(1.0)
+        r.register(_HarvestCollector(training, snapshot))
+        self._server: Any = None
+
+    def serve(self, port: int, addr: str) -> int:
+        """Start the HTTP endpoint in a daemon thread; return the bound port (useful with port 0)."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def names(lines: Iterable[str]) -> set[str]:
+    """Metric names in a Prometheus text exposition (for tests and checks)."""
+    out = set()
+    for line in lines:
+        if line and not line.startswith("#"):
+            out.add(line.split("{", 1)[0].split(" ", 1)[0])
+    return out

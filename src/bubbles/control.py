@@ -1,0 +1,172 @@
+"""The control channel between the agent and a fill process: newline-delimited JSON over a socketpair.
+
+Low rate by design: the per-bubble signals go from the hook straight to the fill job's datagram
+socket (``bubbles.wire``); this channel carries the agent's commands (init, arm, disarm, share,
+stop) and the fill job's reports (state, step_begin, step, profile, finished, error). Each line is
+one JSON object with a ``type`` and that type's fields. ``parse_command``/``parse_event`` are the
+only parsers; they reject anything else with ``ControlError`` saying what is wrong.
+
+The fill process inherits its end of the socketpair; its number is in ``$BUBBLES_CONTROL_FD``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+# Environment the agent gives a fill process (the runtime in bubbles.sdk reads it).
+CONTROL_FD_ENV = "BUBBLES_CONTROL_FD"  # inherited socketpair end
+JOB_ENV = "BUBBLES_FILL_JOB"  # the fill job's name
+SOCKET_ENV = "BUBBLES_FILL_SOCKET"  # fill-<job>.sock path to bind while armed in harvest mode
+STEP_S_ENV = "BUBBLES_STEP_S"  # the step time from the spec, if known (seconds)
+MEMORY_ENV = "BUBBLES_MEMORY_BYTES"  # memory limit for the accelerator's caching allocator
+DEVICE_ENV = "BUBBLES_DEVICE"  # "cpu" or "cuda:N"
+CORE_ENV = "BUBBLES_CPU_CORE"  # CPU core to pin to (absent: no pinning)
+MAX_STEPS_ENV = "BUBBLES_MAX_STEPS"  # stop after this many steps (the spec's `steps`)
+
+MAX_LINE_BYTES = 64 * 1024
+
+MODES = ("harvest", "naive")
+STATES = ("CREATED", "PAUSED", "RUNNING", "STOPPED")
+
+_NUM = (int, float)
+# type -> {field: (python types, required)}
+COMMANDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "init": {},
+    "arm": {"mode": ((str,), True), "share": (_NUM, False), "socket": ((str,), False)},
+    "disarm": {},
+    "share": {"share": (_NUM, True)},
+    "stop": {},
+}
+EVENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "state": {"state": ((str,), True)},
+    "step_begin": {"t_ns": ((int,), True), "bubble_seq": ((int,), True)},
+    "step": {
+        "start_ns": ((int,), True),
+        "end_ns": ((int,), True),
+        "flops": (_NUM, True),
+        "samples": ((int,), False),
+        "bubble_seq": ((int,), False),
+        "signal_ns": ((int,), False),
+        "mode": ((str,), False),  # the mode the step ran in: reports of naive steps can arrive late
+    },
+    "profile": {"step_s": (_NUM, True)},
+    "finished": {},
+    "error": {"message": ((str,), True)},
+}
+
+
+class ControlError(ValueError):
+    """A control line that is not a valid command or event; the receiver drops it and goes on."""
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """One parsed command or event: its type and its validated fields."""
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+def encode(type_: str, **fields: Any) -> bytes:
+    """One line: ``{"type": ..., **fields}\\n`` (compact JSON, no NaN)."""
+    return json.dumps({"type": type_, **fields}, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def parse_command(line: bytes | str) -> ControlMessage:
+    """Parse one agent->job line; raise ControlError naming what is wrong."""
+    msg = _parse(line, COMMANDS, "command")
+    if msg.type == "arm" and msg["mode"] not in MODES:
+        raise ControlError(f"arm.mode must be one of {', '.join(MODES)}, got {msg['mode']!r}")
+    if "share" in msg.fields and not 0 <= msg["share"] <= 1:
+        raise ControlError(f"{msg.type}.share must be in [0, 1], got {msg['share']!r}")
+    return msg
+
+
+def parse_event(line: bytes | str) -> ControlMessage:
+    """Parse one job->agent line; raise ControlError naming what is wrong."""
+    msg = _parse(line, EVENTS, "event")
+    if msg.type == "state" and msg["state"] not in STATES:
+        raise ControlError(f"state.state must be one of {', '.join(STATES)}, got {msg['state']!r}")
+    if msg.type == "step" and msg["end_ns"] < msg["start_ns"]:
+        raise ControlError("step ends before it starts")
+    if msg.type == "step" and msg.get("mode", "harvest") not in MODES:
+        raise ControlError(f"step.mode must be one of {', '.join(MODES)}, got {msg['mode']!r}")
+    if msg.type == "profile" and not msg["step_s"] > 0:
+        raise ControlError(f"profile.step_s must be > 0, got {msg['step_s']!r}")
+    return msg
+
+
+def _parse(line: bytes | str, schema: dict[str, dict[str, tuple[tuple[type, ...], bool]]],
+           what: str) -> ControlMessage:
+    if isinstance(line, bytes | bytearray):
+        if len(line) > MAX_LINE_BYTES:
+            raise ControlError(f"{what} line of {len(line)} bytes exceeds the {MAX_LINE_BYTES}-byte limit")
+        try:
+            line = bytes(line).decode()
+        except UnicodeDecodeError as exc:
+            raise ControlError(f"{what} line is not UTF-8: {exc}") from None
+    if not isinstance(line, str):
+        raise ControlError(f"{what} line must be bytes or str, got {type(line).__name__}")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ControlError(f"{what} line is not JSON ({exc}): {line[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise ControlError(f"{what} line must be a JSON object, got {type(obj).__name__}")
+    type_ = obj.pop("type", None)
+    if type_ not in schema:
+        raise ControlError(f"unknown {what} type {type_!r}; expected one of {', '.join(schema)}")
+    spec = schema[type_]
+    for name in obj:
+        if name not in spec:
+            raise ControlError(f"{what} {type_!r} has unknown field {name!r}")
+    for name, (types, required) in spec.items():
+        if name not in obj:
+            if required:
+                raise ControlError(f"{what} {type_!r} is missing field {name!r}")
+            continue
+        v = obj[name]
+        if isinstance(v, bool) or not isinstance(v, types):
+            names = " or ".join(t.__name__ for t in types)
+            raise ControlError(f"{what} {type_}.{name} must be {names}, got {v!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ControlError(f"{what} {type_}.{name} must be finite, got {v!r}")
+    return ControlMessage(type_, obj)
+
+
+class LineBuffer:
+    """Splits a byte stream into lines; a line longer than MAX_LINE_BYTES is cut off and reported."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._discarding = False
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """Yield the complete lines in ``data`` (plus what was buffered); an overlong line yields b""."""
+        self._buf += data
+        while True:
+            i = self._buf.find(b"\n")
+            if i < 0:
+                if len(self._buf) > MAX_LINE_BYTES:
+                    self._buf.clear()
+                    if not self._discarding:
+                        self._discarding = True
+                        yield b"\x00overlong"  # not JSON: the parser rejects and counts it
+                return
+            line = bytes(self._buf[:i])
+            del self._buf[: i + 1]
+            if self._discarding:
+                self._discarding = False
+                continue
+            if line.strip():
+                yield line

@@ -1,0 +1,469 @@
+"""What fill jobs import: the two programming interfaces and the runtime that gates them by bubbles.
+
+Write a fill job as an ``IterativeFillJob`` (preferred: the runtime starts a step only when it can
+finish inside the bubble, FreeRide's program-directed limit) or an ``ImperativeFillJob`` (any code;
+the agent pauses the whole process with SIGSTOP at bubble end and resumes it with SIGCONT at
+bubble start, so kernels already queued on a GPU still overlap the training).
+
+The agent runs a fill job as ``python -m bubbles.sdk --entry module:Class [--args JSON]`` with its
+end of a socketpair in ``$BUBBLES_CONTROL_FD`` (protocol: ``bubbles.control``). While armed in
+harvest mode the runtime binds ``fill-<job>.sock`` in the stage directory, so the training's hook
+sends each BUBBLE_START/BUBBLE_END straight to it (one hop), and unlinks it when disarmed.
+
+Depends only on the pure core; torch is imported lazily (and only if installed) to pin the fill
+process to one thread and to cap CUDA memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bubbles import control, wire
+from bubbles.cycle import robust_stats
+
+PROFILE_SAMPLES = 3  # steps measured before the step time is trusted
+PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
+_NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
+_NAIVE_FLUSH_NS = 20_000_000
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: its floating-point operations and the samples it processed."""
+
+    flops: float = 0.0
+    samples: int = 0
+
+
+class IterativeFillJob:
+    """A fill job made of short steps; the runtime runs ``step()`` only where it fits in a bubble.
+
+    Life cycle: ``create()`` when the process starts (data and model in host memory), ``init()``
+    once the agent says so (move to the accelerator), then ``step()`` repeatedly inside bubbles
+    until ``is_finished()``. ``checkpoint()``/``restore()`` are optional.
+    """
+
+    def create(self) -> None:
+        """Load the context into host memory."""
+
+    def init(self) -> None:
+        """Move the context to the accelerator."""
+
+    def step(self) -> StepResult | float | None:
+        """Run one step; return a StepResult, or a float (its FLOPs), or None."""
+        raise NotImplementedError
+
+    def is_finished(self) -> bool:
+        return False
+
+    def checkpoint(self) -> bytes | None:
+        return None
+
+    def restore(self, state: bytes) -> None:
+        """Restore from ``checkpoint()``'s bytes."""
+
+
+class ImperativeFillJob:
+    """A fill job that is arbitrary code; the agent pauses it from outside (SIGSTOP/SIGCONT).
+
+    The agent sends SIGCONT at each BUBBLE_START and SIGSTOP at each BUBBLE_END (harvest mode),
+    leaves it running in naive mode and stopped in off mode. Nothing in ``run()`` needs to cooperate,
+    which is why it costs the training more than an iterative job: the process is stopped only after
+    the bubble has ended, and a GPU keeps executing kernels it already queued.
+    """
+
+    def create(self) -> None:
+        """Load the context into host memory (runs before the first SIGSTOP)."""
+
+    def init(self) -> None:
+        """Move the context to the accelerator."""
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+def load_entry(entry: str) -> type:
+    """Import ``module:Class``; raise ValueError saying what is wrong."""
+    module_name, sep, attr = entry.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"entry {entry!r} must look like 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"entry {entry!r}: cannot import {module_name!r}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"entry {entry!r}: {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, type) or not issubclass(obj, IterativeFillJob | ImperativeFillJob):
+        raise ValueError(f"entry {entry!r} is not a subclass of IterativeFillJob or ImperativeFillJob")
+    return obj
+
+
+def apply_process_limits(device: str, memory_bytes: int | None) -> None:
+    """One thread per fill process; cap the CUDA caching allocator at the agent's memory limit.
+
+    On CPU the memory cap is a no-op: host memory has no per-process cap short of cgroups (which
+    the agent does not manage on one machine), and the OS already isolates processes' memory.
+    """
+    try:
+        import torch
+    except ImportError:
+        return
+    # A fill job shares its core with a pipeline stage: more threads would only contend for it.
+    torch.set_num_threads(1)
+    if device.startswith("cuda") and memory_bytes:
+        index = int(device.partition(":")[2] or 0)
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
+
+
+class _Bubble:
+    __slots__ = ("ended", "predicted_end_ns", "seq", "start_ns")
+
+    def __init__(self, seq: int, start_ns: int, predicted_end_ns: int) -> None:
+        self.seq = seq
+        self.start_ns = start_ns
+        self.predicted_end_ns = predicted_end_ns
+        self.ended = False
+
+
+class _Stop(Exception):
+    pass
+
+
+class FillRuntime:
+    """Runs one iterative fill job in this process under the agent's commands (see module doc)."""
+
+    def __init__(self, job: IterativeFillJob, control_sock: socket.socket, *, name: str,
+                 socket_path: str | None, step_s: float | None, max_steps: int | None = None,
+                 device: str = "cpu", memory_bytes: int | None = None) -> None:
+        self.job = job
+        self.ctrl = control_sock
+        self.name = name
+        self.socket_path = socket_path
+        self.step_s = step_s
+        self.max_steps = max_steps
+        self.device = device
+        self.memory_bytes = memory_bytes
+        self.mode: str | None = None  # None: disarmed
+        self.share = 1.0
+        self.steps = 0
+        self._lines = control.LineBuffer()
+        self._out: list[bytes] = []
+        self._sig: socket.socket | None = None
+        self._bound_path: str | None = None
+        self._bubble: _Bubble | None = None
+        self._longest_ns = 0
+        self._samples: list[float] = []
+        self._initialized = False
+
+    # -- channel ---------------------------------------------------------------------------------
+    def _emit(self, type_: str, **fields: Any) -> None:
+        self._out.append(control.encode(type_, **fields))
+
+    def _flush(self) -> None:
+        if self._out:
+            data = b"".join(self._out)
+            self._out.clear()
+            self.ctrl.setblocking(True)
+            try:
+                self.ctrl.sendall(data)
+            except OSError:
+                raise _Stop() from None  # the agent is gone
+            finally:
+                self.ctrl.setblocking(False)
+
+    def _poll_control(self) -> None:
+        """Handle every command that has arrived (non-blocking)."""
+        while True:
+            try:
+                data = self.ctrl.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                raise _Stop() from None
+            if not data:
+                raise _Stop()  # the agent closed the channel
+            for line in self._lines.feed(data):
+                try:
+                    cmd = control.parse_command(line)
+                except control.ControlError as exc:
+                    self._emit("error", message=f"rejected command: {exc}")
+                    self._flush()
+                    continue
+                self._handle(cmd)
+
+    def _handle(self, cmd: control.ControlMessage) -> None:
+        if cmd.type == "stop":
+            raise _Stop()
+        if cmd.type == "init":
+            if not self._initialized:
+                apply_process_limits(self.device, self.memory_bytes)
+                self.job.init()
+                self._initialized = True
+            self._emit("state", state="PAUSED")
+            if self.step_s is not None:
+                self._emit("profile", step_s=self.step_s)
+            self._flush()
+        elif cmd.type == "arm":
+            if not self._initialized:
+                self._emit("error", message="arm before init ignored")
+                self._flush()
+                return
+            self.share = float(cmd.get("share", self.share))
+            if cmd.get("socket"):
+                self.socket_path = cmd["socket"]
+            self._disarm()
+            self.mode = cmd["mode"]
+            if self.mode == "harvest":
+                self._bind()
+            else:
+                self._emit("state", state="RUNNING")
+                self._flush()
+        elif cmd.type == "disarm":
+            was_naive = self.mode == "naive"
+            self._disarm()
+            if was_naive:
+                self._emit("state", state="PAUSED")
+                self._flush()
+        elif cmd.type == "share":
+            self.share = float(cmd["share"])
+
+    def _bind(self) -> None:
+        if not self.socket_path:
+            self._emit("error", message="armed in harvest mode without a socket path")
+            self._flush()
+            return
+        path = self.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(path)
+        s.setblocking(False)
+        self._sig = s
+        self._bound_path = path
+        self._bubble = None
+
+    def _disarm(self) -> None:
+        if self._sig is not None:
+            self._sig.close()
+            self._sig = None
+            if self._bound_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._bound_path)
+            self._bound_path = None
+        self.mode = None
+        self._bubble = None
+
+    def _drain_signals(self) -> None:
+        """Read every pending bubble signal; the newest START opens a bubble, its END closes it."""
+        sig = self._sig
+        while sig is not None:
+            try:
+                data = sig.recv(wire.MAX_DATAGRAM_BYTES + 1)
+            except BlockingIOError:
+                return
+            try:
+                msg = wire.decode(data)
+            except wire.WireError:
+                continue  # garbage on our socket: ignore it
+            if isinstance(msg, wire.BubbleStart):
+                self._bubble = _Bubble(msg.seq, msg.start_ns, msg.predicted_end_ns)
+            elif isinstance(msg, wire.BubbleEnd) and self._bubble is not None and self._bubble.seq == msg.seq:
+                self._bubble.ended = True
+
+    # -- stepping --------------------------------------------------------------------------------
+    def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None) -> float:
+        """Run one step, report it; return its duration in seconds.
+
+        ``start`` is when the gate decided to run it (reported as the step's start, so the record
+        shows exactly the program-directed check: ``start + step_s <= usable end``).
+        """
+        if start is None:
+            start = time.monotonic_ns()
+        if announce:
+            self._emit("step_begin", t_ns=start, bubble_seq=bubble_seq)
+            self._flush()
+        result = self.job.step()
+        end = time.monotonic_ns()
+        if isinstance(result, StepResult):
+            flops, samples = float(result.flops), int(result.samples)
+        elif isinstance(result, int | float) and not isinstance(result, bool):
+            flops, samples = float(result), 0
+        else:
+            flops, samples = 0.0, 0
+        self.steps += 1
+        self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
+                   bubble_seq=bubble_seq, signal_ns=signal_ns, mode=self.mode or "harvest")
+        return (end - start) / 1e9
+
+    def _check_finished(self) -> None:
+        if self.job.is_finished() or (self.max_steps is not None and self.steps >= self.max_steps):
+            self._emit("finished")
+            self._flush()
+            raise _Stop()
+
+    def _harvest_bubble(self) -> None:
+        """Run steps inside the open bubble while they fit (program-directed limit) and it has not ended."""
+        b = self._bubble
+        assert b is not None
+        usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
+        ran = 0
+        while self.mode == "harvest" and self._bubble is b and not b.ended:
+            now = time.monotonic_ns()
+            if self.step_s is None:
+                # Self-profiling: one step at the start of the longest bubble seen so far.
+                predicted = b.predicted_end_ns - b.start_ns
+                if ran or predicted < self._longest_ns or self.share <= 0:
+                    break
+                self._longest_ns = predicted
+            elif now + int(self.step_s * 1e9) > usable_end:
+                break
+            if ran == 0:
+                self._emit("state", state="RUNNING")
+            dur = self._run_step(b.seq, b.start_ns, announce=True, start=now)
+            ran += 1
+            if self.step_s is None:
+                self._samples.append(dur)
+                if len(self._samples) >= PROFILE_SAMPLES:
+                    self.step_s = robust_stats(self._samples)[2] * PROFILE_MARGIN
+                    self._emit("profile", step_s=self.step_s)
+            self._check_finished()
+            self._drain_signals()
+            self._poll_control()
+        if ran:
+            self._emit("state", state="PAUSED")
+            self._flush()
+        if self._bubble is b:
+            self._bubble = None  # one pass per bubble: a bubble too short now stays too short
+
+    def _naive_loop(self) -> None:
+        last_flush = time.monotonic_ns()
+        while self.mode == "naive":
+            self._run_step(-1, 0, announce=False)
+            self._check_finished()
+            now = time.monotonic_ns()
+            if len(self._out) >= _NAIVE_FLUSH_STEPS or now - last_flush > _NAIVE_FLUSH_NS:
+                self._flush()
+                last_flush = now
+            self._poll_control()
+        self._flush()
+
+    def serve(self) -> None:
+        """Serve commands until stopped; return normally when the agent says stop or goes away."""
+        self.ctrl.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(self.ctrl, selectors.EVENT_READ)
+        registered: socket.socket | None = None
+        try:
+            while True:
+                if self.mode == "naive":
+                    self._naive_loop()
+                    continue
+                if self._sig is not registered:
+                    if registered is not None:
+                        sel.unregister(registered)
+                    if self._sig is not None:
+                        sel.register(self._sig, selectors.EVENT_READ)
+                    registered = self._sig
+                sel.select()
+                self._poll_control()
+                self._drain_signals()
+                if self._bubble is not None and not self._bubble.ended and self.mode == "harvest":
+                    self._harvest_bubble()
+        except _Stop:
+            pass
+        finally:
+            self._disarm()
+            with contextlib.suppress(_Stop):
+                self._flush()
+            sel.close()
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop()
+
+
+def run_fill_process(argv: Sequence[str] | None = None) -> int:
+    """The fill process's main: load the job, create it, then serve the agent's commands."""
+    parser = argparse.ArgumentParser(prog="python -m bubbles.sdk", description="Run one fill job.")
+    parser.add_argument("--entry", required=True, help="module:Class of the fill job")
+    parser.add_argument("--args", default="{}", help="JSON object of keyword arguments for the class")
+    ns = parser.parse_args(argv)
+    core = os.environ.get(control.CORE_ENV)
+    if core:
+        # Before torch starts its threads: they inherit the affinity.
+        os.sched_setaffinity(0, {int(core)})
+    try:
+        kwargs = json.loads(ns.args)
+        if not isinstance(kwargs, dict):
+            raise ValueError("--args must be a JSON object")
+        cls = load_entry(ns.entry)
+    except ValueError as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 2
+    fd_text = os.environ.get(control.CONTROL_FD_ENV)
+    device = os.environ.get(control.DEVICE_ENV, "cpu")
+    memory = int(os.environ.get(control.MEMORY_ENV, "0") or 0) or None
+    if issubclass(cls, ImperativeFillJob):
+        job_i = cls(**kwargs)
+        job_i.create()
+        apply_process_limits(device, memory)
+        job_i.init()
+        job_i.run()  # the agent stops and continues this process around bubbles
+        return 0
+    if not fd_text:
+        print(f"bubbles.sdk: ${control.CONTROL_FD_ENV} is not set; the agent starts fill processes",
+              file=sys.stderr)
+        return 2
+    ctrl = socket.socket(fileno=int(fd_text))
+    name = os.environ.get(control.JOB_ENV, "fill")
+    step_text = os.environ.get(control.STEP_S_ENV)
+    max_steps_text = os.environ.get(control.MAX_STEPS_ENV)
+    job = cls(**kwargs)
+    assert isinstance(job, IterativeFillJob)
+    runtime = FillRuntime(job, ctrl, name=name, socket_path=os.environ.get(control.SOCKET_ENV),
+                          step_s=float(step_text) if step_text else None,
+                          max_steps=int(max_steps_text) if max_steps_text else None,
+                          device=device, memory_bytes=memory)
+    # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
+    signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        job.create()
+        runtime._emit("state", state="CREATED")
+        runtime._flush()
+        runtime.serve()
+    except _Stop:
+        runtime._disarm()
+    except Exception as exc:  # report the failure to the agent, then exit non-zero
+        try:
+            runtime._emit("error", message=f"{type(exc).__name__}: {exc}")
+            runtime._flush()
+        except _Stop:
+            pass
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the copy imported as bubbles.sdk: under ``python -m`` this file is also ``__main__``, whose
+    # IterativeFillJob is a different class from the one fill jobs subclass.
+    from bubbles.sdk import run_fill_process as _run
+
+    sys.exit(_run())
+

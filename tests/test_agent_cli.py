@@ -1,0 +1,154 @@
+"""Fill-job spec parsing and the ``bubbles agent`` command line, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from bubbles.agent.spec import SpecError, load_spec, parse_duration, parse_quantity, parse_spec
+
+from bubbles import paths, wire
+
+ROOT = Path(__file__).parent.parent
+GOOD = {"name": "job", "entry": "pkg.mod:Job"}
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ([], "must be a mapping"),
+        ({"entry": "a:B"}, "missing field 'name'"),
+        ({**GOOD, "name": "Bad_Name"}, "field 'name'"),
+        ({**GOOD, "kind": "sometimes"}, "field 'kind' must be 'iterative' or 'imperative'"),
+        ({"name": "job"}, "missing field 'entry'"),
+        ({**GOOD, "entry": "no-colon"}, "field 'entry' must look like 'package.module:ClassName'"),
+        ({**GOOD, "memory": "lots"}, "field 'memory' must be bytes or a Kubernetes quantity"),
+        ({**GOOD, "memory": -1}, "field 'memory' must be >= 0"),
+        ({**GOOD, "step_time": "soon"}, "field 'step_time' must be a duration"),
+        ({**GOOD, "step_time": 0}, "field 'step_time' must be a duration > 0"),
+        ({**GOOD, "steps": 0}, "field 'steps' must be an integer >= 1"),
+        ({**GOOD, "stage": -1}, "field 'stage' must be an executor index"),
+        ({**GOOD, "args": [1]}, "field 'args' must be a mapping"),
+        ({**GOOD, "nodes": [{"memory": 1}]}, "field 'nodes[0]' must be a mapping with 'duration'"),
+        ({**GOOD, "command": ["x"]}, "field 'command' is for imperative jobs"),
+        ({"name": "j", "kind": "imperative", "command": []}, "field 'command' must be a non-empty list"),
+        ({**GOOD, "colour": "blue"}, "unknown field(s) colour"),
+    ],
+)
+def test_bad_specs_are_rejected_naming_the_field(data: object, needle: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(data, "job.yaml")
+    assert needle in str(err.value) and str(err.value).startswith("job.yaml: ")
+
+
+def test_spec_units_and_defaults() -> None:
+    assert parse_quantity("512Mi", "m") == 512 * 2**20 and parse_quantity("2Gi", "m") == 2 * 2**30
+    assert parse_quantity("1G", "m") == 10**9 and parse_quantity(4096, "m") == 4096
+    assert parse_duration("2ms", "t") == pytest.approx(0.002) and parse_duration("0.002", "t") == 0.002
+    assert parse_duration("500us", "t") == pytest.approx(5e-4)
+    nodes = [{"duration": "1ms"}, {"duration": 0.002, "memory": "2Mi"}]
+    s = parse_spec({**GOOD, "memory": "1Mi", "nodes": nodes})
+    assert s.kind == "iterative" and s.args == {} and s.stage is None
+    assert [n.memory_bytes for n in s.nodes] == [2**20, 2 * 2**20]
+    assert s.gating_step_s == pytest.approx(0.003)
+    imp = parse_spec({"name": "imp", "kind": "imperative", "command": ["sleep", "10"]})
+    assert imp.command == ("sleep", "10") and imp.entry is None
+
+
+def test_load_spec_errors(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read fill-job spec"):
+        load_spec(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML/JSON"):
+        load_spec(bad)
+    js = tmp_path / "job.json"
+    js.write_text(json.dumps({**GOOD, "memory": "1Ki"}))
+    assert load_spec(js).memory_bytes == 1024
+
+
+def _agent(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bubbles.cli", "agent", *args], capture_output=True,
+                          text=True, timeout=60, **kw)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--executors", "0"], "--executors must be >= 1"),
+        (["--fill-job", "/no/such/spec.yaml"], "cannot read fill-job spec /no/such/spec.yaml"),
+        (["--training", "Not_Valid"], "training name 'Not_Valid' is not valid"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_a_message(tmp_path: Path, args: list[str], needle: str) -> None:
+    r = _agent("--run-dir", str(tmp_path), *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_cli_invalid_spec_file_exits_2(tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: job\nentry: a:B\nmemory: plenty\n")
+    r = _agent("--run-dir", str(tmp_path), "--fill-job", str(spec))
+    assert r.returncode == 2 and "field 'memory'" in r.stderr
+    spec.write_text("name: job\nentry: a:B\nstage: 3\n")
+    r = _agent("--run-dir", str(tmp_path), "--fill-job", str(spec))
+    assert r.returncode == 2 and "asks for stage 3" in r.stderr
+
+
+def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path) -> None:
+    run_dir, ready, stats = tmp_path / "run", tmp_path / "ready", tmp_path / "stats.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", "demo",
+         "--executors", "2", "--fill-job", str(ROOT / "examples/fill-jobs/batch-inference.yaml"),
+         "--ready-file", str(ready), "--stats", str(stats), "--log-level", "WARNING"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "agent did not get ready"
+            time.sleep(0.01)
+        stage_dir = paths.stage_dir(run_dir, "demo", 1)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        cycle = {"training": "demo", "stage": 1, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
+                 "iteration_s": 0.05, "samples": 5,
+                 "slots": [{"slot": 0, "position": 3, "instruction": "RecvActivation", "kind": "fill",
+                            "duration_s": 0.008, "p10_s": 0.008, "p90_s": 0.008, "free_bytes": 2**30}]}
+        sock.sendto(wire.encode_profile(1, cycle), str(stage_dir / "agent.sock"))
+        fill = stage_dir / "fill-batch-inference.sock"
+        while not fill.exists():  # the fill process imports torch, creates and initializes the model
+            assert proc.poll() is None and time.monotonic() < deadline + 20, "fill job never armed"
+            time.sleep(0.02)
+        for seq in range(1, 21):
+            start = time.monotonic_ns()
+            for p in (stage_dir / "agent.sock", fill):
+                sock.sendto(wire.encode_bubble_start(1, 0, seq, start, start + 8_000_000), str(p))
+            time.sleep(0.008)
+            for p in (stage_dir / "agent.sock", fill):
+                sock.sendto(wire.encode_bubble_end(1, 0, seq, time.monotonic_ns()), str(p))
+            time.sleep(0.004)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    data = json.loads(stats.read_text())
+    assert data["training"] == "demo" and data["budget"] == 0.01
+    assert set(data["modes"]) == {"off", "naive", "harvest"}
+    h = data["modes"]["harvest"]
+    assert h["fill_steps"] > 0 and h["fill_flops"] > 0 and h["bubble_s"] == pytest.approx(20 * 0.008, rel=0.5)
+    job = data["jobs"][0]
+    assert job["name"] == "batch-inference" and job["stage"] == 1 and job["state"] == "STOPPED"
+    assert job["steps"] == h["fill_steps"] and job["flops"] > 0
+    assert {"stage", "job", "start_ns", "end_ns", "flops", "mode", "signal_ns"} <= set(data["steps"][0])
+    assert {"stage", "slot", "start_ns", "end_ns", "mode"} <= set(data["bubbles"][0])
+    assert set(data["guard"]) >= {"share", "baseline_s", "slowdown_held", "history"}
+    assert not list(run_dir.rglob("*.sock")), "sockets left behind"
+    assert os.path.exists(ready)

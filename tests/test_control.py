@@ -1,0 +1,64 @@
+"""The control protocol between the agent and fill processes: round trips and rejections."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubbles import control
+
+
+def test_round_trip_commands_and_events() -> None:
+    cmd = control.parse_command(control.encode("arm", mode="harvest", share=0.5, socket="/x/fill-a.sock"))
+    assert cmd.type == "arm" and cmd["mode"] == "harvest" and cmd["share"] == 0.5
+    ev = control.parse_event(control.encode("step", start_ns=1, end_ns=5, flops=2.0, samples=3,
+                                            bubble_seq=7, signal_ns=0))
+    assert ev.type == "step" and ev["end_ns"] == 5 and ev.get("bubble_seq") == 7
+    assert control.parse_event(control.encode("finished")).type == "finished"
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        (b"garbage\n", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"type": "explode"}', "unknown command type"),
+        (b'{"type": "arm"}', "missing field 'mode'"),
+        (b'{"type": "arm", "mode": "sometimes"}', "arm.mode must be one of"),
+        (b'{"type": "share", "share": 2}', "share must be in [0, 1]"),
+        (b'{"type": "share", "share": true}', "must be int or float"),
+        (b'{"type": "stop", "extra": 1}', "unknown field 'extra'"),
+        (b"\xff\xfe", "not UTF-8"),
+    ],
+)
+def test_bad_commands_are_rejected_with_a_reason(line: bytes, needle: str) -> None:
+    with pytest.raises(control.ControlError, match=None) as err:
+        control.parse_command(line)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        (b'{"type": "state", "state": "DANCING"}', "state.state must be one of"),
+        (b'{"type": "step", "start_ns": 5, "end_ns": 1, "flops": 0}', "ends before it starts"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 2, "flops": NaN}', "must be finite"),
+        (b'{"type": "profile", "step_s": 0}', "step_s must be > 0"),
+        (b'{"type": "step_begin", "t_ns": "now", "bubble_seq": 1}', "t_ns must be int"),
+    ],
+)
+def test_bad_events_are_rejected_with_a_reason(line: bytes, needle: str) -> None:
+    with pytest.raises(control.ControlError) as err:
+        control.parse_event(line)
+    assert needle in str(err.value)
+
+
+def test_line_buffer_splits_joins_and_cuts_overlong_lines() -> None:
+    buf = control.LineBuffer()
+    assert list(buf.feed(b'{"type":"fini')) == []
+    assert list(buf.feed(b'shed"}\n\n{"type":"stop"}\n')) == [b'{"type":"finished"}', b'{"type":"stop"}']
+    out = list(buf.feed(b"x" * (control.MAX_LINE_BYTES + 10)))
+    assert len(out) == 1
+    with pytest.raises(control.ControlError):
+        control.parse_event(out[0])
+    # the rest of the overlong line is discarded; the next line parses
+    assert list(buf.feed(b"yyy\n" + control.encode("finished"))) == [b'{"type":"finished"}']
