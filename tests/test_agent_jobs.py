@@ -35,13 +35,17 @@ class BusyJob(IterativeFillJob):
 
 
 class SleepyJob(IterativeFillJob):
-    """A job that ignores pausing: every step sleeps ``step_s`` (1 s), far longer than any bubble."""
+    """A job that stops pausing: its steps take 1 ms while the runtime profiles them at init, then every
+    step sleeps ``step_s`` (1 s), far longer than any bubble (an input-dependent step that blew up)."""
 
-    def __init__(self, step_s: float = 1.0) -> None:
+    def __init__(self, step_s: float = 1.0, honest_steps: int = 10) -> None:
         self.step_s = step_s
+        self.honest_steps = honest_steps
+        self.steps = 0
 
     def step(self) -> float:
-        time.sleep(self.step_s)
+        self.steps += 1
+        time.sleep(0.001 if self.steps <= self.honest_steps else self.step_s)
         return 1.0
 
 

@@ -26,11 +26,10 @@ from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
 pytestmark = pytest.mark.deepspeed
 
 LAUNCH_TIMEOUT_S = 180
-# The ideal (p-1)/(m+p-1) assumes equal stages and nothing but the pipelined steps in a batch. Here
-# the first and last stages also load micro-batches, the last computes the loss, every stage runs the
-# optimizer step, and waits under 0.5 ms are not bubbles: the busiest stage idles a little less than
-# the formula says (0-4% relative in repeated runs on this machine), the others more.
-RATIO_REL_TOL = 0.08
+# The ideal (p-1)/(m+p-1) assumes equal stages. The last stage also computes the loss and so is the
+# busiest: it idles slightly less than the formula (0.427 against 0.429 at p=4 here); every other stage
+# idles more. The tolerance covers that one stage's extra work and nothing else.
+RATIO_REL_TOL = 0.03
 MODEL = ["--hidden", "64", "--layers", "4", "--microbatches", "4", "--micro-batch-size", "4"]
 KILL_AFTER_STARTS = 10
 
@@ -162,10 +161,12 @@ def check_bubbles(ranks: list[dict[str, Any]], stages: int) -> None:
         assert r["cycle"] is not None, f"stage {r['stage']}: no cycle"
         cycle = BubbleCycle.from_dict(r["cycle"])
         assert cycle.schedule == "TrainSchedule" and cycle.stages == stages and len(cycle.slots) >= 1
-        print(f"{stages} stages, stage {cycle.stage}: bubble ratio {cycle.bubble_ratio:.3f} "
+        print(f"{stages} stages, stage {cycle.stage}: idle {cycle.idle_ratio:.3f}, signalled bubbles "
+              f"{cycle.bubble_ratio:.3f} "
               f"(ideal {ideal:.3f}), iteration {1e3 * cycle.iteration_s:.1f} ms, slots "
               + ", ".join(f"{s.instruction}/{s.kind} {1e3 * s.duration_s:.2f} ms" for s in cycle.slots))
-        assert cycle.bubble_ratio >= ideal * (1 - RATIO_REL_TOL), (cycle.stage, cycle.bubble_ratio, ideal)
+        assert cycle.idle_ratio >= ideal * (1 - RATIO_REL_TOL), (cycle.stage, cycle.idle_ratio, ideal)
+        assert cycle.bubble_ratio <= cycle.idle_ratio
     assert len({tuple(r["losses"]) for r in ranks}) == 1  # every stage reports the same loss
 
 

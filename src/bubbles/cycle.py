@@ -46,14 +46,25 @@ class BubbleCycle:
     iteration_s: float  # median iteration time measured while profiling (no fill work)
     slots: tuple[BubbleSlot, ...]
     samples: int  # profiled iterations behind the statistics
+    # All the time the stage waited per iteration (median per wait instruction, summed), including
+    # waits too short to be signalled as bubbles; 0.0 when unknown (a cycle built by hand).
+    wait_s: float = 0.0
 
     @property
     def bubble_s(self) -> float:
+        """Time per iteration in the signalled bubbles: what fill jobs can use."""
         return sum(s.duration_s for s in self.slots)
 
     @property
     def bubble_ratio(self) -> float:
+        """Share of the iteration in signalled bubbles."""
         return self.bubble_s / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    @property
+    def idle_ratio(self) -> float:
+        """Share of the iteration the stage waited at all (every wait, signalled or too short)."""
+        idle = max(self.wait_s, self.bubble_s)
+        return idle / self.iteration_s if self.iteration_s > 0 else 0.0
 
     @property
     def theory_ratio(self) -> float:
@@ -85,6 +96,7 @@ class BubbleCycle:
             iteration_s=_nonneg_float(d, "iteration_s"),
             slots=slots,
             samples=_nonneg_int(d, "samples"),
+            wait_s=_nonneg_float(d, "wait_s") if "wait_s" in d else 0.0,
         )
 
 

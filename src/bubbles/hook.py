@@ -123,15 +123,17 @@ def build_cycle(*, training: str, stage: int, stages: int, microbatches: int, sc
     if any(len(row) != len(candidates) for row in durations_s) or len(free_bytes) != len(candidates):
         raise ValueError("durations and free memory must have one entry per candidate")
     slots: list[BubbleSlot] = []
+    wait_s = 0.0
     for j, cand in enumerate(candidates):
         med, p10, p90 = robust_stats([row[j] for row in durations_s])
+        wait_s += med
         if med >= min_bubble_s:
             slots.append(BubbleSlot(slot=len(slots), position=cand.position, instruction=cand.instruction,
                                     kind=cand.kind, duration_s=med, p10_s=p10, p90_s=p90,
                                     free_bytes=max(0, int(free_bytes[j]))))
     return BubbleCycle(training=training, stage=stage, stages=stages, microbatches=microbatches,
                        schedule=schedule, iteration_s=robust_stats(iteration_s)[0], slots=tuple(slots),
-                       samples=len(durations_s))
+                       samples=len(durations_s), wait_s=wait_s)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -583,7 +585,9 @@ class Instrumentation:
                             free_bytes=[prof.free.get(c.position, 0) for c in prof.candidates],
                             iteration_s=prof.iter_s, min_bubble_s=self.min_bubble_s)
         prof.cycle = cycle
-        prof.signal_map = {s.position: (s.slot, int(s.duration_s * 1e9)) for s in cycle.slots}
+        # The predicted end is the slot's 10th-percentile length, not its median: a fill step must end
+        # before the training needs the core/GPU again, and a median is overrun by half of all bubbles.
+        prof.signal_map = {s.position: (s.slot, int(min(s.p10_s, s.duration_s) * 1e9)) for s in cycle.slots}
         self.cycles[prof.name] = cycle
         log.info("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms", self.stage, prof.name,
                  len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s)

@@ -33,7 +33,9 @@ from typing import Any
 from bubbles import control, wire
 from bubbles.cycle import robust_stats
 
-PROFILE_SAMPLES = 3  # steps measured before the step time is trusted
+PROFILE_SAMPLES = 3  # steps measured before the step time is trusted (profiling inside bubbles)
+INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
+INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
 PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
 _NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
 _NAIVE_FLUSH_NS = 20_000_000
@@ -216,6 +218,8 @@ class FillRuntime:
                 apply_process_limits(self.device, self.memory_bytes)
                 self.job.init()
                 self._initialized = True
+                if self.step_s is None:
+                    self.step_s = self._profile_step_time()
             self._emit("state", state="PAUSED")
             if self.step_s is not None:
                 self._emit("profile", step_s=self.step_s)
@@ -311,6 +315,20 @@ class FillRuntime:
         self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
                    bubble_seq=bubble_seq, signal_ns=signal_ns, mode=self.mode or "harvest")
         return (end - start) / 1e9
+
+    def _profile_step_time(self) -> float | None:
+        """FreeRide's side-task profiler: time a few steps during initialization, before the job is offered
+        any bubble, so the program-directed limit holds from the first bubble on. These steps run once,
+        outside bubbles, like process start-up and ``init()``; they are not counted as fill work."""
+        samples = []
+        for _ in range(INIT_PROFILE_STEPS):
+            if self.job.is_finished():
+                break
+            t0 = time.monotonic_ns()
+            self.job.step()
+            samples.append((time.monotonic_ns() - t0) / 1e9)
+        samples = samples[INIT_PROFILE_WARMUP:]
+        return robust_stats(samples)[2] * PROFILE_MARGIN if samples else None
 
     def _check_finished(self) -> None:
         if self.job.is_finished() or (self.max_steps is not None and self.steps >= self.max_steps):

@@ -17,12 +17,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-IMAGE_ENTRY = "bubbles.fill_examples.image_classification:ImageClassificationJob"
-INFERENCE_ENTRY = "bubbles.fill_examples.batch_inference:BatchInferenceJob"
+IMAGE_ENTRY = "bubbles.fill_examples.image_classification:ImageClassification"
+INFERENCE_ENTRY = "bubbles.fill_examples.batch_inference:BatchInference"
 TRAINING = "demo"
 AGENT_READY_TIMEOUT_S = 60.0
 # 4 GiB: the free memory the CPU demo reports for every bubble (there is no allocator to ask on CPU).
@@ -37,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "phase are not counted while the switch settles)")
     p.add_argument("--repeats", type=int, default=2,
                    help="how many times the baseline/naive/harvest sequence repeats (default 2)")
-    X
+    p.add_argument("--hidden", type=int, default=512, help="width of the training's layers (default 512)")
     p.add_argument("--layers", type=int, default=8, help="layers of the training model (default 8)")
     p.add_argument("--micro-batch-size", type=int, default=16, help="samples per micro-batch (default 16)")
     p.add_argument("--slowdown-budget", type=float, default=0.01,
@@ -112,12 +114,13 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
         path = work / f"{spec['name']}.json"
         path.write_text(json.dumps(spec))
         spec_paths.append(path)
-    stats_path, ready_path = work / "agent-stats.json", work / "agent.ready"
+    stats_path, ready_path, start_path = work / "agent-stats.json", work / "agent.ready", work / "start"
+    metrics_port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     agent_cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
                  "--executors", str(args.stages), "--mode", "off", "--stats", str(stats_path),
                  "--ready-file", str(ready_path), "--grace-ms", str(args.grace_ms),
-                 "--slowdown-budget", str(args.slowdown_budget), "--pin-cores"]
+                 "--slowdown-budget", str(args.slowdown_budget), "--pin-cores", "--metrics-port", str(metrics_port)]
     for path in spec_paths:
         agent_cmd += ["--fill-job", str(path)]
     phases = ",".join(f"{m}:{args.iterations}" for _ in range(args.repeats) for m in ("off", "naive", "harvest"))
@@ -126,7 +129,7 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
                  "--microbatches", str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                  "--hidden", str(args.hidden), "--layers", str(args.layers), "--phases", phases,
                  "--run-dir", str(run_dir), "--training", TRAINING, "--out", str(ranks_dir), "--pin-cores",
-                 "--trace", "--free-bytes", str(DEMO_FREE_BYTES)]
+                 "--trace", "--free-bytes", str(DEMO_FREE_BYTES), "--start-file", str(start_path)]
     total = args.repeats * 3 * args.iterations
     print(f"bubbles demo: {args.stages}-stage DeepSpeed pipeline on CPU, {args.microbatches} micro-batches, "
           f"{total} iterations (baseline, naive, harvest x {args.repeats}); files in {work}", flush=True)
@@ -140,6 +143,9 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
             return 1
         print("  agent ready; starting the training", flush=True)
         train_log = work / "train.log"
+        starter = threading.Thread(target=_start_when_fill_jobs_ready,
+                                   args=(metrics_port, args.stages, start_path, agent), daemon=True)
+        starter.start()
         rc = _run_training(train_cmd, env, train_log)
         if rc != 0:
             print(f"bubbles demo: error: the training exited with {rc}; its log:\n{_tail(train_log)}",
@@ -170,6 +176,35 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
         else:
             print("timeline: no traced harvesting iterations to draw", file=sys.stderr)
     return 0
+
+
+def fill_jobs_ready(metrics_text: str) -> int:
+    """How many fill jobs the agent's metrics show initialized (PAUSED or RUNNING)."""
+    ready = 0
+    for line in metrics_text.splitlines():
+        if line.startswith("bubbles_fill_jobs{") and ('state="PAUSED"' in line or 'state="RUNNING"' in line):
+            ready += int(float(line.rsplit(" ", 1)[1]))
+    return ready
+
+
+def _start_when_fill_jobs_ready(port: int, jobs: int, start_path: Path, agent: subprocess.Popen[Any],
+                                timeout_s: float = 120.0) -> None:
+    """Create ``start_path`` once the agent reports every fill job initialized (or after ``timeout_s``):
+    the training profiles its bubbles, the agent then starts the fill processes, and only then do the
+    measured phases begin, so start-up work is not charged to any mode."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and agent.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                if fill_jobs_ready(resp.read().decode()) >= jobs:
+                    break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    else:
+        print("  warning: fill jobs not all initialized; starting the phases anyway", flush=True)
+    print("  fill jobs initialized; measuring", flush=True)
+    start_path.touch()
 
 
 def _run_training(cmd: list[str], env: dict[str, str], log_path: Path) -> int:

@@ -41,10 +41,12 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
     # Every stage ends each iteration in the same all-reduce, so their iteration times agree; the first
     # stage's are the reference.
     by_mode = iteration_times_by_mode(ranks[0], settle)
-    measured = {}
+    measured: dict[str, float | None] = {}
+    signalled: dict[str, float | None] = {}
     for r in ranks:
-        cycle = r.get("cycle")
-        measured[str(r["stage"])] = BubbleCycle.from_dict(cycle).bubble_ratio if cycle else None
+        cycle = BubbleCycle.from_dict(r["cycle"]) if r.get("cycle") else None
+        measured[str(r["stage"])] = cycle.idle_ratio if cycle else None
+        signalled[str(r["stage"])] = cycle.bubble_ratio if cycle else None
     agent_modes = (agent_stats or {}).get("modes", {})
     baseline = _median(by_mode.get("off", []))
     modes: dict[str, dict[str, Any]] = {}
@@ -67,7 +69,9 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
         "stages": stages,
         "microbatches": microbatches,
         "iterations": len(ranks[0]["iteration_s"]),
-        "bubble_ratio": {"measured": measured, "theory": theoretical_bubble_ratio(stages, microbatches)},
+        # measured: every wait of the stage; signalled: the waits long enough to be offered to fill jobs.
+        "bubble_ratio": {"measured": measured, "signalled": signalled,
+                         "theory": theoretical_bubble_ratio(stages, microbatches)},
         "modes": modes,
         "guard": {
             "budget": (agent_stats or {}).get("budget"),
@@ -87,7 +91,8 @@ def format_summary(report: Mapping[str, Any]) -> str:
         f"{report['iterations']} iterations on CPU (gloo)",
         "bubble ratio per stage: "
         + ", ".join(f"stage {s}: {_pct(v)}" for s, v in report["bubble_ratio"]["measured"].items())
-        + f"  (ideal (p-1)/(m+p-1) = {_pct(report['bubble_ratio']['theory'])})",
+        + f"  (ideal (p-1)/(m+p-1) = {_pct(report['bubble_ratio']['theory'])}); signalled as bubbles: "
+        + ", ".join(f"{_pct(v)}" for v in report["bubble_ratio"]["signalled"].values()),
         "",
         f"{'mode':<10}{'iteration':>12}{'slowdown':>10}{'fill steps':>12}{'GFLOP':>10}"
         f"{'bubble filled':>15}{'overruns':>10}{'p99 ms':>9}",

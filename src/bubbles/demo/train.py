@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-cores", action="store_true",
                    help="pin this rank to core rank %% cpu_count (a core stands in for a stage's GPU)")
     p.add_argument("--free-bytes", type=int, default=None, help="free memory the hook reports per bubble")
+    p.add_argument("--start-file", type=Path, default=None,
+                   help="after profiling, wait until this file exists before the first phase")
+    p.add_argument("--start-timeout-s", type=float, default=120.0, help="how long to wait for --start-file")
     p.add_argument("--trace", action="store_true", help="record per-instruction timings (Gantt chart)")
     p.add_argument("--schedule", choices=("train", "inference"), default="train")
     p.add_argument("--gradient-clipping", type=float, default=0.0,
@@ -126,6 +129,18 @@ def batches(seed: int, micro_batch_size: int, hidden: int) -> Any:
         y = torch.tanh(x.roll(1, dims=1)) + 0.1 * torch.randn(micro_batch_size, hidden, generator=g)
         yield x, y
         i += 1
+
+
+def _wait_for_start_file(path: Path, timeout_s: float) -> None:
+    """Hold the phases until ``path`` exists: the demo creates it once every fill job is initialized, so
+    that fill processes starting up (importing torch, first steps) do not land in a measured phase."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            print(f"[bubbles] warning: {path} did not appear within {timeout_s:.0f} s; starting anyway",
+                  flush=True)
+            return
+        time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         step()
         phase_of.append(PROFILE_PHASE)
     report(PROFILE_PHASE, n_profile)
+    if args.start_file is not None and rank == 0:
+        _wait_for_start_file(args.start_file, timeout_s=args.start_timeout_s)
     for mode, n in phases:
         dist.barrier()
         if inst is not None:
