@@ -313,6 +313,9 @@ def test_metrics_endpoint_serves_the_documented_names(start_agent: StartAgent) -
     hook.send(wire.encode_iteration(0, 0, time.monotonic_ns(), 50_000_000))
     hook.send(b"junk")
     wait_for(lambda: h.agent.stats()["modes"]["harvest"]["fill_steps"] > 0, what="steps")
+    # The junk datagram was sent last on the agent's socket: once it is counted, the ITERATION before it
+    # has been handled too.
+    wait_for(lambda: h.agent.stats()["rejected_messages"] > 0, what="junk counted")
     url = f"http://127.0.0.1:{h.agent.metrics_port}/metrics"
     body = urllib.request.urlopen(url, timeout=5).read().decode()
     found = names(body.splitlines())

@@ -183,7 +183,10 @@ class Listeners:
         self._gone = {p: ino for p, ino in self._gone.items() if found.get(p) == ino}
         known = set(self._targets)
         new = sorted(p for p in found if p not in known and p not in self._gone)
-        self._targets = tuple(p for p in self._targets if p in found) + tuple(new)
+        # Fill jobs first: they start work on a BUBBLE_START, while the agent only keeps accounts and its
+        # watchdog; the agent's sendto must not delay the fill job's wake-up.
+        self._targets = tuple(sorted((p for p in (*self._targets, *new) if p in found),
+                                     key=lambda p: os.path.basename(p) == paths.AGENT_SOCKET_NAME))
         return new
 
     def send(self, data: bytes, targets: Sequence[str] | None = None) -> None:

@@ -354,7 +354,10 @@ class FillRuntime:
                 break
             if ran == 0:
                 self._emit("state", state="RUNNING")
-            dur = self._run_step(b.seq, b.start_ns, announce=True, start=now)
+            # Only a bubble's first step is announced (flushed with RUNNING): the agent's watchdog needs to
+            # know a step of this bubble began; later step records travel together at the pass's end, so
+            # the agent is not woken once per step while the training may need the core back.
+            dur = self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now)
             ran += 1
             if self.step_s is None:
                 self._samples.append(dur)
@@ -399,8 +402,10 @@ class FillRuntime:
                     if self._sig is not None:
                         sel.register(self._sig, selectors.EVENT_READ)
                     registered = self._sig
-                sel.select()
-                self._poll_control()
+                ready = sel.select()
+                # Most wake-ups are bubble signals: poll the control channel only when it has data.
+                if any(key.fileobj is self.ctrl for key, _ in ready):
+                    self._poll_control()
                 self._drain_signals()
                 if self._bubble is not None and not self._bubble.ended and self.mode == "harvest":
                     self._harvest_bubble()
