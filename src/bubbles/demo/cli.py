@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "phase are not counted while the switch settles)")
     p.add_argument("--repeats", type=int, default=2,
                    help="how many times the baseline/naive/harvest sequence repeats (default 2)")
-    p.add_argument("--hidden", type=int, default=512, help="width of the training's layers (default 512)")
+    p.add_argument("--hidden", type=int, default=1024, help="width of the training's layers (default 1024)")
     p.add_argument("--layers", type=int, default=8, help="layers of the training model (default 8)")
     p.add_argument("--micro-batch-size", type=int, default=16, help="samples per micro-batch (default 16)")
     p.add_argument("--slowdown-budget", type=float, default=0.01,
@@ -109,6 +109,9 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
 
     run_dir, ranks_dir = work / "run", work / "ranks"
     ranks_dir.mkdir(parents=True, exist_ok=True)
+    # A kept --workdir may hold a previous run's files: none of them may stand in for this run's.
+    for stale in [*ranks_dir.glob("rank-*.json"), work / "agent-stats.json", work / "agent.ready", work / "start"]:
+        stale.unlink(missing_ok=True)
     spec_paths = []
     for spec in fill_job_specs(args.stages):
         path = work / f"{spec['name']}.json"
@@ -193,17 +196,21 @@ def _start_when_fill_jobs_ready(port: int, jobs: int, start_path: Path, agent: s
     the training profiles its bubbles, the agent then starts the fill processes, and only then do the
     measured phases begin, so start-up work is not charged to any mode."""
     deadline = time.monotonic() + timeout_s
+    ready = 0
     while time.monotonic() < deadline and agent.poll() is None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                if fill_jobs_ready(resp.read().decode()) >= jobs:
-                    break
+                ready = fill_jobs_ready(resp.read().decode())
         except OSError:
             pass
+        if ready >= jobs:
+            print("  fill jobs initialized; measuring", flush=True)
+            break
         time.sleep(0.1)
     else:
-        print("  warning: fill jobs not all initialized; starting the phases anyway", flush=True)
-    print("  fill jobs initialized; measuring", flush=True)
+        if agent.poll() is None:
+            print(f"  warning: {ready} of {jobs} fill jobs initialized after {timeout_s:.0f} s; measuring anyway",
+                  flush=True)
     start_path.touch()
 
 
