@@ -26,7 +26,7 @@ test: lint
 	$(BIN)/python -m pytest
 
 bench: setup
-	$(BIN)/python benchmarks/run_all.py --out docs/benchmarks-latest.json
+	$(BIN)/python benchmarks/run_all.py --out out/bench
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

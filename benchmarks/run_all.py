@@ -1,0 +1,45 @@
+"""Run every benchmark one after another (never in parallel: they share 2 cores) and print their tables.
+
+    .venv/bin/python benchmarks/run_all.py [--quick]
+
+Results go to docs/benchmarks.md by hand, with the machine and the date: the numbers move with the
+machine's load, so each figure there says how it was measured."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for reporting)")
+    p.add_argument("--out", type=Path, default=Path("out/bench"), help="directory for JSON results")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = [
+        ["hook_overhead.py", "--calls", "20000" if args.quick else "100000", "--json",
+         str(args.out / "hook-overhead.json")],
+        ["signal_latency.py", "--signals", "300" if args.quick else "3000", "--json",
+         str(args.out / "signal-latency.json")],
+        ["scheduler_latency.py", "--decisions", "200" if args.quick else "2000"],
+        ["simulator_speed.py", "--jobs", "5000" if args.quick else "50000"],
+    ]
+    failed = 0
+    for script, *flags in runs:
+        print(f"\n## {script}", flush=True)
+        rc = subprocess.call([sys.executable, str(HERE / script), *flags])
+        failed += rc != 0
+    print(f"\n## demo (bubbles demo --report {args.out / 'demo-report.json'})", flush=True)
+    failed += subprocess.call([sys.executable, "-m", "bubbles.cli", "demo", "--report",
+                               str(args.out / "demo-report.json"), "--timeline", str(args.out / "demo-timeline.png")]
+                              + (["--repeats", "1", "--iterations", "6"] if args.quick else [])) != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
