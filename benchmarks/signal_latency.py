@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpc_reference import grpc_round_trips_us  # noqa: E402
+from grpc_reference import grpc_round_trips_us
 
-from bubbles import paths, wire  # noqa: E402
-from bubbles.cycle import BubbleCycle, BubbleSlot  # noqa: E402
-from bubbles.hook import Listeners  # noqa: E402
+from bubbles import paths, wire
+from bubbles.cycle import BubbleCycle, BubbleSlot
+from bubbles.hook import Listeners
 
 TRAINING = "bench"
 BUBBLE_MS = 2.0
