@@ -91,6 +91,43 @@ def bubble_start_latencies_us(signals: int, gap_s: float, work: Path) -> list[fl
             for s in sorted(first)]
 
 
+def wakeup_floor_us(count: int, gap_s: float) -> list[float]:
+    """The floor: a bare Python process blocked in ``selectors`` on a Unix datagram socket, woken by a
+    datagram; latency from the send's timestamp to the receiver's first instruction after the wake-up."""
+    import socket
+    import struct
+
+    with tempfile.TemporaryDirectory(prefix="bubbles-floor-") as tmp:
+        path = str(Path(tmp) / "floor.sock")
+        rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        rx.bind(path)
+        r_fd, w_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the receiver
+            import selectors
+
+            sel = selectors.DefaultSelector()
+            sel.register(rx, selectors.EVENT_READ)
+            out = []
+            while len(out) < count:
+                sel.select()
+                now = time.monotonic_ns()
+                out.append((now - struct.unpack("q", rx.recv(64))[0]) / 1e3)
+            os.write(w_fd, json.dumps(out).encode())
+            os._exit(0)
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        time.sleep(0.2)
+        for _ in range(count):
+            tx.sendto(struct.pack("q", time.monotonic_ns()), path)
+            time.sleep(gap_s)
+        os.close(w_fd)
+        chunks = []
+        while chunk := os.read(r_fd, 1 << 16):
+            chunks.append(chunk)
+        os.waitpid(pid, 0)
+        return [float(x) for x in json.loads(b"".join(chunks))]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--signals", type=int, default=3000, help="bubbles to signal (default 3000)")
@@ -102,12 +139,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bubbles-bench-") as tmp:
         lat = bubble_start_latencies_us(args.signals, args.gap_ms / 1e3, Path(tmp))
     ref = grpc_round_trips_us(count=min(args.signals, 2000))
+    floor = wakeup_floor_us(min(args.signals, 2000), (BUBBLE_MS / 1e3) + args.gap_ms / 1e3)
     result = {
         "machine": f"{os.cpu_count()} cores, {os.uname().machine}, Python {sys.version.split()[0]}",
         "date": time.strftime("%Y-%m-%d"),
         "signals": args.signals, "bubbles_with_a_step": len(lat),
         "bubble_start_us": {"median": statistics.median(lat), "p99": quantile(lat, 0.99), "max": max(lat)},
         "grpc_round_trip_us": {"median": statistics.median(ref), "p99": quantile(ref, 0.99)},
+        "python_wakeup_floor_us": {"median": statistics.median(floor), "p99": quantile(floor, 0.99)},
     }
     result["ratio_median"] = result["grpc_round_trip_us"]["median"] / result["bubble_start_us"]["median"]
     result["ratio_p99"] = result["grpc_round_trip_us"]["p99"] / result["bubble_start_us"]["p99"]
@@ -116,6 +155,8 @@ def main() -> int:
           f"{result['bubble_start_us']['p99']:.1f} |")
     print(f"| reference: gRPC unary round trip, localhost | {result['grpc_round_trip_us']['median']:.1f} | "
           f"{result['grpc_round_trip_us']['p99']:.1f} |")
+    print(f"| floor: bare Python process woken by a Unix datagram | "
+          f"{result['python_wakeup_floor_us']['median']:.1f} | {result['python_wakeup_floor_us']['p99']:.1f} |")
     print(f"\n{len(lat)} of {args.signals} bubbles started a step; gRPC is {result['ratio_median']:.0f}x slower "
           f"at the median, {result['ratio_p99']:.0f}x at p99")
     if args.json:
