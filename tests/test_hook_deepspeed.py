@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,66 @@ def test_inference_schedule(tmp_path: Path) -> None:
             f"{s.instruction}/{s.kind} {1e3 * s.duration_s:.2f} ms" for s in cycle.slots))
     assert ranks[1]["cycle"]["slots"][0]["kind"] == "fill"
     assert len({tuple(r["losses"]) for r in ranks}) == 1
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_killing_the_real_agent_mid_harvest_leaves_training_and_losses_unchanged(
+        tmp_path: Path, short_run_dir: Path, two_stage_baseline: list[dict[str, Any]]) -> None:
+    """The real agent harvests with a real fill process, and is SIGKILLed once fill steps are running."""
+    run_dir = short_run_dir / "real"
+    spec = tmp_path / "spin.json"
+    spec.write_text(json.dumps({"name": "spin", "entry": "bubbles.fill_examples.spin:SpinJob",
+                                "args": {"step_us": 300}, "memory": "1Mi", "step_time": "0.5ms", "stage": 0}))
+    port, ready = free_port(), tmp_path / "ready"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", "t",
+         "--executors", "2", "--fill-job", str(spec), "--metrics-port", str(port), "--ready-file", str(ready)],
+        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert agent.poll() is None and time.monotonic() < deadline, "agent did not start"
+            time.sleep(0.02)
+        out = tmp_path / "out"
+        training = subprocess.Popen(train_cmd(2, out, *TWO, "--run-dir", str(run_dir), "--training", "t",
+                                              "--free-bytes", str(1 << 30)),
+                                    env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        steps = 0.0
+        while steps <= 0:
+            assert training.poll() is None, "training ended before any fill step ran"
+            assert time.monotonic() < deadline, "no fill step ran"
+            time.sleep(0.05)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                steps = sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
+                            if line.startswith("bubbles_fill_steps_total{"))
+        fill_processes = _children(agent.pid)
+        assert fill_processes, "the agent has no fill process"
+        assert training.poll() is None, "training must still be running when the agent dies"
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=10)
+        log, _ = training.communicate(timeout=LAUNCH_TIMEOUT_S)
+        assert training.returncode == 0, log[-4000:]
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(timeout=10)
+    hooked = read_ranks(out, 2)
+    assert [r["losses"] for r in hooked] == [r["losses"] for r in two_stage_baseline]
+    # The fill process saw its control channel close and exited: nothing is left running on the core.
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and "bubbles.sdk" in Path(f"/proc/{pid}/cmdline").read_text(
+            errors="replace").replace("\0", " ") for pid in fill_processes):
+        assert time.monotonic() < deadline, "fill process outlived its agent"
+        time.sleep(0.05)

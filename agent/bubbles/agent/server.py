@@ -439,8 +439,13 @@ class Agent:
             plan = plan_partitions(bubbles_of(ex.cycle), nodes, steps=steps, job=job.name)
         except PlanError as exc:
             self.rejected_jobs += 1
-            log.error("stage %d: fill job %r rejected: %s", ex.index, job.name, exc)
-            self._stop_job(job, f"rejected: {exc}")
+            reason = str(exc)
+            if ex.cycle.slots and all(s.free_bytes == 0 for s in ex.cycle.slots):
+                # 0 is what a training without a memory probe reports (a CPU training by default).
+                reason += (" The training reported no free memory in any bubble: on CPU set BUBBLES_FREE_BYTES"
+                           " in the training's environment, or pass instrument(engine, memory_probe=...).")
+            log.error("stage %d: fill job %r rejected: %s", ex.index, job.name, reason)
+            self._stop_job(job, f"rejected: {reason}")
             return False
         except ValueError as exc:  # e.g. a cycle with no bubbles
             self.rejected_jobs += 1
