@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from bubbles.sdk import IterativeFillJob, StepResult
+from bubbles.fill_examples._counted import FlopCountedJob
 
 
-class BatchInference(IterativeFillJob):
+class BatchInference(FlopCountedJob):
     """Classifies batches of synthetic token sequences; sized to ~1 ms a step on one core.
 
     ``batch_size``, ``seq_len`` and ``width`` (model dimension) set the step time; ``steps`` (optional)
@@ -58,31 +58,10 @@ class BatchInference(IterativeFillJob):
 
         self._count_first_step()  # outside the bubbles: see the package doc
 
-    def _infer(self) -> None:
+    def _work(self) -> None:
         import torch
 
         with torch.no_grad():
             x = self.embed(self.tokens[self.steps_done % self.tokens.shape[0]])
             logits = self.head(self.encoder(x).mean(dim=1))
             self.predictions += int(logits.argmax(dim=1).numel())
-
-    def _count_first_step(self) -> None:
-        """Run the first step under FlopCounterMode (warm-up and FLOP count in one); see the package doc."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        with FlopCounterMode(display=False) as counter:
-            self._infer()
-        self.step_flops = float(counter.get_total_flops())
-        self.steps_done += 1
-
-    def step(self) -> StepResult:
-        if self.step_flops is None:  # init() was skipped (e.g. a direct call): count now
-            self._count_first_step()
-            assert self.step_flops is not None
-            return StepResult(flops=self.step_flops, samples=self.batch_size)
-        self._infer()
-        self.steps_done += 1
-        return StepResult(flops=self.step_flops, samples=self.batch_size)
-
-    def is_finished(self) -> bool:
-        return self.max_steps is not None and self.steps_done >= self.max_steps

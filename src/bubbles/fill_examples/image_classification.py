@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.sdk import IterativeFillJob, StepResult
+from bubbles.fill_examples._counted import FlopCountedJob
 
 
-class ImageClassification(IterativeFillJob):
+class ImageClassification(FlopCountedJob):
     """A two-convolution CNN trained with SGD on random images and labels; sized to ~1 ms a step on one core.
 
     ``batch_size`` and ``width`` (channels of the first convolution) set the step time; ``steps``
@@ -56,34 +56,13 @@ class ImageClassification(IterativeFillJob):
 
         self._count_first_step()  # outside the bubbles: see the package doc
 
-    def _train_step(self) -> None:
+    def _work(self) -> None:
         i = self.steps_done % self.images.shape[0]
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(self.images[i]), self.labels[i])
         loss.backward()  # counted: training FLOPs are forward + backward
         self.optimizer.step()
         self.last_loss = float(loss.detach())
-
-    def _count_first_step(self) -> None:
-        """Run the first step under FlopCounterMode (warm-up and FLOP count in one); see the package doc."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        with FlopCounterMode(display=False) as counter:
-            self._train_step()
-        self.step_flops = float(counter.get_total_flops())
-        self.steps_done += 1
-
-    def step(self) -> StepResult:
-        if self.step_flops is None:  # init() was skipped (e.g. a direct call): count now
-            self._count_first_step()
-            assert self.step_flops is not None
-            return StepResult(flops=self.step_flops, samples=self.batch_size)
-        self._train_step()
-        self.steps_done += 1
-        return StepResult(flops=self.step_flops, samples=self.batch_size)
-
-    def is_finished(self) -> bool:
-        return self.max_steps is not None and self.steps_done >= self.max_steps
 
     def checkpoint(self) -> bytes | None:
         import io
