@@ -9,6 +9,8 @@ import multiprocessing as mp
 import time
 from typing import Any
 
+from bubbles.wire import SIGNAL_BYTES
+
 METHOD = "/bubbles.bench.Echo/Ping"
 
 
@@ -46,7 +48,7 @@ def grpc_round_trips_us(count: int = 2000, gap_s: float = 0.001, warmup: int = 1
         port = port_queue.get(timeout=30)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             ping = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
-            payload = b"x" * 26  # the size of a bubble signal
+            payload = b"x" * SIGNAL_BYTES  # the size of a bubble signal
             out = []
             for i in range(warmup + count):
                 t0 = time.perf_counter_ns()

@@ -30,14 +30,10 @@ from grpc_reference import grpc_round_trips_us
 from bubbles import paths, wire
 from bubbles.cycle import BubbleCycle, BubbleSlot
 from bubbles.hook import Listeners
+from bubbles.ledger import percentile
 
 TRAINING = "bench"
 BUBBLE_MS = 2.0
-
-
-def quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def bubble_start_latencies_us(signals: int, gap_s: float, work: Path) -> list[float]:
@@ -144,9 +140,9 @@ def main() -> int:
         "machine": f"{os.cpu_count()} cores, {os.uname().machine}, Python {sys.version.split()[0]}",
         "date": time.strftime("%Y-%m-%d"),
         "signals": args.signals, "bubbles_with_a_step": len(lat),
-        "bubble_start_us": {"median": statistics.median(lat), "p99": quantile(lat, 0.99), "max": max(lat)},
-        "grpc_round_trip_us": {"median": statistics.median(ref), "p99": quantile(ref, 0.99)},
-        "python_wakeup_floor_us": {"median": statistics.median(floor), "p99": quantile(floor, 0.99)},
+        "bubble_start_us": {"median": statistics.median(lat), "p99": percentile(lat, 99), "max": max(lat)},
+        "grpc_round_trip_us": {"median": statistics.median(ref), "p99": percentile(ref, 99)},
+        "python_wakeup_floor_us": {"median": statistics.median(floor), "p99": percentile(floor, 99)},
     }
     result["ratio_median"] = result["grpc_round_trip_us"]["median"] / result["bubble_start_us"]["median"]
     result["ratio_p99"] = result["grpc_round_trip_us"]["p99"] / result["bubble_start_us"]["p99"]

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bubbles.ledger import percentile
+
 # Where in the schedule a bubble sits (PipeFill's vocabulary):
 #   fill     - warm-up: a stage waits for its first activation before any forward pass
 #   fwd-bwd  - between a stage's last warm-up forward and its first backward
@@ -111,14 +113,7 @@ def robust_stats(samples: Sequence[float]) -> tuple[float, float, float]:
     """(median, p10, p90) of measured durations: one slow iteration does not move the median."""
     if not samples:
         raise ValueError("no samples")
-    xs = sorted(samples)
-    return _quantile(xs, 0.5), _quantile(xs, 0.1), _quantile(xs, 0.9)
-
-
-def _quantile(xs: Sequence[float], q: float) -> float:
-    pos = (len(xs) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return percentile(samples, 50), percentile(samples, 10), percentile(samples, 90)
 
 
 def _slot_from_dict(i: int, s: Any) -> BubbleSlot:

@@ -29,6 +29,7 @@ _BUBBLE = struct.Struct("<2sBBHHIqq")
 _ITERATION = struct.Struct("<2sBBHHIqq")
 # FILL_MODE: header + mode code
 _MODE = struct.Struct("<2sBBHB")
+SIGNAL_BYTES = _BUBBLE.size  # every BUBBLE_START, BUBBLE_END and ITERATION datagram (28 bytes)
 
 
 class Kind(enum.IntEnum):

@@ -3,11 +3,11 @@ JSON report and the short human summary. No processes, no files: the CLI does th
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
+from bubbles.ledger import percentile
 
 # Report names of the agent's fill modes: "off" is the baseline the other two are compared with.
 MODE_NAMES = {"off": "baseline", "naive": "naive", "harvest": "harvest"}
@@ -118,14 +118,11 @@ def format_summary(report: Mapping[str, Any]) -> str:
 
 
 def _median(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
+    return percentile(xs, 50) if xs else None
 
 
 def _quantile(xs: Sequence[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+    return percentile(xs, 100 * q) if xs else None
 
 
 def _pct(v: float | None) -> str:

@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_iterations < 0 or args.min_bubble_ms < 0 or args.sleep_compute_ms < 0:
         parser.error("--warmup-iterations, --min-bubble-ms and --sleep-compute-ms must be >= 0")
+    if args.start_timeout_s <= 0:
+        parser.error(f"--start-timeout-s {args.start_timeout_s}: give a number of seconds > 0")
 
     rank = int(os.environ.get("RANK", "0"))
     if args.pin_cores:

@@ -1,0 +1,103 @@
+"""The signal protocol and the bubble-cycle record: what the agent accepts from a socket, and what it refuses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bubbles import wire
+from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
+
+
+def cycle_dict(**overrides: Any) -> dict[str, Any]:
+    slot = BubbleSlot(0, 3, "RecvGrad", "fwd-bwd", 0.004, 0.003, 0.005, 1 << 30)
+    d = BubbleCycle("t", 0, 2, 8, "TrainSchedule", 0.05, (slot,), 5, wait_s=0.006).to_dict()
+    d.update(overrides)
+    return d
+
+
+def test_every_message_round_trips() -> None:
+    assert wire.decode(wire.encode_bubble_start(1, 2, 3, 10, 20)) == wire.BubbleStart(1, 2, 3, 10, 20)
+    assert wire.decode(wire.encode_bubble_end(1, 2, 3, 30)) == wire.BubbleEnd(1, 2, 3, 30)
+    assert wire.decode(wire.encode_iteration(0, 7, 10, 50)) == wire.Iteration(0, 7, 10, 50)
+    assert wire.decode(wire.encode_fill_mode(1, wire.FillMode.NAIVE)) == wire.FillModeChange(1, wire.FillMode.NAIVE)
+    msg = wire.decode(wire.encode_profile(0, cycle_dict()))
+    assert isinstance(msg, wire.Profile) and BubbleCycle.from_dict(msg.cycle).wait_s == 0.006
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"", "truncated"),
+    (b"BB\x01", "truncated"),
+    (b"XX\x01\x02\x00\x00" + bytes(20), "bad magic"),
+    (b"BB\x09\x02\x00\x00" + bytes(20), "version 9 not supported"),
+    (b"BB\x01\x63\x00\x00" + bytes(20), "unknown message kind 99"),
+    (wire.encode_bubble_start(0, 0, 1, 10, 20)[:-1], f"must be {wire.SIGNAL_BYTES} bytes"),
+    (wire.encode_bubble_start(0, 0, 1, 10, 20) + b"x", f"must be {wire.SIGNAL_BYTES} bytes"),
+    (struct.pack("<2sBBHHIqq", b"BB", 1, 2, 0, 0, 1, 20, 10), "end before its start"),
+    (struct.pack("<2sBBHHIqq", b"BB", 1, 3, 0, 0, 1, -5, 0), "negative timestamp"),
+    (struct.pack("<2sBBHB", b"BB", 1, 5, 0, 7), "unknown fill mode 7"),
+    (b"BB\x01\x01\x00\x00{not json", "not valid JSON"),
+    (b"BB\x01\x01\x00\x00[1, 2]", "must be a JSON object"),
+    (b"BB\x01\x01\x00\x00" + b" " * wire.MAX_DATAGRAM_BYTES, "exceeds"),
+])
+def test_malformed_datagrams_are_refused_with_the_reason(data: bytes, reason: str) -> None:
+    with pytest.raises(wire.WireError, match=reason):
+        wire.decode(data)
+
+
+@given(st.binary(max_size=200))
+def test_decode_never_raises_anything_but_wire_error(data: bytes) -> None:
+    with contextlib.suppress(wire.WireError):
+        wire.decode(data)
+
+
+def test_an_oversized_profile_is_refused_at_the_sender() -> None:
+    with pytest.raises(wire.WireError, match="datagram limit"):
+        wire.encode_profile(0, cycle_dict(training="x" * wire.MAX_DATAGRAM_BYTES))
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"training": 3}, "'training' must be str"),
+    ({"stage": -1}, "'stage' must be >= 0"),
+    ({"stage": 2}, "outside a pipeline of 2 stages"),
+    ({"stages": True}, "'stages' must be int"),
+    ({"iteration_s": float("nan")}, "'iteration_s' must be a finite number"),
+    ({"wait_s": -1.0}, "'wait_s' must be a finite number >= 0"),
+    ({"wait_s": "long"}, "'wait_s' must be a finite number"),
+    ({"slots": {}}, "'slots' must be list"),
+    ({"slots": [1]}, r"slots\[0\] must be an object"),
+    ({"slots": [{**cycle_dict()["slots"][0], "kind": "lunch"}]}, r"slots\[0\].kind 'lunch'"),
+    ({"slots": [{**cycle_dict()["slots"][0], "free_bytes": -1}]}, "'free_bytes' must be >= 0"),
+])
+def test_a_bad_cycle_names_the_field(overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        BubbleCycle.from_dict(cycle_dict(**overrides))
+
+
+def test_missing_fields_and_non_objects_are_refused() -> None:
+    d = cycle_dict()
+    del d["slots"]
+    with pytest.raises(ValueError, match="missing field 'slots'"):
+        BubbleCycle.from_dict(d)
+    with pytest.raises(ValueError, match="must be an object"):
+        BubbleCycle.from_dict(json.loads("[]"))
+
+
+def test_a_cycle_without_wait_s_still_reads_and_counts_its_bubbles_as_idle() -> None:
+    d = cycle_dict()
+    del d["wait_s"]
+    cycle = BubbleCycle.from_dict(d)
+    assert cycle.wait_s == 0.0 and cycle.idle_ratio == pytest.approx(cycle.bubble_ratio)
+
+
+def test_robust_stats_ignore_one_slow_sample() -> None:
+    med, p10, p90 = robust_stats([1.0, 1.0, 1.0, 1.0, 100.0])
+    assert med == 1.0 and p10 == 1.0 and p90 > 1.0
+    with pytest.raises(ValueError):
+        robust_stats([])
