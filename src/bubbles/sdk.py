@@ -33,7 +33,6 @@ from typing import Any
 from bubbles import control, wire
 from bubbles.cycle import robust_stats
 
-PROFILE_SAMPLES = 3  # steps measured before the step time is trusted (profiling inside bubbles)
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
 PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
@@ -170,8 +169,6 @@ class FillRuntime:
         self._sig: socket.socket | None = None
         self._bound_path: str | None = None
         self._bubble: _Bubble | None = None
-        self._longest_ns = 0
-        self._samples: list[float] = []
         self._initialized = False
 
     # -- channel ---------------------------------------------------------------------------------
@@ -224,6 +221,7 @@ class FillRuntime:
             if self.step_s is not None:
                 self._emit("profile", step_s=self.step_s)
             self._flush()
+            self._check_finished()  # a job that finished while it was being profiled
         elif cmd.type == "arm":
             if not self._initialized:
                 self._emit("error", message="arm before init ignored")
@@ -344,26 +342,16 @@ class FillRuntime:
         ran = 0
         while self.mode == "harvest" and self._bubble is b and not b.ended:
             now = time.monotonic_ns()
-            if self.step_s is None:
-                # Self-profiling: one step at the start of the longest bubble seen so far.
-                predicted = b.predicted_end_ns - b.start_ns
-                if ran or predicted < self._longest_ns or self.share <= 0:
-                    break
-                self._longest_ns = predicted
-            elif now + int(self.step_s * 1e9) > usable_end:
+            # The program-directed limit; without a step time (none given, none measured) nothing is run.
+            if self.step_s is None or now + int(self.step_s * 1e9) > usable_end:
                 break
             if ran == 0:
                 self._emit("state", state="RUNNING")
             # Only a bubble's first step is announced (flushed with RUNNING): the agent's watchdog needs to
             # know a step of this bubble began; later step records travel together at the pass's end, so
             # the agent is not woken once per step while the training may need the core back.
-            dur = self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now)
+            self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now)
             ran += 1
-            if self.step_s is None:
-                self._samples.append(dur)
-                if len(self._samples) >= PROFILE_SAMPLES:
-                    self.step_s = robust_stats(self._samples)[2] * PROFILE_MARGIN
-                    self._emit("profile", step_s=self.step_s)
             self._check_finished()
             self._drain_signals()
             self._poll_control()
