@@ -115,6 +115,16 @@ def load_entry(entry: str) -> type:
     return obj
 
 
+def assigned_device() -> str:
+    """The device the agent gave this fill process: ``"cpu"`` or ``"cuda:N"`` (``$BUBBLES_DEVICE``).
+
+    Fill jobs move their model here in ``init()``. A CPU executor's device is ``"cpu:K"`` (core K stands in
+    for a stage's accelerator); torch only knows ``"cpu"``, so the core index is dropped.
+    """
+    device = os.environ.get(control.DEVICE_ENV, "cpu").strip() or "cpu"
+    return "cpu" if device.startswith("cpu") else device
+
+
 def apply_process_limits(device: str, memory_bytes: int | None) -> None:
     """One thread per fill process; cap the CUDA caching allocator at the agent's memory limit.
 
