@@ -322,7 +322,28 @@ def test_metrics_endpoint_serves_the_documented_names(start_agent: StartAgent) -
     for name in ("bubbles_bubble_seconds_total", "bubbles_filled_bubble_seconds_total",
                  "bubbles_fill_steps_total", "bubbles_recovered_flops_total", "bubbles_overrun_seconds_total",
                  "bubbles_main_iteration_seconds", "bubbles_fill_jobs", "bubbles_fill_share",
-                 "bubbles_rejected_messages_total"):
+                 "bubbles_rejected_messages_total", "bubbles_isolation_ready", "bubbles_isolation_state",
+                 "bubbles_isolation_losses_total"):
         assert name in found, f"{name} missing from /metrics"
     assert "# HELP bubbles_fill_kills_total" in body
     assert 'fill_job="busy"' in body and 'device="cpu:0"' in body
+    assert 'bubbles_isolation_ready{mode="contexts",training="t"} 1.0' in body
+
+
+def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: StartAgent) -> None:
+    # Contexts mode (the default) on CPU: every fill job is its own OS process, and its CUDA_MPS_PIPE_DIRECTORY
+    # points at an empty private directory, so on a GPU node it could not join an MPS daemon by accident.
+    h = start_agent([parse_spec({"name": "cmd", "kind": "imperative", "command": ["sleep", "30"]})])
+    stats = h.agent.stats()
+    assert stats["isolation"] == {"mode": "contexts", "state": "ready", "daemon": None,
+                                  "detail": "CPU devices: every fill job is a separate OS process"}
+    hook = Hook(h.run_dir)
+    hook.send(wire.encode_profile(0, cycle()))
+    h.wait_state("cmd", "PAUSED")
+    proc = h.agent.jobs[0].proc
+    assert proc is not None
+    env = dict(e.split("=", 1) for e in Path(f"/proc/{proc.pid}/environ").read_bytes().decode().split("\0") if e)
+    private = Path(env["CUDA_MPS_PIPE_DIRECTORY"])
+    assert private == h.run_dir / TRAINING / "no-mps" and private.is_dir() and not list(private.iterdir())
+    assert h.job("cmd")["isolation"] == "contexts"
+    assert any(e["kind"] == "isolation" and e["message"].startswith("ready: ") for e in stats["events"])

@@ -152,3 +152,92 @@ def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path
     assert set(data["guard"]) >= {"share", "baseline_s", "slowdown_held", "history"}
     assert not list(run_dir.rglob("*.sock")), "sockets left behind"
     assert os.path.exists(ready)
+
+
+# -- devices and isolation flags ---------------------------------------------------------------------
+FAKES = Path(__file__).parent / "fakes"
+
+
+def _agent_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``bubbles agent ARGS`` in this process (the same code path, without a process start per bad flag)."""
+    from bubbles.cli import main
+
+    try:
+        code = main(["agent", *args])
+    except SystemExit as exc:  # argparse rejects a flag it parses itself (an unknown choice)
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--isolation", "sometimes"], "argument --isolation: invalid choice: 'sometimes'"),
+        (["--mps-thread-percentage", "0"], "--mps-thread-percentage must be 1..100"),
+        (["--mps-thread-percentage", "101"], "--mps-thread-percentage must be 1..100"),
+        (["--mps-check-interval", "0"], "--mps-check-interval must be > 0 seconds"),
+        (["--mps-control", "/no/such/nvidia-cuda-mps-control"],
+         "--mps-control /no/such/nvidia-cuda-mps-control does not exist"),
+        (["--devices", "gpu"], "--devices entry 'gpu' is neither cpu nor cuda:N with N a GPU index (write cuda:0"),
+        (["--devices", "cuda:0,,cpu"], "--devices must be a comma-separated list of cpu or cuda:N entries"),
+        (["--devices", "cuda:x"], "--devices entry 'cuda:x' is neither cpu nor cuda:N"),
+    ],
+)
+def test_cli_bad_device_and_isolation_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   args: list[str], needle: str) -> None:
+    code, err = _agent_in_process(capsys, "--run-dir", str(tmp_path), *args)
+    assert code == 2 and needle in err, err
+
+
+def test_cli_bad_mps_paths_and_a_gpu_job_without_memory_exit_2(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    not_executable = tmp_path / "nvidia-cuda-mps-control"
+    not_executable.write_text("#!/bin/sh\n")
+    code, err = _agent_in_process(capsys, "--run-dir", str(tmp_path), "--isolation", "mps",
+                                  "--mps-control", str(not_executable))
+    assert code == 2 and "is not executable; chmod +x it" in err, err
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    code, err = _agent_in_process(capsys, "--run-dir", str(tmp_path), "--mps-pipe-dir", str(a_file))
+    assert code == 2 and f"--mps-pipe-dir {a_file} is a file, not a directory" in err, err
+    code, err = _agent_in_process(capsys, "--run-dir", str(tmp_path), "--isolation", "mps", "--mps-control",
+                                  str(FAKES / "nvidia-cuda-mps-control"), "--mps-pipe-dir", str(tmp_path / ("p" * 110)),
+                                  "--mps-log-dir", str(tmp_path / "l"))
+    assert code == 2 and "choose a shorter --mps-pipe-dir" in err, err
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: greedy\nentry: a:B\n")
+    code, err = _agent_in_process(capsys, "--run-dir", str(tmp_path), "--devices", "cuda:0", "--isolation", "none",
+                                  "--fill-job", str(spec))
+    assert code == 2 and "'greedy' would run on cuda:0 but declares no memory limit" in err
+    assert "memory: 2Gi" in err
+
+
+@pytest.mark.parametrize("mode", ["none", "mps"])
+def test_cli_reports_the_isolation_in_its_stats(tmp_path: Path, mode: str) -> None:
+    """``--isolation none --allow-unisolated`` is fine; ``mps`` starts the (stand-in) daemon and quits it."""
+    run_dir, ready, stats = tmp_path / "run", tmp_path / "ready", tmp_path / "stats.json"
+    pipe, logs = tmp_path / "p", tmp_path / "l"
+    extra = (["--allow-unisolated"] if mode == "none" else
+             ["--mps-control", str(FAKES / "nvidia-cuda-mps-control"), "--mps-pipe-dir", str(pipe),
+              "--mps-log-dir", str(logs)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--isolation", mode, *extra,
+         "--ready-file", str(ready), "--stats", str(stats), "--log-level", "WARNING"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "agent did not get ready"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    iso = json.loads(stats.read_text())["isolation"]
+    if mode == "none":
+        assert iso["mode"] == "none" and iso["state"] == "unisolated" and iso["daemon"] is None
+        return
+    assert iso["mode"] == "mps" and iso["state"] == "ready" and iso["daemon"]["owned"]
+    assert (pipe / "commands.log").read_text().splitlines()[-1] == "quit"
+    assert not (pipe / "control").exists()

@@ -14,6 +14,9 @@ def test_round_trip_commands_and_events() -> None:
                                             bubble_seq=7, signal_ns=0))
     assert ev.type == "step" and ev["end_ns"] == 5 and ev.get("bubble_seq") == 7
     assert control.parse_event(control.encode("finished")).type == "finished"
+    synced = control.parse_event(control.encode("step", start_ns=10, end_ns=50, flops=1.0, sync_ns=30))
+    assert synced["sync_ns"] == 30
+    assert "sync_ns" not in ev.fields  # optional: runtimes before it are still understood
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,12 @@ def test_bad_commands_are_rejected_with_a_reason(line: bytes, needle: str) -> No
         (b'{"type": "step", "start_ns": 1, "end_ns": 2, "flops": NaN}', "must be finite"),
         (b'{"type": "profile", "step_s": 0}', "step_s must be > 0"),
         (b'{"type": "step_begin", "t_ns": "now", "bubble_seq": 1}', "t_ns must be int"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": 9}',
+         "sync_ns must be between 0 and the step's duration (4 ns), got 9"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": -1}', "sync_ns must be between 0"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": 1.5}', "sync_ns must be int"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": true}', "sync_ns must be int"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": "3"}', "sync_ns must be int"),
     ],
 )
 def test_bad_events_are_rejected_with_a_reason(line: bytes, needle: str) -> None:

@@ -25,7 +25,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from bubbles import hook, paths, wire
 from bubbles.cycle import BUBBLE_KINDS, BubbleCycle
 from bubbles.hook import Candidate, Listeners, build_cycle, candidate_slots, instruction_stream, instrument
-from bubbles.probes import CudaAllocatorProbe, MemoryProbe, StaticMemoryProbe, default_probe
+from bubbles.probes import CudaAllocatorProbe, MemoryProbe, MemorySample, StaticMemoryProbe, default_probe
 
 SHAPES = [(p, m) for p in (2, 3, 4) for m in (1, 2, 4, 8)]
 
@@ -360,6 +360,33 @@ def test_broken_probe_means_unknown_memory(sockdir: Path) -> None:
     eng.train_batch(), eng.train_batch()
     assert inst.cycle is not None and all(s.free_bytes == 0 for s in inst.cycle.slots)
     assert not inst.stats["disabled"]
+    inst.detach()
+
+
+def test_slots_keep_the_least_free_and_the_most_allocated_memory_seen(sockdir: Path) -> None:
+    class Drifting(MemoryProbe):
+        """Each reading: less free, more allocated, as a training's memory does between its peaks."""
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def sample(self) -> MemorySample:
+            self.n += 1
+            return MemorySample(free_bytes=1000 - self.n, allocated_bytes=100 + self.n)
+
+    probe = Drifting()
+    eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+    inst = instrument(eng, training="t6", run_dir=sockdir, memory_probe=probe, warmup_iterations=0,
+                      profile_iterations=3)
+    for _ in range(3):
+        eng.train_batch()
+    cycle = inst.cycle
+    assert cycle is not None and cycle.slots
+    per_iteration = probe.n // 3  # readings per profiled iteration, one per candidate wait
+    for s in cycle.slots:
+        assert s.free_bytes + s.allocated_bytes == 1100  # from the same (the last) reading at that slot
+        assert s.allocated_bytes > 100 + 2 * per_iteration  # taken in the last profiled iteration
+    assert BubbleCycle.from_dict(cycle.to_dict()) == cycle
     inst.detach()
 
 

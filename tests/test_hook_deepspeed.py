@@ -151,8 +151,11 @@ def two_stage_killed_listener(tmp_path_factory: pytest.TempPathFactory,
 def four_stage(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # 4 stage processes share 2 cores: longer emulated compute keeps host work (and its contention) a
     # small part of each stage's time, as on a GPU.
+    # It also runs the device-timing path (events read on a helper thread, bubbles built from their
+    # lengths) with events that complete when recorded, which is what a blocking gloo wait is.
     return run_training(4, tmp_path_factory.mktemp("four"), *MODEL, "--sleep-compute-ms", "4",
-                        "--phases", "off:2", "--run-dir", str(tmp_path_factory.mktemp("run4")))
+                        "--phases", "off:2", "--run-dir", str(tmp_path_factory.mktemp("run4")),
+                        "--timing", "host-events")
 
 
 def check_bubbles(ranks: list[dict[str, Any]], stages: int) -> None:
@@ -182,6 +185,9 @@ def test_two_stage_bubbles_detected(two_stage_killed_listener: dict[str, Any]) -
 
 def test_four_stage_bubbles_detected(four_stage: list[dict[str, Any]]) -> None:
     check_bubbles(four_stage, 4)
+    for r in four_stage:
+        assert r["stats"]["timing"] == "cuda" and r["stats"]["device_waits_timed"] > 0
+        assert not r["stats"]["disabled"]
 
 
 def test_losses_bit_identical_with_and_without_hook_and_listener(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,20 @@ import pytest
 from test_agent_jobs import BusyJob
 
 from bubbles import control, wire
-from bubbles.sdk import FillRuntime, StepResult, load_entry
+from bubbles.ledger import HarvestLedger
+from bubbles.sdk import (
+    INIT_PROFILE_STEPS,
+    PROFILE_MARGIN,
+    CudaDeviceSync,
+    DeviceSync,
+    FillRuntime,
+    StepResult,
+    apply_process_limits,
+    cuda_device_index,
+    device_sync_for,
+    load_entry,
+    run_fill_process,
+)
 
 
 class Channel:
@@ -43,19 +58,46 @@ class Channel:
         raise AssertionError(f"no {type_} {match} event within {timeout_s} s; got {got}")
 
 
-@pytest.fixture
-def runtime(tmp_path: Path):  # type: ignore[no-untyped-def]
+    def count(self, type_: str, **match: Any) -> int:
+        return sum(1 for ev in self.events if ev.type == type_ and all(ev.get(k) == v for k, v in match.items()))
+
+    def wait_count(self, n: int, type_: str, timeout_s: float = 5.0, **match: Any) -> None:
+        """Wait until ``n`` events of this type (and fields) have arrived."""
+        deadline = time.monotonic() + timeout_s
+        while self.count(type_, **match) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} {type_} {match} events within {timeout_s} s"
+            with contextlib.suppress(TimeoutError):
+                self.events += [control.parse_event(line) for line in self.lines.feed(self.sock.recv(65536))]
+
+
+@contextlib.contextmanager
+def serving(path: Path, job: BusyJob, **kwargs: Any) -> Iterator[tuple[Channel, FillRuntime]]:
+    """A FillRuntime serving ``job`` in a thread, its control channel, and a check that it cleans up."""
     ours, theirs = socket.socketpair()
-    job = BusyJob(step_ms=1.0)
-    path = tmp_path / "fill-busy.sock"
-    rt = FillRuntime(job, theirs, name="busy", socket_path=str(path), step_s=None)
+    rt = FillRuntime(job, theirs, name="busy", socket_path=str(path), **{"step_s": None, **kwargs})
     thread = threading.Thread(target=rt.serve, daemon=True)
     thread.start()
-    yield Channel(ours), rt, path
-    ours.close()
-    thread.join(5)
+    try:
+        yield Channel(ours), rt
+    finally:
+        ours.close()
+        thread.join(5)
     assert not thread.is_alive()
     assert not path.exists(), "the runtime left its socket behind"
+
+
+@pytest.fixture
+def runtime(tmp_path: Path):  # type: ignore[no-untyped-def]
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, BusyJob(step_ms=1.0)) as (ch, rt):
+        yield ch, rt, path
+
+
+def wait_for_socket(path: Path) -> None:
+    deadline = time.monotonic() + 5
+    while not path.exists():
+        assert time.monotonic() < deadline, "the runtime did not bind its signal socket"
+        time.sleep(0.001)
 
 
 def test_runtime_profiles_at_init_then_gates_steps_by_the_program_directed_limit(runtime) -> None:  # type: ignore[no-untyped-def]
@@ -164,3 +206,269 @@ def test_example_spec_files_parse() -> None:
     for s in specs.values():
         load_entry(s.entry or "")
         json.dumps(s.args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU work a step queued: it must finish inside the step (stand-ins for torch.cuda, no GPU here)
+
+
+class SlowDeviceSync(DeviceSync):
+    """Stands in for ``torch.cuda.synchronize()`` while the GPU still runs ``queued_s`` of kernels the step
+    launched: the host thread blocks, idle, until they finish (a sleep is exactly that)."""
+
+    def __init__(self, queued_s: float) -> None:
+        self.queued_s = queued_s
+        self.calls = 0
+
+    def synchronize(self) -> None:
+        self.calls += 1
+        time.sleep(self.queued_s)
+
+
+class HookedBusyJob(BusyJob):
+    """BusyJob that runs ``during_next_step`` (once) inside its next step: to make something happen while
+    the step's GPU work is still queued."""
+
+    during_next_step: Callable[[], None] | None = None
+
+    def step(self) -> StepResult:
+        hook, self.during_next_step = self.during_next_step, None
+        if hook is not None:
+            hook()
+        return super().step()
+
+
+def test_queued_gpu_work_counts_in_the_step_time_the_gate_and_the_overrun(tmp_path: Path) -> None:
+    queued_s = 0.030
+    sync = SlowDeviceSync(queued_s)
+    job = HookedBusyJob(step_ms=1.0)
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, job, device_sync=sync) as (ch, _rt):
+        ch.send("init")  # imports torch (apply_process_limits): seconds on a loaded machine
+        # The init-time profiler waits for the GPU too: the gating step time is GPU time, not launch time.
+        step_s = ch.wait("profile", timeout_s=60)["step_s"]
+        assert sync.calls == INIT_PROFILE_STEPS
+        assert (0.001 + queued_s) * PROFILE_MARGIN <= step_s < 0.5
+        ch.send("arm", mode="harvest", share=1.0)
+        wait_for_socket(path)
+        sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+        def start_bubble(seq: int, predicted_s: float) -> tuple[int, int]:
+            start = time.monotonic_ns()
+            sig.sendto(wire.encode_bubble_start(0, 0, seq, start, start + int(predicted_s * 1e9)), str(path))
+            return start, start + int(predicted_s * 1e9)
+
+        def end_bubble(seq: int) -> int:
+            end = time.monotonic_ns()
+            sig.sendto(wire.encode_bubble_end(0, 0, seq, end), str(path))
+            return end
+
+        # (b) The gate: a 25 ms bubble would hold 20 host-side steps of 1 ms, but not one 31 ms GPU step.
+        start_bubble(1, 0.025)
+        time.sleep(0.025)
+        end_bubble(1)
+        # A 150 ms bubble runs steps; each starts only if its profiled time fits before the predicted end.
+        _, predicted_end = start_bubble(2, 0.150)
+        time.sleep(0.150)
+        end_bubble(2)
+        ch.wait_count(2, "state", state="PAUSED")  # init's, then the end of bubble 2's pass
+        steps = [e for e in ch.events if e.type == "step"]
+        assert {e["bubble_seq"] for e in steps} == {2}
+        # Each step lasts at least its GPU time, and the last one started no later than end - step_s.
+        assert 1 <= len(steps) <= 1 + int((0.150 - step_s) / (queued_s + 0.001))
+        for e in steps:
+            assert e["start_ns"] + step_s * 1e9 <= predicted_end + 1
+            # (a) The reported end is after the GPU finished: the step's time includes the synchronize.
+            assert e["sync_ns"] >= queued_s * 1e9
+            assert e["end_ns"] - e["start_ns"] >= e["sync_ns"] + job.step_ns
+
+        # The training comes back while the step's kernels are still queued (the bubble was shorter than
+        # predicted): the agent's overrun (step end - bubble end) is the time the GPU stayed busy after it.
+        bubble_start, _ = start_bubble(3, 0.150)
+        ended: list[int] = []
+        job.during_next_step = lambda: ended.append(end_bubble(3))
+        step = ch.wait("step", bubble_seq=3)
+        ledger = HarvestLedger()
+        ledger.add_bubble(0, bubble_start, ended[0])
+        ledger.add_step(0, "busy", step["start_ns"], step["end_ns"], step["flops"])
+        totals = ledger.totals()
+        assert totals.overruns == 1
+        assert totals.overrun_s * 1e9 == pytest.approx(step["end_ns"] - ended[0], abs=1)
+        assert totals.overrun_s * 1e9 >= step["sync_ns"] >= queued_s * 1e9
+        ch.wait_count(3, "state", state="PAUSED")
+        assert ch.count("step", bubble_seq=3) == 1  # the bubble had ended: no second step
+        assert sync.calls == INIT_PROFILE_STEPS + ch.count("step")
+        sig.close()
+        ch.send("stop")
+
+
+def test_naive_steps_wait_for_their_device_work_too(tmp_path: Path) -> None:
+    sync = SlowDeviceSync(0.0)
+    with serving(tmp_path / "fill-busy.sock", BusyJob(step_ms=0.2), device_sync=sync, step_s=0.001) as (ch, rt):
+        ch.send("init")
+        ch.wait("state", state="PAUSED", timeout_s=60)
+        assert sync.calls == 0  # a step time was given: nothing profiled
+        ch.send("arm", mode="naive")
+        deadline = time.monotonic() + 5
+        while rt.steps < 10:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        ch.send("disarm")
+        ch.wait_count(2, "state", state="PAUSED")
+        ch.wait_count(rt.steps, "step", mode="naive")
+        assert sync.calls == rt.steps == ch.count("step")
+        assert all(e["sync_ns"] >= 0 for e in ch.events if e.type == "step")
+        ch.send("stop")
+
+
+class FakeCuda:
+    """The part of ``torch.cuda`` the SDK uses, for devices of ``total`` bytes; logs the calls."""
+
+    def __init__(self, *, total: int = 80 << 30, devices: int = 2, available: bool = True) -> None:
+        self.total, self.devices, self.available = total, devices, available
+        self.calls: list[tuple[Any, ...]] = []
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def get_device_properties(self, index: int) -> Any:
+        self.calls.append(("get_device_properties", index))
+        return type("Props", (), {"total_memory": self.total})()
+
+    def set_per_process_memory_fraction(self, fraction: float, device: int) -> None:
+        self.calls.append(("set_per_process_memory_fraction", fraction, device))
+
+    def synchronize(self, device: int) -> None:
+        self.calls.append(("synchronize", device))
+
+
+@pytest.fixture
+def keep_torch_threads() -> Iterator[None]:
+    """apply_process_limits pins torch to one thread, in the test process too: put it back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("device", "index"), [("cpu", None), ("cpu:3", None), ("cuda", 0), ("cuda:1", 1),
+                                               (" cuda:12 ", 12)])
+def test_device_strings_name_a_cuda_index_or_none(device: str, index: int | None) -> None:
+    assert cuda_device_index(device) == index
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:1:2", "cpu:k", "", "CUDA:0"])
+def test_bad_device_strings_say_what_a_device_looks_like(device: str) -> None:
+    with pytest.raises(ValueError, match=r"neither 'cpu', 'cpu:K' nor 'cuda:N'; check \$BUBBLES_DEVICE"):
+        cuda_device_index(device)
+    with pytest.raises(ValueError, match="neither"):
+        device_sync_for(device)
+
+
+def test_device_sync_is_a_no_op_on_cpus_and_cuda_synchronize_on_the_devices_index() -> None:
+    cuda = FakeCuda()
+    assert type(device_sync_for("cpu:1", cuda)) is DeviceSync
+    device_sync_for("cpu", cuda).synchronize()
+    sync = device_sync_for("cuda:1", cuda)
+    assert isinstance(sync, CudaDeviceSync)
+    sync.synchronize()
+    assert cuda.calls == [("synchronize", 1)]
+    with pytest.raises(RuntimeError, match="CUDA is not available in this fill process"):
+        device_sync_for("cuda:0", FakeCuda(available=False))
+    with pytest.raises(RuntimeError, match="'cuda:2' does not exist: this fill process sees 2 CUDA device"):
+        device_sync_for("cuda:2", FakeCuda(devices=2))
+
+
+def test_the_real_cuda_sync_on_this_cpu_machine_fails_at_init_with_a_reason(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    ours, theirs = socket.socketpair()
+    job = BusyJob()
+    rt = FillRuntime(job, theirs, name="busy", socket_path=None, step_s=0.001, device="cuda:0")
+    with pytest.raises(RuntimeError, match="'cuda:0' was assigned, but CUDA is not available"):
+        rt._handle(control.parse_command(control.encode("init")))
+    assert not job.initialized
+    ours.close()
+    theirs.close()
+    with pytest.raises(ValueError, match="neither"):
+        FillRuntime(BusyJob(), socket.socket(), name="x", socket_path=None, step_s=None, device="gpu0")
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_memory_limit_becomes_the_devices_fraction_on_its_index() -> None:
+    cuda = FakeCuda(total=80 << 30)
+    assert apply_process_limits("cuda:1", 20 << 30, cuda=cuda) == 0.25
+    assert cuda.calls == [("get_device_properties", 1), ("set_per_process_memory_fraction", 0.25, 1)]
+    import torch
+
+    assert torch.get_num_threads() == 1
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_a_limit_above_the_device_caps_at_the_whole_device_with_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    cuda = FakeCuda(total=80 << 30)
+    assert apply_process_limits("cuda:0", 100 << 30, cuda=cuda) == 1.0
+    assert cuda.calls[-1] == ("set_per_process_memory_fraction", 1.0, 0)
+    err = capsys.readouterr().err
+    assert "exceeds cuda:0's 85899345920 bytes" in err and "Lower the fill job's spec.memory" in err
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+@pytest.mark.parametrize(("device", "memory"), [("cuda:0", 0), ("cuda:0", None), ("cpu", 1 << 30), ("cpu:1", None)])
+def test_no_limit_or_a_cpu_device_caps_nothing(device: str, memory: int | None) -> None:
+    cuda = FakeCuda()
+    assert apply_process_limits(device, memory, cuda=cuda) is None
+    assert cuda.calls == []
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+@pytest.mark.parametrize(
+    ("device", "memory", "cuda", "error", "needle"),
+    [
+        ("cuda:0", -1, FakeCuda(), ValueError, "memory limit must be an int number of bytes >= 0, got -1"),
+        ("cuda:0", 1.5, FakeCuda(), ValueError, "check $BUBBLES_MEMORY_BYTES or the fill job's spec.memory"),
+        ("cuda:0", True, FakeCuda(), ValueError, "memory limit must be an int"),
+        ("gpu:0", 1 << 30, FakeCuda(), ValueError, "neither 'cpu', 'cpu:K' nor 'cuda:N'"),
+        ("cuda:2", 1 << 30, FakeCuda(devices=2), RuntimeError, "sees 2 CUDA device(s) (check CUDA_VISIBLE_DEVICES"),
+        ("cuda:0", 1 << 30, FakeCuda(available=False), RuntimeError, "CUDA is not available in this fill process"),
+    ],
+)
+def test_bad_limits_and_devices_are_refused_with_a_reason(device: str, memory: Any, cuda: FakeCuda,
+                                                          error: type[Exception], needle: str) -> None:
+    with pytest.raises(error) as err:
+        apply_process_limits(device, memory, cuda=cuda)
+    assert needle in str(err.value)
+    assert not [c for c in cuda.calls if c[0] == "set_per_process_memory_fraction"]
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_the_real_torch_cuda_on_this_cpu_machine_is_refused_with_a_reason() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        apply_process_limits("cuda:0", 1 << 30)
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({control.DEVICE_ENV: "gpu"}, "device 'gpu' is neither"),
+        ({control.MEMORY_ENV: "2Gi"}, "$BUBBLES_MEMORY_BYTES='2Gi' is not an integer number of bytes >= 0"),
+        ({control.MEMORY_ENV: "-5"}, "$BUBBLES_MEMORY_BYTES='-5'"),
+    ],
+)
+def test_the_fill_process_refuses_a_bad_device_or_memory_limit(env: dict[str, str], needle: str,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert run_fill_process(["--entry", "test_agent_jobs:BusyJob"]) == 2
+    assert needle in capsys.readouterr().err

@@ -74,6 +74,11 @@ def test_an_oversized_profile_is_refused_at_the_sender() -> None:
     ({"slots": [1]}, r"slots\[0\] must be an object"),
     ({"slots": [{**cycle_dict()["slots"][0], "kind": "lunch"}]}, r"slots\[0\].kind 'lunch'"),
     ({"slots": [{**cycle_dict()["slots"][0], "free_bytes": -1}]}, "'free_bytes' must be >= 0"),
+    ({"slots": [{**cycle_dict()["slots"][0], "allocated_bytes": -1}]}, "'allocated_bytes' must be >= 0"),
+    ({"slots": [{**cycle_dict()["slots"][0], "allocated_bytes": "1Gi"}]}, "'allocated_bytes' must be int, got str"),
+    ({"slots": [{**cycle_dict()["slots"][0], "allocated_bytes": 1.5}]}, "'allocated_bytes' must be int, got float"),
+    ({"slots": [{**cycle_dict()["slots"][0], "allocated_bytes": True}]}, "'allocated_bytes' must be int, got bool"),
+    ({"slots": [{**cycle_dict()["slots"][0], "allocated_bytes": None}]}, "'allocated_bytes' must be int"),
 ])
 def test_a_bad_cycle_names_the_field(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -94,6 +99,17 @@ def test_a_cycle_without_wait_s_still_reads_and_counts_its_bubbles_as_idle() -> 
     del d["wait_s"]
     cycle = BubbleCycle.from_dict(d)
     assert cycle.wait_s == 0.0 and cycle.idle_ratio == pytest.approx(cycle.bubble_ratio)
+
+
+def test_a_slots_allocated_memory_round_trips_and_old_profiles_without_it_read_as_zero() -> None:
+    d = cycle_dict()
+    d["slots"][0]["allocated_bytes"] = 20 << 30
+    wired = wire.decode(wire.encode_profile(0, d))
+    assert isinstance(wired, wire.Profile)
+    cycle = BubbleCycle.from_dict(wired.cycle)
+    assert cycle.slots[0].allocated_bytes == 20 << 30 and cycle.to_dict() == d
+    del d["slots"][0]["allocated_bytes"]
+    assert BubbleCycle.from_dict(d).slots[0].allocated_bytes == 0
 
 
 def test_robust_stats_ignore_one_slow_sample() -> None:

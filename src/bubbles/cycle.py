@@ -34,6 +34,9 @@ class BubbleSlot:
     p10_s: float
     p90_s: float
     free_bytes: int  # accelerator memory free for fill work during this bubble
+    # The training's live tensors during this bubble (the probe's reading; 0: unknown, e.g. on CPU or in a
+    # profile written before this field existed). Free memory already leaves room for the training's peak.
+    allocated_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ def _slot_from_dict(i: int, s: Any) -> BubbleSlot:
         p10_s=_nonneg_float(s, "p10_s"),
         p90_s=_nonneg_float(s, "p90_s"),
         free_bytes=_nonneg_int(s, "free_bytes"),
+        allocated_bytes=_nonneg_int(s, "allocated_bytes") if "allocated_bytes" in s else 0,
     )
 
 

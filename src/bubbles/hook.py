@@ -16,8 +16,11 @@ dead listener is dropped, a full one loses that datagram. Any exception in the h
 is logged once and switches signalling off; exceptions raised by DeepSpeed's handlers propagate
 unchanged. The hook never touches tensors, so the training's losses are bit-identical with and without it.
 
-Caveat on GPUs: with NCCL a ``recv`` returns to the host before the data arrives, so host timestamps do
-not see the waits; this module measures host time, which is what the CPU (gloo) pipeline blocks on.
+On GPUs (``timing="cuda"``, chosen by ``"auto"`` when the engine's device is a CUDA device) host
+timestamps do not see the waits: with NCCL a ``recv`` returns to the host before the data arrives. There
+each candidate wait is bracketed by device events, and a helper thread (``bubbles.gpu_timing``) signals
+the bubble when the device reaches it and measures its length as the device saw it. The training's thread
+only records the events. On CPU (gloo) the host blocks in the wait, and host time is what is measured.
 
 The classification of waits into bubble kinds and the aggregation of profiled samples are pure
 functions over instruction streams (``candidate_slots``, ``build_cycle``), tested directly on the
@@ -31,6 +34,7 @@ import errno
 import logging
 import os
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +44,7 @@ from typing import Any
 
 from bubbles import paths, wire
 from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
+from bubbles.gpu_timing import DeviceEvent, EventTimer, cuda_event_factory
 from bubbles.probes import MemoryProbe, default_probe
 
 log = logging.getLogger("bubbles.hook")
@@ -47,6 +52,7 @@ log = logging.getLogger("bubbles.hook")
 LOSS_BROADCAST = "LossBroadcast"
 WAIT_INSTRUCTIONS = frozenset({"RecvActivation", "RecvGrad"})
 TRACE_ITERATIONS = 256  # iterations of per-instruction trace kept when trace=True (a ring)
+TIMINGS = ("auto", "host", "cuda")
 _GONE_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.EPROTOTYPE,
                           errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR})
 _FULL_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
@@ -111,17 +117,22 @@ def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True) -> li
 
 def build_cycle(*, training: str, stage: int, stages: int, microbatches: int, schedule: str,
                 candidates: Sequence[Candidate], durations_s: Sequence[Sequence[float]],
-                free_bytes: Sequence[int], iteration_s: Sequence[float], min_bubble_s: float) -> BubbleCycle:
+                free_bytes: Sequence[int], iteration_s: Sequence[float], min_bubble_s: float,
+                allocated_bytes: Sequence[int] | None = None) -> BubbleCycle:
     """Aggregate profiled iterations into a cycle.
 
     ``durations_s[k][j]`` is the measured length of ``candidates[j]`` in profiled iteration ``k``;
-    ``free_bytes[j]`` the lowest free memory seen at candidate ``j``. A candidate whose median is at
-    least ``min_bubble_s`` becomes a bubble; slots are numbered in schedule order.
+    ``free_bytes[j]`` the lowest free memory seen at candidate ``j`` and ``allocated_bytes[j]`` the most
+    the training held there. A candidate whose median is at least ``min_bubble_s`` becomes a bubble;
+    slots are numbered in schedule order.
     """
     if not durations_s or not iteration_s:
         raise ValueError("no profiled iterations")
-    if any(len(row) != len(candidates) for row in durations_s) or len(free_bytes) != len(candidates):
-        raise ValueError("durations and free memory must have one entry per candidate")
+    if allocated_bytes is None:
+        allocated_bytes = [0] * len(candidates)
+    if (any(len(row) != len(candidates) for row in durations_s) or len(free_bytes) != len(candidates)
+            or len(allocated_bytes) != len(candidates)):
+        raise ValueError("durations and memory readings must have one entry per candidate")
     slots: list[BubbleSlot] = []
     wait_s = 0.0
     for j, cand in enumerate(candidates):
@@ -130,7 +141,8 @@ def build_cycle(*, training: str, stage: int, stages: int, microbatches: int, sc
         if med >= min_bubble_s:
             slots.append(BubbleSlot(slot=len(slots), position=cand.position, instruction=cand.instruction,
                                     kind=cand.kind, duration_s=med, p10_s=p10, p90_s=p90,
-                                    free_bytes=max(0, int(free_bytes[j]))))
+                                    free_bytes=max(0, int(free_bytes[j])),
+                                    allocated_bytes=max(0, int(allocated_bytes[j]))))
     return BubbleCycle(training=training, stage=stage, stages=stages, microbatches=microbatches,
                        schedule=schedule, iteration_s=robust_stats(iteration_s)[0], slots=tuple(slots),
                        samples=len(durations_s), wait_s=wait_s)
@@ -147,6 +159,9 @@ class Listeners:
         self.directory = directory
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
+        # With device timing the event thread sends BUBBLE_START/END while the training's thread sends the
+        # rest; uncontended, the lock costs a fraction of a microsecond.
+        self._lock = threading.Lock()
         self._mtime: tuple[int, int] | None = None
         self._targets: tuple[str, ...] = ()
         # path -> identity (inode, ctime) of a dropped listener's file, so a dead listener's leftover
@@ -162,6 +177,10 @@ class Listeners:
 
     def refresh(self) -> list[str]:
         """Re-list the directory if its mtime changed; return listeners that appeared since last time."""
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> list[str]:
         try:
             st = os.stat(self.directory)
         except OSError:
@@ -190,15 +209,16 @@ class Listeners:
         return new
 
     def send(self, data: bytes, targets: Sequence[str] | None = None) -> None:
-        for path in self._targets if targets is None else targets:
-            try:
-                self._sock.sendto(data, path)
-                self.sent += 1
-            except OSError as exc:
-                if exc.errno in _FULL_ERRNOS:
-                    self.dropped += 1
-                else:  # gone (ENOENT, ECONNREFUSED) or not ours to write to: stop trying
-                    self._drop(path)
+        with self._lock:
+            for path in self._targets if targets is None else targets:
+                try:
+                    self._sock.sendto(data, path)
+                    self.sent += 1
+                except OSError as exc:
+                    if exc.errno in _FULL_ERRNOS:
+                        self.dropped += 1
+                    else:  # gone (ENOENT, ECONNREFUSED) or not ours to write to: stop trying
+                        self._drop(path)
 
     def _drop(self, path: str) -> None:
         if path not in self._targets:
@@ -210,8 +230,9 @@ class Listeners:
             self._gone[path] = (st.st_ino, st.st_ctime_ns)
 
     def close(self) -> None:
-        self._sock.close()
-        self._targets = ()
+        with self._lock:
+            self._sock.close()
+            self._targets = ()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,6 +251,7 @@ class _ScheduleProfile:
         self.durations: list[list[float]] = []
         self.iter_s: list[float] = []
         self.free: dict[int, int] = {}  # position -> min free bytes sampled there
+        self.allocated: dict[int, int] = {}  # position -> max bytes the training held there
         self.cycle: BubbleCycle | None = None
         self.signal_map: dict[int, tuple[int, int]] = {}  # position -> (slot, median_ns)
 
@@ -253,11 +275,14 @@ class Instrumentation:
     """What ``instrument`` returns: the profiled cycles, timings, statistics and ``detach()``."""
 
     def __init__(self, engine: Any, *, training: str, run_dir: Path, memory_probe: MemoryProbe,
-                 warmup_iterations: int, profile_iterations: int, min_bubble_s: float, trace: bool) -> None:
+                 warmup_iterations: int, profile_iterations: int, min_bubble_s: float, trace: bool,
+                 timing: str = "host", event_factory: Callable[[], DeviceEvent] | None = None) -> None:
         if warmup_iterations < 0 or profile_iterations < 1:
             raise ValueError("warmup_iterations must be >= 0 and profile_iterations >= 1")
         if min_bubble_s < 0:
             raise ValueError(f"min_bubble_s must be >= 0, got {min_bubble_s}")
+        if timing not in ("host", "cuda"):
+            raise ValueError(f"timing must be 'host' or 'cuda' here, got {timing!r}")
         self.engine = engine
         self.training = training
         self.stage = int(engine.stage_id)
@@ -289,6 +314,13 @@ class Instrumentation:
         self._trace_ring: deque[tuple[int, list[tuple[int, int, int]], dict[int, tuple[int, int]]]] = \
             deque(maxlen=TRACE_ITERATIONS)
         self._listeners = Listeners(self.stage_dir)
+        self._profile_lock = threading.Lock()  # _add_sample runs on the event thread with device timing
+        self.timing = timing
+        self._timer: EventTimer | None = None
+        if timing == "cuda":
+            self._timer = EventTimer(event_factory or cuda_event_factory(), on_start=self._send_bubble_start,
+                                     on_end=self._bubble_end, on_iteration=self._on_device_iteration,
+                                     on_error=self._fail)
         self._saved: dict[str, Any] = {}
         self._attached = False
         self._attach()
@@ -310,6 +342,9 @@ class Instrumentation:
             "bubbles_signalled": self._seq,
             "iterations": self._iteration,
             "disabled": self._disabled,
+            "timing": self.timing,
+            "device_waits_timed": self._timer.resolved if self._timer else 0,
+            "device_waits_untimed": self._timer.overflowed if self._timer else 0,
         }
 
     def set_fill_mode(self, mode: wire.FillMode) -> None:
@@ -347,6 +382,8 @@ class Instrumentation:
             else:
                 d.pop(attr, None)
         self._attached = False
+        if self._timer is not None:
+            self._timer.close()
         self._listeners.close()
 
     # -- wiring ----------------------------------------------------------------------------------------
@@ -371,7 +408,7 @@ class Instrumentation:
             code = self._code(cls.__name__)
             if cls.__name__ in WAIT_INSTRUCTIONS:
                 self._wait_codes.add(code)
-                timed_map[cls] = self._timed_wait_call(fn, code)
+                timed_map[cls] = self._wait_wrapper(fn, code)
             else:
                 timed_map[cls] = self._timed(fn, code)
         orig_exec = engine._exec_schedule
@@ -406,7 +443,7 @@ class Instrumentation:
 
         d["_INSTRUCTION_MAP"] = timed_map
         d["_exec_schedule"] = _exec_schedule
-        d["_aggregate_total_loss"] = self._timed_wait_call(orig_agg, self._lb_code)
+        d["_aggregate_total_loss"] = self._wait_wrapper(orig_agg, self._lb_code)
         d["train_batch"] = train_batch
         d["eval_batch"] = eval_batch
         d[_MARK] = self
@@ -430,6 +467,47 @@ class Instrumentation:
         timed.__name__ = getattr(fn, "__name__", "timed")
         timed.__wrapped__ = fn  # type: ignore[attr-defined]
         return timed
+
+    def _wait_wrapper(self, fn: Callable[..., Any], code: int) -> Callable[..., Any]:
+        if self._timer is not None:
+            return self._device_timed_wait_call(fn, code, self._timer)
+        return self._timed_wait_call(fn, code)
+
+    def _device_timed_wait_call(self, fn: Callable[..., Any], code: int, timer: EventTimer
+                                ) -> Callable[..., Any]:
+        """Device timing: events around the wait; the event thread signals and measures it.
+
+        Waits that are neither signalled nor profiled get only the host stamps, like any instruction.
+        """
+        hot = self._hot
+        mono = time.monotonic_ns
+
+        def wait(*args: Any, **kwargs: Any) -> Any:
+            records = hot.records
+            pos = len(records)
+            sig = hot.signal_map.get(pos)
+            if sig is None and not hot.sampling:
+                t0 = mono()
+                result = fn(*args, **kwargs)
+                records.append((code, t0, mono()))
+                return result
+            seq = 0
+            if sig is not None:
+                self._seq += 1
+                seq = self._seq
+            start = timer.begin(pos, sig, seq)
+            t0 = mono()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                records.append((code, t0, mono()))
+                if start is not None:
+                    timer.end(pos, start, sig, seq)
+            if hot.sampling:
+                self._sample_memory(pos)
+            return result
+
+        return wait
 
     def _timed_wait_call(self, fn: Callable[..., Any], code: int) -> Callable[..., Any]:
         """Time a candidate wait; signal it when it is a profiled bubble and listeners exist.
@@ -514,23 +592,28 @@ class Instrumentation:
         if prof is None:
             return
         try:
-            free = int(self.memory_probe.free_bytes())
+            sample = self.memory_probe.sample()
+            free, allocated = int(sample.free_bytes), int(sample.allocated_bytes)
         except Exception as exc:  # a broken probe means "unknown", not a broken training
             self._warn_once("probe", f"memory probe {self.memory_probe!r} failed ({exc!r}); using 0 bytes")
-            free = 0
+            free, allocated = 0, 0
         old = prof.free.get(pos)
         prof.free[pos] = free if old is None else min(old, free)
+        prof.allocated[pos] = max(allocated, prof.allocated.get(pos, 0))
 
     def _bubble_start(self, sig: tuple[int, int], t0: int) -> int:
         self._seq += 1
         seq = self._seq
+        self._send_bubble_start(sig, seq, t0)
+        return seq
+
+    def _send_bubble_start(self, sig: tuple[int, int], seq: int, t0: int) -> None:
         if self._disabled:
-            return seq
+            return
         try:
             self._listeners.send(wire.encode_bubble_start(self.stage, sig[0], seq, t0, t0 + sig[1]))
         except Exception as exc:
             self._fail(exc)
-        return seq
 
     def _bubble_end(self, sig: tuple[int, int], seq: int, t1: int) -> None:
         if self._disabled:
@@ -556,7 +639,10 @@ class Instrumentation:
             prof.seen += 1
             if prof.cycle is None:
                 if prof.seen > self.warmup_iterations:
-                    self._add_sample(prof, records, (t1 - t0) / 1e9)
+                    if self._timer is not None:  # the waits' device-side lengths are not known yet
+                        self._timer.iteration((prof, list(records), (t1 - t0) / 1e9))
+                    else:
+                        self._add_sample(prof, records, (t1 - t0) / 1e9)
             else:
                 self._listeners.send(wire.encode_iteration(self.stage, it, t0, t1 - t0))
             new = self._refresh_listeners()
@@ -565,8 +651,26 @@ class Instrumentation:
         except Exception as exc:
             self._fail(exc)
 
+    def _on_device_iteration(self, payload: tuple[_ScheduleProfile, list[tuple[int, int, int]], float],
+                             lengths_ns: dict[int, int]) -> None:
+        """Event thread: every wait of a profiled iteration has been measured on the device."""
+        if self._disabled:
+            return
+        prof, records, iteration_s = payload
+        try:
+            self._add_sample(prof, records, iteration_s, lengths_ns)
+        except Exception as exc:
+            self._fail(exc)
+
     def _add_sample(self, prof: _ScheduleProfile, records: Sequence[tuple[int, int, int]],
-                    iteration_s: float) -> None:
+                    iteration_s: float, device_lengths_ns: dict[int, int] | None = None) -> None:
+        """One profiled iteration; ``device_lengths_ns`` (position -> ns) overrides the host stamps."""
+        with self._profile_lock:
+            if prof.cycle is None:  # with device timing, samples queued before the cycle was built
+                self._add_sample_locked(prof, records, iteration_s, device_lengths_ns or {})
+
+    def _add_sample_locked(self, prof: _ScheduleProfile, records: Sequence[tuple[int, int, int]],
+                           iteration_s: float, device_lengths_ns: dict[int, int]) -> None:
         names = self._names
         lb = self._lb_code
         stream = tuple(names[c] for c, _, _ in records if c != lb)
@@ -574,11 +678,11 @@ class Instrumentation:
         if stream != prof.stream:  # first sample, or the schedule changed shape: start over
             prof.stream = stream
             prof.candidates = candidate_slots(stream, loss_broadcast=has_lb)
-            prof.durations, prof.iter_s, prof.free = [], [], {}
+            prof.durations, prof.iter_s, prof.free, prof.allocated = [], [], {}, {}
             if len(records) != len(stream) + has_lb:
                 raise RuntimeError("loss broadcast recorded twice in one iteration")
-        prof.durations.append([(records[c.position][2] - records[c.position][1]) / 1e9
-                               for c in prof.candidates])
+        prof.durations.append([device_lengths_ns.get(c.position, records[c.position][2] - records[c.position][1])
+                               / 1e9 for c in prof.candidates])
         prof.iter_s.append(iteration_s)
         if len(prof.durations) < self.profile_iterations:
             return
@@ -586,6 +690,7 @@ class Instrumentation:
                             microbatches=prof.microbatches, schedule=prof.name, candidates=prof.candidates,
                             durations_s=prof.durations,
                             free_bytes=[prof.free.get(c.position, 0) for c in prof.candidates],
+                            allocated_bytes=[prof.allocated.get(c.position, 0) for c in prof.candidates],
                             iteration_s=prof.iter_s, min_bubble_s=self.min_bubble_s)
         prof.cycle = cycle
         # The predicted end is the slot's 10th-percentile length, not its median: a fill step must end
@@ -639,11 +744,27 @@ class Instrumentation:
                                 f"({exc!r}); training continues without bubble signals")
 
 
+def resolve_timing(timing: str, engine: Any) -> str:
+    """``"auto"``: device events when the engine computes on a CUDA device, host stamps otherwise."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+    if timing != "auto":
+        return timing
+    device = getattr(engine, "device", None)
+    return "cuda" if getattr(device, "type", str(device or "")).startswith("cuda") else "host"
+
+
 def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str | None = None,
                memory_probe: MemoryProbe | None = None, warmup_iterations: int = 2,
-               profile_iterations: int = 5, min_bubble_s: float = 0.0005, trace: bool = False
+               profile_iterations: int = 5, min_bubble_s: float = 0.0005, trace: bool = False,
+               timing: str = "auto", event_factory: Callable[[], DeviceEvent] | None = None
                ) -> Instrumentation:
-    """Hook one DeepSpeed ``PipelineEngine`` (see the module docstring); undo with ``detach()``."""
+    """Hook one DeepSpeed ``PipelineEngine`` (see the module docstring); undo with ``detach()``.
+
+    ``timing``: ``"host"`` (CPU/gloo: the host blocks in each wait), ``"cuda"`` (device events around the
+    waits, read on a helper thread) or ``"auto"`` (``"cuda"`` when ``engine.device`` is a CUDA device).
+    ``event_factory`` replaces ``torch.cuda.Event`` (tests; other devices with the same interface).
+    """
     if memory_probe is None:
         try:
             memory_probe = default_probe()
@@ -659,4 +780,6 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
         profile_iterations=profile_iterations,
         min_bubble_s=min_bubble_s,
         trace=trace,
+        timing=resolve_timing(timing, engine),
+        event_factory=event_factory,
     )

@@ -3,27 +3,45 @@
 The hook samples a probe at every candidate bubble while it profiles (never on the signalling hot
 path). ``MemoryProbe`` is the do-nothing base: it answers 0, meaning "unknown", and the planner then
 treats the bubble as having no memory to give. CPU runs and tests inject a value with
-``StaticMemoryProbe``; CUDA runs ask the caching allocator (PipeFill section 4.2).
+``StaticMemoryProbe``; CUDA runs ask the caching allocator (PipeFill section 4.2) through
+``CudaAllocatorProbe``.
 
-``torch.cuda`` is touched only by ``CudaAllocatorProbe`` and only after ``default_probe`` has checked
-that CUDA exists: on the CPU build ``memory_allocated`` silently returns 0 and ``mem_get_info`` raises.
+``torch.cuda`` is touched only by ``CudaAllocatorProbe``, and only through the ``torch.cuda``-like object
+it holds (the real module after checking that CUDA exists, or one a test injects): on the CPU build
+``memory_allocated`` silently returns 0 and ``mem_get_info`` raises.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 FREE_BYTES_ENV = "BUBBLES_FREE_BYTES"
 DEFAULT_MARGIN_BYTES = 512 * 1024 * 1024  # headroom left to the training's allocator spikes
 
 
+@dataclass(frozen=True)
+class MemorySample:
+    """Accelerator memory at one moment: what a fill job may take, and what the training holds."""
+
+    free_bytes: int  # bytes a fill job may allocate now and keep until the end of the iteration; 0: unknown
+    allocated_bytes: int  # bytes of live tensors the training holds now; 0: unknown or none
+
+
 class MemoryProbe:
-    """Base probe: free memory unknown (0). Subclasses never raise from ``free_bytes``."""
+    """Base probe: free memory unknown (0). Probes never raise from ``sample`` or ``free_bytes``."""
 
     def free_bytes(self) -> int:
         """Bytes a fill job may allocate right now; 0 means unknown or none."""
         return 0
+
+    def sample(self) -> MemorySample:
+        """Free and allocated memory now; probes that cannot tell what is allocated report 0."""
+        try:
+            return MemorySample(int(self.free_bytes()), 0)
+        except Exception:  # a subclass that breaks its promise still must not reach the training
+            return MemorySample(0, 0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -32,13 +50,18 @@ class MemoryProbe:
 class StaticMemoryProbe(MemoryProbe):
     """A fixed answer: for CPU runs, where no allocator can be asked, and for tests."""
 
-    def __init__(self, free_bytes: int) -> None:
-        if not isinstance(free_bytes, int) or isinstance(free_bytes, bool) or free_bytes < 0:
-            raise ValueError(f"free_bytes must be an int >= 0, got {free_bytes!r}")
+    def __init__(self, free_bytes: int, allocated_bytes: int = 0) -> None:
+        for name, value in (("free_bytes", free_bytes), ("allocated_bytes", allocated_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self._free_bytes = free_bytes
+        self._allocated_bytes = allocated_bytes
 
     def free_bytes(self) -> int:
         return self._free_bytes
+
+    def sample(self) -> MemorySample:
+        return MemorySample(self._free_bytes, self._allocated_bytes)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StaticMemoryProbe:
@@ -55,41 +78,98 @@ class StaticMemoryProbe(MemoryProbe):
         return cls(value)
 
     def __repr__(self) -> str:
-        return f"StaticMemoryProbe({self._free_bytes})"
+        extra = f", allocated_bytes={self._allocated_bytes}" if self._allocated_bytes else ""
+        return f"StaticMemoryProbe({self._free_bytes}{extra})"
 
 
 class CudaAllocatorProbe(MemoryProbe):
-    """Free memory = device total - memory allocated by this (training) process - margin.
+    """Free memory for fill work on one CUDA device, read from the training process's caching allocator.
 
-    Calls ``torch.cuda.empty_cache()`` first so the training's cached-but-unused blocks count as free
-    (PipeFill 4.2). That costs time, which is why the hook calls it only while profiling.
+    ``sample()`` first calls ``empty_cache()``, so blocks the training has cached but does not use count
+    as free (PipeFill 4.2); then it reads
+
+    - ``mem_get_info(device)``: the device's free bytes, seen by the driver (other processes' memory,
+      fill jobs already resident included, counts as used);
+    - ``memory_allocated(device)``: the training's live tensors now;
+    - ``max_memory_allocated(device)``: the training's peak so far (the hook samples after warm-up
+      iterations, so the peak of a whole iteration is in it).
+
+    and answers::
+
+        free_for_fill = max(0, device_free - (training_peak - training_allocated_now) - margin_bytes)
+
+    A fill job's memory stays allocated after its bubble ends (its model and optimizer state live on the
+    device between bubbles), so it must not take the headroom the training needs to reach its own peak
+    later in the iteration; ``margin_bytes`` covers what the peak does not show (allocator
+    fragmentation, cuDNN/cuBLAS workspaces, a longer sequence in a later batch).
+
+    ``empty_cache()`` synchronizes and costs time, which is why the hook samples only while profiling.
+    Any failure of a reading answers 0 ("unknown": the planner gives that bubble no memory); the probe
+    never raises into the training.
+
+    ``cuda`` is a ``torch.cuda``-like object (``is_available``, ``device_count``, ``current_device``,
+    ``empty_cache``, ``mem_get_info``, ``memory_allocated``, ``max_memory_allocated``); by default the
+    real ``torch.cuda``. Tests inject a stand-in with readings they choose.
     """
 
-    def __init__(self, device: Any = None, margin_bytes: int = DEFAULT_MARGIN_BYTES) -> None:
-        import torch
+    def __init__(self, device: Any = None, margin_bytes: int = DEFAULT_MARGIN_BYTES, cuda: Any = None) -> None:
+        if not isinstance(margin_bytes, int) or isinstance(margin_bytes, bool) or margin_bytes < 0:
+            raise ValueError(f"margin_bytes must be an int number of bytes >= 0, got {margin_bytes!r}; "
+                             f"the default is {DEFAULT_MARGIN_BYTES} (512 MiB)")
+        if cuda is None:
+            import torch
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("CudaAllocatorProbe needs CUDA; use StaticMemoryProbe or default_probe() "
+            cuda = torch.cuda
+        if not cuda.is_available():
+            raise RuntimeError("CudaAllocatorProbe needs CUDA, which this process does not have; use "
+                               "StaticMemoryProbe (or default_probe(), which reads $BUBBLES_FREE_BYTES) "
                                "on machines without a GPU")
-        if margin_bytes < 0:
-            raise ValueError(f"margin_bytes must be >= 0, got {margin_bytes}")
-        self._torch = torch
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
-            else torch.device(device)
+        self._cuda = cuda
+        self.index = _cuda_device_index(device, cuda)
         self.margin_bytes = margin_bytes
-        self.total_bytes = int(torch.cuda.get_device_properties(self.device).total_memory)
 
-    def free_bytes(self) -> int:
-        cuda = self._torch.cuda
+    def sample(self) -> MemorySample:
+        cuda, index = self._cuda, self.index
         try:
             cuda.empty_cache()
-            allocated = int(cuda.memory_allocated(self.device))
+            device_free, _total = cuda.mem_get_info(index)
+            device_free = int(device_free)
+            allocated = int(cuda.memory_allocated(index))
+            peak = int(cuda.max_memory_allocated(index))
         except Exception:  # a probe never breaks the training: unknown is a safe answer
-            return 0
-        return max(0, self.total_bytes - allocated - self.margin_bytes)
+            return MemorySample(0, 0)
+        allocated = max(0, allocated)
+        headroom = max(0, peak - allocated)  # what the training will allocate again before its peak
+        return MemorySample(max(0, device_free - headroom - self.margin_bytes), allocated)
+
+    def free_bytes(self) -> int:
+        return self.sample().free_bytes
 
     def __repr__(self) -> str:
-        return f"CudaAllocatorProbe({self.device}, margin_bytes={self.margin_bytes})"
+        return f"CudaAllocatorProbe('cuda:{self.index}', margin_bytes={self.margin_bytes})"
+
+
+def _cuda_device_index(device: Any, cuda: Any) -> int:
+    """The device index of ``device``: None (the current device), an int, ``"cuda"``/``"cuda:N"`` or a
+    ``torch.device`` of type cuda; ValueError saying what to pass otherwise."""
+    if device is None:
+        index = cuda.current_device()
+    elif isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    elif isinstance(device, str):
+        kind, sep, number = device.strip().partition(":")
+        if kind != "cuda" or (sep and not number.isdigit()):
+            raise ValueError(f"device {device!r} is not a CUDA device; pass 'cuda', 'cuda:N' or an index N")
+        index = int(number) if sep else cuda.current_device()
+    elif getattr(device, "type", None) == "cuda":  # a torch.device
+        index = cuda.current_device() if device.index is None else device.index
+    else:
+        raise ValueError(f"device {device!r} is not a CUDA device; pass 'cuda', 'cuda:N' or an index N")
+    count = int(cuda.device_count())
+    if not 0 <= index < count:
+        raise ValueError(f"CUDA device {index} does not exist: this process sees {count} device(s) "
+                         "(check CUDA_VISIBLE_DEVICES)")
+    return int(index)
 
 
 def default_probe() -> MemoryProbe:

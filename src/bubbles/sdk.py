@@ -1,9 +1,10 @@
 """What fill jobs import: the two programming interfaces and the runtime that gates them by bubbles.
 
-Write a fill job as an ``IterativeFillJob`` (preferred: the runtime starts a step only when it can
-finish inside the bubble, FreeRide's program-directed limit) or an ``ImperativeFillJob`` (any code;
-the agent pauses the whole process with SIGSTOP at bubble end and resumes it with SIGCONT at
-bubble start, so kernels already queued on a GPU still overlap the training).
+Write a fill job as an ``IterativeFillJob`` (preferred, and the only safe choice on a GPU: the runtime
+starts a step only when it can finish inside the bubble, FreeRide's program-directed limit, and waits
+for the step's queued GPU work before counting it done) or an ``ImperativeFillJob`` (any code; the agent
+pauses the whole process with SIGSTOP at bubble end and resumes it with SIGCONT at bubble start, so
+kernels already queued on a GPU still overlap the training).
 
 The agent runs a fill job as ``python -m bubbles.sdk --entry module:Class [--args JSON]`` with its
 end of a socketpair in ``$BUBBLES_CONTROL_FD`` (protocol: ``bubbles.control``). While armed in
@@ -11,7 +12,8 @@ harvest mode the runtime binds ``fill-<job>.sock`` in the stage directory, so th
 sends each BUBBLE_START/BUBBLE_END straight to it (one hop), and unlinks it when disarmed.
 
 Depends only on the pure core; torch is imported lazily (and only if installed) to pin the fill
-process to one thread and to cap CUDA memory.
+process to one thread, to cap CUDA memory and to wait for queued GPU work. Those CUDA calls go through
+a ``torch.cuda``-like object that tests replace (``apply_process_limits(cuda=...)``, ``DeviceSync``).
 """
 
 from __future__ import annotations
@@ -82,7 +84,13 @@ class ImperativeFillJob:
     The agent sends SIGCONT at each BUBBLE_START and SIGSTOP at each BUBBLE_END (harvest mode),
     leaves it running in naive mode and stopped in off mode. Nothing in ``run()`` needs to cooperate,
     which is why it costs the training more than an iterative job: the process is stopped only after
-    the bubble has ended, and a GPU keeps executing kernels it already queued.
+    the bubble has ended.
+
+    On a GPU, SIGSTOP does not stop the GPU: it stops the host thread that launches kernels, and every
+    kernel that thread already queued (a CUDA launch returns long before the kernel finishes; the queue
+    can hold many milliseconds of work) runs on after the bubble has ended, competing with the training.
+    Nothing outside the process can drain or cancel that queue. Use an ``IterativeFillJob`` on GPUs: its
+    runtime starts a step only if it fits the bubble and waits for the step's GPU work inside the step.
     """
 
     def create(self) -> None:
@@ -125,22 +133,102 @@ def assigned_device() -> str:
     return "cpu" if device.startswith("cpu") else device
 
 
-def apply_process_limits(device: str, memory_bytes: int | None) -> None:
+def cuda_device_index(device: str) -> int | None:
+    """The CUDA device index of an agent device string: None for ``"cpu"``/``"cpu:K"``, N for ``"cuda:N"``
+    (``"cuda"`` alone is device 0: a fresh fill process's current device). ValueError for anything else."""
+    kind, sep, number = device.strip().partition(":")
+    if kind == "cpu" and (not sep or number.isdigit()):
+        return None
+    if kind == "cuda" and (not sep or number.isdigit()):
+        return int(number) if sep else 0
+    raise ValueError(f"device {device!r} is neither 'cpu', 'cpu:K' nor 'cuda:N'; "
+                     f"check ${control.DEVICE_ENV} or the agent's --devices")
+
+
+def _cuda_module(cuda: Any, device: str, index: int) -> Any:
+    """``cuda`` if given, else the real ``torch.cuda``, checked to work and to have device ``index``:
+    a RuntimeError saying what to do otherwise."""
+    if cuda is None:
+        try:
+            import torch
+        except ImportError:
+            raise RuntimeError(f"device {device!r} needs torch with CUDA in the fill process; "
+                               "install it, or run the job on a CPU executor") from None
+        cuda = torch.cuda
+    if not cuda.is_available():
+        raise RuntimeError(f"device {device!r} was assigned, but CUDA is not available in this fill process "
+                           "(a CPU build of torch, or no GPU visible: check CUDA_VISIBLE_DEVICES)")
+    count = int(cuda.device_count())
+    if index >= count:
+        raise RuntimeError(f"device {device!r} does not exist: this fill process sees {count} CUDA device(s) "
+                           "(check CUDA_VISIBLE_DEVICES and the agent's --devices)")
+    return cuda
+
+
+class DeviceSync:
+    """Waits until the fill job's queued device work has finished. The base is for CPUs: a step's work
+    is done when ``step()`` returns, so there is nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Return once every operation this process queued on the device has finished."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class CudaDeviceSync(DeviceSync):
+    """``torch.cuda.synchronize(index)``: a CUDA kernel launch returns to the host long before the kernel
+    has run, so without this a step that "returned" may keep the GPU busy after its bubble has ended."""
+
+    def __init__(self, index: int, cuda: Any = None) -> None:
+        self.index = index
+        self._cuda = _cuda_module(cuda, f"cuda:{index}", index)
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize(self.index)
+
+    def __repr__(self) -> str:
+        return f"CudaDeviceSync({self.index})"
+
+
+def device_sync_for(device: str, cuda: Any = None) -> DeviceSync:
+    """The ``DeviceSync`` for an agent device string: a no-op for CPUs, ``CudaDeviceSync`` for ``cuda:N``."""
+    index = cuda_device_index(device)
+    return DeviceSync() if index is None else CudaDeviceSync(index, cuda)
+
+
+def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None) -> float | None:
     """One thread per fill process; cap the CUDA caching allocator at the agent's memory limit.
 
-    On CPU the memory cap is a no-op: host memory has no per-process cap short of cgroups (which
-    the agent does not manage on one machine), and the OS already isolates processes' memory.
+    Returns the fraction of the device's memory given to ``set_per_process_memory_fraction``, or None
+    when nothing was capped: a CPU device (host memory has no per-process cap short of cgroups, which the
+    agent does not manage on one machine, and the OS already isolates processes' memory) or no limit
+    (``memory_bytes`` 0 or None). A limit above the device's memory caps at the whole device (1.0) with a
+    warning on stderr. The cap covers the caching allocator only, not the CUDA context (about 0.5 GiB);
+    hard limits are the isolation's job (MPS, see docs/gpu.md). ``cuda`` replaces ``torch.cuda`` in tests.
     """
-    try:
+    index = cuda_device_index(device)
+    if memory_bytes is not None and (not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool)
+                                     or memory_bytes < 0):
+        raise ValueError(f"memory limit must be an int number of bytes >= 0, got {memory_bytes!r}; "
+                         f"check ${control.MEMORY_ENV} or the fill job's spec.memory")
+    with contextlib.suppress(ImportError):
         import torch
-    except ImportError:
-        return
-    # A fill job shares its core with a pipeline stage: more threads would only contend for it.
-    torch.set_num_threads(1)
-    if device.startswith("cuda") and memory_bytes:
-        index = int(device.partition(":")[2] or 0)
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
+
+        # A fill job shares its core with a pipeline stage: more threads would only contend for it.
+        torch.set_num_threads(1)
+    if index is None or not memory_bytes:
+        return None
+    cuda = _cuda_module(cuda, device, index)
+    total = int(cuda.get_device_properties(index).total_memory)
+    fraction = memory_bytes / total
+    if fraction > 1.0:
+        print(f"bubbles.sdk: memory limit {memory_bytes} bytes exceeds {device}'s {total} bytes; capping at "
+              "the whole device (fraction 1.0). Lower the fill job's spec.memory to what it needs.",
+              file=sys.stderr)
+        fraction = 1.0
+    cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
 
 
 class _Bubble:
@@ -162,7 +250,8 @@ class FillRuntime:
 
     def __init__(self, job: IterativeFillJob, control_sock: socket.socket, *, name: str,
                  socket_path: str | None, step_s: float | None, max_steps: int | None = None,
-                 device: str = "cpu", memory_bytes: int | None = None) -> None:
+                 device: str = "cpu", memory_bytes: int | None = None,
+                 device_sync: DeviceSync | None = None) -> None:
         self.job = job
         self.ctrl = control_sock
         self.name = name
@@ -171,6 +260,10 @@ class FillRuntime:
         self.max_steps = max_steps
         self.device = device
         self.memory_bytes = memory_bytes
+        cuda_device_index(device)  # a bad device string fails here, before the agent is told CREATED
+        # Every step waits for its device work before it counts as done (see _run_step). Unless injected,
+        # it is made at init, where the job first touches its accelerator and a failure is reported.
+        self.device_sync: DeviceSync | None = device_sync
         self.mode: str | None = None  # None: disarmed
         self.share = 1.0
         self.steps = 0
@@ -223,6 +316,8 @@ class FillRuntime:
         if cmd.type == "init":
             if not self._initialized:
                 apply_process_limits(self.device, self.memory_bytes)
+                if self.device_sync is None:
+                    self.device_sync = device_sync_for(self.device)
                 self.job.init()
                 self._initialized = True
                 if self.step_s is None:
@@ -301,10 +396,13 @@ class FillRuntime:
 
     # -- stepping --------------------------------------------------------------------------------
     def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None) -> float:
-        """Run one step, report it; return its duration in seconds.
+        """Run one step and wait for its device work, report it; return its duration in seconds.
 
         ``start`` is when the gate decided to run it (reported as the step's start, so the record
-        shows exactly the program-directed check: ``start + step_s <= usable end``).
+        shows exactly the program-directed check: ``start + step_s <= usable end``). The reported end
+        is after the device synchronize: on a GPU that is when the fill job stops occupying it, so the
+        agent's overrun (step end - bubble end) measures how long fill work outlived the bubble.
+        ``sync_ns`` is the part of the step spent waiting for queued device work.
         """
         if start is None:
             start = time.monotonic_ns()
@@ -312,6 +410,8 @@ class FillRuntime:
             self._emit("step_begin", t_ns=start, bubble_seq=bubble_seq)
             self._flush()
         result = self.job.step()
+        sync_start = time.monotonic_ns()
+        self._synchronize()
         end = time.monotonic_ns()
         if isinstance(result, StepResult):
             flops, samples = float(result.flops), int(result.samples)
@@ -321,19 +421,28 @@ class FillRuntime:
             flops, samples = 0.0, 0
         self.steps += 1
         self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
-                   bubble_seq=bubble_seq, signal_ns=signal_ns, mode=self.mode or "harvest")
+                   bubble_seq=bubble_seq, signal_ns=signal_ns, mode=self.mode or "harvest",
+                   sync_ns=end - sync_start)
         return (end - start) / 1e9
+
+    def _synchronize(self) -> None:
+        if self.device_sync is None:  # steps run only after init, which sets it
+            raise RuntimeError("a step ran before init(): no device to synchronize")
+        self.device_sync.synchronize()
 
     def _profile_step_time(self) -> float | None:
         """FreeRide's side-task profiler: time a few steps during initialization, before the job is offered
         any bubble, so the program-directed limit holds from the first bubble on. These steps run once,
-        outside bubbles, like process start-up and ``init()``; they are not counted as fill work."""
+        outside bubbles, like process start-up and ``init()``; they are not counted as fill work. Each
+        timed step includes waiting for its device work, as in ``_run_step``: on a GPU the host-side
+        time of a step is only its launch cost, and gating on it would start steps that outlive bubbles."""
         samples = []
         for _ in range(INIT_PROFILE_STEPS):
             if self.job.is_finished():
                 break
             t0 = time.monotonic_ns()
             self.job.step()
+            self._synchronize()
             samples.append((time.monotonic_ns() - t0) / 1e9)
         samples = samples[INIT_PROFILE_WARMUP:]
         return robust_stats(samples)[2] * PROFILE_MARGIN if samples else None
@@ -372,6 +481,8 @@ class FillRuntime:
             self._bubble = None  # one pass per bubble: a bubble too short now stays too short
 
     def _naive_loop(self) -> None:
+        """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location
+        does the same work per step as harvesting and the two compare fairly."""
         last_flush = time.monotonic_ns()
         while self.mode == "naive":
             self._run_step(-1, 0, announce=False)
@@ -420,6 +531,18 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop()
 
 
+def _memory_limit(text: str) -> int | None:
+    """``$BUBBLES_MEMORY_BYTES``: an integer number of bytes; empty or 0 means no limit."""
+    try:
+        value = int(text.strip() or 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"${control.MEMORY_ENV}={text!r} is not an integer number of bytes >= 0; the agent "
+                         "sets it from the fill job's spec.memory")
+    return value or None
+
+
 def run_fill_process(argv: Sequence[str] | None = None) -> int:
     """The fill process's main: load the job, create it, then serve the agent's commands."""
     parser = argparse.ArgumentParser(prog="python -m bubbles.sdk", description="Run one fill job.")
@@ -440,7 +563,12 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         return 2
     fd_text = os.environ.get(control.CONTROL_FD_ENV)
     device = os.environ.get(control.DEVICE_ENV, "cpu")
-    memory = int(os.environ.get(control.MEMORY_ENV, "0") or 0) or None
+    try:
+        cuda_device_index(device)
+        memory = _memory_limit(os.environ.get(control.MEMORY_ENV, ""))
+    except ValueError as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 2
     if issubclass(cls, ImperativeFillJob):
         job_i = cls(**kwargs)
         job_i.create()

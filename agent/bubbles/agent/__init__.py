@@ -1,6 +1,7 @@
 """The node agent: executors that drive fill jobs in the bubbles of a local pipeline training.
 
 Modules: ``spec`` (fill-job spec files), ``launcher`` (starting fill processes), ``server`` (the
-event loop, executors, watchdog, slowdown guard, ledgers), ``metrics`` (Prometheus), ``cli``
-(``bubbles agent``). Nothing here imports torch.
+event loop, executors, watchdog, slowdown guard, ledgers), ``isolation`` (isolation modes, failing
+closed), ``mps`` (the MPS control program's client), ``metrics`` (Prometheus), ``cli`` (``bubbles
+agent``). Nothing here imports torch.
 """

@@ -1,6 +1,8 @@
 """How the agent starts fill processes: a ``Launcher`` interface, local subprocesses for now.
 
-Cluster mode will add a launcher that creates Pods; the executor only sees ``FillProcess``.
+Cluster mode will add a launcher that creates Pods; the executor only sees ``FillProcess``. What
+isolates a fill process from the training (MPS client variables, a private MPS pipe directory) comes
+from ``bubbles.agent.isolation`` as ``LaunchRequest.env``: a launcher only passes it on.
 """
 
 from __future__ import annotations
@@ -8,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +31,8 @@ class LaunchRequest:
     socket_path: Path  # fill-<job>.sock the job binds while armed
     device: str = "cpu"  # "cpu" or "cuda:N"
     core: int | None = None  # CPU core to pin to; None: no pinning
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # from the isolation mode (Isolation.client_env)
+
 
 class FillProcess(ABC):
     """A running fill job as the executor sees it."""
@@ -147,4 +152,30 @@ def default_device(executor: int, pin: bool) -> tuple[str, int | None]:
     cores = sorted(os.sched_getaffinity(0))
     core = cores[executor % len(cores)]
     return f"cpu:{core}", (core if pin else None)
+
+
+_CUDA_DEVICE = re.compile(r"^cuda:(0|[1-9][0-9]{0,3})$")
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """``--devices``: comma-separated ``cpu`` or ``cuda:N`` entries; ValueError saying what is wrong."""
+    entries = [e.strip() for e in text.split(",")]
+    if not text.strip() or any(not e for e in entries):
+        raise ValueError(f"--devices must be a comma-separated list of cpu or cuda:N entries (e.g. cuda:0,cuda:1), "
+                         f"got {text!r}")
+    for e in entries:
+        if e != "cpu" and not _CUDA_DEVICE.match(e):
+            hint = " (write cuda:0: the GPU index is required)" if e in ("cuda", "gpu") else ""
+            raise ValueError(f"--devices entry {e!r} is neither cpu nor cuda:N with N a GPU index{hint}")
+    return tuple(entries)
+
+
+def assign_device(executor: int, devices: Sequence[str], pin: bool) -> tuple[str, int | None]:
+    """Executor k's device: ``devices[k % len(devices)]``; a ``cpu`` entry (or no list) is ``default_device``.
+
+    A CUDA device needs no core pinning: the GPU, not a core, is what the fill job shares with the stage.
+    """
+    if not devices or devices[executor % len(devices)] == "cpu":
+        return default_device(executor, pin)
+    return devices[executor % len(devices)], None
 

@@ -2,7 +2,9 @@
 
 Harvest totals (bubble seconds, filled seconds, steps, FLOPs, overruns) are computed from the
 ledgers when scraped, so they always agree with the stats file; events (kills, rejected
-messages) and the latest iteration time and share are ordinary counters and gauges.
+messages) and the latest iteration time and share are ordinary counters and gauges. The isolation
+state (``bubbles_isolation_ready``, ``bubbles_isolation_state``, ``bubbles_isolation_losses_total``,
+``bubbles_mps_daemon_restarts_total``) is read from the agent's status at scrape time too.
 """
 
 from __future__ import annotations
@@ -37,10 +39,22 @@ class JobTotals:
 
 
 @dataclass(frozen=True)
+class IsolationTotals:
+    mode: str  # contexts | mps | none
+    state: str  # ready | unavailable | recovering | unisolated
+    losses: int  # times working isolation was lost
+    mps_restarts: int | None  # MPS control daemon restarts; None when no daemon is involved
+
+
+ISOLATION_STATES = ("ready", "unavailable", "recovering", "unisolated")
+
+
+@dataclass(frozen=True)
 class Snapshot:
     stages: list[StageTotals]
     jobs: list[JobTotals]
     job_states: list[tuple[int, str, str]]  # (stage, device, state) per job
+    isolation: IsolationTotals | None = None
 
 
 class _HarvestCollector(Collector):
@@ -78,6 +92,27 @@ class _HarvestCollector(Collector):
         for (stage, device, state), n in sorted(counts.items()):
             jobs.add_metric([self.training, str(stage), device, state], n)
         yield from (bubble, filled, overrun, steps, flops, jobs)
+        iso = snap.isolation
+        if iso is None:
+            return
+        ready = GaugeMetricFamily("bubbles_isolation_ready",
+                                  "1 while the chosen isolation mode works; 0 while fill jobs are held back or run "
+                                  "unisolated", labels=["training", "mode"])
+        ready.add_metric([self.training, iso.mode], 1.0 if iso.state == "ready" else 0.0)
+        current = GaugeMetricFamily("bubbles_isolation_state", "1 for the isolation's current state, 0 for the others",
+                                  labels=["training", "mode", "state"])
+        for name in ISOLATION_STATES:
+            current.add_metric([self.training, iso.mode, name], 1.0 if iso.state == name else 0.0)
+        losses = CounterMetricFamily("bubbles_isolation_losses", "Times working isolation was lost (fill jobs "
+                                     "that were its clients are stopped and resubmitted)", labels=["training", "mode"])
+        losses.add_metric([self.training, iso.mode], iso.losses)
+        yield from (ready, current, losses)
+        if iso.mps_restarts is not None:
+            restarts = CounterMetricFamily("bubbles_mps_daemon_restarts",
+                                           "MPS control daemon restarts by this agent after losing it",
+                                           labels=["training"])
+            restarts.add_metric([self.training], iso.mps_restarts)
+            yield restarts
 
 
 class AgentMetrics:

@@ -9,6 +9,12 @@ Per executor (stage k): the PROFILE gives the bubble cycle; the queued job is pl
 initialized and armed in the executor's fill mode. Each BUBBLE_END arms a watchdog: a job still
 inside a step ``grace`` after the bubble ended is SIGKILLed. ITERATION messages from the lowest
 stage feed the slowdown guard, whose share goes to every armed job.
+
+Isolation (``bubbles.agent.isolation``) fails closed: a fill job starts only while the chosen mode
+works (or the user allowed running unisolated). A supervisor thread runs the mode's health check,
+which may block on subprocesses, and hands the result to the loop through the wake-up socket; the
+loop stops fill jobs whose isolation was lost and resubmits them (a new ``Job`` record, at most
+``MAX_ISOLATION_RESUBMISSIONS`` times) to start afresh once isolation works again.
 """
 
 from __future__ import annotations
@@ -37,8 +43,19 @@ from bubbles.ledger import HarvestLedger
 from bubbles.lifecycle import FillState, InvalidTransition, transition
 from bubbles.plan import FillNode, PlanError, bubbles_of, plan_partitions
 
-from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher, default_device
-from .metrics import AgentMetrics, JobTotals, Snapshot, StageTotals
+from .isolation import (
+    READY,
+    UNAVAILABLE,
+    UNISOLATED,
+    Isolation,
+    IsolationConfig,
+    IsolationStatus,
+    cuda_index,
+    effective_status,
+    make_isolation,
+)
+from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher, assign_device
+from .metrics import AgentMetrics, IsolationTotals, JobTotals, Snapshot, StageTotals
 from .spec import FillJobSpec
 
 log = logging.getLogger("bubbles.agent")
@@ -49,6 +66,7 @@ MAX_BUBBLE_RECORDS = 200_000
 MAX_EVENTS = 10_000
 _MAX_OPEN_BUBBLES = 256
 _STOP_WAIT_S = 2.0
+MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
 
 
 @dataclass
@@ -64,6 +82,8 @@ class AgentConfig:
     metrics_addr: str = "127.0.0.1"
     ready_file: Path | None = None
     guard: GuardConfig | None = None  # default: GuardConfig(budget=budget)
+    devices: tuple[str, ...] = ()  # "cpu" | "cuda:N", executor k gets devices[k % len]; () = CPU core k
+    isolation: IsolationConfig = field(default_factory=IsolationConfig)
 
 
 @dataclass
@@ -86,6 +106,9 @@ class Job:
     finished: bool = False
     last_error: str = ""
     job_totals: dict[str, list[float]] = field(default_factory=dict)  # mode -> [steps, flops]
+    isolation: str | None = None  # at launch: the isolation mode it was a client of, or "unisolated"
+    isolation_epoch: int = 0  # IsolationStatus.epoch at launch
+    resubmission: int = 0  # how often this spec was resubmitted after losing isolation
 
     @property
     def name(self) -> str:
@@ -136,7 +159,7 @@ class Agent:
     """Serves one training's stages on this node; ``run()`` until ``request_stop()`` (or a signal)."""
 
     def __init__(self, config: AgentConfig, specs: list[FillJobSpec] | None = None,
-                 launcher: Launcher | None = None) -> None:
+                 launcher: Launcher | None = None, isolation: Isolation | None = None) -> None:
         if config.executors < 1:
             raise ValueError(f"executors must be >= 1, got {config.executors}")
         paths.check_name("training", config.training)
@@ -144,8 +167,18 @@ class Agent:
         self.launcher = launcher or ProcessLauncher()
         self.executors: list[Executor] = []
         for k in range(config.executors):
-            device, core = default_device(k, config.pin_cores)
+            device, core = assign_device(k, config.devices, config.pin_cores)
             self.executors.append(Executor(k, device, core, config.mode))
+        agent_dir = paths.stage_dir(config.run_dir, config.training, 0).parent
+        self.isolation = isolation or make_isolation(config.isolation, [ex.device for ex in self.executors],
+                                                     agent_dir)
+        # The raw status from the backend, and the effective one the agent acts on (effective_status).
+        self.isolation_raw = IsolationStatus(self.isolation.mode, UNAVAILABLE, "not started")
+        self.isolation_status = self.isolation_raw
+        self.isolation_losses = 0
+        self._isolation_update: IsolationStatus | None = None  # from the supervisor thread, for the loop
+        self._supervisor: threading.Thread | None = None
+        self._supervisor_stop = threading.Event()
         self.jobs: list[Job] = []
         self.ledgers = {name: HarvestLedger() for name in MODE_NAMES.values()}
         self.steps: list[dict[str, Any]] = []
@@ -187,6 +220,10 @@ class Agent:
                 ex = self.executors[spec.stage]
             else:
                 ex = min(self.executors, key=lambda e: len(e.queue) + (e.active is not None))
+            if cuda_index(ex.device) is not None and spec.memory_bytes <= 0:
+                raise ValueError(f"fill job {spec.name!r} would run on {ex.device} but declares no memory limit; "
+                                 "a GPU fill job must set 'memory', a hard limit (e.g. memory: 2Gi), so that it "
+                                 "cannot take the training's memory")
             job = Job(spec, ex.index)
             self.jobs.append(job)
             ex.queue.append(job)
@@ -196,7 +233,22 @@ class Agent:
             return job
 
     def start(self) -> None:
-        """Bind every executor's socket, start the metrics endpoint, write the ready file."""
+        """Set up isolation, bind every executor's socket, start the metrics endpoint, write the ready file.
+
+        Isolation that does not work is not an error here: fill jobs then wait (fail closed) while the
+        supervisor keeps checking, and the status says why.
+        """
+        status = self.isolation.start()  # may block (bounded): before the loop, so it stalls no bubble
+        with self.lock:
+            self._apply_isolation(status)
+        try:
+            self._bind()
+        except BaseException:
+            self.isolation.close()  # e.g. quit the MPS daemon just started: run() will not do it
+            raise
+
+    def _bind(self) -> None:
+        """Bind the executors' sockets, serve metrics, write the ready file."""
         for ex in self.executors:
             path = paths.agent_socket(self.config.run_dir, self.config.training, ex.index)
             paths.make_private_dir(path.parent)
@@ -215,9 +267,10 @@ class Agent:
             tmp = Path(f"{self.config.ready_file}.tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "metrics_port": self.metrics_port}) + "\n")
             tmp.replace(self.config.ready_file)
-        log.info("agent for training %r serving %d executor(s) under %s in %s mode", self.config.training,
-                 len(self.executors), paths.stage_dir(self.config.run_dir, self.config.training, 0).parent,
-                 MODE_NAMES[self.config.mode])
+        log.info("agent for training %r serving %d executor(s) (%s) under %s in %s mode; isolation %s: %s",
+                 self.config.training, len(self.executors), ", ".join(ex.device for ex in self.executors),
+                 paths.stage_dir(self.config.run_dir, self.config.training, 0).parent, MODE_NAMES[self.config.mode],
+                 self.isolation_status.mode, self.isolation_status.state)
 
     def request_stop(self) -> None:
         """Ask ``run()`` to return (thread- and signal-safe)."""
@@ -226,9 +279,12 @@ class Agent:
             self._wake_w.send(b"x")
 
     def run(self) -> None:
-        """Serve until ``request_stop()``; then stop every fill job and close the sockets."""
+        """Serve until ``request_stop()``; then stop every fill job, close the sockets, undo isolation."""
         if not any(ex.sock for ex in self.executors):
             self.start()
+        self._supervisor_stop.clear()
+        self._supervisor = threading.Thread(target=self._supervise, name="bubbles-isolation", daemon=True)
+        self._supervisor.start()
         try:
             while not self._stop:
                 timeout = None
@@ -243,8 +299,32 @@ class Agent:
                         _, _, fn = heapq.heappop(self._timers)
                         fn()
         finally:
+            self._supervisor_stop.set()
+            # A check in progress finishes within its command timeout (a daemon start within a few seconds).
+            self._supervisor.join(self.config.isolation.command_timeout_s + 10.0)
             with self.lock:
                 self._shutdown()
+            # After the fill processes have exited: an MPS daemon this agent owns is quit only now.
+            self.isolation.close()
+
+    def _supervise(self) -> None:
+        """Supervisor thread: run the isolation health check every interval and hand the result to the loop.
+
+        The check may block on subprocesses (bounded by timeouts), which is why it runs here and not in
+        the loop. An exception in the check counts as isolation not working (fail closed).
+        """
+        interval_s = self.config.isolation.check_interval_s
+        while not self._supervisor_stop.wait(interval_s):
+            try:
+                status = self.isolation.check()
+            except Exception as exc:  # a bug in a backend must not end supervision
+                log.exception("isolation health check failed")
+                status = IsolationStatus(self.isolation.mode, UNAVAILABLE, f"health check failed: {exc!r}",
+                                         self.isolation_raw.daemon, self.isolation_raw.epoch)
+            with self.lock:
+                self._isolation_update = status
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"i")
 
     def _shutdown(self) -> None:
         for job in self.jobs:
@@ -282,6 +362,9 @@ class Agent:
                 pass
         except BlockingIOError:
             pass
+        update, self._isolation_update = self._isolation_update, None
+        if update is not None:
+            self._apply_isolation(update)
 
     def wake_fd(self) -> int:
         """A descriptor for ``signal.set_wakeup_fd``: a signal then interrupts the select at once."""
@@ -391,6 +474,60 @@ class Agent:
                 if e.active is not None:
                     self._apply_mode(e, e.active)
 
+    # -- isolation ---------------------------------------------------------------------------------
+    def _apply_isolation(self, raw: IsolationStatus) -> None:
+        """Act on a health check: log and record changes, stop jobs whose isolation is gone, admit or hold jobs."""
+        prev_raw, prev = self.isolation_raw, self.isolation_status
+        status = effective_status(raw, self.config.isolation.allow_unisolated)
+        self.isolation_raw, self.isolation_status = raw, status
+        if prev_raw.state == READY and raw.state != READY:
+            self.isolation_losses += 1
+        if (status.state, status.detail) != (prev.state, prev.detail):
+            level = {READY: logging.INFO, UNISOLATED: logging.WARNING}.get(status.state, logging.ERROR)
+            log.log(level, "isolation (%s) %s: %s", status.mode, status.state.upper(), status.detail)
+            self._event(-1, "", "isolation", f"{status.state}: {status.detail}")
+        for ex in self.executors:
+            job = ex.active
+            if job is None or job.proc is None or job.state is FillState.STOPPED:
+                continue
+            if status.usable and not (job.isolation == raw.mode
+                                      and (raw.state != READY or job.isolation_epoch != raw.epoch)):
+                continue
+            # READY again but in a new epoch: the outage was shorter than a check interval.
+            lost = raw.detail if raw.state != READY else f"{raw.mode} isolation was re-established ({raw.detail})"
+            self._stop_job(job, f"isolation lost: {lost}")
+            self._resubmit(job)
+        if status.usable:
+            for ex in self.executors:
+                self._admit(ex)
+        else:
+            for ex in self.executors:
+                self._hold(ex)
+
+    def _hold(self, ex: Executor) -> None:
+        """Fail closed: queued jobs stay SUBMITTED and say what they wait for."""
+        for job in ex.queue:
+            if job.state is FillState.SUBMITTED:
+                job.reason = f"waiting for isolation: {self.isolation_status.detail}"
+
+    def _resubmit(self, job: Job) -> None:
+        """Queue ``job``'s spec again as a new job record (STOPPED is final), at most MAX_ISOLATION_RESUBMISSIONS."""
+        count = job.resubmission + 1
+        if count > MAX_ISOLATION_RESUBMISSIONS:
+            job.reason += f" (not resubmitted: already restarted {MAX_ISOLATION_RESUBMISSIONS} times after isolation " \
+                          "losses)"
+            log.error("stage %d: fill job %r lost its isolation again; not resubmitted after %d restarts", job.stage,
+                      job.name, MAX_ISOLATION_RESUBMISSIONS)
+            self._event(job.stage, job.name, "resubmit", "not resubmitted: restart limit reached")
+            return
+        again = Job(job.spec, job.stage, resubmission=count)
+        again.reason = f"resubmitted after isolation loss ({count}/{MAX_ISOLATION_RESUBMISSIONS})"
+        self.jobs.append(again)
+        self.executors[job.stage].queue.appendleft(again)
+        log.warning("stage %d: fill job %r resubmitted after isolation loss (%d/%d)", job.stage, job.name, count,
+                    MAX_ISOLATION_RESUBMISSIONS)
+        self._event(job.stage, job.name, "resubmit", again.reason)
+
     # -- jobs --------------------------------------------------------------------------------------
     def _live_jobs(self) -> list[Job]:
         return [ex.active for ex in self.executors if ex.active is not None]
@@ -415,7 +552,10 @@ class Agent:
                 ex.active = None
 
     def _admit(self, ex: Executor) -> None:
-        """Start the next queued job on ``ex`` if it is free and the cycle is known."""
+        """Start the next queued job on ``ex`` if it is free, the cycle is known and isolation allows it."""
+        if not self.isolation_status.usable:
+            self._hold(ex)
+            return
         while ex.active is None and ex.queue and ex.cycle is not None:
             job = ex.queue.popleft()
             if job.state is not FillState.SUBMITTED:
@@ -458,13 +598,20 @@ class Agent:
 
     def _launch(self, ex: Executor, job: Job) -> None:
         sock_path = paths.fill_socket(self.config.run_dir, self.config.training, ex.index, job.name)
-        req = LaunchRequest(job.spec, sock_path, device=ex.device, core=ex.core)
+        raw = self.isolation_raw
         try:
+            # Isolated only while the backend works; otherwise (allowed unisolated) no client variables.
+            env = self.isolation.client_env(ex.device, job.spec.memory_bytes) if raw.state == READY else {}
+            req = LaunchRequest(job.spec, sock_path, device=ex.device, core=ex.core, env=env)
             proc = self.launcher.launch(req)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.error("stage %d: fill job %r failed to start: %s", ex.index, job.name, exc)
             self._set_state(job, FillState.STOPPED, f"failed to start: {exc}")
             return
+        job.isolation = raw.mode if raw.state == READY and raw.mode != "none" else UNISOLATED
+        job.isolation_epoch = raw.epoch
+        if job.reason.startswith("waiting for isolation"):
+            job.reason = ""
         job.proc = proc
         job.step_s = job.spec.gating_step_s
         ex.active = job
@@ -691,7 +838,10 @@ class Agent:
             jobs = [JobTotals(j.stage, self.executors[j.stage].device, mode, j.name, int(v[0]), float(v[1]))
                     for j in self.jobs for mode, v in j.job_totals.items()]
             states = [(j.stage, self.executors[j.stage].device, str(j.state)) for j in self.jobs]
-            return Snapshot(stages, jobs, states)
+            iso_st = self.isolation_status
+            iso = IsolationTotals(iso_st.mode, iso_st.state, self.isolation_losses,
+                                  iso_st.daemon.restarts if iso_st.daemon is not None else None)
+            return Snapshot(stages, jobs, states, iso)
 
     def stats(self) -> dict[str, Any]:
         """Everything the demo and the benchmarks read (see the agent's documentation for the format)."""
@@ -715,10 +865,13 @@ class Agent:
                     "history": [list(h) for h in g.history] if g else [],
                 },
                 "modes": modes,
+                "isolation": self.isolation_status.to_dict(),
+                "isolation_losses": self.isolation_losses,
                 "executors": [{"stage": ex.index, "device": ex.device, "mode": ex.mode_name,
                                "profiled": ex.cycle is not None} for ex in self.executors],
                 "jobs": [{"name": j.name, "stage": j.stage, "state": str(j.state), "reason": j.reason,
-                          "steps": j.steps, "flops": j.flops, "step_s": j.step_s} for j in self.jobs],
+                          "steps": j.steps, "flops": j.flops, "step_s": j.step_s, "isolation": j.isolation,
+                          "resubmission": j.resubmission} for j in self.jobs],
                 "kills": self.kills,
                 "rejected_messages": self.rejected_messages,
                 "rejected_jobs": self.rejected_jobs,

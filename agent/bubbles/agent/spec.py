@@ -6,7 +6,7 @@ Example::
     kind: iterative                  # or imperative
     entry: bubbles.fill_examples.image_classification:ImageClassification
     args: {batch_size: 4}
-    memory: 64Mi                     # bytes, or a Kubernetes quantity
+    memory: 64Mi                     # bytes or a Kubernetes quantity; a hard limit, required on GPUs
     step_time: 1.5ms                 # optional; profiled in the first bubbles when absent
     steps: 1000                      # optional; the job finishes after that many steps
     nodes: [{duration: 1ms, memory: 32Mi}]   # optional: the step as a chain for the planner

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=120.0, help="how long to wait for --start-file")
     p.add_argument("--trace", action="store_true", help="record per-instruction timings (Gantt chart)")
     p.add_argument("--schedule", choices=("train", "inference"), default="train")
+    p.add_argument("--timing", choices=("auto", "host", "cuda", "host-events"), default="auto",
+                   help="how the hook times waits: host stamps, CUDA events, or 'host-events' (the CUDA "
+                        "event path with events that complete when recorded: for testing it on CPU)")
     p.add_argument("--gradient-clipping", type=float, default=0.0,
                    help="DeepSpeed gradient clipping (default 0: keeps the end-of-batch wait in the loss "
                         "broadcast; > 0 hides the last stages' drain inside OptimizerStep)")
@@ -195,10 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         from bubbles.probes import StaticMemoryProbe
 
         probe = StaticMemoryProbe(args.free_bytes) if args.free_bytes is not None else None
+        timing, event_factory = args.timing, None
+        if timing == "host-events":
+            from bubbles.gpu_timing import HostEvent
+
+            timing, event_factory = "cuda", HostEvent
         inst = instrument(engine, training=args.training, run_dir=args.run_dir, memory_probe=probe,
                           warmup_iterations=args.warmup_iterations,
                           profile_iterations=args.profile_iterations,
-                          min_bubble_s=args.min_bubble_ms / 1e3, trace=args.trace)
+                          min_bubble_s=args.min_bubble_ms / 1e3, trace=args.trace, timing=timing,
+                          event_factory=event_factory)
 
     data = batches(args.seed, args.micro_batch_size, args.hidden)
     losses: list[str] = []

@@ -1,0 +1,181 @@
+"""A client for NVIDIA's MPS control program (``nvidia-cuda-mps-control``), through its command line only.
+
+Everything goes through the program itself, as an administrator would type it: ``-d`` starts the
+control daemon, and commands (``get_server_list``, ``quit``, ...) are written to its stdin. Its
+control socket and pid file live in the pipe directory (``$CUDA_MPS_PIPE_DIRECTORY``). Every call
+is a subprocess with a timeout, so these functions block for up to that long: call them from a
+supervisor thread or at start-up, never from the agent's event loop.
+
+References: NVIDIA, *Multi-Process Service*, "Appendix: Tools and Interface Reference"
+(https://docs.nvidia.com/deploy/mps/appendix-tools-and-interface-reference.html) and the
+``nvidia-cuda-mps-control(1)`` manual page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTROL_PROGRAM = "nvidia-cuda-mps-control"
+PID_FILE = "nvidia-cuda-mps-control.pid"
+CONTROL_SOCKET = "control"
+DEFAULT_PIPE_DIR = Path("/tmp/nvidia-mps")
+DEFAULT_LOG_DIR = Path("/var/log/nvidia-mps")
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PINNED_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+# AF_UNIX paths hold at most 107 bytes on Linux; with a longer pipe directory the daemon cannot bind its
+# control socket, and the only symptom is "Cannot find MPS control daemon process".
+_SUN_PATH_MAX = 107
+
+
+class MpsError(Exception):
+    """The control program failed, timed out or is missing; the message says which and what it printed."""
+
+
+@dataclass(frozen=True)
+class MpsControl:
+    """One MPS control daemon, addressed by its pipe directory."""
+
+    program: str  # path of nvidia-cuda-mps-control (or a stand-in with the same command line)
+    pipe_dir: Path
+    log_dir: Path
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_pipe_dir(self.pipe_dir)
+
+    def env(self) -> dict[str, str]:
+        """The variables that put the control program, the daemon and its clients on this pipe directory."""
+        return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
+
+    def run(self, *commands: str) -> str:
+        """Send ``commands`` (one per line) to the daemon; its answer, or MpsError if none answered in time."""
+        env = dict(os.environ)
+        env.update(self.env())
+        text = "".join(f"{c}\n" for c in commands)
+        try:
+            done = subprocess.run([self.program], input=text, capture_output=True, text=True, env=env,
+                                  timeout=self.timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise MpsError(f"no answer to {' / '.join(commands) or 'a probe'} within {self.timeout_s:g} s") from None
+        except OSError as exc:
+            raise MpsError(f"cannot run {self.program}: {exc.strerror or exc}") from None
+        if done.returncode != 0:
+            said = (done.stdout.strip() + " " + done.stderr.strip()).strip() or "no output"
+            raise MpsError(f"{Path(self.program).name} exited with code {done.returncode}: {said}")
+        return done.stdout
+
+    def server_list(self) -> list[int]:
+        """PIDs of the MPS servers the daemon runs (``get_server_list``); MpsError if no daemon answers."""
+        out = self.run("get_server_list")
+        return [int(w) for w in out.split() if w.isdigit()]
+
+    def default_thread_percentage(self) -> float | None:
+        """``get_default_active_thread_percentage``; None if the answer is not a number."""
+        out = self.run("get_default_active_thread_percentage").strip()
+        try:
+            return float(out)
+        except ValueError:
+            return None
+
+    def daemon_pid(self) -> int | None:
+        """The control daemon's PID from its pid file in the pipe directory, if the file is there."""
+        try:
+            text = (self.pipe_dir / PID_FILE).read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def start_daemon(self, ready_timeout_s: float = 5.0) -> int | None:
+        """``nvidia-cuda-mps-control -d``, then wait until it answers; its PID. MpsError if it does not start.
+
+        The pipe and log directories are created first: the daemon needs both.
+        """
+        for d in (self.pipe_dir, self.log_dir):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise MpsError(f"cannot create {d}: {exc.strerror or exc}") from None
+        env = dict(os.environ)
+        env.update(self.env())
+        try:
+            done = subprocess.run([self.program, "-d"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  env=env, timeout=max(self.timeout_s, ready_timeout_s), check=False)
+        except subprocess.TimeoutExpired:
+            raise MpsError(f"{self.program} -d did not return within {ready_timeout_s:g} s") from None
+        except OSError as exc:
+            raise MpsError(f"cannot run {self.program}: {exc.strerror or exc}") from None
+        if done.returncode != 0:
+            said = (done.stdout.strip() + " " + done.stderr.strip()).strip() or "no output"
+            raise MpsError(f"{Path(self.program).name} -d exited with code {done.returncode}: {said}")
+        # -d returns once it has forked; the daemon may need a moment before it answers.
+        deadline = time.monotonic() + ready_timeout_s
+        last = ""
+        while True:
+            try:
+                self.server_list()
+                return self.daemon_pid()
+            except MpsError as exc:
+                last = str(exc)
+            if time.monotonic() >= deadline:
+                raise MpsError(f"the daemon started by {Path(self.program).name} -d did not answer within "
+                               f"{ready_timeout_s:g} s ({last}); see {self.log_dir}/control.log")
+            time.sleep(0.05)
+
+    def quit(self) -> None:
+        """``quit``: stop the control daemon (and with it its servers). MpsError if it did not answer."""
+        self.run("quit")
+
+    def kill_daemon(self, pid: int) -> bool:
+        """SIGKILL a control daemon that no longer answers, if ``pid`` still is one; True if signalled.
+
+        Only for a daemon this agent started: a hung daemon keeps its socket, and a new one will not start.
+        """
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        if CONTROL_PROGRAM.encode() not in cmdline:
+            return False  # the PID was reused by something else
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            return True
+        return False
+
+
+def check_pipe_dir(pipe_dir: Path) -> None:
+    """ValueError if the daemon could not bind its control socket in ``pipe_dir`` (a path too long)."""
+    socket_path = pipe_dir / CONTROL_SOCKET
+    if len(os.fsencode(socket_path)) > _SUN_PATH_MAX:
+        raise ValueError(f"MPS pipe directory {pipe_dir} is too long: its control socket path would be "
+                         f"{len(os.fsencode(socket_path))} bytes, over the {_SUN_PATH_MAX}-byte limit of a Unix "
+                         "socket path; choose a shorter --mps-pipe-dir")
+
+
+def resolve_program(path: str | None, search_path: str | None = None) -> str | None:
+    """``path`` if given, else ``nvidia-cuda-mps-control`` found on PATH; None if not found."""
+    import shutil
+
+    if path is not None:
+        return path
+    return shutil.which(CONTROL_PROGRAM, path=search_path)
+
+
+def pinned_limit(device_index: int, memory_bytes: int) -> str:
+    """The value of ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for one device: ``"<index>=<MiB>M"``.
+
+    Rounded down to whole MiB so the limit never exceeds what the spec declared; at least 1M.
+    """
+    if device_index < 0:
+        raise ValueError(f"device index must be >= 0, got {device_index}")
+    if memory_bytes <= 0:
+        raise ValueError(f"a pinned memory limit needs memory > 0 bytes, got {memory_bytes}")
+    return f"{device_index}={max(1, memory_bytes // 2**20)}M"

@@ -1,0 +1,175 @@
+"""Bubble timing on a GPU: device events around the waits, read by a helper thread, never the training's.
+
+With NCCL a ``recv`` returns to the host before the data has arrived: the host runs ahead and only
+the device waits (``../shared/NOTES.md``). Host timestamps around ``RecvActivation`` therefore see
+nothing, and ``torch.cuda.synchronize()`` on the training's thread would remove the very overlap that
+makes the training fast. Instead the hook records a device event on the training's current stream just
+before a wait is enqueued (it completes when the device has finished the work queued ahead of the
+wait: the bubble starts) and one just after (it completes when the awaited data has arrived: the
+bubble ends). ``EventTimer`` hands both to a helper thread that blocks on them in order and
+
+- sends BUBBLE_START / BUBBLE_END the moment each completes (the device's clock, not the host's),
+- measures the wait's length as the device saw it (``start.elapsed_time(end)``),
+- and passes each profiled iteration, with those device-side lengths, back to the hook.
+
+The training's thread only records events (a few microseconds each) and appends to a queue. Events are
+created with ``blocking=True`` (``cudaEventBlockingSync``): the helper thread sleeps in the driver while
+it waits instead of spinning a host core per stage; torch releases the GIL around the wait.
+
+The event type is injected (``event_factory``): ``cuda_event_factory()`` on a GPU, ``HostEvent`` (an
+event that completes when it is recorded, like a blocking gloo wait) where there is none. Tests inject
+events that complete later than they are recorded, which is what a GPU does.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger("bubbles.hook")
+
+MAX_PENDING = 4096  # queued event pairs; more means the device is hopelessly behind: stop signalling
+
+
+class DeviceEvent(Protocol):
+    """What the timer needs of an event: ``torch.cuda.Event``'s interface (times in milliseconds)."""
+
+    def record(self) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class HostEvent:
+    """An event that completes when it is recorded: the device is the host (CPU, gloo)."""
+
+    __slots__ = ("t_ns",)
+
+    def __init__(self) -> None:
+        self.t_ns = 0
+
+    def record(self) -> None:
+        self.t_ns = time.monotonic_ns()
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end_event: HostEvent) -> float:
+        return (end_event.t_ns - self.t_ns) / 1e6
+
+
+def cuda_event_factory() -> Callable[[], DeviceEvent]:
+    """Timing events on the current CUDA device that let the waiting thread sleep."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA event timing needs a GPU; use timing='host' on machines without one")
+
+    def make() -> DeviceEvent:
+        return torch.cuda.Event(enable_timing=True, blocking=True)
+
+    return make
+
+
+# Items on the queue: (kind, payload). Kept as tuples: the training's thread builds one per wait.
+_START, _END, _ITERATION, _STOP = 0, 1, 2, 3
+
+
+class EventTimer:
+    """Device-side timing of waits, resolved on a helper thread (see the module docstring).
+
+    ``on_start(sig, seq, t_ns)`` and ``on_end(sig, seq, t_ns)`` are called on the helper thread when a
+    signalled wait's events complete; ``on_iteration(payload, lengths_ns)`` when every wait queued before
+    ``iteration(payload)`` has been resolved, with the device-side length of each wait by position.
+    Any exception they raise goes to ``on_error`` and stops the thread (the hook then fails open).
+    """
+
+    def __init__(self, event_factory: Callable[[], DeviceEvent], *,
+                 on_start: Callable[[Any, int, int], None], on_end: Callable[[Any, int, int], None],
+                 on_iteration: Callable[[Any, dict[int, int]], None],
+                 on_error: Callable[[BaseException], None]) -> None:
+        self._make = event_factory
+        self._pool: deque[DeviceEvent] = deque()
+        self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._on_start = on_start
+        self._on_end = on_end
+        self._on_iteration = on_iteration
+        self._on_error = on_error
+        self.resolved = 0
+        self.overflowed = 0
+        self.lag_ns: deque[int] = deque(maxlen=4096)  # host enqueue -> device completion, per wait end
+        self._alive = True
+        self._thread = threading.Thread(target=self._run, name="bubbles-event-timer", daemon=True)
+        self._thread.start()
+
+    # -- the training's thread ------------------------------------------------------------------------
+    def begin(self, position: int, sig: Any, seq: int) -> DeviceEvent | None:
+        """Record the event that completes when the device reaches this wait; None if overloaded."""
+        if not self._alive or self._queue.qsize() >= MAX_PENDING:
+            self.overflowed += 1
+            return None
+        ev = self._take()
+        ev.record()
+        self._queue.put((_START, (position, ev, sig, seq)))
+        return ev
+
+    def end(self, position: int, start: DeviceEvent, sig: Any, seq: int) -> None:
+        """Record the event that completes when the wait is over on the device."""
+        ev = self._take()
+        ev.record()
+        self._queue.put((_END, (position, start, ev, sig, seq, time.monotonic_ns())))
+
+    def iteration(self, payload: Any) -> None:
+        """Everything queued so far belongs to one iteration: hand its device-side lengths back."""
+        if self._alive:
+            self._queue.put((_ITERATION, payload))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the helper thread after it has resolved what is queued (bounded wait)."""
+        if self._thread.is_alive():
+            self._queue.put((_STOP, None))
+            self._thread.join(timeout_s)
+        self._alive = False
+
+    # -- the helper thread ----------------------------------------------------------------------------
+    def _take(self) -> DeviceEvent:
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return self._make()
+
+    def _run(self) -> None:
+        lengths: dict[int, int] = {}
+        try:
+            while True:
+                kind, item = self._queue.get()
+                if kind == _STOP:
+                    return
+                if kind == _START:
+                    _pos, ev, sig, seq = item
+                    if sig is not None:  # a profiled-only wait needs no start signal: its end event says all
+                        ev.synchronize()  # the device has finished the work queued ahead of the wait
+                        self._on_start(sig, seq, time.monotonic_ns())
+                elif kind == _END:
+                    pos, start, ev, sig, seq, enqueued_ns = item
+                    ev.synchronize()  # the awaited data has arrived on the device
+                    now = time.monotonic_ns()
+                    self.lag_ns.append(now - enqueued_ns)
+                    lengths[pos] = max(0, int(start.elapsed_time(ev) * 1e6))
+                    if sig is not None:
+                        self._on_end(sig, seq, now)
+                    self._pool.append(start)
+                    self._pool.append(ev)
+                    self.resolved += 1
+                else:
+                    self._on_iteration(item, lengths)
+                    lengths = {}
+        except BaseException as exc:  # never into the training: the hook switches signalling off
+            self._alive = False
+            self._on_error(exc)

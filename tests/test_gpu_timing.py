@@ -1,0 +1,331 @@
+"""Bubble timing with device events (``timing="cuda"``), exercised without a GPU.
+
+A GPU runs ahead of nothing: the host runs ahead of it. ``FakeStream`` reproduces exactly that: kernels
+and waits are *enqueued* (the host returns at once) and complete later on the stream's own clock, and
+``FakeEvent`` has ``torch.cuda.Event``'s interface on that clock. Host timestamps around a wait then
+measure nothing (like NCCL's ``recv``), while the events see the device-side bubble. Everything else
+(DeepSpeed's dispatch loop and schedules, the hook, the sockets) is the real thing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deepspeed.runtime.pipe import schedule as S
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from bubbles import paths, wire
+from bubbles.gpu_timing import EventTimer, HostEvent
+from bubbles.hook import instrument, resolve_timing
+from bubbles.probes import StaticMemoryProbe
+
+COMPUTE_S = 0.004  # per forward/backward pass, on the fake device
+WAIT_S = 0.006  # how long each receive waits for its data, on the fake device
+
+
+class FakeStream:
+    """A device queue: work is enqueued by the host and finishes later, in order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.busy_until = time.monotonic()
+
+    def enqueue(self, seconds: float) -> None:
+        with self.lock:
+            self.busy_until = max(self.busy_until, time.monotonic()) + seconds
+
+    def tail(self) -> float:
+        with self.lock:
+            return max(self.busy_until, time.monotonic())
+
+
+class FakeEvent:
+    """``torch.cuda.Event``'s interface on a ``FakeStream``: complete when the work before it is."""
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = self.stream.tail()
+
+    def synchronize(self) -> None:
+        assert self.at is not None, "synchronize() before record()"
+        delay = self.at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1e3
+
+
+class AsyncEngine:
+    """DeepSpeed's dispatch loop over handlers that only enqueue work, as CUDA kernels and NCCL do."""
+
+    _exec_schedule = PipelineEngine._exec_schedule
+
+    def __init__(self, stream: FakeStream, stage: int = 0, stages: int = 2, micro_batches: int = 3) -> None:
+        self.stage_id, self.num_stages, self.micro_batches = stage, stages, micro_batches
+        self.stream = stream
+        self.host_waits_s: list[float] = []
+        self._INSTRUCTION_MAP = {cls: self._handler(cls.__name__) for cls in (
+            S.OptimizerStep, S.ReduceGrads, S.ReduceTiedGrads, S.LoadMicroBatch, S.ForwardPass,
+            S.BackwardPass, S.SendActivation, S.RecvActivation, S.SendGrad, S.RecvGrad)}
+
+    def _handler(self, name: str) -> Any:
+        def handler(engine: AsyncEngine, **kwargs: Any) -> None:
+            if name in ("ForwardPass", "BackwardPass"):
+                engine.stream.enqueue(COMPUTE_S)
+            elif name.startswith("Recv"):
+                engine.stream.enqueue(WAIT_S)  # the stream waits for the data; the host does not
+        return handler
+
+    def _reserve_pipe_buffers(self, n: int) -> None:
+        pass
+
+    def _aggregate_total_loss(self) -> float:
+        self.stream.enqueue(WAIT_S)
+        return 1.5
+
+    def train_batch(self, data_iter: Any = None) -> float:
+        self._exec_schedule(S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id))
+        loss = self._aggregate_total_loss()
+        # loss.item(): the host waits for the device once per batch, as a real training does
+        done = FakeEvent(self.stream)
+        done.record()
+        done.synchronize()
+        return loss
+
+    def eval_batch(self, data_iter: Any = None) -> float:
+        raise NotImplementedError
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    d = Path(f"/tmp/bbg-{time.monotonic_ns() % 10**9}")
+    paths.make_private_dir(d)
+    yield d
+    shutil.rmtree(d)
+
+
+def bind(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    s.settimeout(5.0)
+    return s
+
+
+def receive(s: socket.socket, n: int) -> list[tuple[int, wire.Message]]:
+    """``n`` messages with the host time each arrived (bounded wait)."""
+    out = []
+    for _ in range(n):
+        data = s.recv(wire.MAX_DATAGRAM_BYTES)
+        out.append((time.monotonic_ns(), wire.decode(data)))
+    return out
+
+
+def test_device_events_see_the_bubbles_that_host_stamps_miss(sockdir: Path) -> None:
+    stream = FakeStream()
+    host_eng = AsyncEngine(stream)
+    host = instrument(host_eng, training="h", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=1, profile_iterations=3, timing="host")
+    for _ in range(4):
+        host_eng.train_batch()
+    assert host.cycle is not None
+    # The host never blocks in a receive: at the default 0.5 ms threshold there is no bubble to see.
+    assert host.cycle.slots == ()
+    host.detach()
+
+    dev_eng = AsyncEngine(FakeStream())
+    dev = instrument(dev_eng, training="d", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                     warmup_iterations=1, profile_iterations=3, timing="cuda",
+                     event_factory=lambda: FakeEvent(dev_eng.stream))
+    for _ in range(4):
+        dev_eng.train_batch()
+    deadline = time.monotonic() + 5
+    while dev.cycle is None and time.monotonic() < deadline:  # built on the event thread
+        time.sleep(0.005)
+    cycle = dev.cycle
+    assert cycle is not None
+    assert [s.instruction for s in cycle.slots] == ["RecvGrad", "RecvGrad", "RecvGrad", "LossBroadcast"]
+    for s in cycle.slots:
+        assert s.duration_s == pytest.approx(WAIT_S, abs=0.002), s
+    assert dev.stats["timing"] == "cuda" and dev.stats["device_waits_timed"] >= 12
+    dev.detach()
+
+
+def test_bubble_signals_follow_the_device_not_the_host(sockdir: Path) -> None:
+    eng = AsyncEngine(FakeStream())
+    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "s", 0))
+    inst = instrument(eng, training="s", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=0, profile_iterations=2, timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    eng.train_batch()
+    eng.train_batch()
+    deadline = time.monotonic() + 5
+    while inst.cycle is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert inst.cycle is not None and len(inst.cycle.slots) == 4
+    listener = bind(sdir / "fill-x.sock")
+    eng.train_batch()  # the listener is discovered at the end of this batch; the profile is sent then
+    assert isinstance(receive(listener, 1)[0][1], wire.Profile)
+    t_host0 = time.monotonic_ns()
+    eng.train_batch()
+    msgs = receive(listener, 9)  # 4 x (start, end) + iteration
+    starts = [(t, m) for t, m in msgs if isinstance(m, wire.BubbleStart)]
+    ends = [(t, m) for t, m in msgs if isinstance(m, wire.BubbleEnd)]
+    assert len(starts) == len(ends) == 4
+    for (_, st), (_, en) in zip(starts, ends, strict=True):
+        assert st.seq == en.seq
+        # Each bubble lasts as long as the device waits, although the host enqueued it in microseconds.
+        assert (en.end_ns - st.start_ns) / 1e9 == pytest.approx(WAIT_S, abs=0.002)
+    # The first bubble (RecvGrad after 2 forwards) starts when the device finishes those forwards, which
+    # is well after the host got there.
+    first_start = starts[0][1].start_ns
+    assert (first_start - t_host0) / 1e9 >= 2 * COMPUTE_S - 0.001
+    inst.detach()
+    listener.close()
+
+
+def test_a_failing_event_disables_signalling_and_training_goes_on(sockdir: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(HostEvent):
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    eng = AsyncEngine(FakeStream())
+    inst = instrument(eng, training="b", run_dir=sockdir, warmup_iterations=0, profile_iterations=1,
+                      timing="cuda", event_factory=Broken)
+    paths.make_private_dir(paths.stage_dir(sockdir, "b", 0))
+    losses = [eng.train_batch() for _ in range(3)]
+    deadline = time.monotonic() + 5
+    while not inst.stats["disabled"] and time.monotonic() < deadline:
+        eng.train_batch()
+    assert losses == [1.5, 1.5, 1.5] and eng.train_batch() == 1.5
+    assert inst.stats["disabled"]
+    assert "training continues without bubble signals" in caplog.text
+    inst.detach()
+
+
+def test_event_timer_reports_each_iterations_device_lengths_in_order() -> None:
+    stream = FakeStream()
+    got: list[tuple[str, dict[int, int]]] = []
+    done = threading.Event()
+
+    def on_iteration(payload: Any, lengths: dict[int, int]) -> None:
+        got.append((payload, dict(lengths)))
+        if len(got) == 2:
+            done.set()
+
+    timer = EventTimer(lambda: FakeEvent(stream), on_start=lambda *a: None, on_end=lambda *a: None,
+                       on_iteration=on_iteration, on_error=lambda exc: pytest.fail(repr(exc)))
+    for it, wait in (("a", 0.003), ("b", 0.001)):
+        start = timer.begin(7, None, 0)
+        assert start is not None
+        stream.enqueue(wait)
+        timer.end(7, start, None, 0)
+        timer.iteration(it)
+    assert done.wait(5)
+    assert [g[0] for g in got] == ["a", "b"]
+    assert got[0][1][7] / 1e9 == pytest.approx(0.003, abs=5e-4)
+    assert got[1][1][7] / 1e9 == pytest.approx(0.001, abs=5e-4)
+    timer.close()
+
+
+def test_timing_choice_and_bad_values(sockdir: Path) -> None:
+    class Dev:
+        def __init__(self, type_: str) -> None:
+            self.type = type_
+
+    class E:
+        pass
+
+    e = E()
+    assert resolve_timing("auto", e) == "host"
+    e.device = Dev("cuda")  # type: ignore[attr-defined]
+    assert resolve_timing("auto", e) == "cuda"
+    e.device = Dev("cpu")  # type: ignore[attr-defined]
+    assert resolve_timing("auto", e) == "host"
+    assert resolve_timing("cuda", e) == "cuda"
+    with pytest.raises(ValueError, match="timing must be one of auto, host, cuda"):
+        resolve_timing("gpu", e)
+    with pytest.raises(ValueError, match="timing must be one of"):
+        instrument(AsyncEngine(FakeStream()), training="x", run_dir=sockdir, timing="events")
+    # This machine has no GPU: asking for CUDA events without a stand-in says what to do instead.
+    with pytest.raises(RuntimeError, match="timing='host'"):
+        instrument(AsyncEngine(FakeStream()), training="x", run_dir=sockdir, timing="cuda")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same on a real GPU (skipped on machines without one; run on the device machine when one is lent)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs an NVIDIA GPU (this machine has none)")
+def test_real_cuda_events_time_device_side_waits(sockdir: Path) -> None:
+    import torch
+
+    stream = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    # cycles per millisecond of torch.cuda._sleep, measured here: the "neighbour's data" arrives after a
+    # side stream has slept that long, and the main stream waits for it (like NCCL's recv on its stream).
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    torch.cuda._sleep(10_000_000)
+    t1.record()
+    t1.synchronize()
+    cycles_per_ms = 10_000_000 / t0.elapsed_time(t1)
+
+    class CudaEngine(AsyncEngine):
+        device = torch.device("cuda")
+
+        def _handler(self, name: str) -> Any:
+            def handler(engine: CudaEngine, **kwargs: Any) -> None:
+                if name in ("ForwardPass", "BackwardPass"):
+                    for _ in range(4):
+                        a @ a
+                elif name.startswith("Recv"):
+                    side.wait_stream(stream)
+                    with torch.cuda.stream(side):
+                        torch.cuda._sleep(int(WAIT_S * 1e3 * cycles_per_ms))
+                    stream.wait_stream(side)
+            return handler
+
+        def _aggregate_total_loss(self) -> float:
+            return 1.5
+
+        def train_batch(self, data_iter: Any = None) -> float:
+            self._exec_schedule(S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id))
+            return self._aggregate_total_loss()
+
+    eng = CudaEngine(FakeStream())
+    inst = instrument(eng, training="g", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=1, profile_iterations=3, timing="auto")
+    assert inst.timing == "cuda"
+    for _ in range(4):
+        eng.train_batch()
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 10
+    while inst.cycle is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    cycle = inst.cycle
+    assert cycle is not None
+    assert [s.instruction for s in cycle.slots][:3] == ["RecvGrad", "RecvGrad", "RecvGrad"]
+    for s in cycle.slots[:3]:
+        assert s.duration_s == pytest.approx(WAIT_S, rel=0.25), s
+    inst.detach()

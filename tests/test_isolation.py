@@ -1,0 +1,548 @@
+"""Isolation on the node: the modes, the MPS control daemon's management, and failing closed.
+
+What cannot run here (a GPU, the NVIDIA driver, the MPS daemon) is replaced by the stand-ins in
+tests/fakes, which have the real programs' command lines: the agent runs them exactly as it would run
+``nvidia-cuda-mps-control`` and ``nvidia-smi`` on a GPU node. Everything else is real: the agent's
+loop and supervisor thread, fill processes (whose environment is read from /proc), the daemon's
+process (SIGKILLed to lose it). On the CPU build of torch the MPS variables are simply ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bubbles.agent import mps
+from bubbles.agent.isolation import (
+    READY,
+    RECOVERING,
+    UNAVAILABLE,
+    UNISOLATED,
+    ContextsIsolation,
+    GpuModeCheck,
+    IsolationConfig,
+    IsolationStatus,
+    MpsIsolation,
+    NoIsolation,
+    compute_mode_problem,
+    effective_status,
+    make_isolation,
+    parse_compute_modes,
+)
+from bubbles.agent.launcher import assign_device, default_device, parse_devices
+from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
+from bubbles.agent.spec import parse_spec
+from prometheus_client import generate_latest
+from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, spec, start_agent, wait_for
+
+from bubbles import wire
+
+__all__ = ["start_agent"]  # the fixture, shared with test_agent
+
+FAKES = Path(__file__).parent / "fakes"
+FAKE_MPS = str(FAKES / "nvidia-cuda-mps-control")
+FAKE_SMI = str(FAKES / "nvidia-smi")
+MIB = 2**20
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+class MpsDirs:
+    """A pipe and a log directory for one test's daemon; kills any daemon left in them at teardown."""
+
+    def __init__(self, root: Path) -> None:
+        self.pipe = root / "p"
+        self.log = root / "l"
+
+    def env(self) -> dict[str, str]:
+        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe), "CUDA_MPS_LOG_DIRECTORY": str(self.log)}
+
+    def commands(self) -> list[str]:
+        path = self.pipe / "commands.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def pid(self) -> int | None:
+        path = self.pipe / mps.PID_FILE
+        return int(path.read_text()) if path.exists() else None
+
+    def run(self, *args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess[str]:
+        """Run the stand-in as an administrator would, on this pipe directory."""
+        self.log.mkdir(parents=True, exist_ok=True)
+        return subprocess.run([FAKE_MPS, *args], input=stdin, capture_output=True, text=True, timeout=10,
+                              env={**os.environ, **self.env(), **env}, check=False)
+
+    def alive(self) -> bool:
+        return self.run(stdin="get_server_list\n").returncode == 0
+
+    def kill(self) -> int:
+        pid = self.pid()
+        assert pid is not None, "no daemon pid file"
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), 5, "daemon killed")
+        return pid
+
+    def cleanup(self) -> None:
+        pid = self.pid()
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        if pid is not None and cmdline.exists() and b"nvidia-cuda-mps-control" in cmdline.read_bytes():
+            os.kill(pid, signal.SIGKILL)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def mps_dirs(tmp_path: Path) -> Iterator[MpsDirs]:
+    dirs = MpsDirs(tmp_path)
+    yield dirs
+    dirs.cleanup()
+
+
+def mps_config(dirs: MpsDirs, **kw: Any) -> IsolationConfig:
+    fields: dict[str, Any] = {"mode": "mps", "mps_control": FAKE_MPS, "mps_pipe_dir": dirs.pipe,
+                              "mps_log_dir": dirs.log, "check_interval_s": 0.05, "nvidia_smi": FAKE_SMI}
+    fields.update(kw)
+    return IsolationConfig(**fields)
+
+
+def mps_isolation(dirs: MpsDirs, clock: Any = time.monotonic, **kw: Any) -> MpsIsolation:
+    config = mps_config(dirs, **kw)
+    return MpsIsolation(config, GpuModeCheck([], None, allow_exclusive=True), dirs.pipe.parent / "fallback",
+                        clock=clock)
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment a (fill) process was started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def fill_pid(h: Harness, index: int = -1, name: str | None = None) -> int:
+    jobs = [j for j in h.agent.jobs if name is None or j.name == name]
+    proc = jobs[index].proc
+    assert proc is not None, "fill job has no process"
+    return proc.pid
+
+
+def metrics_text(agent: Agent) -> str:
+    return generate_latest(agent.metrics.registry).decode()
+
+
+def busy(**fields: Any) -> Any:
+    """A fill job with a declared step time (no self-profiling, which a loaded machine can stretch)."""
+    return spec("busy", "test_agent_jobs:BusyJob", step_time="1ms", **fields)
+
+
+def sleeper(name: str = "cmd", **fields: Any) -> Any:
+    """An imperative command job: starts at once (no torch import), paused and resumed from outside."""
+    return parse_spec({"name": name, "kind": "imperative", "command": ["sleep", "30"], "memory": "64Mi", **fields})
+
+
+MPS_VARS = {"CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+            "CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"}
+
+
+# -- devices -----------------------------------------------------------------------------------------
+def test_devices_are_assigned_round_robin_and_cuda_devices_are_not_pinned() -> None:
+    assert parse_devices("cuda:0,cuda:1") == ("cuda:0", "cuda:1")
+    assert parse_devices(" cpu , cuda:3 ") == ("cpu", "cuda:3")
+    devices = ("cuda:0", "cuda:1")
+    assert [assign_device(k, devices, pin=True) for k in range(3)] == [("cuda:0", None), ("cuda:1", None),
+                                                                       ("cuda:0", None)]
+    # A cpu entry (and no list at all) keeps the CPU behaviour: core k stands in for stage k's accelerator.
+    assert assign_device(1, ("cuda:0", "cpu"), pin=True) == default_device(1, True)
+    assert assign_device(2, (), pin=False) == default_device(2, False)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "comma-separated list"),
+        ("cuda:0,,cuda:1", "comma-separated list"),
+        ("gpu", "write cuda:0"),
+        ("cuda", "write cuda:0"),
+        ("cuda:x", "'cuda:x' is neither cpu nor cuda:N"),
+        ("cuda:-1", "'cuda:-1' is neither"),
+        ("cuda:01", "'cuda:01' is neither"),
+        ("tpu:0", "'tpu:0' is neither"),
+    ],
+)
+def test_bad_device_lists_are_rejected_saying_what_to_write(text: str, needle: str) -> None:
+    with pytest.raises(ValueError, match="--devices") as err:
+        parse_devices(text)
+    assert needle in str(err.value)
+
+
+# -- compute modes, client environments, configuration (pure) -------------------------------------------
+def test_compute_modes_decide_which_modes_can_use_a_gpu() -> None:
+    modes = parse_compute_modes("0, Default\n1, Exclusive_Process\n2, Prohibited\n")
+    assert modes == {0: "DEFAULT", 1: "EXCLUSIVE_PROCESS", 2: "PROHIBITED"}
+    assert compute_mode_problem(modes, [0], allow_exclusive=False) is None
+    exclusive = compute_mode_problem(modes, [0, 1], allow_exclusive=False)
+    assert exclusive is not None and "GPU 1 is in EXCLUSIVE_PROCESS" in exclusive and "--isolation mps" in exclusive
+    assert compute_mode_problem(modes, [1], allow_exclusive=True) is None  # MPS is made for exclusive GPUs
+    prohibited = compute_mode_problem(modes, [2], allow_exclusive=True)
+    assert prohibited is not None and "PROHIBITED" in prohibited and "nvidia-smi -i 2 -c DEFAULT" in prohibited
+    missing = compute_mode_problem(modes, [5], allow_exclusive=True)
+    assert missing == "no GPU with index 5 (nvidia-smi lists 0, 1, 2); fix --devices"
+    with pytest.raises(ValueError, match="unexpected nvidia-smi line"):
+        parse_compute_modes("0 Default\n")
+    with pytest.raises(ValueError, match="unexpected nvidia-smi line"):
+        parse_compute_modes("zero, Default\n")
+
+
+def test_mps_client_environment_for_a_specs_memory(mps_dirs: MpsDirs) -> None:
+    iso = mps_isolation(mps_dirs, mps_thread_percentage=30)
+    gpu = iso.client_env("cuda:1", parse_spec({"name": "j", "entry": "a:B", "memory": "2Gi"}).memory_bytes)
+    assert gpu == {"CUDA_MPS_PIPE_DIRECTORY": str(mps_dirs.pipe), "CUDA_MPS_LOG_DIRECTORY": str(mps_dirs.log),
+                   "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30", "CUDA_MPS_CLIENT_PRIORITY": "1",
+                   "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "1=2048M"}
+    # Rounded down to whole MiB (a hard limit never exceeds the spec), at least 1M; no GPU limit on a CPU device.
+    assert iso.client_env("cuda:0", 3 * MIB // 2)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1M"
+    assert iso.client_env("cuda:0", 100)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1M"
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in iso.client_env("cpu:0", 0)
+    with pytest.raises(ValueError, match="needs memory > 0"):
+        iso.client_env("cuda:0", 0)
+    contexts = ContextsIsolation(mps_dirs.pipe.parent / "private", GpuModeCheck([], None, allow_exclusive=False))
+    assert contexts.client_env("cuda:0", 2**30) == {"CUDA_MPS_PIPE_DIRECTORY": str(mps_dirs.pipe.parent / "private")}
+    assert NoIsolation().client_env("cuda:0", 2**30) == {}
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"mode": "sometimes"}, "isolation mode must be one of contexts, mps, none"),
+        ({"mps_thread_percentage": 0}, "must be 1..100"),
+        ({"mps_thread_percentage": 101}, "must be 1..100"),
+        ({"check_interval_s": 0}, "check interval must be > 0"),
+        ({"command_timeout_s": -1}, "command timeout must be > 0"),
+    ],
+)
+def test_isolation_config_rejects_bad_values(fields: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        IsolationConfig(**fields)
+
+
+def test_a_pipe_directory_too_long_for_a_unix_socket_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="choose a shorter --mps-pipe-dir"):
+        make_isolation(IsolationConfig(mode="mps", mps_control=FAKE_MPS, mps_pipe_dir=tmp_path / ("x" * 120),
+                                       mps_log_dir=tmp_path), ["cpu:0"], tmp_path)
+
+
+def test_effective_status_fails_closed_unless_unisolated_is_allowed() -> None:
+    broken = IsolationStatus("mps", UNAVAILABLE, "no daemon")
+    assert effective_status(broken, allow_unisolated=False) is broken
+    allowed = effective_status(broken, allow_unisolated=True)
+    assert allowed.state == UNISOLATED and allowed.usable and "WITHOUT isolation" in allowed.detail
+    ready = IsolationStatus("mps", READY, "ok")
+    assert effective_status(ready, allow_unisolated=True) is ready
+
+
+# -- the MPS control daemon (the stand-in, through its command line) ------------------------------------
+def test_no_daemon_running_the_agent_starts_one_owns_it_and_quits_it(mps_dirs: MpsDirs) -> None:
+    iso = mps_isolation(mps_dirs)
+    status = iso.start()
+    assert status.state == READY, status.detail
+    assert status.daemon is not None and status.daemon.owned and status.daemon.restarts == 0
+    pid = mps_dirs.pid()
+    assert status.daemon.pid == pid and pid is not None
+    assert "Starting control daemon" in (mps_dirs.log / "control.log").read_text()
+    # detect (no daemon: nothing received) -> start (-d, then polled until it answers) -> the daemon's defaults
+    assert mps_dirs.commands() == ["get_server_list", "get_default_active_thread_percentage"]
+    assert mps_dirs.alive()
+    iso.close()
+    assert mps_dirs.commands()[-1] == "quit"
+    assert not mps_dirs.alive() and mps_dirs.pid() is None
+
+
+def test_a_running_daemon_is_used_and_left_running(mps_dirs: MpsDirs) -> None:
+    assert mps_dirs.run("-d").returncode == 0  # e.g. the NVIDIA device plugin's daemon
+    external = mps_dirs.pid()
+    iso = mps_isolation(mps_dirs)
+    status = iso.start()
+    assert status.state == READY and status.daemon is not None
+    assert not status.daemon.owned and status.daemon.pid == external
+    assert "not started by this agent" in status.detail
+    iso.close()
+    assert mps_dirs.commands() == ["get_server_list", "get_default_active_thread_percentage"]  # no quit
+    assert mps_dirs.alive() and mps_dirs.pid() == external
+    assert (mps_dirs.log / "control.log").read_text().count("Starting control daemon") == 1
+
+
+def test_a_lost_daemon_is_restarted_and_counted(mps_dirs: MpsDirs) -> None:
+    iso = mps_isolation(mps_dirs)
+    first = iso.start()
+    old = mps_dirs.kill()
+    lost = iso.check()
+    assert lost.state == RECOVERING and f"(pid {old}) stopped answering" in lost.detail
+    assert "Cannot find MPS control daemon process" in lost.detail
+    back = iso.check()  # the agent has seen the loss: now restart
+    assert back.state == READY and back.daemon is not None
+    assert back.daemon.owned and back.daemon.restarts == 1 and back.daemon.pid not in (None, old)
+    assert back.epoch == first.epoch + 1  # fill jobs launched before the loss belong to a lost epoch
+    assert iso.check().epoch == back.epoch  # a healthy check changes nothing
+    iso.close()
+
+
+def test_a_lost_daemon_that_is_not_ours_is_waited_for(mps_dirs: MpsDirs) -> None:
+    mps_dirs.run("-d")
+    iso = mps_isolation(mps_dirs)
+    assert iso.start().state == READY
+    mps_dirs.kill()
+    assert iso.check().state == RECOVERING
+    waiting = iso.check()
+    assert waiting.state == RECOVERING and "waiting for its owner" in waiting.detail
+    assert mps_dirs.pid() is None or not mps_dirs.alive()  # the agent did not start one of its own
+    mps_dirs.run("-d")  # its owner restarts it
+    back = iso.check()
+    assert back.state == READY and back.daemon is not None and not back.daemon.owned
+
+
+def test_a_daemon_that_refuses_to_start_is_retried_with_backoff(mps_dirs: MpsDirs,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setenv("FAKE_MPS_FAIL_START", "MPS is not supported on this GPU")
+    iso = mps_isolation(mps_dirs, clock=lambda: now[0])
+    status = iso.start()
+    assert status.state == UNAVAILABLE
+    assert "MPS is not supported on this GPU" in status.detail and "attempt 1" in status.detail
+    assert "retrying in 0.5 s" in status.detail
+    assert "attempt 1" in iso.check().detail  # before the backoff has passed: no new attempt
+    now[0] += 0.5
+    second = iso.check()
+    assert "attempt 2" in second.detail and "retrying in 1 s" in second.detail
+    monkeypatch.delenv("FAKE_MPS_FAIL_START")
+    now[0] += 1.0
+    status = iso.check()
+    assert status.state == READY and status.daemon is not None
+    assert status.daemon.owned and status.daemon.restarts == 0  # its first start, not a restart
+    iso.close()
+
+
+def test_a_hung_daemon_times_out_instead_of_blocking(mps_dirs: MpsDirs) -> None:
+    mps_dirs.run("-d", FAKE_MPS_REPLY_DELAY_S="5")
+    iso = mps_isolation(mps_dirs, command_timeout_s=0.3)
+    t0 = time.monotonic()
+    status = iso.start()
+    assert time.monotonic() - t0 < 4
+    assert status.state == UNAVAILABLE
+    assert "no answer to get_server_list within 0.3 s" in status.detail or "already running" in status.detail
+
+
+# -- the agent: fail closed, recovery, environments (real agent, real fill processes) -------------------
+def test_mps_clients_get_the_mps_environment_and_an_owned_daemon_is_quit(
+        mps_dirs: MpsDirs, start_agent: StartAgent) -> None:
+    command_job = sleeper("gpu-cmd", memory="512Mi", stage=1)
+    h = start_agent([sleeper("cpu-cmd", stage=0), command_job],
+                    executors=2, devices=("cpu", "cuda:0"), isolation=mps_config(mps_dirs))
+    iso = h.agent.stats()["isolation"]
+    assert iso["mode"] == "mps" and iso["state"] == "ready", iso
+    assert iso["daemon"]["owned"] and iso["daemon"]["pipe_dir"] == str(mps_dirs.pipe)
+    for stage in (0, 1):
+        Hook(h.run_dir, stage).send(wire.encode_profile(stage, cycle(stage)))
+    h.wait_state("cpu-cmd", "PAUSED")
+    h.wait_state("gpu-cmd", "PAUSED")
+    cpu_env = environ(fill_pid(h, name="cpu-cmd"))
+    assert {k: cpu_env[k] for k in MPS_VARS if k in cpu_env} == {
+        "CUDA_MPS_PIPE_DIRECTORY": str(mps_dirs.pipe), "CUDA_MPS_LOG_DIRECTORY": str(mps_dirs.log),
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    gpu_env = environ(fill_pid(h, name="gpu-cmd"))
+    assert gpu_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=512M" and gpu_env["BUBBLES_DEVICE"] == "cuda:0"
+    assert "BUBBLES_CPU_CORE" not in gpu_env  # a GPU stage's fill job is not pinned to a core
+    assert [j["isolation"] for j in h.agent.stats()["jobs"]] == ["mps", "mps"]
+    daemon_pid = mps_dirs.pid()
+    h.agent.request_stop()
+    h.thread.join(10)
+    assert mps_dirs.commands()[-1] == "quit" and not mps_dirs.alive()
+    assert daemon_pid is not None and (not Path(f"/proc/{daemon_pid}").exists() or _zombie(daemon_pid))
+
+
+def test_losing_the_daemon_stops_its_clients_and_resubmits_them_after_the_restart(
+        mps_dirs: MpsDirs, start_agent: StartAgent) -> None:
+    h = start_agent([busy()], isolation=mps_config(mps_dirs))
+    hook = Hook(h.run_dir)
+    hook.send(wire.encode_profile(0, cycle()))
+    h.wait_state("busy", "PAUSED")
+    first = h.agent.jobs[0]
+    assert first.proc is not None
+    old = mps_dirs.kill()
+    wait_for(lambda: first.state == "STOPPED", 10, "the MPS client stopped")
+    assert first.reason.startswith(f"isolation lost: MPS control daemon in {mps_dirs.pipe} (pid {old}) stopped")
+    wait_for(lambda: first.proc is None or first.proc.poll() is not None, 10, "its process exited")
+    wait_for(lambda: len(h.agent.jobs) == 2 and h.agent.jobs[1].state == "PAUSED", 15, "resubmitted job runs")
+    again = h.agent.jobs[1]
+    assert again.name == "busy" and again.resubmission == 1 and again.isolation == "mps"
+    stats = h.agent.stats()
+    assert stats["isolation"]["state"] == "ready" and stats["isolation_losses"] == 1
+    daemon = stats["isolation"]["daemon"]
+    assert daemon["owned"] and daemon["restarts"] == 1 and daemon["pid"] == mps_dirs.pid() != old
+    kinds = [(e["kind"], e["message"].split(":")[0]) for e in stats["events"] if e["kind"] in ("isolation", "resubmit")]
+    assert kinds == [("isolation", "ready"), ("isolation", "recovering"), ("resubmit", "resubmitted after isolation "
+                                                                                       "loss (1/3)"),
+                     ("isolation", "ready")]
+    text = metrics_text(h.agent)
+    assert 'bubbles_mps_daemon_restarts_total{training="t"} 1.0' in text
+    assert 'bubbles_isolation_losses_total{mode="mps",training="t"} 1.0' in text
+    assert 'bubbles_isolation_ready{mode="mps",training="t"} 1.0' in text
+    # The armed job works again: its steps run in the bubbles.
+    wait_for(lambda: hook.fill_armed("busy"), what="fill socket bound")
+    for _ in range(3):
+        hook.bubble(0.005)
+    wait_for(lambda: again.steps > 0, 10, "steps after the resubmission")
+
+
+def test_a_job_is_resubmitted_at_most_three_times(mps_dirs: MpsDirs, start_agent: StartAgent) -> None:
+    h = start_agent([sleeper()], isolation=mps_config(mps_dirs))
+    Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+    for n in range(MAX_ISOLATION_RESUBMISSIONS + 1):
+        wait_for(lambda n=n: len(h.agent.jobs) == n + 1 and h.agent.jobs[n].proc is not None, 15,
+                 f"run {n} started")
+        job = h.agent.jobs[n]
+        mps_dirs.kill()
+        wait_for(lambda job=job: job.state == "STOPPED", 10, f"run {n} stopped")
+    wait_for(lambda: h.agent.stats()["isolation"]["daemon"]["restarts"] == MAX_ISOLATION_RESUBMISSIONS + 1, 10,
+             "daemon restarted after the last loss")
+    jobs = h.agent.stats()["jobs"]
+    assert len(jobs) == MAX_ISOLATION_RESUBMISSIONS + 1 and all(j["state"] == "STOPPED" for j in jobs)
+    assert [j["resubmission"] for j in jobs] == [0, 1, 2, 3]
+    assert jobs[-1]["reason"].endswith("(not resubmitted: already restarted 3 times after isolation losses)")
+
+
+def test_without_the_control_program_no_fill_process_starts(mps_dirs: MpsDirs, start_agent: StartAgent,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(Path(shutil.which("sleep") or "/bin/sleep").parent))
+    h = start_agent([busy()], isolation=mps_config(mps_dirs, mps_control=None))
+    Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+    waiting = wait_for(lambda: (j := h.job("busy"))["reason"].startswith("waiting for isolation") and j,
+                       what="job held back")
+    assert waiting["state"] == "SUBMITTED" and "nvidia-cuda-mps-control not found on PATH" in waiting["reason"]
+    assert "--mps-control" in waiting["reason"]
+    time.sleep(0.3)  # several supervisor checks later: still nothing launched
+    assert h.agent.jobs[0].proc is None and h.job("busy")["state"] == "SUBMITTED"
+    iso = h.agent.stats()["isolation"]
+    assert iso["state"] == "unavailable" and iso["daemon"] is None
+    assert 'bubbles_isolation_ready{mode="mps",training="t"} 0.0' in metrics_text(h.agent)
+    assert 'bubbles_isolation_state{mode="mps",state="unavailable",training="t"} 1.0' in metrics_text(h.agent)
+
+
+@pytest.mark.parametrize("allow_unisolated", [False, True])
+def test_a_daemon_that_will_not_start_holds_jobs_back_unless_unisolated_is_allowed(
+        mps_dirs: MpsDirs, start_agent: StartAgent, monkeypatch: pytest.MonkeyPatch, allow_unisolated: bool) -> None:
+    monkeypatch.setenv("FAKE_MPS_FAIL_START", "no CUDA-capable device is detected")
+    h = start_agent([busy()],
+                    isolation=mps_config(mps_dirs, allow_unisolated=allow_unisolated))
+    Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+    if not allow_unisolated:
+        job = wait_for(lambda: (j := h.job("busy"))["reason"].startswith("waiting for isolation") and j)
+        assert "no CUDA-capable device is detected" in job["reason"] and job["state"] == "SUBMITTED"
+        assert h.agent.stats()["isolation"]["state"] == "unavailable"
+        time.sleep(0.3)
+        assert h.agent.jobs[0].proc is None
+        return
+    h.wait_state("busy", "PAUSED")
+    iso = h.agent.stats()["isolation"]
+    assert iso["state"] == "unisolated" and "WITHOUT isolation" in iso["detail"]
+    assert "no CUDA-capable device is detected" in iso["detail"]
+    assert h.job("busy")["isolation"] == "unisolated"
+    env = environ(fill_pid(h))
+    assert not {"CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"} & set(env)
+    assert 'bubbles_isolation_state{mode="mps",state="unisolated",training="t"} 1.0' in metrics_text(h.agent)
+
+
+def test_contexts_mode_refuses_an_exclusive_process_gpu(start_agent: StartAgent, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_GPUS", "0=Default,1=Exclusive_Process")
+    h = start_agent([sleeper()], devices=("cuda:1",),
+                    isolation=IsolationConfig(mode="contexts", nvidia_smi=FAKE_SMI, check_interval_s=0.05))
+    Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+    held = wait_for(lambda: (j := h.job("cmd"))["reason"].startswith("waiting for isolation") and j)
+    assert "GPU 1 is in EXCLUSIVE_PROCESS compute mode" in held["reason"] and "--isolation mps" in held["reason"]
+    iso = h.agent.stats()["isolation"]
+    assert iso["mode"] == "contexts" and iso["state"] == "unavailable"
+    assert h.agent.jobs[0].proc is None
+
+
+def test_contexts_mode_keeps_a_gpu_fill_job_off_mps(start_agent: StartAgent, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "node-mps"))  # a daemon the node runs
+    h = start_agent([sleeper()], devices=("cuda:0",), isolation=IsolationConfig(nvidia_smi=FAKE_SMI))
+    iso = h.agent.stats()["isolation"]
+    assert iso == {"mode": "contexts", "state": "ready", "daemon": None,
+                   "detail": "separate CUDA contexts on cuda:0, kept off MPS (compute mode GPU 0: DEFAULT)"}
+    Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+    h.wait_state("cmd", "PAUSED")
+    private = Path(environ(fill_pid(h))["CUDA_MPS_PIPE_DIRECTORY"])
+    assert private == h.run_dir / TRAINING / "no-mps"
+    assert private.is_dir() and not list(private.iterdir()) and private.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_gpu_fill_job_must_declare_memory(tmp_path: Path) -> None:
+    config = AgentConfig(run_dir=tmp_path, training=TRAINING, devices=("cuda:0",),
+                         isolation=IsolationConfig(mode="none"))
+    no_memory = parse_spec({"name": "greedy", "entry": "test_agent_jobs:BusyJob"})
+    with pytest.raises(ValueError, match=r"'greedy' would run on cuda:0 but declares no memory limit") as err:
+        Agent(config, [no_memory])
+    assert "memory: 2Gi" in str(err.value)
+    # On a CPU device memory is optional (there is no accelerator memory to protect).
+    cpu = Agent(AgentConfig(run_dir=tmp_path, training=TRAINING, isolation=IsolationConfig(mode="none")),
+                [no_memory])
+    assert cpu.jobs[0].state == "SUBMITTED"
+
+
+def test_mode_none_runs_jobs_and_says_unisolated(start_agent: StartAgent) -> None:
+    h = start_agent([sleeper()], isolation=IsolationConfig(mode="none"))
+    iso = h.agent.stats()["isolation"]
+    assert iso["mode"] == "none" and iso["state"] == "unisolated" and iso["daemon"] is None
+    Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+    h.wait_state("cmd", "PAUSED")
+    assert h.job("cmd")["isolation"] == "unisolated"
+
+
+def test_slow_health_checks_never_stall_the_agents_loop(mps_dirs: MpsDirs, start_agent: StartAgent,
+                                                        tmp_path: Path) -> None:
+    # A control program that takes 0.3 s per call: the supervisor is almost always inside one.
+    slow = tmp_path / "slow-mps-control"
+    slow.write_text(f"#!/bin/sh\nsleep 0.3\nexec {FAKE_MPS} \"$@\"\n")
+    slow.chmod(0o755)
+    h = start_agent([], isolation=mps_config(mps_dirs, mps_control=str(slow), command_timeout_s=3))
+    hook = Hook(h.run_dir)
+    latencies = []
+    deadline = time.monotonic() + 15
+    while mps_dirs.commands().count("get_server_list") < 3:  # the start's probe + two health checks
+        assert time.monotonic() < deadline, "no health checks reached the daemon"
+        accounted = len(latencies) + 1
+        hook.bubble(0.002)
+        t0 = time.monotonic()
+        wait_for(lambda n=accounted: len(h.agent.stats()["bubbles"]) == n, 5, "bubble accounted")
+        latencies.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    assert len(latencies) >= 10
+    assert max(latencies) < 0.3, f"the loop stalled: {max(latencies) * 1e3:.0f} ms to account a bubble"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None or shutil.which("nvidia-smi") is None,
+                    reason="needs an NVIDIA GPU node with the MPS control program")
+def test_the_real_mps_control_daemon_is_started_checked_and_quit(tmp_path: Path) -> None:
+    pipe = Path(f"/tmp/bubbles-mps-test-{os.getpid()}")
+    config = IsolationConfig(mode="mps", mps_pipe_dir=pipe, mps_log_dir=tmp_path / "log")
+    iso = make_isolation(config, ["cuda:0"], tmp_path)
+    try:
+        status = iso.start()
+        assert status.state == READY, status.detail
+        assert status.daemon is not None and status.daemon.owned
+        assert iso.check().state == READY
+    finally:
+        iso.close()
+        shutil.rmtree(pipe, ignore_errors=True)
+    assert not (pipe / "control").exists()

@@ -1,0 +1,204 @@
+"""Memory probes: the CUDA allocator probe's arithmetic, read through a stand-in ``torch.cuda``, and the
+promise that no probe raises into the training.
+
+``FakeCuda`` stands in only for what cannot run here (a GPU and its driver): it has the same functions,
+arguments and return types as ``torch.cuda`` for what the probe calls, with readings the test sets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bubbles.probes import (
+    DEFAULT_MARGIN_BYTES,
+    CudaAllocatorProbe,
+    MemoryProbe,
+    MemorySample,
+    StaticMemoryProbe,
+)
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class FakeCuda:
+    """The part of ``torch.cuda`` the probe uses, for one or more devices, logging every call in order.
+
+    ``empty_cache()`` releases the cached-but-unused blocks (``cached``) back to the device, as the real
+    caching allocator does, so a reading taken before it would see less free memory than one after.
+    """
+
+    def __init__(self, *, total: int = 80 * GIB, free: int = 40 * GIB, allocated: int = 20 * GIB,
+                 peak: int = 30 * GIB, cached: int = 0, devices: int = 1, current: int = 0) -> None:
+        self.total, self.free, self.allocated, self.peak, self.cached = total, free, allocated, peak, cached
+        self.devices, self.current = devices, current
+        self.calls: list[tuple[str, Any]] = []
+        self.fail: str | None = None  # name of a call that raises, like a driver error
+
+    def _call(self, name: str, arg: Any = None) -> None:
+        self.calls.append((name, arg))
+        if self.fail == name:
+            raise RuntimeError(f"CUDA error: an illegal memory access was encountered ({name})")
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def current_device(self) -> int:
+        return self.current
+
+    def empty_cache(self) -> None:
+        self._call("empty_cache")
+        self.free += self.cached
+        self.cached = 0
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        self._call("mem_get_info", device)
+        return self.free, self.total
+
+    def memory_allocated(self, device: int) -> int:
+        self._call("memory_allocated", device)
+        return self.allocated
+
+    def max_memory_allocated(self, device: int) -> int:
+        self._call("max_memory_allocated", device)
+        return self.peak
+
+
+def test_free_for_fill_is_device_free_minus_the_trainings_peak_headroom_minus_the_margin() -> None:
+    cuda = FakeCuda(free=40 * GIB, allocated=20 * GIB, peak=30 * GIB)
+    probe = CudaAllocatorProbe(margin_bytes=MIB, cuda=cuda)
+    # The training will grow back by peak - allocated = 10 GiB later in the iteration: that is not for fill.
+    assert probe.sample() == MemorySample(free_bytes=30 * GIB - MIB, allocated_bytes=20 * GIB)
+    assert probe.free_bytes() == 30 * GIB - MIB
+    cuda.allocated = 30 * GIB  # at the training's peak: all of the device's free memory minus the margin
+    cuda.free = 30 * GIB
+    assert probe.sample() == MemorySample(30 * GIB - MIB, 30 * GIB)
+
+
+def test_cached_blocks_are_released_before_the_readings() -> None:
+    cuda = FakeCuda(free=10 * GIB, cached=6 * GIB, allocated=20 * GIB, peak=20 * GIB)
+    probe = CudaAllocatorProbe(margin_bytes=0, cuda=cuda)
+    assert probe.sample().free_bytes == 16 * GIB  # the 6 GiB the training cached but did not use count
+    names = [name for name, _ in cuda.calls]
+    assert names == ["empty_cache", "mem_get_info", "memory_allocated", "max_memory_allocated"]
+
+
+def test_free_memory_floors_at_zero_and_the_default_margin_applies() -> None:
+    cuda = FakeCuda(free=2 * GIB, allocated=20 * GIB, peak=21 * GIB + 256 * MIB)
+    assert CudaAllocatorProbe(margin_bytes=512 * MIB, cuda=cuda).sample() == MemorySample(256 * MIB, 20 * GIB)
+    assert CudaAllocatorProbe(margin_bytes=2 * GIB, cuda=cuda).sample() == MemorySample(0, 20 * GIB)
+    default = CudaAllocatorProbe(cuda=FakeCuda(free=4 * GIB, allocated=GIB, peak=GIB))
+    assert default.margin_bytes == DEFAULT_MARGIN_BYTES
+    assert default.free_bytes() == 4 * GIB - DEFAULT_MARGIN_BYTES
+
+
+@pytest.mark.parametrize("failing", ["empty_cache", "mem_get_info", "memory_allocated", "max_memory_allocated"])
+def test_a_failing_reading_answers_unknown_and_never_raises(failing: str) -> None:
+    cuda = FakeCuda()
+    probe = CudaAllocatorProbe(margin_bytes=0, cuda=cuda)
+    cuda.fail = failing
+    assert probe.sample() == MemorySample(0, 0)
+    assert probe.free_bytes() == 0
+
+
+def test_a_garbage_reading_answers_unknown() -> None:
+    cuda = FakeCuda()
+    probe = CudaAllocatorProbe(cuda=cuda)
+    cuda.peak = None  # type: ignore[assignment]
+    assert probe.sample() == MemorySample(0, 0)
+
+
+@pytest.mark.parametrize(("device", "index"), [(None, 1), (0, 0), (1, 1), ("cuda", 1), ("cuda:0", 0)])
+def test_the_device_is_read_from_an_index_a_string_or_the_current_device(device: Any, index: int) -> None:
+    cuda = FakeCuda(devices=2, current=1)
+    probe = CudaAllocatorProbe(device, cuda=cuda)
+    probe.sample()
+    assert probe.index == index
+    assert {arg for name, arg in cuda.calls if name != "empty_cache"} == {index}
+
+
+def test_a_torch_device_is_accepted() -> None:
+    import torch
+
+    cuda = FakeCuda(devices=2, current=0)
+    assert CudaAllocatorProbe(torch.device("cuda", 1), cuda=cuda).index == 1
+    assert CudaAllocatorProbe(torch.device("cuda"), cuda=cuda).index == 0
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        CudaAllocatorProbe(torch.device("cpu"), cuda=cuda)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"margin_bytes": -1}, "margin_bytes must be an int number of bytes >= 0"),
+        ({"margin_bytes": 0.5}, "margin_bytes must be an int"),
+        ({"margin_bytes": "512M"}, "margin_bytes must be an int"),
+        ({"margin_bytes": True}, "margin_bytes must be an int"),
+        ({"device": "cpu"}, "'cpu' is not a CUDA device; pass 'cuda', 'cuda:N'"),
+        ({"device": "cuda:x"}, "not a CUDA device"),
+        ({"device": "cuda:-1"}, "not a CUDA device"),
+        ({"device": 2.0}, "not a CUDA device"),
+        ({"device": 3}, "CUDA device 3 does not exist: this process sees 2 device"),
+        ({"device": "cuda:2"}, "check CUDA_VISIBLE_DEVICES"),
+        ({"device": -1}, "CUDA device -1 does not exist"),
+    ],
+)
+def test_bad_constructor_arguments_say_what_to_pass(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError) as err:
+        CudaAllocatorProbe(cuda=FakeCuda(devices=2), **kwargs)
+    assert needle in str(err.value)
+
+
+def test_the_real_probe_on_a_machine_without_cuda_says_to_use_the_static_probe() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the real probe works here (see the gpu test)")
+    with pytest.raises(RuntimeError, match="needs CUDA") as err:
+        CudaAllocatorProbe()
+    assert "StaticMemoryProbe" in str(err.value)
+
+
+def test_base_and_static_probes_sample_and_a_broken_subclass_answers_unknown() -> None:
+    assert MemoryProbe().sample() == MemorySample(0, 0)
+    assert StaticMemoryProbe(7).sample() == MemorySample(7, 0)
+    assert StaticMemoryProbe(7, allocated_bytes=3).sample() == MemorySample(7, 3)
+    with pytest.raises(ValueError, match="allocated_bytes must be an int >= 0"):
+        StaticMemoryProbe(7, allocated_bytes=-3)
+
+    class Broken(MemoryProbe):
+        def free_bytes(self) -> int:
+            raise OSError("NVML went away")
+
+    assert Broken().sample() == MemorySample(0, 0)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_real_cuda_probe_sees_the_trainings_tensors_and_its_peak() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    probe = CudaAllocatorProbe(margin_bytes=0)
+    before = probe.sample()
+    live = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+    after_alloc = probe.sample()
+    assert after_alloc.allocated_bytes >= before.allocated_bytes + 256 * MIB
+    spike = torch.empty(512 * MIB, dtype=torch.uint8, device="cuda")
+    del spike  # the peak stays; the probe keeps its headroom back
+    after_spike = probe.sample()
+    assert after_spike.allocated_bytes == after_alloc.allocated_bytes
+    assert after_spike.free_bytes <= after_alloc.free_bytes - 448 * MIB
+    del live
