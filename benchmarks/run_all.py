@@ -38,6 +38,11 @@ def main() -> int:
     failed += subprocess.call([sys.executable, "-m", "bubbles.cli", "demo", "--report",
                                str(args.out / "demo-report.json"), "--timeline", str(args.out / "demo-timeline.png")]
                               + (["--repeats", "1", "--iterations", "6"] if args.quick else [])) != 0
+    # The one-GPU harvesting benchmark picks its mode itself: full size on a GPU, the smoke run (no figures,
+    # a check that everything runs) on a CPU-only machine.
+    print(f"\n## gpu_harvest.py (report in {args.out / 'gpu-harvest'})", flush=True)
+    failed += subprocess.call([sys.executable, str(HERE / "gpu_harvest.py"), "--out", str(args.out / "gpu-harvest")]
+                              + (["--smoke"] if args.quick else [])) != 0
     return 1 if failed else 0
 
 

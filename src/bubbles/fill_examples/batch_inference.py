@@ -1,32 +1,54 @@
-"""Fill job: batched inference with a small transformer-encoder classifier under ``torch.no_grad``."""
+"""Fill job: batched inference with a transformer-encoder classifier under ``torch.no_grad``.
+
+Defaults are sized to ~1 ms a step on one CPU core. ``bert_base()`` gives the arguments of a BERT-base
+shaped encoder (width 768, 12 layers, 12 heads, feed-forward 3072, sequence 128) in bf16 for GPUs, where a
+step of 32 sequences is a few milliseconds of a large GPU.
+"""
 
 from __future__ import annotations
 
-from bubbles.fill_examples._counted import FlopCountedJob
+from typing import Any
+
+from bubbles.fill_examples._counted import FlopCountedJob, check_dtype
 
 
 class BatchInference(FlopCountedJob):
-    """Classifies batches of synthetic token sequences; sized to ~1 ms a step on one core.
+    """Classifies batches of synthetic token sequences.
 
-    ``batch_size``, ``seq_len`` and ``width`` (model dimension) set the step time; ``steps`` (optional)
-    makes the job finish after that many batches (a finite inference job).
+    ``batch_size``, ``seq_len``, ``width`` (model dimension), ``layers``, ``heads`` and ``ffn`` (feed-forward
+    width; default 2 x width) set the step time; ``dtype`` the precision (``"float32"`` or ``"bfloat16"``);
+    ``steps`` (optional) makes the job finish after that many batches (a finite inference job). The job runs
+    on the device the agent assigned (``bubbles.sdk.assigned_device()``).
     """
 
     def __init__(self, batch_size: int = 16, seq_len: int = 16, width: int = 64, layers: int = 1,
-                 vocab: int = 1000, classes: int = 10, steps: int | None = None, seed: int = 0) -> None:
-        if min(batch_size, seq_len, width, layers) < 1 or width % 4:
-            raise ValueError("batch_size, seq_len, layers must be >= 1 and width a positive multiple of 4")
+                 vocab: int = 1000, classes: int = 10, steps: int | None = None, seed: int = 0,
+                 heads: int = 4, ffn: int | None = None, dtype: str = "float32") -> None:
+        if min(batch_size, seq_len, width, layers, heads, vocab) < 1 or width % heads:
+            raise ValueError("batch_size, seq_len, layers, heads and vocab must be >= 1 and width a positive "
+                             f"multiple of heads ({heads}), got width {width}")
+        if ffn is not None and ffn < 1:
+            raise ValueError(f"ffn (feed-forward width) must be >= 1 or omitted (2 x width), got {ffn}")
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.width = width
         self.layers = layers
+        self.heads = heads
+        self.ffn = ffn if ffn is not None else 2 * width
         self.vocab = vocab
         self.classes = classes
         self.max_steps = steps
         self.seed = seed
+        self.dtype = check_dtype(dtype)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.predictions = 0
+
+    @staticmethod
+    def bert_base(batch_size: int = 32, **overrides: Any) -> dict[str, Any]:
+        """Keyword arguments of a BERT-base shaped job in bf16 (for a spec's ``args``)."""
+        return {"batch_size": batch_size, "seq_len": 128, "width": 768, "layers": 12, "heads": 12, "ffn": 3072,
+                "vocab": 30522, "dtype": "bfloat16", **overrides}
 
     def create(self) -> None:
         import torch
@@ -36,26 +58,25 @@ class BatchInference(FlopCountedJob):
         # FlopCounterMode cannot see into; the plain path computes the same result.
         torch.backends.mha.set_fastpath_enabled(False)
         torch.manual_seed(self.seed)
-        layer = nn.TransformerEncoderLayer(self.width, nhead=4, dim_feedforward=2 * self.width,
+        layer = nn.TransformerEncoderLayer(self.width, nhead=self.heads, dim_feedforward=self.ffn,
                                            batch_first=True, dropout=0.0)
         self.embed = nn.Embedding(self.vocab, self.width)
         self.encoder = nn.TransformerEncoder(layer, self.layers, enable_nested_tensor=False)
         self.head = nn.Linear(self.width, self.classes)
         for m in (self.embed, self.encoder, self.head):
+            m.to(self.torch_dtype())
             m.eval()
         g = torch.Generator().manual_seed(self.seed)
         self.tokens = torch.randint(0, self.vocab, (4, self.batch_size, self.seq_len), generator=g)
         self.device = "cpu"
 
     def init(self) -> None:
-        import torch
-
-        if torch.cuda.is_available():
-            self.device = "cuda"
+        device = self.target_device()
+        if device != "cpu":
+            self.device = device
             for m in (self.embed, self.encoder, self.head):
-                m.to(self.device)
-            self.tokens = self.tokens.to(self.device)
-
+                m.to(device)
+            self.tokens = self.tokens.to(device)
         self._count_first_step()  # outside the bubbles: see the package doc
 
     def _work(self) -> None:
