@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import threading
 import time
@@ -195,17 +194,6 @@ def test_example_fill_jobs_run_steps_and_report_flops(entry: str, kwargs: dict[s
         assert {r.flops for r in results} == {job.step_flops}  # counted once, reused
     finally:
         torch.set_num_threads(threads)
-
-
-def test_example_spec_files_parse() -> None:
-    from bubbles.agent.spec import load_spec
-
-    root = Path(__file__).parent.parent / "examples" / "fill-jobs"
-    specs = {p.name: load_spec(p) for p in root.glob("*.yaml")}
-    assert set(specs) == {"image-classification.yaml", "batch-inference.yaml"}
-    for s in specs.values():
-        load_entry(s.entry or "")
-        json.dumps(s.args)
 
 
 # ---------------------------------------------------------------------------------------------------
