@@ -8,6 +8,10 @@ Cases:
 - ``compute``: a non-wait instruction (ForwardPass): two timestamps and an append;
 - ``wait``: a candidate wait (RecvGrad) that is not a bubble or has no listener;
 - ``bubble``: a profiled bubble with one live listener: BUBBLE_START and BUBBLE_END datagrams;
+- ``bubble (device events)``: the same with ``timing="cuda"``, as on a GPU: the training's thread records
+  two events and queues them, and a helper thread waits on them and sends the datagrams. The events here
+  complete when recorded (``HostEvent``): on a GPU add two ``cudaEventRecord`` calls (a few microseconds
+  each, not measured here), and the helper thread's GIL time is counted as it falls on the training's;
 - ``schedule``: a whole 1F1B batch (4 stages, 8 micro-batches, stage 1), cost spread per instruction.
 
 Usage: ``python benchmarks/hook_overhead.py [--calls N] [--json PATH]`` (about 10-20 s).
@@ -30,6 +34,7 @@ from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles import paths
+from bubbles.gpu_timing import HostEvent
 from bubbles.hook import instruction_stream, instrument
 
 
@@ -135,6 +140,45 @@ def main(argv: list[str] | None = None) -> int:
         h_all += [_timed_one(hooked[cls], engine, reset_bubble) for _ in range(per // 4)]
     results["bubble"] = _row(d_all, h_all)
     hot.signal_map = {}
+
+    # the same bubble, timed with device events resolved on the helper thread
+    dev_engine = StandInEngine(stage=1, stages=4, micro_batches=8)
+    dev = instrument(dev_engine, training="bench-dev", run_dir=run_dir, warmup_iterations=0, profile_iterations=1,
+                     min_bubble_s=0.0, timing="cuda", event_factory=HostEvent)
+    dev_engine.train_batch()
+    deadline = time.monotonic() + 10
+    while dev.cycle is None and time.monotonic() < deadline:  # built on the helper thread
+        time.sleep(0.001)
+    assert dev.cycle is not None
+    dev_sdir = paths.make_private_dir(paths.stage_dir(run_dir, "bench-dev", 1))
+    dev_listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dev_listener.bind(str(dev_sdir / paths.AGENT_SOCKET_NAME))
+    dev_listener.setblocking(False)
+    dev._listeners.refresh()
+    dev_hot = dev._hot
+    dev_pos = dev.cycle.slots[0].position
+    dev_smap = {s.position: (s.slot, int(s.duration_s * 1e9)) for s in dev.cycle.slots}
+
+    def reset_dev_bubble() -> None:
+        dev_hot.records.clear()
+        dev_hot.records.extend([(0, 0, 0)] * dev_pos)
+        dev_hot.signal_map = dev_smap
+        try:
+            while True:
+                dev_listener.recv(64)
+        except BlockingIOError:
+            pass
+
+    dev_cls = S.RecvGrad if dev.cycle.slots[0].instruction == "RecvGrad" else S.RecvActivation
+    dev_hooked = dev_engine._INSTRUCTION_MAP
+    d_all, h_all = [], []
+    for _ in range(interleave):
+        d_all += time_calls(direct[dev_cls], engine, per // 4, lambda: None)
+        h_all += [_timed_one(dev_hooked[dev_cls], dev_engine, reset_dev_bubble) for _ in range(per // 4)]
+    results["bubble (device events)"] = _row(d_all, h_all)
+    dev_hot.signal_map = {}
+    dev.detach()
+    dev_listener.close()
 
     # a whole batch through DeepSpeed's dispatch loop
     n_instr = len(instruction_stream(S.TrainSchedule(8, 4, 1))) + 1
