@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
+from bubbles.demo.cli import fill_jobs_ready
 
 pytestmark = pytest.mark.deepspeed
 
@@ -259,9 +260,12 @@ def test_killing_the_real_agent_mid_harvest_leaves_training_and_losses_unchanged
         while not ready.exists():
             assert agent.poll() is None and time.monotonic() < deadline, "agent did not start"
             time.sleep(0.02)
-        out = tmp_path / "out"
+        out, start = tmp_path / "out", tmp_path / "start"
+        # The training profiles, then waits for `start` until the fill process (started by the agent once the
+        # profile arrives; importing torch takes seconds on a busy machine) is initialized, as the demo does:
+        # otherwise the harvest phase can end before the fill job is ready.
         training = subprocess.Popen(train_cmd(2, out, *TWO, "--run-dir", str(run_dir), "--training", "t",
-                                              "--free-bytes", str(1 << 30)),
+                                              "--free-bytes", str(1 << 30), "--start-file", str(start)),
                                     env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         steps = 0.0
@@ -270,8 +274,11 @@ def test_killing_the_real_agent_mid_harvest_leaves_training_and_losses_unchanged
             assert time.monotonic() < deadline, "no fill step ran"
             time.sleep(0.05)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-                steps = sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
-                            if line.startswith("bubbles_fill_steps_total{"))
+                text = resp.read().decode()
+            if not start.exists() and fill_jobs_ready(text) >= 1:
+                start.touch()
+            steps = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("bubbles_fill_steps_total{"))
         fill_processes = _children(agent.pid)
         assert fill_processes, "the agent has no fill process"
         assert training.poll() is None, "training must still be running when the agent dies"
