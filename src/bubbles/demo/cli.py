@@ -9,11 +9,8 @@ baseline (no fill work), naive co-location (fill jobs run freely) and bubble har
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bubbles.processes import free_port, stop_gracefully, tail, wait_for_file
 
 IMAGE_ENTRY = "bubbles.fill_examples.image_classification:ImageClassification"
 INFERENCE_ENTRY = "bubbles.fill_examples.batch_inference:BatchInference"
@@ -118,7 +117,7 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
         path.write_text(json.dumps(spec))
         spec_paths.append(path)
     stats_path, ready_path, start_path = work / "agent-stats.json", work / "agent.ready", work / "start"
-    metrics_port = _free_port()
+    metrics_port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     agent_cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
                  "--executors", str(args.stages), "--mode", "off", "--stats", str(stats_path),
@@ -128,7 +127,7 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
         agent_cmd += ["--fill-job", str(path)]
     phases = ",".join(f"{m}:{args.iterations}" for _ in range(args.repeats) for m in ("off", "naive", "harvest"))
     train_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.stages),
-                 "--master_port", str(_free_port()), "-m", "bubbles.demo.train",
+                 "--master_port", str(free_port()), "-m", "bubbles.demo.train",
                  "--microbatches", str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                  "--hidden", str(args.hidden), "--layers", str(args.layers), "--phases", phases,
                  "--run-dir", str(run_dir), "--training", TRAINING, "--out", str(ranks_dir), "--pin-cores",
@@ -140,8 +139,8 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
     agent = subprocess.Popen(agent_cmd, env=env, stdout=agent_log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
-        if not _wait_for(ready_path, agent, AGENT_READY_TIMEOUT_S):
-            print(f"bubbles demo: error: the agent did not start; its log:\n{_tail(work / 'agent.log')}",
+        if not wait_for_file(ready_path, agent, AGENT_READY_TIMEOUT_S):
+            print(f"bubbles demo: error: the agent did not start; its log:\n{tail(work / 'agent.log')}",
                   file=sys.stderr)
             return 1
         print("  agent ready; starting the training", flush=True)
@@ -151,11 +150,11 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
         starter.start()
         rc = _run_training(train_cmd, env, train_log)
         if rc != 0:
-            print(f"bubbles demo: error: the training exited with {rc}; its log:\n{_tail(train_log)}",
+            print(f"bubbles demo: error: the training exited with {rc}; its log:\n{tail(train_log)}",
                   file=sys.stderr)
             return 1
     finally:
-        _stop(agent)
+        stop_gracefully(agent)
         agent_log.close()
     ranks = [json.loads(p.read_text()) for p in sorted(ranks_dir.glob("rank-*.json"))]
     if len(ranks) != args.stages:
@@ -164,7 +163,7 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
         return 1
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
     if stats is None:
-        print(f"bubbles demo: warning: the agent wrote no stats; its log:\n{_tail(work / 'agent.log')}",
+        print(f"bubbles demo: warning: the agent wrote no stats; its log:\n{tail(work / 'agent.log')}",
               file=sys.stderr)
     report = build_report(ranks, stats)
     print()
@@ -224,39 +223,3 @@ def _run_training(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
             if line.startswith("[bubbles]"):
                 print("  " + line.rstrip(), flush=True)
         return proc.wait()
-
-
-def _wait_for(path: Path, proc: subprocess.Popen[Any], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.05)
-    return False
-
-
-def _stop(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
-    """SIGTERM the agent (it stops its fill jobs and writes its stats), SIGKILL its group if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

@@ -19,12 +19,10 @@ Exit codes: 0 every run measured, 1 a run failed (the report says which and why)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +32,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bubbles.processes import free_port, kill_group, stop_gracefully, tail, wait_for_file
 
 TRAINING = "gpubench"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -287,7 +287,7 @@ def _run_solo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rc = _run_echoing(cmd, _env(args, None, private), work / "solo.log", timeout_s=args.run_timeout_s)
     if rc != 0 or not out.exists():
         _say(f"warning: the solo measurement failed (exit {rc}); cost savings S will be missing:\n"
-             f"{_tail(work / 'solo.log')}")
+             f"{tail(work / 'solo.log')}")
         return {}
     result: dict[str, Any] = json.loads(out.read_text())
     return result
@@ -346,7 +346,7 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
     spec_path.write_text(json.dumps(spec))
     stats_path, ready_path, start_path = here / "agent-stats.json", here / "agent.ready", here / "start"
     record_path = here / "train.json"
-    port = _free_port()
+    port = free_port()
     agent_cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
                  "--executors", str(args.stage + 1), "--mode", "off", "--stats", str(stats_path),
                  "--ready-file", str(ready_path), "--grace-ms", str(args.grace_ms),
@@ -381,26 +381,26 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
         starter = threading.Thread(target=_start_when_fill_job_ready,
                                    args=(port, start_path, agent, args.run_timeout_s / 2, ready), daemon=True)
         training = _Echoing(train_cmd, env, here / "train.log", args.run_timeout_s)
-        if not _wait_for(ready_path, agent, AGENT_READY_TIMEOUT_S):
+        if not wait_for_file(ready_path, agent, AGENT_READY_TIMEOUT_S):
             training.kill()
             run["error"] = f"the agent did not start (exit {agent.poll()}): {_last_error(here / 'agent.log')}"
-            _say(f"{job} / {isolation}: {run['error']}\n{_tail(here / 'agent.log')}")
+            _say(f"{job} / {isolation}: {run['error']}\n{tail(here / 'agent.log')}")
             return run
         _say(f"{job} / {run['isolation_label']}: agent ready")
         starter.start()
         rc = training.wait()
         if rc != 0 or not record_path.exists():
             run["error"] = f"the training exited with {rc}: {_last_error(here / 'train.log')}"
-            _say(f"{job} / {isolation}: {run['error']}\n{_tail(here / 'train.log')}")
+            _say(f"{job} / {isolation}: {run['error']}\n{tail(here / 'train.log')}")
             return run
         starter.join(timeout=5)
         if not ready.get("ready"):
             # Without an initialized fill job every phase would be a baseline: the run measured nothing.
             run["error"] = f"the fill job was never initialized: {_last_error(here / 'agent.log')}"
-            _say(f"{job} / {isolation}: {run['error']}\n{_tail(here / 'agent.log')}")
+            _say(f"{job} / {isolation}: {run['error']}\n{tail(here / 'agent.log')}")
             return run
     finally:
-        _stop(agent)
+        stop_gracefully(agent)
         agent_log.close()
     run["training"] = json.loads(record_path.read_text())
     if stats_path.exists():
@@ -453,7 +453,7 @@ class _Echoing:
         self.log_path = log_path
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
-        self._timer = threading.Timer(timeout_s, _kill_group, args=(self.proc,))
+        self._timer = threading.Timer(timeout_s, kill_group, args=(self.proc,))
         self._timer.start()
         self._reader = threading.Thread(target=self._echo, daemon=True)
         self._reader.start()
@@ -479,7 +479,7 @@ class _Echoing:
         return rc
 
     def kill(self) -> None:
-        _kill_group(self.proc)
+        kill_group(self.proc)
         self.wait()
 
 
@@ -488,45 +488,14 @@ def _run_echoing(cmd: list[str], env: dict[str, str], log_path: Path, *, timeout
     return _Echoing(cmd, env, log_path, timeout_s).wait()
 
 
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[Any], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.05)
-    return False
 
 
-def _stop(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
-    """SIGTERM the agent (it stops its fill job, quits an MPS daemon it owns, writes its stats); SIGKILL its
-    process group if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def _last_error(path: Path) -> str:
