@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     run_dir = Path(tempfile.mkdtemp(prefix="bbh-", dir="/tmp"))
-    sdir = paths.make_private_dir(paths.stage_dir(run_dir, "bench", 1))
     engine = StandInEngine(stage=1, stages=4, micro_batches=8)
     direct = dict(engine._INSTRUCTION_MAP)
     inst = instrument(engine, training="bench", run_dir=run_dir, warmup_iterations=0, profile_iterations=1,
@@ -115,31 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             h_all += time_calls(hooked[cls], engine, per, reset_plain)
         results[case] = _row(d_all, h_all)
 
-    # a signalled bubble with one live listener (drained so that its queue never fills)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    listener.bind(str(sdir / paths.AGENT_SOCKET_NAME))
-    listener.setblocking(False)
-    inst._listeners.refresh()
-    bubble_pos = inst.cycle.slots[0].position
-    smap = {s.position: (s.slot, int(s.duration_s * 1e9)) for s in inst.cycle.slots}
-
-    def reset_bubble() -> None:
-        hot.records.clear()
-        hot.records.extend([(0, 0, 0)] * bubble_pos)  # the next call sits at the bubble's position
-        hot.signal_map = smap
-        try:
-            while True:
-                listener.recv(64)
-        except BlockingIOError:
-            pass
-
-    cls = S.RecvGrad if inst.cycle.slots[0].instruction == "RecvGrad" else S.RecvActivation
-    d_all, h_all = [], []
-    for _ in range(interleave):
-        d_all += time_calls(direct[cls], engine, per // 4, lambda: None)
-        h_all += [_timed_one(hooked[cls], engine, reset_bubble) for _ in range(per // 4)]
-    results["bubble"] = _row(d_all, h_all)
-    hot.signal_map = {}
+    # a signalled bubble with one live listener, the hook sending the datagrams itself
+    results["bubble"] = _bubble_case(inst, engine, direct, per, interleave, run_dir, "bench")
 
     # the same bubble, timed with device events resolved on the helper thread
     dev_engine = StandInEngine(stage=1, stages=4, micro_batches=8)
@@ -149,36 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + 10
     while dev.cycle is None and time.monotonic() < deadline:  # built on the helper thread
         time.sleep(0.001)
-    assert dev.cycle is not None
-    dev_sdir = paths.make_private_dir(paths.stage_dir(run_dir, "bench-dev", 1))
-    dev_listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    dev_listener.bind(str(dev_sdir / paths.AGENT_SOCKET_NAME))
-    dev_listener.setblocking(False)
-    dev._listeners.refresh()
-    dev_hot = dev._hot
-    dev_pos = dev.cycle.slots[0].position
-    dev_smap = {s.position: (s.slot, int(s.duration_s * 1e9)) for s in dev.cycle.slots}
-
-    def reset_dev_bubble() -> None:
-        dev_hot.records.clear()
-        dev_hot.records.extend([(0, 0, 0)] * dev_pos)
-        dev_hot.signal_map = dev_smap
-        try:
-            while True:
-                dev_listener.recv(64)
-        except BlockingIOError:
-            pass
-
-    dev_cls = S.RecvGrad if dev.cycle.slots[0].instruction == "RecvGrad" else S.RecvActivation
-    dev_hooked = dev_engine._INSTRUCTION_MAP
-    d_all, h_all = [], []
-    for _ in range(interleave):
-        d_all += time_calls(direct[dev_cls], engine, per // 4, lambda: None)
-        h_all += [_timed_one(dev_hooked[dev_cls], dev_engine, reset_dev_bubble) for _ in range(per // 4)]
-    results["bubble (device events)"] = _row(d_all, h_all)
-    dev_hot.signal_map = {}
+    results["bubble (device events)"] = _bubble_case(dev, dev_engine, direct, per, interleave, run_dir, "bench-dev")
     dev.detach()
-    dev_listener.close()
 
     # a whole batch through DeepSpeed's dispatch loop
     n_instr = len(instruction_stream(S.TrainSchedule(8, 4, 1))) + 1
@@ -193,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
                 acc.append((time.perf_counter_ns() - t0) / 1e3 / n_instr)
     results["schedule"] = _row(d_b, h_b)
     inst.detach()
-    listener.close()
     for p in sorted(run_dir.rglob("*"), reverse=True):
         p.unlink() if not p.is_dir() else p.rmdir()
     run_dir.rmdir()
@@ -210,6 +157,41 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"unit": "us per instruction", "cpu_count": os.cpu_count(),
                                          "python": sys.version.split()[0], "results": results}, indent=2))
     return 0
+
+
+def _bubble_case(inst: Any, engine: Any, direct: dict[Any, Any], per: int, interleave: int, run_dir: Path,
+                 training: str) -> dict[str, float]:
+    """The wrapper of the cycle's first bubble, signalled to one live listener (drained so that its queue
+    never fills), against the bare handler."""
+    assert inst.cycle is not None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(paths.make_private_dir(paths.stage_dir(run_dir, training, 1)) / paths.AGENT_SOCKET_NAME))
+    listener.setblocking(False)
+    inst._listeners.refresh()
+    hot = inst._hot
+    bubble_pos = inst.cycle.slots[0].position
+    smap = {s.position: (s.slot, int(s.duration_s * 1e9)) for s in inst.cycle.slots}
+
+    def reset_bubble() -> None:
+        hot.records.clear()
+        hot.records.extend([(0, 0, 0)] * bubble_pos)  # the next call sits at the bubble's position
+        hot.signal_map = smap
+        try:
+            while True:
+                listener.recv(64)
+        except BlockingIOError:
+            pass
+
+    cls = S.RecvGrad if inst.cycle.slots[0].instruction == "RecvGrad" else S.RecvActivation
+    hooked = engine._INSTRUCTION_MAP
+    d_all: list[float] = []
+    h_all: list[float] = []
+    for _ in range(interleave):
+        d_all += time_calls(direct[cls], engine, per // 4, lambda: None)
+        h_all += [_timed_one(hooked[cls], engine, reset_bubble) for _ in range(per // 4)]
+    hot.signal_map = {}
+    listener.close()
+    return _row(d_all, h_all)
 
 
 def _timed_one(fn: Any, engine: Any, reset: Any) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -102,18 +104,30 @@ def test_cli_invalid_spec_file_exits_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "asks for stage 3" in r.stderr
 
 
-def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path) -> None:
-    run_dir, ready, stats = tmp_path / "run", tmp_path / "ready", tmp_path / "stats.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", "demo",
-         "--executors", "2", "--fill-job", str(ROOT / "examples/fill-jobs/batch-inference.yaml"),
-         "--ready-file", str(ready), "--stats", str(stats), "--log-level", "WARNING"],
-        stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def ready_agent(*flags: str, ready: Path) -> Iterator[subprocess.Popen[str]]:
+    """``bubbles agent FLAGS --ready-file READY`` as a process, once ready; SIGTERM and a clean exit after."""
+    proc = subprocess.Popen([sys.executable, "-m", "bubbles.cli", "agent", *flags, "--ready-file", str(ready)],
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
         while not ready.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "agent did not get ready"
             time.sleep(0.01)
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path) -> None:
+    run_dir, ready, stats = tmp_path / "run", tmp_path / "ready", tmp_path / "stats.json"
+    with ready_agent("--run-dir", str(run_dir), "--training", "demo", "--executors", "2",
+                     "--fill-job", str(ROOT / "examples/fill-jobs/batch-inference.yaml"), "--stats", str(stats),
+                     "--log-level", "WARNING", ready=ready) as proc:
+        deadline = time.monotonic() + 20
         stage_dir = paths.stage_dir(run_dir, "demo", 1)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         cycle = {"training": "demo", "stage": 1, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
@@ -134,11 +148,6 @@ def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path
                 sock.sendto(wire.encode_bubble_end(1, 0, seq, time.monotonic_ns()), str(p))
             time.sleep(0.004)
         time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, proc.stderr.read() if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     data = json.loads(stats.read_text())
     assert data["training"] == "demo" and data["budget"] == 0.01
     assert set(data["modes"]) == {"off", "naive", "harvest"}
@@ -220,20 +229,9 @@ def test_cli_reports_the_isolation_in_its_stats(tmp_path: Path, mode: str) -> No
     extra = (["--allow-unisolated"] if mode == "none" else
              ["--mps-control", str(FAKES / "nvidia-cuda-mps-control"), "--mps-pipe-dir", str(pipe),
               "--mps-log-dir", str(logs)])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--isolation", mode, *extra,
-         "--ready-file", str(ready), "--stats", str(stats), "--log-level", "WARNING"],
-        stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "agent did not get ready"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, proc.stderr.read() if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with ready_agent("--run-dir", str(run_dir), "--isolation", mode, *extra, "--stats", str(stats),
+                     "--log-level", "WARNING", ready=ready):
+        pass
     iso = json.loads(stats.read_text())["isolation"]
     if mode == "none":
         assert iso["mode"] == "none" and iso["state"] == "unisolated" and iso["daemon"] is None

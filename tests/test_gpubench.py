@@ -351,6 +351,26 @@ def test_training_process_rejects_a_stage_outside_the_pipeline(tmp_path: Path,
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("flags,reason", [
+    (["--device", "gpu"], "give cpu, cuda or cuda:N"),
+    (["--free-bytes", "-1"], "--free-bytes must be >= 0"),
+    (["--profile-iterations", "0"], "--profile-iterations >= 1"),
+    (["--warmup-iterations", "-2"], "--warmup-iterations and --free-bytes must be >= 0"),
+    (["--start-timeout-s", "0"], "--start-timeout-s > 0"),
+    (["--calibration-steps", "0"], "--calibration-steps >= 1"),
+    (["--p2p-latency-ms", "-0.5"], "--p2p-latency-ms and --min-bubble-ms must be >= 0"),
+])
+def test_training_process_refuses_bad_flags_before_any_work(tmp_path: Path, flags: list[str], reason: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from bubbles.gpubench.train import main as train_main
+
+    with pytest.raises(SystemExit) as exc:
+        train_main([*flags, "--out", str(tmp_path / "x.json")])
+    assert exc.value.code == 2
+    assert reason in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
 # ---------------------------------------------------------------------------------------------------
 # the report's formulas
 

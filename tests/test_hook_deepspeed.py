@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
-from bubbles.demo.cli import fill_jobs_ready
+from bubbles.processes import fill_jobs_ready
 
 pytestmark = pytest.mark.deepspeed
 

@@ -58,19 +58,25 @@ class MpsControl:
 
     def run(self, *commands: str) -> str:
         """Send ``commands`` (one per line) to the daemon; its answer, or MpsError if none answered in time."""
+        return self._invoke([], "".join(f"{c}\n" for c in commands), self.timeout_s,
+                            " / ".join(commands) or "a probe")
+
+    def _invoke(self, flags: list[str], stdin_text: str | None, timeout_s: float, what: str) -> str:
+        """Run the control program with ``flags``; its stdout, or MpsError naming ``what`` and what it said."""
         env = dict(os.environ)
         env.update(self.env())
-        text = "".join(f"{c}\n" for c in commands)
+        name = " ".join([Path(self.program).name, *flags])
         try:
-            done = subprocess.run([self.program], input=text, capture_output=True, text=True, env=env,
-                                  timeout=self.timeout_s, check=False)
+            done = subprocess.run([self.program, *flags], input=stdin_text,
+                                  stdin=subprocess.DEVNULL if stdin_text is None else None, capture_output=True,
+                                  text=True, env=env, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
-            raise MpsError(f"no answer to {' / '.join(commands) or 'a probe'} within {self.timeout_s:g} s") from None
+            raise MpsError(f"no answer to {what} within {timeout_s:g} s") from None
         except OSError as exc:
             raise MpsError(f"cannot run {self.program}: {exc.strerror or exc}") from None
         if done.returncode != 0:
             said = (done.stdout.strip() + " " + done.stderr.strip()).strip() or "no output"
-            raise MpsError(f"{Path(self.program).name} exited with code {done.returncode}: {said}")
+            raise MpsError(f"{name} exited with code {done.returncode}: {said}")
         return done.stdout
 
     def server_list(self) -> list[int]:
@@ -104,18 +110,7 @@ class MpsControl:
                 d.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise MpsError(f"cannot create {d}: {exc.strerror or exc}") from None
-        env = dict(os.environ)
-        env.update(self.env())
-        try:
-            done = subprocess.run([self.program, "-d"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  env=env, timeout=max(self.timeout_s, ready_timeout_s), check=False)
-        except subprocess.TimeoutExpired:
-            raise MpsError(f"{self.program} -d did not return within {ready_timeout_s:g} s") from None
-        except OSError as exc:
-            raise MpsError(f"cannot run {self.program}: {exc.strerror or exc}") from None
-        if done.returncode != 0:
-            said = (done.stdout.strip() + " " + done.stderr.strip()).strip() or "no output"
-            raise MpsError(f"{Path(self.program).name} -d exited with code {done.returncode}: {said}")
+        self._invoke(["-d"], None, max(self.timeout_s, ready_timeout_s), f"{self.program} -d")
         # -d returns once it has forked; the daemon may need a moment before it answers.
         deadline = time.monotonic() + ready_timeout_s
         last = ""

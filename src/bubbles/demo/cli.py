@@ -15,12 +15,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bubbles.processes import free_port, stop_gracefully, tail, wait_for_file
+from bubbles.processes import free_port, stop_gracefully, tail, wait_for_file, wait_for_fill_jobs
 
 IMAGE_ENTRY = "bubbles.fill_examples.image_classification:ImageClassification"
 INFERENCE_ENTRY = "bubbles.fill_examples.batch_inference:BatchInference"
@@ -180,36 +178,19 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
     return 0
 
 
-def fill_jobs_ready(metrics_text: str) -> int:
-    """How many fill jobs the agent's metrics show initialized (PAUSED or RUNNING)."""
-    ready = 0
-    for line in metrics_text.splitlines():
-        if line.startswith("bubbles_fill_jobs{") and ('state="PAUSED"' in line or 'state="RUNNING"' in line):
-            ready += int(float(line.rsplit(" ", 1)[1]))
-    return ready
 
 
 def _start_when_fill_jobs_ready(port: int, jobs: int, start_path: Path, agent: subprocess.Popen[Any],
                                 timeout_s: float = 120.0) -> None:
-    """Create ``start_path`` once the agent reports every fill job initialized (or after ``timeout_s``):
-    the training profiles its bubbles, the agent then starts the fill processes, and only then do the
+    """Create ``start_path`` once the agent reports every fill job initialized (or it cannot be): the
+    training profiles its bubbles, the agent then starts the fill processes, and only then do the
     measured phases begin, so start-up work is not charged to any mode."""
-    deadline = time.monotonic() + timeout_s
-    ready = 0
-    while time.monotonic() < deadline and agent.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                ready = fill_jobs_ready(resp.read().decode())
-        except OSError:
-            pass
-        if ready >= jobs:
-            print("  fill jobs initialized; measuring", flush=True)
-            break
-        time.sleep(0.1)
-    else:
-        if agent.poll() is None:
-            print(f"  warning: {ready} of {jobs} fill jobs initialized after {timeout_s:.0f} s; measuring anyway",
-                  flush=True)
+    outcome = wait_for_fill_jobs(port, jobs, agent, timeout_s)
+    if outcome == "ready":
+        print("  fill jobs initialized; measuring", flush=True)
+    elif outcome != "agent exited":
+        print(f"  warning: not every fill job initialized ({outcome}; the agent's log says why); measuring anyway",
+              flush=True)
     start_path.touch()
 
 

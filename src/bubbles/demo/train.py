@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from bubbles import wire
+from bubbles.processes import wait_for_file
 
 PROFILE_PHASE = "profile"
 
@@ -134,16 +135,6 @@ def batches(seed: int, micro_batch_size: int, hidden: int) -> Any:
         i += 1
 
 
-def _wait_for_start_file(path: Path, timeout_s: float) -> None:
-    """Hold the phases until ``path`` exists: the demo creates it once every fill job is initialized, so
-    that fill processes starting up (importing torch, first steps) do not land in a measured phase."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            print(f"[bubbles] warning: {path} did not appear within {timeout_s:.0f} s; starting anyway",
-                  flush=True)
-            return
-        time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         step()
         phase_of.append(PROFILE_PHASE)
     report(PROFILE_PHASE, n_profile)
-    if args.start_file is not None and rank == 0:
-        _wait_for_start_file(args.start_file, timeout_s=args.start_timeout_s)
+    # The demo creates the start file once every fill job is initialized, so that fill processes starting up
+    # (importing torch, first steps) do not land in a measured phase.
+    if (args.start_file is not None and rank == 0
+            and not wait_for_file(args.start_file, None, args.start_timeout_s)):
+        print(f"[bubbles] warning: {args.start_file} did not appear within {args.start_timeout_s:.0f} s; "
+              "starting anyway", flush=True)
     for mode, n in phases:
         dist.barrier()
         if inst is not None:

@@ -27,13 +27,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bubbles.processes import free_port, kill_group, stop_gracefully, tail, wait_for_file
+from bubbles.processes import free_port, kill_group, stop_gracefully, tail, wait_for_file, wait_for_fill_jobs
 
 TRAINING = "gpubench"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -153,12 +151,7 @@ def resolve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--solo-seconds {args.solo_seconds}: give a duration > 0")
     if args.p2p_latency_ms < 0:
         errors.append(f"--p2p-latency-ms {args.p2p_latency_ms}: must be >= 0")
-    jobs = [j.strip() for j in str(args.jobs).split(",") if j.strip()]
-    unknown = [j for j in jobs if j not in JOBS]
-    if unknown or not jobs:
-        errors.append(f"--jobs {args.jobs}: unknown fill job(s) {', '.join(unknown) or '(none given)'}; "
-                      f"choose from {', '.join(JOBS)}")
-    args.job_list = jobs
+    args.job_list = _known_list("--jobs", args.jobs, tuple(JOBS), "fill job(s)", errors)
     args.job_args = {j: JOBS[j].args(str(args.device)) for j in JOBS}
     for item in args.fill_args:
         job, sep, text = item.partition("=")
@@ -171,12 +164,7 @@ def resolve(args: argparse.Namespace) -> list[str]:
                           """e.g. 'image-classification={"batch_size": 32}'""")
             continue
         args.job_args[job.strip()].update(extra)
-    isolations = [i.strip() for i in str(args.isolations).split(",") if i.strip()]
-    bad_iso = [i for i in isolations if i not in ISOLATIONS]
-    if bad_iso or not isolations:
-        errors.append(f"--isolations {args.isolations}: unknown isolation(s) {', '.join(bad_iso) or '(none)'}; "
-                      f"choose from {', '.join(ISOLATIONS)}")
-    args.isolation_list = isolations
+    args.isolation_list = _known_list("--isolations", args.isolations, ISOLATIONS, "isolation(s)", errors)
     if not args.price_training > 0:
         errors.append(f"--price-training {args.price_training}: give a price per GPU-hour > 0")
     if args.price_fill is None:
@@ -197,6 +185,16 @@ def resolve(args: argparse.Namespace) -> list[str]:
     if args.out.exists() and not args.out.is_dir():
         errors.append(f"--out {args.out} is a file: give a directory")
     return errors
+
+
+def _known_list(flag: str, text: object, known: tuple[str, ...], what: str, errors: list[str]) -> list[str]:
+    """A comma-separated flag value as a list; an error naming the unknown entries and the known ones."""
+    items = [i.strip() for i in str(text).split(",") if i.strip()]
+    unknown = [i for i in items if i not in known]
+    if unknown or not items:
+        errors.append(f"{flag} {text}: unknown {what} {', '.join(unknown) or '(none given)'}; "
+                      f"choose from {', '.join(known)}")
+    return items
 
 
 def mps_control_for(args: argparse.Namespace) -> tuple[Path | None, str, str | None]:
@@ -412,36 +410,20 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
 
 def _start_when_fill_job_ready(port: int, start_path: Path, agent: subprocess.Popen[Any], timeout_s: float,
                                ready: dict[str, bool]) -> None:
-    """Create ``start_path`` once the agent's metrics show the fill job initialized (PAUSED or RUNNING), so its
-    start-up (importing torch, the first steps) lands in no measured phase; after ``timeout_s`` or when the agent
-    has died anyway (``ready["ready"]`` says which), so that the training is not left waiting."""
-    from bubbles.demo.cli import fill_jobs_ready
-
-    deadline = time.monotonic() + timeout_s
-    ready["ready"] = False
-    while time.monotonic() < deadline and agent.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                text = resp.read().decode()
-        except OSError:
-            text = ""
-        if fill_jobs_ready(text) >= 1:
-            ready["ready"] = True
-            _say("  fill job initialized; measuring")
-            break
-        if fill_jobs_stopped(text):  # rejected (fits no bubble) or crashed: waiting longer changes nothing
-            _say("  the fill job stopped before it was initialized (the agent's log says why)")
-            break
-        time.sleep(0.05)
-    else:
+    """Create ``start_path`` once the agent's metrics show the fill job initialized, so its start-up lands in
+    no measured phase; also when it cannot be (``ready["ready"]`` says which), so the training is not left
+    waiting."""
+    outcome = wait_for_fill_jobs(port, 1, agent, timeout_s, poll_s=0.05)
+    ready["ready"] = outcome == "ready"
+    if outcome == "ready":
+        _say("  fill job initialized; measuring")
+    elif outcome == "stopped":
+        _say("  the fill job stopped before it was initialized (the agent's log says why)")
+    elif outcome == "timeout":
         _say("  warning: the fill job did not report ready")
     start_path.touch()
 
 
-def fill_jobs_stopped(metrics_text: str) -> int:
-    """How many fill jobs the agent's metrics show STOPPED."""
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics_text.splitlines()
-               if line.startswith("bubbles_fill_jobs{") and 'state="STOPPED"' in line)
 
 
 class _Echoing:

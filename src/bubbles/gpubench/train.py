@@ -20,11 +20,14 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bubbles.processes import wait_for_file
 
 PROFILE_PHASE = "profile"
 
@@ -77,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.p2p_latency_ms < 0 or args.calibration_steps < 1 or args.min_bubble_ms < 0:
         parser.error("--p2p-latency-ms and --min-bubble-ms must be >= 0, --calibration-steps >= 1")
+    if args.warmup_iterations < 0 or args.profile_iterations < 1 or args.free_bytes < 0 or args.start_timeout_s <= 0:
+        parser.error("--warmup-iterations and --free-bytes must be >= 0, --profile-iterations >= 1, "
+                     "--start-timeout-s > 0")
+    if args.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.device):
+        parser.error(f"--device {args.device}: give cpu, cuda or cuda:N")
     if args.pin_core is not None:
         os.sched_setaffinity(0, {args.pin_core % (os.cpu_count() or 1)})
 
@@ -98,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.agent_ready_file is not None:  # started alongside the agent: its start-up overlaps ours
-        _wait_for(args.agent_ready_file, args.start_timeout_s)
+        _hold_until(args.agent_ready_file, args.start_timeout_s)
     forward_s, backward_s = emulator.calibrate(steps=args.calibration_steps)
     waits = emulator.model_waits(forward_s, backward_s, p2p_latency_s=args.p2p_latency_ms / 1e3)
     model = modelled_summary(waits, args.stage, forward_s, backward_s)
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"profiled: {len(cycle.slots) if cycle else 0} bubbles, "
          f"{(cycle.bubble_ratio * 100 if cycle else 0):.1f}% of {statistics.median(iteration_s) * 1e3:.1f} ms")
     if args.start_file is not None:
-        _wait_for(args.start_file, args.start_timeout_s)
+        _hold_until(args.start_file, args.start_timeout_s)
     for mode, n in phases:
         inst.set_fill_mode(wire.FillMode[mode.upper()])
         start_ns = time.monotonic_ns()
@@ -173,14 +181,12 @@ def _say(message: str) -> None:
     print(f"[gpubench] {message}", flush=True)
 
 
-def _wait_for(path: Path, timeout_s: float) -> None:
+def _hold_until(path: Path, timeout_s: float) -> None:
     """Hold the phases until ``path`` exists, so that fill processes starting up land in no measured phase."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            _say(f"warning: {path} did not appear within {timeout_s:.0f} s; starting anyway")
-            return
-        time.sleep(0.02)
+    if not wait_for_file(path, None, timeout_s, poll_s=0.02):
+        _say(f"warning: {path} did not appear within {timeout_s:.0f} s; starting anyway")
+
+
 
 
 if __name__ == "__main__":
