@@ -176,3 +176,15 @@ class LineBuffer:
                 continue
             if line.strip():
                 yield line
+
+
+def cuda_device_index(device: str) -> int | None:
+    """The CUDA device index of an agent device string: None for ``"cpu"``/``"cpu:K"``, N for ``"cuda:N"``
+    (``"cuda"`` alone is device 0: a fresh fill process's current device). ValueError for anything else."""
+    kind, sep, number = device.strip().partition(":")
+    if kind == "cpu" and (not sep or number.isdigit()):
+        return None
+    if kind == "cuda" and (not sep or number.isdigit()):
+        return int(number) if sep else 0
+    raise ValueError(f"device {device!r} is neither 'cpu', 'cpu:K' nor 'cuda:N'; "
+                     f"check ${DEVICE_ENV} or the agent's --devices")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bubbles import control, wire
+from bubbles.control import cuda_device_index
 from bubbles.cycle import robust_stats
 
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
@@ -133,16 +134,6 @@ def assigned_device() -> str:
     return "cpu" if device.startswith("cpu") else device
 
 
-def cuda_device_index(device: str) -> int | None:
-    """The CUDA device index of an agent device string: None for ``"cpu"``/``"cpu:K"``, N for ``"cuda:N"``
-    (``"cuda"`` alone is device 0: a fresh fill process's current device). ValueError for anything else."""
-    kind, sep, number = device.strip().partition(":")
-    if kind == "cpu" and (not sep or number.isdigit()):
-        return None
-    if kind == "cuda" and (not sep or number.isdigit()):
-        return int(number) if sep else 0
-    raise ValueError(f"device {device!r} is neither 'cpu', 'cpu:K' nor 'cuda:N'; "
-                     f"check ${control.DEVICE_ENV} or the agent's --devices")
 
 
 def _cuda_module(cuda: Any, device: str, index: int) -> Any:

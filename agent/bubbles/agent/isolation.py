@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles import paths
+from bubbles.control import cuda_device_index
 
 from . import mps
 
@@ -114,11 +115,6 @@ def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationS
                    detail=f"{raw.detail}; fill jobs run WITHOUT isolation because --allow-unisolated is set")
 
 
-def cuda_index(device: str) -> int | None:
-    """N for ``"cuda:N"``; None for a CPU device."""
-    if not device.startswith("cuda"):
-        return None
-    return int(device.partition(":")[2] or 0)
 
 
 # -- GPU compute mode (nvidia-smi) ---------------------------------------------------------------------
@@ -342,7 +338,7 @@ class MpsIsolation(Isolation):
         env[mps.THREAD_PERCENTAGE_ENV] = str(self.thread_percentage)
         # The training runs at the default priority 0; fill clients at 1 (below normal).
         env[mps.PRIORITY_ENV] = "1"
-        index = cuda_index(device)
+        index = cuda_device_index(device)
         if index is not None:
             env[mps.PINNED_LIMIT_ENV] = mps.pinned_limit(index, memory_bytes)
         return env
@@ -477,7 +473,7 @@ def make_isolation(config: IsolationConfig, devices: Sequence[str], agent_dir: P
 
     Raises ValueError for a configuration that cannot work (e.g. an MPS pipe directory that is too long).
     """
-    indices = [i for d in devices if (i := cuda_index(d)) is not None]
+    indices = [i for d in devices if (i := cuda_device_index(d)) is not None]
     program = config.nvidia_smi
     if program is None:
         import shutil

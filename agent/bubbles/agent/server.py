@@ -50,7 +50,6 @@ from .isolation import (
     Isolation,
     IsolationConfig,
     IsolationStatus,
-    cuda_index,
     effective_status,
     make_isolation,
 )
@@ -220,7 +219,7 @@ class Agent:
                 ex = self.executors[spec.stage]
             else:
                 ex = min(self.executors, key=lambda e: len(e.queue) + (e.active is not None))
-            if cuda_index(ex.device) is not None and spec.memory_bytes <= 0:
+            if control.cuda_device_index(ex.device) is not None and spec.memory_bytes <= 0:
                 raise ValueError(f"fill job {spec.name!r} would run on {ex.device} but declares no memory limit; "
                                  "a GPU fill job must set 'memory', a hard limit (e.g. memory: 2Gi), so that it "
                                  "cannot take the training's memory")
@@ -322,6 +321,8 @@ class Agent:
                 status = IsolationStatus(self.isolation.mode, UNAVAILABLE, f"health check failed: {exc!r}",
                                          self.isolation_raw.daemon, self.isolation_raw.epoch)
             with self.lock:
+                if status == self.isolation_raw:  # nothing changed: leave the loop serving bubble signals
+                    continue
                 self._isolation_update = status
             with contextlib.suppress(OSError):
                 self._wake_w.send(b"i")
