@@ -9,10 +9,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 
 def free_port() -> int:
@@ -93,3 +95,49 @@ def wait_for_fill_jobs(port: int, jobs: int, agent: subprocess.Popen[Any], timeo
             return "stopped"
         time.sleep(poll_s)
     return "timeout"
+
+
+class EchoedProcess:
+    """A child process whose progress lines (those starting with ``prefix``) are echoed to ``stream`` (default
+    stderr) as they come, while all its output goes to ``log_path``; with ``timeout_s``, killed with its process
+    group once it runs past that. ``new_session=False`` keeps it in our process group, so Ctrl-C reaches it."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, *, prefix: str,
+                 timeout_s: float | None = None, stream: TextIO | None = None, new_session: bool = True) -> None:
+        self.timeout_s = timeout_s
+        self.log_path = log_path
+        self.prefix = prefix
+        self.stream = stream
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=new_session)
+        self._timer = threading.Timer(timeout_s, kill_group, args=(self.proc,)) if timeout_s is not None else None
+        if self._timer is not None:
+            self._timer.start()
+        self._reader = threading.Thread(target=self._echo, daemon=True)
+        self._reader.start()
+
+    def _echo(self) -> None:
+        assert self.proc.stdout is not None
+        stream = self.stream or sys.stderr
+        with self.log_path.open("w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(self.prefix):
+                    print("  " + line.rstrip(), file=stream, flush=True)
+
+    def wait(self) -> int:
+        """The exit code; 124 if it was killed for running past ``timeout_s``."""
+        rc = self.proc.wait()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._reader.join(timeout=5)
+        if rc == -signal.SIGKILL and self.timeout_s is not None:
+            with self.log_path.open("a") as log:
+                log.write(f"\n(killed: it ran past {self.timeout_s:.0f} s or its run was abandoned)\n")
+            return 124
+        return rc
+
+    def kill(self) -> None:
+        kill_group(self.proc)
+        self.wait()

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from bubbles.processes import free_port, stop_gracefully, tail, wait_for_file, wait_for_fill_jobs
+from bubbles.processes import EchoedProcess, free_port, stop_gracefully, tail, wait_for_file, wait_for_fill_jobs
 
 IMAGE_ENTRY = "bubbles.fill_examples.image_classification:ImageClassification"
 INFERENCE_ENTRY = "bubbles.fill_examples.batch_inference:BatchInference"
@@ -146,7 +146,8 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
         starter = threading.Thread(target=_start_when_fill_jobs_ready,
                                    args=(metrics_port, args.stages, start_path, agent), daemon=True)
         starter.start()
-        rc = _run_training(train_cmd, env, train_log)
+        rc = EchoedProcess(train_cmd, env, train_log, prefix="[bubbles]", stream=sys.stdout,
+                           new_session=False).wait()
         if rc != 0:
             print(f"bubbles demo: error: the training exited with {rc}; its log:\n{tail(train_log)}",
                   file=sys.stderr)
@@ -192,15 +193,3 @@ def _start_when_fill_jobs_ready(port: int, jobs: int, start_path: Path, agent: s
         print(f"  warning: not every fill job initialized ({outcome}; the agent's log says why); measuring anyway",
               flush=True)
     start_path.touch()
-
-
-def _run_training(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
-    """Run torchrun, echoing the training's progress lines (those starting with 'bubbles') as they come."""
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            if line.startswith("[bubbles]"):
-                print("  " + line.rstrip(), flush=True)
-        return proc.wait()

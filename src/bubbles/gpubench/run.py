@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bubbles.processes import free_port, kill_group, stop_gracefully, tail, wait_for_file, wait_for_fill_jobs
+from bubbles.processes import (
+    EchoedProcess,
+    free_port,
+    stop_gracefully,
+    tail,
+    wait_for_file,
+    wait_for_fill_jobs,
+)
 
 TRAINING = "gpubench"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -282,7 +288,8 @@ def _run_solo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     _say("measuring each fill job alone on the device")
     private = work / "no-mps"
     private.mkdir(mode=0o700, exist_ok=True)
-    rc = _run_echoing(cmd, _env(args, None, private), work / "solo.log", timeout_s=args.run_timeout_s)
+    rc = EchoedProcess(cmd, _env(args, None, private), work / "solo.log", prefix="[gpubench]",
+                       timeout_s=args.run_timeout_s).wait()
     if rc != 0 or not out.exists():
         _say(f"warning: the solo measurement failed (exit {rc}); cost savings S will be missing:\n"
              f"{tail(work / 'solo.log')}")
@@ -378,7 +385,8 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
         ready: dict[str, bool] = {}
         starter = threading.Thread(target=_start_when_fill_job_ready,
                                    args=(port, start_path, agent, args.run_timeout_s / 2, ready), daemon=True)
-        training = _Echoing(train_cmd, env, here / "train.log", args.run_timeout_s)
+        training = EchoedProcess(train_cmd, env, here / "train.log", prefix="[gpubench]",
+                                 timeout_s=args.run_timeout_s)
         if not wait_for_file(ready_path, agent, AGENT_READY_TIMEOUT_S):
             training.kill()
             run["error"] = f"the agent did not start (exit {agent.poll()}): {_last_error(here / 'agent.log')}"
@@ -426,48 +434,8 @@ def _start_when_fill_job_ready(port: int, start_path: Path, agent: subprocess.Po
 
 
 
-class _Echoing:
-    """A child process whose ``[gpubench]`` lines are echoed to stderr as they come (the rest goes to its log),
-    killed with its process group after ``timeout_s``."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.log_path = log_path
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self._timer = threading.Timer(timeout_s, kill_group, args=(self.proc,))
-        self._timer.start()
-        self._reader = threading.Thread(target=self._echo, daemon=True)
-        self._reader.start()
-
-    def _echo(self) -> None:
-        assert self.proc.stdout is not None
-        with self.log_path.open("w") as log:
-            for line in self.proc.stdout:
-                log.write(line)
-                log.flush()
-                if line.startswith("[gpubench]"):
-                    print("  " + line.rstrip(), file=sys.stderr, flush=True)
-
-    def wait(self) -> int:
-        """The exit code; 124 if it was killed for running past its time."""
-        rc = self.proc.wait()
-        self._timer.cancel()
-        self._reader.join(timeout=5)
-        if rc == -signal.SIGKILL:
-            with self.log_path.open("a") as log:
-                log.write(f"\n(killed: it ran past {self.timeout_s:.0f} s or its run was abandoned)\n")
-            return 124
-        return rc
-
-    def kill(self) -> None:
-        kill_group(self.proc)
-        self.wait()
 
 
-def _run_echoing(cmd: list[str], env: dict[str, str], log_path: Path, *, timeout_s: float) -> int:
-    """Run ``cmd`` to its end (see ``_Echoing``); its exit code."""
-    return _Echoing(cmd, env, log_path, timeout_s).wait()
 
 
 
