@@ -5,14 +5,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean constraints
 
 setup: $(VENV)/.installed
 
-# Re-installs when pyproject.toml changes. torch is pinned to its CPU build (see pyproject.toml).
-$(VENV)/.installed: pyproject.toml
+# Re-installs when the metadata or the pins change. Exact versions (torch's CPU build among them) come from
+# constraints.txt; the `dev` extra is every part plus the test tools.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
 demo: setup
@@ -20,7 +21,8 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy src agent operator
+	PYTHONPATH=benchmarks $(BIN)/lint-imports
+	$(BIN)/mypy core training agent operator demo benchmarks/gpubench
 
 test: lint
 	$(BIN)/python -m pytest
@@ -30,3 +32,11 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
+
+# Re-pin constraints.txt from a fresh resolution of the `dev` extra (torch kept at its CPU build).
+constraints:
+	rm -rf .venv-pin && $(PYTHON) -m venv .venv-pin
+	.venv-pin/bin/python -m pip install --quiet 'torch==2.13.0' -e '.[dev]'
+	{ sed -n '1,/^# Regenerate/p' constraints.txt; .venv-pin/bin/python -m pip freeze --exclude-editable \
+	  | grep -v '^bubbles' | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf .venv-pin

@@ -12,7 +12,6 @@ import platform
 import time
 
 import numpy as np
-
 from bubbles.scheduler import FillJob, Scheduler
 from bubbles.simulator import MainJob, load_profiles
 

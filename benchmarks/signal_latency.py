@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bubbles.cycle import BubbleCycle, BubbleSlot
+from bubbles.hook import Listeners
+from bubbles.stats import percentile
 from grpc_reference import grpc_round_trips_us
 
 from bubbles import paths, wire
-from bubbles.cycle import BubbleCycle, BubbleSlot
-from bubbles.hook import Listeners
-from bubbles.ledger import percentile
 
 TRAINING = "bench"
 BUBBLE_MS = 2.0

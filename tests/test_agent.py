@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bubbles.agent.guard import GuardConfig
 from bubbles.agent.metrics import names
 from bubbles.agent.server import Agent, AgentConfig
-from bubbles.agent.spec import FillJobSpec, parse_spec
+from bubbles.api import FillJobSpec, parse_spec
+from bubbles.lifecycle import FillState, InvalidTransition, transition
 
 from bubbles import paths, wire
-from bubbles.guard import GuardConfig
-from bubbles.lifecycle import FillState, InvalidTransition, transition
 
 TESTS = str(Path(__file__).parent)
 TRAINING = "t"
@@ -280,7 +280,7 @@ def test_slowdown_guard_cuts_the_share_sent_to_jobs(start_agent: StartAgent) -> 
 
 
 def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: StartAgent) -> None:
-    imperative = parse_spec({"name": "imp", "kind": "imperative",
+    imperative = parse_spec({"name": "imp", "interface": "imperative",
                              "entry": "test_agent_jobs:CountingImperativeJob"})
     h = start_agent([imperative])
     hook = Hook(h.run_dir)
@@ -333,7 +333,7 @@ def test_metrics_endpoint_serves_the_documented_names(start_agent: StartAgent) -
 def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: StartAgent) -> None:
     # Contexts mode (the default) on CPU: every fill job is its own OS process, and its CUDA_MPS_PIPE_DIRECTORY
     # points at an empty private directory, so on a GPU node it could not join an MPS daemon by accident.
-    h = start_agent([parse_spec({"name": "cmd", "kind": "imperative", "command": ["sleep", "30"]})])
+    h = start_agent([parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"]})])
     stats = h.agent.stats()
     assert stats["isolation"] == {"mode": "contexts", "state": "ready", "daemon": None,
                                   "detail": "CPU devices: every fill job is a separate OS process"}

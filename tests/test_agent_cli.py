@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bubbles.agent.spec import SpecError, load_spec, parse_duration, parse_quantity, parse_spec
+from bubbles.api import FillInterface, SpecError, load_spec, parse_duration, parse_quantity, parse_spec
 
 from bubbles import paths, wire
 
@@ -28,7 +28,9 @@ GOOD = {"name": "job", "entry": "pkg.mod:Job"}
         ([], "must be a mapping"),
         ({"entry": "a:B"}, "missing field 'name'"),
         ({**GOOD, "name": "Bad_Name"}, "field 'name'"),
-        ({**GOOD, "kind": "sometimes"}, "field 'kind' must be 'iterative' or 'imperative'"),
+        ({**GOOD, "interface": "sometimes"}, "field 'interface' must be one of iterative, imperative"),
+        ({**GOOD, "kind": "iterative"}, "write 'interface: iterative'"),
+        ({**GOOD, "kind": "finetune"}, "field 'kind' must be one of training, batch-inference"),
         ({"name": "job"}, "missing field 'entry'"),
         ({**GOOD, "entry": "no-colon"}, "field 'entry' must look like 'package.module:ClassName'"),
         ({**GOOD, "memory": "lots"}, "field 'memory' must be bytes or a Kubernetes quantity"),
@@ -40,7 +42,7 @@ GOOD = {"name": "job", "entry": "pkg.mod:Job"}
         ({**GOOD, "args": [1]}, "field 'args' must be a mapping"),
         ({**GOOD, "nodes": [{"memory": 1}]}, "field 'nodes[0]' must be a mapping with 'duration'"),
         ({**GOOD, "command": ["x"]}, "field 'command' is for imperative jobs"),
-        ({"name": "j", "kind": "imperative", "command": []}, "field 'command' must be a non-empty list"),
+        ({"name": "j", "interface": "imperative", "command": []}, "field 'command' must be a non-empty list"),
         ({**GOOD, "colour": "blue"}, "unknown field(s) colour"),
     ],
 )
@@ -57,10 +59,10 @@ def test_spec_units_and_defaults() -> None:
     assert parse_duration("500us", "t") == pytest.approx(5e-4)
     nodes = [{"duration": "1ms"}, {"duration": 0.002, "memory": "2Mi"}]
     s = parse_spec({**GOOD, "memory": "1Mi", "nodes": nodes})
-    assert s.kind == "iterative" and s.args == {} and s.stage is None
+    assert s.interface is FillInterface.ITERATIVE and s.kind is None and s.args == {} and s.stage is None
     assert [n.memory_bytes for n in s.nodes] == [2**20, 2 * 2**20]
     assert s.gating_step_s == pytest.approx(0.003)
-    imp = parse_spec({"name": "imp", "kind": "imperative", "command": ["sleep", "10"]})
+    imp = parse_spec({"name": "imp", "interface": "imperative", "command": ["sleep", "10"]})
     assert imp.command == ("sleep", "10") and imp.entry is None
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import time
 
-from bubbles import control
 from bubbles.sdk import ImperativeFillJob, IterativeFillJob, StepResult
+
+from bubbles import control
 
 
 class BusyJob(IterativeFillJob):

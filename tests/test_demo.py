@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from bubbles.cli import main
 from bubbles.cycle import theoretical_bubble_ratio
 

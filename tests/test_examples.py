@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bubbles.agent.spec import load_spec
-
+from bubbles.api import load_spec
 from bubbles.sdk import load_entry
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples" / "fill-jobs").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""The one-GPU harvesting benchmark (bubbles.gpubench) on this CPU-only machine.
+"""The one-GPU harvesting benchmark (gpubench) on this CPU-only machine.
 
 - the pipeline model on the instruction streams of DeepSpeed's real ``TrainSchedule``;
 - the stage emulator instrumented by the real hook (``bubbles.hook.instrument``): profiled bubbles where the
@@ -23,15 +23,15 @@ from typing import Any
 
 import pytest
 import torch
-from deepspeed.runtime.pipe.schedule import TrainSchedule
-
-from bubbles import paths
-from bubbles.gpubench.emulator import CudaOps, DeviceOps, StageEmulator, StageShape
-from bubbles.gpubench.pipeline_model import simulate_pipeline
-from bubbles.gpubench.report import cost_savings, regimes_of_run
-from bubbles.gpubench.run import main as bench_main
 from bubbles.hook import candidate_slots, instruction_stream, instrument
 from bubbles.probes import StaticMemoryProbe
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+from gpubench.emulator import CudaOps, DeviceOps, StageEmulator, StageShape
+from gpubench.pipeline_model import simulate_pipeline
+from gpubench.report import cost_savings, regimes_of_run
+from gpubench.run import main as bench_main
+
+from bubbles import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = StageShape(hidden=32, heads=4, ffn_mult=2, seq=16, micro_batch=1, blocks=1)
@@ -339,7 +339,7 @@ def test_waits_of_another_schedule_are_refused() -> None:
 
 def test_training_process_rejects_a_stage_outside_the_pipeline(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from bubbles.gpubench.train import main as train_main
+    from gpubench.train import main as train_main
 
     with pytest.raises(SystemExit) as exc:
         train_main(["--stage", "7", "--stages", "4", "--hidden", "32", "--heads", "4", "--seq", "8",
@@ -362,7 +362,7 @@ def test_training_process_rejects_a_stage_outside_the_pipeline(tmp_path: Path,
 ])
 def test_training_process_refuses_bad_flags_before_any_work(tmp_path: Path, flags: list[str], reason: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    from bubbles.gpubench.train import main as train_main
+    from gpubench.train import main as train_main
 
     with pytest.raises(SystemExit) as exc:
         train_main([*flags, "--out", str(tmp_path / "x.json")])
@@ -415,7 +415,7 @@ def test_regimes_of_a_run_compare_each_mode_with_the_same_run_s_baseline() -> No
 
 
 def test_a_failed_run_is_reported_as_failed_with_its_reason() -> None:
-    from bubbles.gpubench.report import build_report, format_table
+    from gpubench.report import build_report, format_table
 
     failed = {"job": "batch-inference", "isolation": "mps", "isolation_label": "MPS",
               "error": "nvidia-cuda-mps-control is not on PATH"}

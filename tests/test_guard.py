@@ -6,8 +6,7 @@ import random
 from collections.abc import Callable
 
 import pytest
-
-from bubbles.guard import GuardConfig, GuardDecision, SlowdownGuard
+from bubbles.agent.guard import GuardConfig, GuardDecision, SlowdownGuard
 
 
 def drive(

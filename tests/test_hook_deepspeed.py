@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
-from bubbles.processes import fill_jobs_ready
+from bubbles.orchestrate.processes import fill_jobs_ready
 
 pytestmark = pytest.mark.deepspeed
 

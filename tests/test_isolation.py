@@ -38,7 +38,7 @@ from bubbles.agent.isolation import (
 )
 from bubbles.agent.launcher import assign_device, default_device, parse_devices
 from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
-from bubbles.agent.spec import parse_spec
+from bubbles.api import parse_spec
 from prometheus_client import generate_latest
 from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, spec, start_agent, wait_for
 
@@ -145,7 +145,7 @@ def busy(**fields: Any) -> Any:
 
 def sleeper(name: str = "cmd", **fields: Any) -> Any:
     """An imperative command job: starts at once (no torch import), paused and resumed from outside."""
-    return parse_spec({"name": name, "kind": "imperative", "command": ["sleep", "30"], "memory": "64Mi", **fields})
+    return parse_spec({"name": name, "interface": "imperative", "command": ["sleep", "30"], "memory": "64Mi", **fields})
 
 
 MPS_VARS = {"CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",

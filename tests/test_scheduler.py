@@ -6,9 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from bubbles.plan import Bubble, FillNode
 from bubbles.scheduler import (
     ExecutorClass,
@@ -22,6 +19,8 @@ from bubbles.scheduler import (
     get_policy,
 )
 from bubbles.scheduler import policies as pol_mod
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 GIB = 2**30
 

@@ -11,10 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_agent_jobs import BusyJob
-
-from bubbles import control, wire
-from bubbles.ledger import HarvestLedger
+from bubbles.agent.ledger import HarvestLedger
 from bubbles.sdk import (
     INIT_PROFILE_STEPS,
     PROFILE_MARGIN,
@@ -28,6 +25,9 @@ from bubbles.sdk import (
     load_entry,
     run_fill_process,
 )
+from test_agent_jobs import BusyJob
+
+from bubbles import control, wire
 
 
 class Channel:

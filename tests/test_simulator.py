@@ -8,9 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from bubbles.cli import main as bubbles_main
 from bubbles.cycle import theoretical_bubble_ratio
 from bubbles.plan import Bubble
@@ -25,6 +22,8 @@ from bubbles.simulator import (
 )
 from bubbles.simulator.profiles import parse_profiles
 from bubbles.simulator.trace import TraceError, TraceJob, write_trace
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 FIXTURE = Path(__file__).parent / "fixtures" / "alibaba-excerpt.csv"
 PROFILES = load_profiles()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from bubbles.demo.train import main, parse_phases
+from bubbles.demo.train import main
+from bubbles.orchestrate.phases import parse_phases
 
 
 def test_phases_parse() -> None:

@@ -80,12 +80,13 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from bubbles.api import SpecError, load_spec
+
     from bubbles import wire
 
     from .isolation import IsolationConfig
     from .launcher import parse_devices
     from .server import Agent, AgentConfig
-    from .spec import SpecError, load_spec
 
     if args.executors < 1:
         return _fail(f"--executors must be >= 1 (one per local pipeline stage), got {args.executors}")

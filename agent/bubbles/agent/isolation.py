@@ -32,8 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bubbles import paths
 from bubbles.control import cuda_device_index
+
+from bubbles import paths
 
 from . import mps
 

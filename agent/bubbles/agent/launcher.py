@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bubbles import control
+from bubbles.api import FillInterface, FillJobSpec
 
-from .spec import FillJobSpec
+from bubbles import control
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class ProcessLauncher(Launcher):
         pass_fds: tuple[int, ...] = ()
         if spec.command:
             argv = list(spec.command)
-        elif spec.kind == "imperative":
+        elif spec.interface is FillInterface.IMPERATIVE:
             # Paused and resumed from outside only: no control channel.
             assert spec.entry is not None
             argv = [self.python, "-m", "bubbles.sdk", "--entry", spec.entry, "--args", json.dumps(spec.args)]

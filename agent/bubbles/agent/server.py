@@ -36,12 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bubbles import control, paths, wire
+from bubbles.agent.guard import GuardConfig, SlowdownGuard
+from bubbles.agent.ledger import HarvestLedger
+from bubbles.api import FillJobSpec
 from bubbles.cycle import BubbleCycle
-from bubbles.guard import GuardConfig, SlowdownGuard
-from bubbles.ledger import HarvestLedger
 from bubbles.lifecycle import FillState, InvalidTransition, transition
 from bubbles.plan import FillNode, PlanError, bubbles_of, plan_partitions
+
+from bubbles import control, paths, wire
 
 from .isolation import (
     READY,
@@ -55,7 +57,6 @@ from .isolation import (
 )
 from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher, assign_device
 from .metrics import AgentMetrics, IsolationTotals, JobTotals, Snapshot, StageTotals
-from .spec import FillJobSpec
 
 log = logging.getLogger("bubbles.agent")
 
@@ -115,7 +116,7 @@ class Job:
 
     @property
     def iterative(self) -> bool:
-        return self.spec.kind == "iterative"
+        return self.spec.iterative
 
 
 @dataclass

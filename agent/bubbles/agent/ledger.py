@@ -1,0 +1,157 @@
+"""Accounting of harvesting: bubble time offered, fill time that landed in it, and fill time that did not.
+
+Records arrive in any order (a fill step's report can beat the BUBBLE_END of the bubble it ran
+in), so the ledger only stores intervals and computes everything in ``totals()`` with sorted
+sweeps. Times are ``time.monotonic_ns()`` integers, so the sums are exact until the final
+conversion to seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from bubbles.stats import percentile
+
+_NS_PER_S = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One fill-job step as reported: where and when it ran, and the work it did."""
+
+    stage: int
+    job: str
+    start_ns: int
+    end_ns: int
+    flops: float
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(frozen=True)
+class LedgerTotals:
+    """What harvesting achieved and what it cost the training."""
+
+    bubble_s: float  # bubble time offered (union of bubble intervals, per stage, summed)
+    filled_s: float  # fill-step time inside a bubble of the step's own stage
+    fill_steps: int
+    fill_flops: float
+    overruns: int  # steps with any time outside every bubble of their stage
+    overrun_s: float  # fill-step time outside bubbles: fill work competing with the training
+    overrun_p99_ms: float  # 99th percentile of the positive overruns; 0.0 if none
+    max_overrun_ms: float
+    step_s: float = 0.0  # total fill-step time; filled_s + overrun_s == step_s
+
+
+
+
+class HarvestLedger:
+    """Bubble and fill-step intervals per stage, totalled on demand."""
+
+    def __init__(self) -> None:
+        self._bubbles: dict[int, list[tuple[int, int]]] = {}
+        self._steps: list[StepRecord] = []
+
+    def add_bubble(self, stage: int, start_ns: int, end_ns: int) -> None:
+        """Record one bubble of ``stage`` (from its BUBBLE_START to its BUBBLE_END)."""
+        _check_interval(stage, start_ns, end_ns)
+        self._bubbles.setdefault(stage, []).append((start_ns, end_ns))
+
+    def add_step(self, stage: int, job: str, start_ns: int, end_ns: int, flops: float) -> None:
+        """Record one fill-job step that ran on ``stage``'s accelerator."""
+        _check_interval(stage, start_ns, end_ns)
+        valid = isinstance(flops, int | float) and not isinstance(flops, bool) and math.isfinite(flops)
+        if not valid or flops < 0:
+            raise ValueError(f"flops must be a finite number >= 0, got {flops!r}")
+        self._steps.append(StepRecord(stage, job, start_ns, end_ns, float(flops)))
+
+    def stages(self) -> tuple[int, ...]:
+        """Stages with any bubble or step recorded, ascending."""
+        return tuple(sorted(set(self._bubbles) | {s.stage for s in self._steps}))
+
+    def bubble_intervals(self, stage: int) -> tuple[tuple[int, int], ...]:
+        """The stage's bubbles as (start_ns, end_ns), sorted by start, as recorded (not merged)."""
+        return tuple(sorted(self._bubbles.get(stage, ())))
+
+    def step_records(self) -> tuple[StepRecord, ...]:
+        """All fill steps, sorted by (stage, start)."""
+        return tuple(sorted(self._steps, key=lambda r: (r.stage, r.start_ns, r.end_ns)))
+
+    def totals(self, stage: int | None = None) -> LedgerTotals:
+        """Sum up every stage, or only ``stage``; O(n log n) in the records."""
+        stages = self.stages() if stage is None else (stage,)
+        bubble_ns = filled_ns = step_ns = 0
+        flops = 0.0
+        steps = 0
+        overruns_ns: list[int] = []
+        by_stage: dict[int, list[StepRecord]] = {}
+        for r in self._steps:
+            by_stage.setdefault(r.stage, []).append(r)
+        for st in stages:
+            covered = _Coverage(self._bubbles.get(st, []))
+            bubble_ns += covered.total_ns
+            for r in by_stage.get(st, []):
+                inside = covered.between(r.start_ns, r.end_ns)
+                filled_ns += inside
+                step_ns += r.duration_ns
+                flops += r.flops
+                steps += 1
+                if r.duration_ns - inside > 0:
+                    overruns_ns.append(r.duration_ns - inside)
+        overruns_ms = [ns / 1e6 for ns in overruns_ns]
+        return LedgerTotals(
+            bubble_s=bubble_ns / _NS_PER_S,
+            filled_s=filled_ns / _NS_PER_S,
+            fill_steps=steps,
+            fill_flops=flops,
+            overruns=len(overruns_ns),
+            overrun_s=sum(overruns_ns) / _NS_PER_S,
+            overrun_p99_ms=percentile(overruns_ms, 99) if overruns_ms else 0.0,
+            max_overrun_ms=max(overruns_ms, default=0.0),
+            step_s=step_ns / _NS_PER_S,
+        )
+
+
+class _Coverage:
+    """The union of intervals, answering "how much of [a, b) is covered" by binary search."""
+
+    def __init__(self, intervals: Sequence[tuple[int, int]]) -> None:
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(intervals):
+            if end <= start:
+                continue
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        self._starts = [s for s, _ in merged]
+        self._ends = [e for _, e in merged]
+        # _before[i]: covered length of the first i merged intervals
+        self._before = [0, *accumulate(e - s for s, e in merged)]
+        self.total_ns = self._before[-1]
+
+    def up_to(self, t: int) -> int:
+        """Covered length in (-inf, t)."""
+        i = bisect_right(self._starts, t)  # intervals starting at or before t
+        if i == 0:
+            return 0
+        return self._before[i - 1] + min(t, self._ends[i - 1]) - self._starts[i - 1]
+
+    def between(self, a: int, b: int) -> int:
+        return self.up_to(b) - self.up_to(a)
+
+
+def _check_interval(stage: int, start_ns: int, end_ns: int) -> None:
+    for name, v in (("stage", stage), ("start_ns", start_ns), ("end_ns", end_ns)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an integer (time.monotonic_ns()), got {v!r}")
+    if stage < 0:
+        raise ValueError(f"stage must be >= 0, got {stage}")
+    if end_ns < start_ns:
+        raise ValueError(f"interval ends before it starts ({start_ns} > {end_ns}): swap the timestamps")

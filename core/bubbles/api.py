@@ -1,0 +1,296 @@
+"""The types every side of bubbles shares, defined once: one enum per concept, the fill-job spec with its
+validation, and the typed status the agent reports.
+
+Inside the training (the hook, the SDK), on the node (the agent) and in the control plane (the operator,
+the scheduler) these are the only spellings of a fill mode, an isolation mode, a life-cycle state or a
+fill job. Pure: no I/O but ``load_spec``'s file read, no third-party imports but YAML in ``load_spec``.
+
+A fill-job spec, as a file for ``bubbles agent --fill-job`` (and, next, a FillJob resource's ``spec``)::
+
+    name: image-classification
+    interface: iterative             # or imperative (how the job is paused between bubbles)
+    kind: training                   # optional: training or batch-inference (what the job does)
+    entry: bubbles.fill_examples.image_classification:ImageClassification
+    args: {batch_size: 4}
+    memory: 64Mi                     # bytes or a Kubernetes quantity; a hard limit, required on GPUs
+    step_time: 1.5ms                 # optional; profiled in the first bubbles when absent
+    steps: 1000                      # optional; the job finishes after that many steps
+    nodes: [{duration: 1ms, memory: 32Mi}]   # optional: the step as a chain for the planner
+    stage: 0                         # optional: which executor (pipeline stage) to harvest
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bubbles.paths import check_name
+
+
+class _Named:
+    """Mixin for enums whose members are written as lower-case words (in YAML, JSON, flags and metric labels)."""
+
+    name: str
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+    @classmethod
+    def labels(cls) -> tuple[str, ...]:
+        return tuple(m.label for m in cls)  # type: ignore[attr-defined]
+
+    @classmethod
+    def parse(cls, text: object, what: str) -> Any:
+        """The member written ``text`` (case-insensitive); ValueError naming ``what`` and the choices."""
+        if isinstance(text, cls):
+            return text
+        if isinstance(text, str):
+            for m in cls:  # type: ignore[attr-defined]
+                if m.label == text.strip().lower():
+                    return m
+        raise ValueError(f"{what} must be one of {', '.join(cls.labels())}, got {text!r}")
+
+
+class FillMode(_Named, enum.IntEnum):
+    """What the agent lets fill jobs do; the demo and the benchmarks switch it to compare in one run.
+
+    The integer values are the wire protocol's (``bubbles.wire``'s FILL_MODE datagram)."""
+
+    OFF = 0  # no fill work (the baseline)
+    NAIVE = 1  # fill jobs run freely, ignoring bubbles (FreeRide's "Naive")
+    HARVEST = 2  # fill steps only inside bubbles (the product)
+
+
+class FillInterface(_Named, enum.Enum):
+    """How a fill job is driven between bubbles (FreeRide's two programming interfaces)."""
+
+    ITERATIVE = "iterative"  # the SDK runs one step at a time, each gated by a bubble (preferred; bounds GPU work)
+    IMPERATIVE = "imperative"  # any program, frozen and thawed with SIGSTOP/SIGCONT
+
+
+class WorkloadKind(_Named, enum.Enum):
+    """What a fill job does (the scheduler's profiles and the FillJob resource use the same words)."""
+
+    TRAINING = "training"
+    BATCH_INFERENCE = "batch-inference"
+
+
+class IsolationMode(_Named, enum.Enum):
+    """How fill processes are kept apart from the training on a GPU (docs/gpu.md has the trade-offs)."""
+
+    CONTEXTS = "contexts"  # separate CUDA contexts, time-sliced: a fault stays in its process (default)
+    MPS = "mps"  # MPS clients: concurrent kernels and enforced memory limits, one fault domain
+    NONE = "none"  # explicit unisolated sharing
+
+
+class IsolationState(_Named, enum.Enum):
+    """The health of the chosen isolation, as the agent acts on it (it fails closed)."""
+
+    READY = "ready"  # isolation works: fill jobs may start
+    UNAVAILABLE = "unavailable"  # it does not: fill jobs wait
+    RECOVERING = "recovering"  # an owned MPS daemon is being restarted: fill jobs wait
+    UNISOLATED = "unisolated"  # it does not, and the user allowed running without it
+
+    @property
+    def usable(self) -> bool:
+        """Whether fill jobs may run in this state."""
+        return self in (IsolationState.READY, IsolationState.UNISOLATED)
+
+
+class FillState(enum.StrEnum):
+    """A fill job's life cycle (FreeRide section 3.1); ``bubbles.lifecycle`` holds its transitions."""
+
+    SUBMITTED = "SUBMITTED"  # accepted and planned, no process yet
+    CREATED = "CREATED"  # process started, context in host memory only
+    PAUSED = "PAUSED"  # initialized on the accelerator, waiting for a bubble
+    RUNNING = "RUNNING"  # executing steps inside a bubble
+    STOPPED = "STOPPED"  # finished, cancelled, failed or killed; resources released
+
+
+@dataclass(frozen=True)
+class FillNode:
+    """One node of a fill job's step chain: how long it runs and how much memory it needs."""
+
+    duration_s: float
+    memory_bytes: int
+
+
+class SpecError(ValueError):
+    """A fill-job spec that cannot be run; the message names the field and what to do."""
+
+
+@dataclass(frozen=True)
+class FillJobSpec:
+    """A fill job as the user describes it; ``parse_spec`` is the one place that validates it."""
+
+    name: str
+    interface: FillInterface
+    entry: str | None  # "module:Class" (iterative; imperative jobs may use it too)
+    command: tuple[str, ...] | None  # argv of an imperative job run as a plain process
+    args: dict[str, Any] = field(default_factory=dict)
+    steps: int | None = None
+    memory_bytes: int = 0
+    step_time_s: float | None = None
+    nodes: tuple[FillNode, ...] = ()
+    stage: int | None = None
+    kind: WorkloadKind | None = None  # what the job does, when the user says
+
+    @property
+    def iterative(self) -> bool:
+        return self.interface is FillInterface.ITERATIVE
+
+    def plan_nodes(self, step_s: float | None = None) -> tuple[FillNode, ...] | None:
+        """The step chain for the planner: ``nodes``, else one (step time, memory) node; None if unknown."""
+        if self.nodes:
+            return self.nodes
+        s = step_s if step_s is not None else self.step_time_s
+        if s is None:
+            return None
+        return (FillNode(s, self.memory_bytes),)
+
+    @property
+    def gating_step_s(self) -> float | None:
+        """The step time the runtime gates on: the spec's, else the sum of the nodes, else unknown."""
+        if self.step_time_s is not None:
+            return self.step_time_s
+        if self.nodes:
+            return sum(n.duration_s for n in self.nodes)
+        return None
+
+
+_FIELDS = ("name", "interface", "kind", "entry", "command", "args", "steps", "memory", "step_time", "nodes",
+           "stage")
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i?|k|m)?\s*$")
+_UNITS = {
+    None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)\s*(ns|us|µs|ms|s)?\s*$")
+_DUR_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_quantity(value: Any, where: str) -> int:
+    """Bytes from an integer or a Kubernetes quantity (``512Mi``, ``2Gi``, ``1G``)."""
+    if isinstance(value, bool):
+        raise SpecError(f"{where} must be bytes or a quantity like 512Mi, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise SpecError(f"{where} must be >= 0, got {value}")
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _QUANTITY.match(value)
+        if m and m.group(2) != "m":  # "m" (milli) makes no sense for bytes
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    raise SpecError(f"{where} must be bytes or a Kubernetes quantity like 512Mi or 2Gi, got {value!r}")
+
+
+def parse_duration(value: Any, where: str) -> float:
+    """Seconds from a number or a string like ``2ms``, ``500us``, ``0.002``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        s = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        s = float(m.group(1)) * _DUR_UNITS[m.group(2)]
+    else:
+        raise SpecError(f"{where} must be a duration like 2ms, 500us or 0.002 (seconds), got {value!r}")
+    if not math.isfinite(s) or s <= 0:
+        raise SpecError(f"{where} must be a duration > 0, got {value!r}")
+    return s
+
+
+def parse_spec(data: Any, source: str = "spec") -> FillJobSpec:
+    """Validate a loaded spec object; raise SpecError naming the first bad field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a fill-job spec must be a mapping with at least 'name' and 'entry'")
+    unknown = sorted(set(map(str, data)) - set(_FIELDS))
+    if unknown:
+        raise SpecError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                        f"known fields: {', '.join(_FIELDS)}")
+    if "name" not in data:
+        raise SpecError(f"{source}: missing field 'name' (a DNS-label name like image-classification)")
+    try:
+        name = check_name("fill job", data["name"])
+    except ValueError as exc:
+        raise SpecError(f"{source}: field 'name': {exc}") from None
+    raw_kind = data.get("kind")
+    if raw_kind in FillInterface.labels():  # the spelling of bubbles 0.1's spec files
+        raise SpecError(f"{source}: field 'kind' says what the job does ({' or '.join(WorkloadKind.labels())}); "
+                        f"{raw_kind!r} is an interface: write 'interface: {raw_kind}'")
+    try:
+        interface = FillInterface.parse(data.get("interface", "iterative"), f"{source}: field 'interface'")
+        kind = None if raw_kind is None else WorkloadKind.parse(raw_kind, f"{source}: field 'kind'")
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+    entry = data.get("entry")
+    command = data.get("command")
+    if entry is not None and (not isinstance(entry, str) or not re.match(r"^[\w.]+:[\w.]+$", entry)):
+        raise SpecError(f"{source}: field 'entry' must look like 'package.module:ClassName', got {entry!r}")
+    if command is not None:
+        if interface is not FillInterface.IMPERATIVE:
+            raise SpecError(f"{source}: field 'command' is for imperative jobs; "
+                            "set interface: imperative or use entry")
+        if (not isinstance(command, list) or not command
+                or not all(isinstance(a, str) and a for a in command)):
+            raise SpecError(f"{source}: field 'command' must be a non-empty list of strings (an argv)")
+        if entry is not None:
+            raise SpecError(f"{source}: give either 'entry' or 'command', not both")
+    if entry is None and command is None:
+        what = ("'entry' (module:Class)" if interface is FillInterface.ITERATIVE
+                else "'command' (argv) or 'entry' (module:Class)")
+        raise SpecError(f"{source}: missing field {what}")
+    args = data.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise SpecError(f"{source}: field 'args' must be a mapping of keyword arguments for the job's class")
+    try:
+        json.dumps(args, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"{source}: field 'args' must be plain JSON data: {exc}") from None
+    steps = data.get("steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise SpecError(f"{source}: field 'steps' must be an integer >= 1 (or omitted to run until stopped)")
+    memory = parse_quantity(data.get("memory", 0), f"{source}: field 'memory'")
+    step_time = data.get("step_time")
+    step_time_s = None if step_time is None else parse_duration(step_time, f"{source}: field 'step_time'")
+    raw_nodes = data.get("nodes")
+    nodes: list[FillNode] = []
+    if raw_nodes is not None:
+        if not isinstance(raw_nodes, list) or not raw_nodes:
+            raise SpecError(f"{source}: field 'nodes' must be a non-empty list of {{duration, memory}}")
+        for i, nd in enumerate(raw_nodes):
+            where = f"{source}: field 'nodes[{i}]'"
+            if not isinstance(nd, dict) or "duration" not in nd or set(nd) - {"duration", "memory"}:
+                raise SpecError(f"{where} must be a mapping with 'duration' and optional 'memory'")
+            nodes.append(FillNode(parse_duration(nd["duration"], f"{where}.duration"),
+                                  parse_quantity(nd.get("memory", memory), f"{where}.memory")))
+    stage = data.get("stage")
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
+        raise SpecError(f"{source}: field 'stage' must be an executor index >= 0 (or omitted)")
+    return FillJobSpec(
+        name=name, interface=interface, kind=kind, entry=entry, command=tuple(command) if command else None,
+        args=dict(args), steps=steps, memory_bytes=memory, step_time_s=step_time_s, nodes=tuple(nodes), stage=stage,
+    )
+
+
+def load_spec(path: str | Path) -> FillJobSpec:
+    """Read and validate a YAML or JSON spec file; raise SpecError for a missing or invalid file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read fill-job spec {p}: {exc.strerror or exc}") from None
+    import yaml  # YAML is a superset of JSON: one loader for both
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML/JSON: {exc}") from None
+    return parse_spec(data, str(p))

@@ -1,0 +1,167 @@
+"""The bubble signal protocol: datagrams from the training's hook to the agent and fill jobs.
+
+Signals are small fixed-size binary records so that the hook's cost on the training's critical path
+is one ``struct.pack`` and one non-blocking ``sendto`` per listener. The bubble profile, sent rarely,
+is JSON. Every record carries the stage, a sequence number and absolute CLOCK_MONOTONIC timestamps
+(shared by all processes on a node), never bare pulses: a lost or reordered datagram is detectable
+and cannot leave a listener believing a bubble is still open.
+
+``decode`` is the only way bytes become messages; it rejects garbage, truncated, oversized and
+unknown-version input with ``WireError`` and never raises anything else.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from bubbles.api import FillMode
+
+MAGIC = b"BB"
+VERSION = 1
+MAX_DATAGRAM_BYTES = 64 * 1024
+
+_HEADER = struct.Struct("<2sBBH")  # magic, version, kind, stage
+# BUBBLE_START / BUBBLE_END: header + slot, seq, t_ns, predicted_end_ns
+_BUBBLE = struct.Struct("<2sBBHHIqq")
+# ITERATION: header + reserved, iteration index, start_ns, duration_ns
+_ITERATION = struct.Struct("<2sBBHHIqq")
+# FILL_MODE: header + mode code
+_MODE = struct.Struct("<2sBBHB")
+SIGNAL_BYTES = _BUBBLE.size  # every BUBBLE_START, BUBBLE_END and ITERATION datagram (28 bytes)
+
+
+class Kind(enum.IntEnum):
+    PROFILE = 1
+    BUBBLE_START = 2
+    BUBBLE_END = 3
+    ITERATION = 4
+    FILL_MODE = 5
+
+
+class WireError(ValueError):
+    """A datagram that is not a valid bubble message; the receiver drops it and keeps serving."""
+
+
+@dataclass(frozen=True)
+class BubbleStart:
+    stage: int
+    slot: int
+    seq: int
+    start_ns: int
+    predicted_end_ns: int
+    kind: Kind = Kind.BUBBLE_START
+
+
+@dataclass(frozen=True)
+class BubbleEnd:
+    stage: int
+    slot: int
+    seq: int
+    end_ns: int
+    kind: Kind = Kind.BUBBLE_END
+
+
+@dataclass(frozen=True)
+class Iteration:
+    stage: int
+    iteration: int
+    start_ns: int
+    duration_ns: int
+    kind: Kind = Kind.ITERATION
+
+
+@dataclass(frozen=True)
+class Profile:
+    stage: int
+    cycle: dict[str, Any]  # BubbleCycle.to_dict(); validated by BubbleCycle.from_dict at the receiver
+    kind: Kind = Kind.PROFILE
+
+
+@dataclass(frozen=True)
+class FillModeChange:
+    stage: int
+    mode: FillMode
+    kind: Kind = Kind.FILL_MODE
+
+
+Message = BubbleStart | BubbleEnd | Iteration | Profile | FillModeChange
+
+
+def encode_bubble_start(stage: int, slot: int, seq: int, start_ns: int, predicted_end_ns: int) -> bytes:
+    return _BUBBLE.pack(MAGIC, VERSION, Kind.BUBBLE_START, stage, slot, seq & 0xFFFFFFFF, start_ns,
+                        predicted_end_ns)
+
+
+def encode_bubble_end(stage: int, slot: int, seq: int, end_ns: int) -> bytes:
+    return _BUBBLE.pack(MAGIC, VERSION, Kind.BUBBLE_END, stage, slot, seq & 0xFFFFFFFF, end_ns, 0)
+
+
+def encode_iteration(stage: int, iteration: int, start_ns: int, duration_ns: int) -> bytes:
+    return _ITERATION.pack(MAGIC, VERSION, Kind.ITERATION, stage, 0, iteration & 0xFFFFFFFF, start_ns,
+                           duration_ns)
+
+
+def encode_fill_mode(stage: int, mode: FillMode) -> bytes:
+    return _MODE.pack(MAGIC, VERSION, Kind.FILL_MODE, stage, int(mode))
+
+
+def encode_profile(stage: int, cycle: dict[str, Any]) -> bytes:
+    body = json.dumps(cycle, separators=(",", ":"), allow_nan=False).encode()
+    data = _HEADER.pack(MAGIC, VERSION, Kind.PROFILE, stage) + body
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise WireError(f"profile of {len(data)} bytes exceeds the {MAX_DATAGRAM_BYTES}-byte datagram limit")
+    return data
+
+
+def decode(data: bytes) -> Message:
+    """Parse one datagram; raise ``WireError`` saying what is wrong with it."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise WireError(f"expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_DATAGRAM_BYTES}-byte limit")
+    if len(data) < _HEADER.size:
+        raise WireError(f"truncated message: {len(data)} bytes, a header needs {_HEADER.size}")
+    magic, version, kind_code, stage = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}: not a bubbles message")
+    if version != VERSION:
+        raise WireError(f"protocol version {version} not supported (this side speaks {VERSION}); "
+                        "run the same bubbles version in the training and the agent")
+    try:
+        kind = Kind(kind_code)
+    except ValueError:
+        raise WireError(f"unknown message kind {kind_code}") from None
+    if kind in (Kind.BUBBLE_START, Kind.BUBBLE_END, Kind.ITERATION):
+        if len(data) != _BUBBLE.size:
+            raise WireError(f"{kind.name} must be {_BUBBLE.size} bytes, got {len(data)}")
+        _, _, _, stage, a, b, t1, t2 = _BUBBLE.unpack(data)
+        if t1 < 0 or t2 < 0:
+            raise WireError(f"{kind.name} has a negative timestamp")
+        if kind is Kind.BUBBLE_START:
+            if t2 < t1:
+                raise WireError("BUBBLE_START predicts an end before its start")
+            return BubbleStart(stage=stage, slot=a, seq=b, start_ns=t1, predicted_end_ns=t2)
+        if kind is Kind.BUBBLE_END:
+            return BubbleEnd(stage=stage, slot=a, seq=b, end_ns=t1)
+        return Iteration(stage=stage, iteration=b, start_ns=t1, duration_ns=t2)
+    if kind is Kind.FILL_MODE:
+        if len(data) != _MODE.size:
+            raise WireError(f"FILL_MODE must be {_MODE.size} bytes, got {len(data)}")
+        mode_code = _MODE.unpack(data)[4]
+        try:
+            return FillModeChange(stage=stage, mode=FillMode(mode_code))
+        except ValueError:
+            raise WireError(f"unknown fill mode {mode_code}") from None
+    # PROFILE
+    try:
+        body = json.loads(data[_HEADER.size:].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"PROFILE body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise WireError("PROFILE body must be a JSON object")
+    return Profile(stage=stage, cycle=body)

@@ -1,0 +1,280 @@
+"""Fill-job traces: our CSV format, the Alibaba GPU trace (2023) it is generated from, and the generator.
+
+Our trace CSV has a header row and one job per row:
+    job_id (optional), arrival_s, model, kind (training | batch-inference),
+    samples, or steps together with batch_size, deadline_s (optional; empty for none)
+
+The generator follows PipeFill section 5.3: from the Alibaba trace (Weng et al., ATC '23) drop the
+latency-sensitive tasks, turn GPUs x service time into GPU-hours, keep jobs up to 1 GPU-hour, and
+sample arrivals (the gaps between consecutive tasks) and sizes from what is left; each job's size
+bucket maps it to a model of PipeFill's Table 1 (smaller jobs to smaller models, buckets as wide as
+the models' sampling probabilities), models under 700M parameters train or run batch inference
+with equal probability, larger ones always run batch inference, and samples = GPU-hours x the
+model's best isolated throughput on one GPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from bubbles.scheduler.core import FillJob, FillProfile
+
+ALIBABA_COLUMNS = ("name", "num_gpu", "qos", "creation_time", "deletion_time", "scheduled_time")
+TRACE_COLUMNS = ("arrival_s", "model", "kind")
+
+# PipeFill Table 1 with our sampling probabilities. The paper matches them to the HuggingFace Model
+# Hub (10.4% CNNs, the rest transformers) without printing them; the split among the transformers
+# is our assumption. Ordered by parameter count, which is the order of the size buckets.
+MODEL_MIX: tuple[tuple[str, int, float], ...] = (
+    ("bert-base", 109_000_000, 0.40),
+    ("efficientnet", 117_000_000, 0.104),
+    ("bert-large", 334_000_000, 0.25),
+    ("swin-large", 779_000_000, 0.146),
+    ("xlm-roberta-xl", 2_800_000_000, 0.10),
+)
+TRAINING_MAX_PARAMS = 700_000_000
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be used; the message names the file, the line and what to fix."""
+
+
+@dataclass(frozen=True)
+class AlibabaTask:
+    name: str
+    arrival_s: float
+    gpu_hours: float
+
+
+@dataclass(frozen=True)
+class FilterStats:
+    """What PipeFill's filtering leaves of the trace (section 5.3)."""
+
+    rows: int
+    candidates: int  # GPU tasks, not latency-sensitive, ever scheduled
+    kept: int  # candidates under the cap
+    cap_gpu_hours: float
+    median_gpu_hours: float
+
+    @property
+    def share_kept(self) -> float:
+        return self.kept / self.candidates if self.candidates else 0.0
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    """One row of a fill-job trace."""
+
+    job_id: str
+    arrival_s: float
+    model: str
+    kind: str
+    samples: int
+    deadline_s: float | None = None
+
+    def to_fill_job(self, profiles: Mapping[tuple[str, str], FillProfile]) -> FillJob:
+        return FillJob(
+            self.job_id, profiles[(self.model, self.kind)], self.samples, self.arrival_s, self.deadline_s
+        )
+
+
+def read_alibaba(path: str | Path, cap_gpu_hours: float = 1.0) -> tuple[list[AlibabaTask], FilterStats]:
+    """Read ``openb_pod_list_*.csv`` (the trace's own format) and apply PipeFill's filter.
+
+    Keeps GPU tasks whose qos is not LS and that were scheduled, with GPU-hours = num_gpu x
+    (deletion_time - scheduled_time) / 3600 up to ``cap_gpu_hours``. Raises TraceError on a file
+    that is not in that format.
+    """
+    p = Path(path)
+    rows = 0
+    candidates: list[AlibabaTask] = []
+    try:
+        with p.open(newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in ALIBABA_COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise TraceError(
+                    f"{p}: not an Alibaba GPU trace pod list (missing columns {', '.join(missing)}); "
+                    "pass cluster-trace-gpu-v2023/csv/openb_pod_list_*.csv"
+                )
+            for line, r in enumerate(reader, start=2):
+                rows += 1
+                try:
+                    gpus = int(r["num_gpu"])
+                    if r["qos"] == "LS" or gpus < 1 or not r["scheduled_time"]:
+                        continue
+                    service_s = float(r["deletion_time"]) - float(r["scheduled_time"])
+                    arrival = float(r["creation_time"])
+                except (TypeError, ValueError):
+                    raise TraceError(
+                        f"{p} line {line}: num_gpu, creation_time, scheduled_time and deletion_time must be "
+                        f"numbers, got {dict(r)}; fix or drop the row"
+                    ) from None
+                if service_s < 0:
+                    raise TraceError(
+                        f"{p} line {line}: deletion_time precedes scheduled_time; fix or drop the row"
+                    )
+                candidates.append(AlibabaTask(r["name"], arrival, gpus * service_s / 3600))
+    except OSError as e:
+        raise TraceError(f"cannot read {p}: {e.strerror}; pass the path of the trace CSV") from None
+    kept = [t for t in candidates if t.gpu_hours <= cap_gpu_hours]
+    sizes = sorted(t.gpu_hours for t in candidates)
+    stats = FilterStats(
+        rows=rows,
+        candidates=len(candidates),
+        kept=len(kept),
+        cap_gpu_hours=cap_gpu_hours,
+        median_gpu_hours=float(np.median(sizes)) if sizes else 0.0,
+    )
+    return kept, stats
+
+
+def generate_trace(
+    tasks: Sequence[AlibabaTask],
+    profiles: Mapping[tuple[str, str], FillProfile],
+    *,
+    jobs: int,
+    hours: float,
+    seed: int = 0,
+    deadline_share: float = 0.0,
+    deadline_slack: float = 10.0,
+    mix: Sequence[tuple[str, int, float]] = MODEL_MIX,
+) -> list[TraceJob]:
+    """``jobs`` fill jobs arriving over ``hours``, sampled from the filtered trace ``tasks``.
+
+    Arrival gaps and sizes are sampled together (one trace task per job) and the gaps are scaled so
+    the jobs span ``hours``. A ``deadline_share`` of jobs get a deadline ``deadline_slack`` times their
+    isolated run time after arrival.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if not hours > 0:
+        raise ValueError(f"hours must be > 0, got {hours}")
+    usable = sorted((t for t in tasks if t.gpu_hours > 0), key=lambda t: t.arrival_s)
+    if len(usable) < 2:
+        raise ValueError(
+            "the filtered trace has fewer than 2 usable tasks; pass a larger excerpt of the trace"
+        )
+    missing = [(m, k) for m, _, _ in mix for k in ("batch-inference",) if (m, k) not in profiles]
+    if missing:
+        raise ValueError(f"no profile for {missing}; add them to the model profiles file")
+    rng = np.random.default_rng(seed)
+    arrivals = np.array([t.arrival_s for t in usable])
+    gaps = np.diff(arrivals, prepend=arrivals[0])
+    gaps[0] = float(np.median(gaps[1:]))
+    sizes = np.array([t.gpu_hours for t in usable])
+    # Rank of each task's size (ties broken by order) -> which model's bucket it falls in.
+    order = np.argsort(sizes, kind="stable")
+    quantile = np.empty(len(sizes))
+    quantile[order] = (np.arange(len(sizes)) + 0.5) / len(sizes)
+    probs = np.array([w for _, _, w in mix], dtype=float)
+    edges = np.cumsum(probs / probs.sum())
+    bucket = np.minimum(np.searchsorted(edges, quantile), len(mix) - 1)
+
+    pick = rng.integers(0, len(usable), size=jobs)
+    g = gaps[pick]
+    total = float(g.sum()) or 1.0
+    arrival_s = np.cumsum(g) * (hours * 3600.0 / total) - g[0] * (hours * 3600.0 / total)
+    coin = rng.random(jobs)
+    dl = rng.random(jobs)
+    out: list[TraceJob] = []
+    for n in range(jobs):
+        k = int(pick[n])
+        model, params, _ = mix[int(bucket[k])]
+        kind = "training" if params < TRAINING_MAX_PARAMS and coin[n] < 0.5 else "batch-inference"
+        prof = profiles.get((model, kind)) or profiles[(model, "batch-inference")]
+        kind = prof.kind
+        work_s = float(sizes[k]) * 3600.0
+        samples = max(1, round(work_s * prof.isolated_samples_per_s))
+        deadline = float(arrival_s[n]) + deadline_slack * work_s if dl[n] < deadline_share else None
+        out.append(TraceJob(f"job-{n:06d}", float(arrival_s[n]), model, kind, samples, deadline))
+    return out
+
+
+def write_trace(path: str | Path, jobs: Iterable[TraceJob]) -> None:
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["job_id", "arrival_s", "model", "kind", "samples", "deadline_s"])
+        for j in jobs:
+            w.writerow(
+                [
+                    j.job_id,
+                    f"{j.arrival_s:.3f}",
+                    j.model,
+                    j.kind,
+                    j.samples,
+                    "" if j.deadline_s is None else f"{j.deadline_s:.3f}",
+                ]
+            )
+
+
+def read_trace(path: str | Path, profiles: Mapping[tuple[str, str], FillProfile]) -> list[TraceJob]:
+    """Read our fill-job trace CSV; raise TraceError naming the line and what to fix."""
+    p = Path(path)
+    out: list[TraceJob] = []
+    known = sorted({f"{m}/{k}" for m, k in profiles})
+    try:
+        with p.open(newline="") as f:
+            reader = csv.DictReader(f)
+            cols = reader.fieldnames or []
+            missing = [c for c in TRACE_COLUMNS if c not in cols]
+            if missing or not ("samples" in cols or {"steps", "batch_size"} <= set(cols)):
+                raise TraceError(
+                    f"{p}: a fill-job trace needs the columns arrival_s, model, kind and samples (or steps "
+                    f"and batch_size), optionally job_id and deadline_s; the header has "
+                    f"{', '.join(cols) or 'nothing'}"
+                    + (". For the Alibaba trace itself use --alibaba" if "qos" in cols else "")
+                )
+            seen: set[str] = set()
+            for line, r in enumerate(reader, start=2):
+                out.append(_row(p, line, r, profiles, known, seen))
+    except OSError as e:
+        raise TraceError(f"cannot read trace {p}: {e.strerror}; pass an existing CSV file") from None
+    if not out:
+        raise TraceError(f"{p}: the trace has no jobs; add at least one row")
+    return out
+
+
+def _row(
+    p: Path,
+    line: int,
+    r: dict[str, str],
+    profiles: Mapping[tuple[str, str], FillProfile],
+    known: list[str],
+    seen: set[str],
+) -> TraceJob:
+    where = f"{p} line {line}"
+    job_id = (r.get("job_id") or "").strip() or f"line-{line}"
+    if job_id in seen:
+        raise TraceError(f"{where}: job_id {job_id!r} appears twice; give each job a unique id")
+    seen.add(job_id)
+    arrival = _num(where, "arrival_s", r.get("arrival_s"))
+    model, kind = (r.get("model") or "").strip(), (r.get("kind") or "").strip()
+    if (model, kind) not in profiles:
+        raise TraceError(f"{where}: no profile for model {model!r} kind {kind!r}; known: {', '.join(known)}")
+    if (r.get("samples") or "").strip():
+        samples = _num(where, "samples", r.get("samples"))
+    else:
+        samples = _num(where, "steps", r.get("steps")) * _num(where, "batch_size", r.get("batch_size"))
+    if samples < 1 or samples != int(samples):
+        raise TraceError(f"{where}: samples must be a whole number >= 1, got {samples:g}")
+    dl_text = (r.get("deadline_s") or "").strip()
+    deadline = _num(where, "deadline_s", dl_text) if dl_text else None
+    if deadline is not None and deadline < arrival:
+        raise TraceError(f"{where}: deadline_s {deadline:g} is before arrival_s {arrival:g}; fix the row")
+    return TraceJob(job_id, arrival, model, kind, int(samples), deadline)
+
+
+def _num(where: str, col: str, text: str | None) -> float:
+    try:
+        v = float((text or "").strip())
+    except ValueError:
+        raise TraceError(f"{where}: {col} must be a number, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise TraceError(f"{where}: {col} must be a finite number >= 0, got {text!r}")
+    return v

@@ -1,0 +1,149 @@
+"""Fill job: train a CNN on synthetic 32x32 images (CIFAR-sized), one optimizer step per step().
+
+Two sizes: ``arch="small"`` (default), a two-convolution CNN sized to ~1 ms a step on one CPU core, and
+``arch="resnet"``, a ResNet-18 layout (four stages of two basic blocks, ``width`` channels doubling per
+stage) for GPUs: at ``batch_size`` 64, ``width`` 64 and ``dtype="bfloat16"`` a step is a few milliseconds
+of a large GPU, short enough for the program-directed limit to fit it into pipeline bubbles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bubbles.fill_examples._counted import FlopCountedJob, check_dtype
+
+ARCHS = ("small", "resnet")
+
+
+class ImageClassification(FlopCountedJob):
+    """A CNN trained with SGD on random images and labels.
+
+    ``arch``, ``batch_size`` and ``width`` (channels of the first convolution) set the step time; ``dtype``
+    the precision (``"float32"`` or ``"bfloat16"``); ``steps`` (optional) makes the job finish after that many
+    steps. The job runs on the device the agent assigned (``bubbles.sdk.assigned_device()``).
+    """
+
+    def __init__(self, batch_size: int = 4, width: int = 8, classes: int = 10, steps: int | None = None,
+                 seed: int = 0, arch: str = "small", dtype: str = "float32") -> None:
+        if batch_size < 1 or width < 1 or classes < 2:
+            raise ValueError("batch_size and width must be >= 1 and classes >= 2")
+        if arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(repr(a) for a in ARCHS)}, got {arch!r}; "
+                             "'small' for CPUs, 'resnet' for GPUs")
+        self.batch_size = batch_size
+        self.width = width
+        self.classes = classes
+        self.max_steps = steps
+        self.seed = seed
+        self.arch = arch
+        self.dtype = check_dtype(dtype)
+        self.steps_done = 0
+        self.step_flops: float | None = None
+        self.last_loss = float("nan")
+
+    def create(self) -> None:
+        import torch
+        from torch import nn
+
+        g = torch.Generator().manual_seed(self.seed)
+        torch.manual_seed(self.seed)
+        self.model = _resnet18(self.width, self.classes) if self.arch == "resnet" else _small_cnn(self.width,
+                                                                                                   self.classes)
+        # The ResNet preset is for GPUs, whose convolution kernels run fastest on channels-last (NHWC) tensors;
+        # it uses that layout on every device, so that the CPU tests run the GPU's code path.
+        self.channels_last = self.arch == "resnet"
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        self.model.to(dtype=self.torch_dtype(), memory_format=layout)
+        # A few fixed batches cycled through: data loading is not what this example measures.
+        self.images = [torch.randn(self.batch_size, 3, 32, 32, generator=g).to(self.torch_dtype())
+                       .contiguous(memory_format=layout) for _ in range(4)]
+        self.labels = torch.randint(0, self.classes, (4, self.batch_size), generator=g)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.device = "cpu"
+
+    def init(self) -> None:
+        device = self.target_device()
+        if device != "cpu":
+            self.device = device
+            # Module.to keeps the parameters' layout; the optimizer's state is created on the first step,
+            # on the parameters' device.
+            self.model.to(device)
+            self.images = [img.to(device) for img in self.images]  # .to keeps the channels-last strides
+            self.labels = self.labels.to(device)
+        self._count_first_step()  # outside the bubbles: see the package doc
+
+    def _work(self) -> None:
+        import torch
+
+        # On CPU the ResNet preset runs without oneDNN: torch 2.13.0's oneDNN kernel for the backward pass of a
+        # channels-last 1x1 convolution (jit_avx2_1x1_convolution_bwd_weights) crashes the process with one
+        # thread on AMD EPYC (seen 2026-11-23). The preset is for GPUs; on CPU it only has to run correctly.
+        with torch.backends.mkldnn.flags(enabled=not (self.channels_last and self.device == "cpu")):
+            i = self.steps_done % len(self.images)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss_fn(self.model(self.images[i]).float(), self.labels[i])
+            loss.backward()  # counted: training FLOPs are forward + backward
+            self.optimizer.step()
+            self.last_loss = float(loss.detach())
+
+    def checkpoint(self) -> bytes | None:
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        state: dict[str, Any] = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                                 "steps": self.steps_done}
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    def restore(self, state: bytes) -> None:
+        import io
+
+        import torch
+
+        d = torch.load(io.BytesIO(state), weights_only=True)
+        self.model.load_state_dict(d["model"])
+        self.optimizer.load_state_dict(d["optimizer"])
+        self.steps_done = int(d["steps"])
+
+
+def _small_cnn(w: int, classes: int) -> Any:
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(3, w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 16x16
+        nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4),  # 4x4
+        nn.Flatten(), nn.Linear(2 * w * 16, classes),
+    )
+
+
+def _resnet18(w: int, classes: int) -> Any:
+    """ResNet-18 for 32x32 inputs (a 3x3 stem, no max-pool), as in the usual CIFAR variants."""
+    import torch
+    from torch import nn
+
+    class BasicBlock(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.short = nn.Sequential()
+            if stride != 1 or cin != cout:
+                self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(y)) + self.short(x))
+
+    layers: list[nn.Module] = [nn.Conv2d(3, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU()]
+    cin = w
+    for i, cout in enumerate((w, 2 * w, 4 * w, 8 * w)):
+        for j in range(2):
+            layers.append(BasicBlock(cin, cout, 2 if (i > 0 and j == 0) else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)

@@ -1,0 +1,786 @@
+"""The training-side hook: time a DeepSpeed ``PipelineEngine``'s instructions, profile each stage's bubble
+cycle, and signal every bubble to the node's listeners (the agent and armed fill jobs).
+
+``instrument(engine)`` wraps one engine instance, never DeepSpeed's classes or files: a copy of
+``engine._INSTRUCTION_MAP`` with timed handlers, plus instance attributes shadowing ``_exec_schedule``,
+``_aggregate_total_loss``, ``train_batch`` and ``eval_batch``. ``Instrumentation.detach()`` removes them.
+
+Per instruction the hook takes two ``time.monotonic_ns()`` stamps and appends one tuple; everything
+else (which positions are bubbles, their predicted lengths, the encoded datagrams' shapes) is decided
+once per iteration or once per profile. Candidate bubbles are the waits that really block a stage:
+``RecvActivation``, ``RecvGrad`` and the end-of-batch loss broadcast (reported as ``LossBroadcast`` at
+position ``len(instruction stream)``). Sends are not signalled (see docs/design.md).
+
+Fail open: listeners are reached with a non-blocking ``sendto`` on a datagram socket; a missing or
+dead listener is dropped, a full one loses that datagram. Any exception in the hook's own bookkeeping
+is logged once and switches signalling off; exceptions raised by DeepSpeed's handlers propagate
+unchanged. The hook never touches tensors, so the training's losses are bit-identical with and without it.
+
+On GPUs (``timing="cuda"``, chosen by ``"auto"`` when the engine's device is a CUDA device) host
+timestamps do not see the waits: with NCCL a ``recv`` returns to the host before the data arrives. There
+each candidate wait is bracketed by device events, and a helper thread (``bubbles.gpu_timing``) signals
+the bubble when the device reaches it and measures its length as the device saw it. The training's thread
+only records the events. On CPU (gloo) the host blocks in the wait, and host time is what is measured.
+
+The classification of waits into bubble kinds and the aggregation of profiled samples are pure
+functions over instruction streams (``candidate_slots``, ``build_cycle``), tested directly on the
+streams of DeepSpeed's real schedule classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
+from bubbles.gpu_timing import DeviceEvent, EventTimer, cuda_event_factory
+from bubbles.probes import MemoryProbe, default_probe
+
+from bubbles import paths, wire
+
+log = logging.getLogger("bubbles.hook")
+
+LOSS_BROADCAST = "LossBroadcast"
+WAIT_INSTRUCTIONS = frozenset({"RecvActivation", "RecvGrad"})
+TRACE_ITERATIONS = 256  # iterations of per-instruction trace kept when trace=True (a ring)
+TIMINGS = ("auto", "host", "cuda")
+_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.EPROTOTYPE,
+                          errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR})
+_FULL_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
+_NO_SIGNALS: dict[int, tuple[int, int]] = {}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pure part: instruction streams -> candidate slots -> bubble cycle
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A wait in a stage's instruction stream that may be a bubble."""
+
+    position: int  # index in the iteration's instruction stream; LossBroadcast: len(stream)
+    instruction: str
+    kind: str  # one of cycle.BUBBLE_KINDS
+
+
+def instruction_stream(schedule: Iterable[Iterable[Any]]) -> list[str]:
+    """The flat list of instruction class names a ``PipeSchedule`` makes a stage execute, in order."""
+    return [type(cmd).__name__ for step in schedule for cmd in step]
+
+
+def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True) -> list[Candidate]:
+    """Classify every wait of one iteration's instruction stream.
+
+    - fill: before the stage's first ForwardPass (waiting for the first activation);
+    - fwd-bwd: the last RecvGrad before the stage's first BackwardPass (end of 1F1B warm-up);
+    - drain: after the stage's last ForwardPass or last BackwardPass (waiting for the remaining
+      gradients), and the end-of-batch loss broadcast;
+    - steady: every other wait.
+    """
+    def first(name: str) -> int | None:
+        return next((i for i, n in enumerate(stream) if n == name), None)
+
+    def last(name: str) -> int | None:
+        return next((i for i in range(len(stream) - 1, -1, -1) if stream[i] == name), None)
+
+    first_fwd, last_fwd = first("ForwardPass"), last("ForwardPass")
+    first_bwd, last_bwd = first("BackwardPass"), last("BackwardPass")
+    fwd_bwd = None
+    if first_bwd is not None:
+        fwd_bwd = next((i for i in range(first_bwd - 1, -1, -1) if stream[i] == "RecvGrad"), None)
+    out = []
+    for i, name in enumerate(stream):
+        if name not in WAIT_INSTRUCTIONS:
+            continue
+        if i == fwd_bwd:
+            kind = "fwd-bwd"
+        elif first_fwd is not None and i < first_fwd:
+            kind = "fill"
+        elif (last_fwd is not None and i > last_fwd) or (last_bwd is not None and i > last_bwd):
+            kind = "drain"
+        else:
+            kind = "steady"
+        out.append(Candidate(i, name, kind))
+    if loss_broadcast:
+        out.append(Candidate(len(stream), LOSS_BROADCAST, "drain"))
+    return out
+
+
+def build_cycle(*, training: str, stage: int, stages: int, microbatches: int, schedule: str,
+                candidates: Sequence[Candidate], durations_s: Sequence[Sequence[float]],
+                free_bytes: Sequence[int], iteration_s: Sequence[float], min_bubble_s: float,
+                allocated_bytes: Sequence[int] | None = None) -> BubbleCycle:
+    """Aggregate profiled iterations into a cycle.
+
+    ``durations_s[k][j]`` is the measured length of ``candidates[j]`` in profiled iteration ``k``;
+    ``free_bytes[j]`` the lowest free memory seen at candidate ``j`` and ``allocated_bytes[j]`` the most
+    the training held there. A candidate whose median is at least ``min_bubble_s`` becomes a bubble;
+    slots are numbered in schedule order.
+    """
+    if not durations_s or not iteration_s:
+        raise ValueError("no profiled iterations")
+    if allocated_bytes is None:
+        allocated_bytes = [0] * len(candidates)
+    if (any(len(row) != len(candidates) for row in durations_s) or len(free_bytes) != len(candidates)
+            or len(allocated_bytes) != len(candidates)):
+        raise ValueError("durations and memory readings must have one entry per candidate")
+    slots: list[BubbleSlot] = []
+    wait_s = 0.0
+    for j, cand in enumerate(candidates):
+        med, p10, p90 = robust_stats([row[j] for row in durations_s])
+        wait_s += med
+        if med >= min_bubble_s:
+            slots.append(BubbleSlot(slot=len(slots), position=cand.position, instruction=cand.instruction,
+                                    kind=cand.kind, duration_s=med, p10_s=p10, p90_s=p90,
+                                    free_bytes=max(0, int(free_bytes[j])),
+                                    allocated_bytes=max(0, int(allocated_bytes[j]))))
+    return BubbleCycle(training=training, stage=stage, stages=stages, microbatches=microbatches,
+                       schedule=schedule, iteration_s=robust_stats(iteration_s)[0], slots=tuple(slots),
+                       samples=len(durations_s), wait_s=wait_s)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Edge part: listeners (non-blocking datagrams to every *.sock of the stage directory)
+
+
+class Listeners:
+    """The ``*.sock`` endpoints of one stage directory; ``send`` never blocks and never raises OSError."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        # With device timing the event thread sends BUBBLE_START/END while the training's thread sends the
+        # rest; uncontended, the lock costs a fraction of a microsecond.
+        self._lock = threading.Lock()
+        self._mtime: tuple[int, int] | None = None
+        self._targets: tuple[str, ...] = ()
+        # path -> identity (inode, ctime) of a dropped listener's file, so a dead listener's leftover
+        # socket file is not taken back on every re-listing while a re-bound one is
+        self._gone: dict[str, tuple[int, int]] = {}
+        self.sent = 0
+        self.dropped = 0  # datagrams lost to a full queue
+        self.removed = 0  # listeners dropped as gone
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self._targets
+
+    def refresh(self) -> list[str]:
+        """Re-list the directory if its mtime changed; return listeners that appeared since last time."""
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> list[str]:
+        try:
+            st = os.stat(self.directory)
+        except OSError:
+            self._mtime = None
+            return []
+        stamp = (st.st_mtime_ns, st.st_ino)
+        if stamp == self._mtime:
+            return []
+        self._mtime = stamp
+        found: dict[str, tuple[int, int]] = {}
+        try:
+            with os.scandir(self.directory) as it:
+                for entry in it:
+                    if entry.name.endswith(paths.SOCKET_SUFFIX):
+                        est = entry.stat(follow_symlinks=False)
+                        found[entry.path] = (est.st_ino, est.st_ctime_ns)
+        except OSError:
+            return []
+        self._gone = {p: ino for p, ino in self._gone.items() if found.get(p) == ino}
+        known = set(self._targets)
+        new = sorted(p for p in found if p not in known and p not in self._gone)
+        # Fill jobs first: they start work on a BUBBLE_START, while the agent only keeps accounts and its
+        # watchdog; the agent's sendto must not delay the fill job's wake-up.
+        self._targets = tuple(sorted((p for p in (*self._targets, *new) if p in found),
+                                     key=lambda p: os.path.basename(p) == paths.AGENT_SOCKET_NAME))
+        return new
+
+    def send(self, data: bytes, targets: Sequence[str] | None = None) -> None:
+        with self._lock:
+            for path in self._targets if targets is None else targets:
+                try:
+                    self._sock.sendto(data, path)
+                    self.sent += 1
+                except OSError as exc:
+                    if exc.errno in _FULL_ERRNOS:
+                        self.dropped += 1
+                    else:  # gone (ENOENT, ECONNREFUSED) or not ours to write to: stop trying
+                        self._drop(path)
+
+    def _drop(self, path: str) -> None:
+        if path not in self._targets:
+            return
+        self._targets = tuple(p for p in self._targets if p != path)
+        self.removed += 1
+        with contextlib.suppress(OSError):
+            st = os.stat(path, follow_symlinks=False)
+            self._gone[path] = (st.st_ino, st.st_ctime_ns)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close()
+            self._targets = ()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The instrumentation of one engine
+
+
+class _ScheduleProfile:
+    """Per (schedule class, micro-batches): the profiling window, then the cycle and the signal map."""
+
+    def __init__(self, name: str, microbatches: int) -> None:
+        self.name = name
+        self.microbatches = microbatches
+        self.seen = 0
+        self.stream: tuple[str, ...] | None = None
+        self.candidates: list[Candidate] = []
+        self.durations: list[list[float]] = []
+        self.iter_s: list[float] = []
+        self.free: dict[int, int] = {}  # position -> min free bytes sampled there
+        self.allocated: dict[int, int] = {}  # position -> max bytes the training held there
+        self.cycle: BubbleCycle | None = None
+        self.signal_map: dict[int, tuple[int, int]] = {}  # position -> (slot, median_ns)
+
+
+class _Hot:
+    """State the per-instruction wrappers read: kept in one small object so lookups stay cheap."""
+
+    __slots__ = ("records", "sampling", "signal_map")
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, int, int]] = []  # (instruction code, start_ns, end_ns)
+        self.signal_map: dict[int, tuple[int, int]] = _NO_SIGNALS
+        self.sampling = False
+
+
+_ENGINE_ATTRS = ("_INSTRUCTION_MAP", "_exec_schedule", "_aggregate_total_loss", "train_batch", "eval_batch")
+_MARK = "_bubbles_instrumentation"
+
+
+class Instrumentation:
+    """What ``instrument`` returns: the profiled cycles, timings, statistics and ``detach()``."""
+
+    def __init__(self, engine: Any, *, training: str, run_dir: Path, memory_probe: MemoryProbe,
+                 warmup_iterations: int, profile_iterations: int, min_bubble_s: float, trace: bool,
+                 timing: str = "host", event_factory: Callable[[], DeviceEvent] | None = None) -> None:
+        if warmup_iterations < 0 or profile_iterations < 1:
+            raise ValueError("warmup_iterations must be >= 0 and profile_iterations >= 1")
+        if min_bubble_s < 0:
+            raise ValueError(f"min_bubble_s must be >= 0, got {min_bubble_s}")
+        if timing not in ("host", "cuda"):
+            raise ValueError(f"timing must be 'host' or 'cuda' here, got {timing!r}")
+        self.engine = engine
+        self.training = training
+        self.stage = int(engine.stage_id)
+        self.stages = int(engine.num_stages)
+        self.microbatches = int(engine.micro_batches)
+        self.run_dir = Path(run_dir)
+        self.stage_dir = paths.stage_dir(self.run_dir, training, self.stage)
+        self.memory_probe = memory_probe
+        self.warmup_iterations = warmup_iterations
+        self.profile_iterations = profile_iterations
+        self.min_bubble_s = min_bubble_s
+        self.trace = trace
+        self.iteration_times_s: list[float] = []
+        self.cycles: dict[str, BubbleCycle] = {}
+        self.fill_mode: wire.FillMode | None = None
+        self._profiles: dict[tuple[str, int], _ScheduleProfile] = {}
+        self._current: _ScheduleProfile | None = None
+        self._hot = _Hot()
+        self._names: list[str] = []
+        self._codes: dict[str, int] = {}
+        self._wait_codes: set[int] = set()
+        self._lb_code = self._code(LOSS_BROADCAST)
+        self._iteration = 0
+        self._seq = 0
+        self._disabled = False
+        self._warned: set[str] = set()
+        self._in_eval = False
+        self._eval_tail: tuple[int, int, tuple[int, int] | None] | None = None
+        self._trace_ring: deque[tuple[int, list[tuple[int, int, int]], dict[int, tuple[int, int]]]] = \
+            deque(maxlen=TRACE_ITERATIONS)
+        self._listeners = Listeners(self.stage_dir)
+        self._profile_lock = threading.Lock()  # _add_sample runs on the event thread with device timing
+        self.timing = timing
+        self._timer: EventTimer | None = None
+        if timing == "cuda":
+            self._timer = EventTimer(event_factory or cuda_event_factory(), on_start=self._send_bubble_start,
+                                     on_end=self._bubble_end, on_iteration=self._on_device_iteration,
+                                     on_error=self._fail)
+        self._saved: dict[str, Any] = {}
+        self._attached = False
+        self._attach()
+
+    # -- public ----------------------------------------------------------------------------------------
+
+    @property
+    def cycle(self) -> BubbleCycle | None:
+        """The TrainSchedule cycle, or None while it is being profiled."""
+        return self.cycles.get("TrainSchedule")
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {
+            "signals_sent": self._listeners.sent,
+            "signals_dropped": self._listeners.dropped,
+            "listeners": len(self._listeners.targets),
+            "listeners_removed": self._listeners.removed,
+            "bubbles_signalled": self._seq,
+            "iterations": self._iteration,
+            "disabled": self._disabled,
+            "timing": self.timing,
+            "device_waits_timed": self._timer.resolved if self._timer else 0,
+            "device_waits_untimed": self._timer.overflowed if self._timer else 0,
+        }
+
+    def set_fill_mode(self, mode: wire.FillMode) -> None:
+        """Tell every listener to switch fill mode (the demo's A/B switch); never raises into training."""
+        mode = wire.FillMode(mode)
+        self.fill_mode = mode
+        if self._disabled:
+            return
+        try:
+            self._refresh_listeners()
+            self._listeners.send(wire.encode_fill_mode(self.stage, mode))
+        except Exception as exc:
+            self._fail(exc)
+
+    def trace_events(self) -> list[tuple[int, str, int, int, int]]:
+        """(iteration, instruction, start_ns, end_ns, slot or -1) of the last traced iterations."""
+        if not self.trace:
+            raise RuntimeError("trace_events() needs instrument(..., trace=True)")
+        names = self._names
+        out = []
+        for it, records, smap in self._trace_ring:
+            for pos, (code, t0, t1) in enumerate(records):
+                sig = smap.get(pos)
+                out.append((it, names[code], t0, t1, sig[0] if sig is not None else -1))
+        return out
+
+    def detach(self) -> None:
+        """Restore the engine exactly as it was and close the socket. Safe to call twice."""
+        if not self._attached:
+            return
+        d = self.engine.__dict__
+        for attr in (*_ENGINE_ATTRS, _MARK):
+            if attr in self._saved:
+                d[attr] = self._saved[attr]
+            else:
+                d.pop(attr, None)
+        self._attached = False
+        if self._timer is not None:
+            self._timer.close()
+        self._listeners.close()
+
+    # -- wiring ----------------------------------------------------------------------------------------
+
+    def _code(self, name: str) -> int:
+        code = self._codes.get(name)
+        if code is None:
+            code = self._codes[name] = len(self._names)
+            self._names.append(name)
+        return code
+
+    def _attach(self) -> None:
+        engine = self.engine
+        d = engine.__dict__
+        if d.get(_MARK) is not None:
+            raise RuntimeError("this engine is already instrumented; detach() the first Instrumentation")
+        for attr in (*_ENGINE_ATTRS, _MARK):
+            if attr in d:
+                self._saved[attr] = d[attr]
+        timed_map = {}
+        for cls, fn in engine._INSTRUCTION_MAP.items():
+            code = self._code(cls.__name__)
+            if cls.__name__ in WAIT_INSTRUCTIONS:
+                self._wait_codes.add(code)
+                timed_map[cls] = self._wait_wrapper(fn, code)
+            else:
+                timed_map[cls] = self._timed(fn, code)
+        orig_exec = engine._exec_schedule
+        orig_agg = engine._aggregate_total_loss
+        orig_train = engine.train_batch
+        orig_eval = engine.eval_batch
+
+        def _exec_schedule(pipe_schedule: Any) -> Any:
+            self._begin_schedule(pipe_schedule)
+            result = orig_exec(pipe_schedule)
+            if self._in_eval:
+                self._open_eval_tail()
+            return result
+
+        def train_batch(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.monotonic_ns()
+            result = orig_train(*args, **kwargs)
+            self._end_iteration(t0, time.monotonic_ns())
+            return result
+
+        def eval_batch(*args: Any, **kwargs: Any) -> Any:
+            self._in_eval = True
+            self._eval_tail = None
+            t0 = time.monotonic_ns()
+            try:
+                result = orig_eval(*args, **kwargs)
+            finally:
+                self._in_eval = False
+                self._close_eval_tail()
+            self._end_iteration(t0, time.monotonic_ns())
+            return result
+
+        d["_INSTRUCTION_MAP"] = timed_map
+        d["_exec_schedule"] = _exec_schedule
+        d["_aggregate_total_loss"] = self._wait_wrapper(orig_agg, self._lb_code)
+        d["train_batch"] = train_batch
+        d["eval_batch"] = eval_batch
+        d[_MARK] = self
+        self._attached = True
+        try:
+            self._refresh_listeners()
+        except Exception as exc:
+            self._fail(exc)
+
+    def _timed(self, fn: Callable[..., Any], code: int) -> Callable[..., Any]:
+        """Wrapper for instructions that are never bubbles: two stamps and an append."""
+        hot = self._hot
+        mono = time.monotonic_ns
+
+        def timed(engine: Any, **kwargs: Any) -> Any:
+            t0 = mono()
+            result = fn(engine, **kwargs)
+            hot.records.append((code, t0, mono()))
+            return result
+
+        timed.__name__ = getattr(fn, "__name__", "timed")
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        return timed
+
+    def _wait_wrapper(self, fn: Callable[..., Any], code: int) -> Callable[..., Any]:
+        if self._timer is not None:
+            return self._device_timed_wait_call(fn, code, self._timer)
+        return self._timed_wait_call(fn, code)
+
+    def _device_timed_wait_call(self, fn: Callable[..., Any], code: int, timer: EventTimer
+                                ) -> Callable[..., Any]:
+        """Device timing: events around the wait; the event thread signals and measures it.
+
+        Waits that are neither signalled nor profiled get only the host stamps, like any instruction.
+        """
+        hot = self._hot
+        mono = time.monotonic_ns
+
+        def wait(*args: Any, **kwargs: Any) -> Any:
+            records = hot.records
+            pos = len(records)
+            sig = hot.signal_map.get(pos)
+            if sig is None and not hot.sampling:
+                t0 = mono()
+                result = fn(*args, **kwargs)
+                records.append((code, t0, mono()))
+                return result
+            seq = 0
+            if sig is not None:
+                self._seq += 1
+                seq = self._seq
+            start = timer.begin(pos, sig, seq)
+            t0 = mono()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                records.append((code, t0, mono()))
+                if start is not None:
+                    timer.end(pos, start, sig, seq)
+            if hot.sampling:
+                self._sample_memory(pos)
+            return result
+
+        return wait
+
+    def _timed_wait_call(self, fn: Callable[..., Any], code: int) -> Callable[..., Any]:
+        """Time a candidate wait; signal it when it is a profiled bubble and listeners exist.
+
+        Used for RecvActivation/RecvGrad handlers (called with the engine as first argument) and for the
+        bound ``_aggregate_total_loss``.
+        """
+        hot = self._hot
+        mono = time.monotonic_ns
+
+        def wait(*args: Any, **kwargs: Any) -> Any:
+            records = hot.records
+            pos = len(records)
+            sig = hot.signal_map.get(pos)
+            if sig is None:
+                t0 = mono()
+                result = fn(*args, **kwargs)
+                records.append((code, t0, mono()))
+                if hot.sampling:
+                    self._sample_memory(pos)
+                return result
+            t0 = mono()
+            seq = self._bubble_start(sig, t0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = mono()
+                records.append((code, t0, t1))
+                self._bubble_end(sig, seq, t1)
+
+        return wait
+
+    # -- per iteration (off the per-instruction path) --------------------------------------------------
+
+    def _begin_schedule(self, pipe_schedule: Any) -> None:
+        hot = self._hot
+        hot.records.clear()
+        hot.signal_map = _NO_SIGNALS
+        hot.sampling = False
+        if self._disabled:
+            self._current = None
+            return
+        try:
+            name = type(pipe_schedule).__name__
+            mb = int(getattr(pipe_schedule, "micro_batches", self.microbatches))
+            prof = self._profiles.get((name, mb))
+            if prof is None:
+                prof = self._profiles[(name, mb)] = _ScheduleProfile(name, mb)
+            self._current = prof
+            if prof.cycle is None:
+                hot.sampling = prof.seen >= self.warmup_iterations
+            elif self._listeners.targets:
+                hot.signal_map = prof.signal_map
+        except Exception as exc:
+            self._fail(exc)
+
+    def _open_eval_tail(self) -> None:
+        """eval_batch's end-of-batch wait (output reduction and loss broadcast) starts now."""
+        hot = self._hot
+        pos = len(hot.records)
+        sig = hot.signal_map.get(pos)
+        t0 = time.monotonic_ns()
+        seq = self._bubble_start(sig, t0) if sig is not None else 0
+        self._eval_tail = (t0, seq, sig)
+
+    def _close_eval_tail(self) -> None:
+        tail, self._eval_tail = self._eval_tail, None
+        if tail is None:
+            return
+        t0, seq, sig = tail
+        t1 = time.monotonic_ns()
+        hot = self._hot
+        pos = len(hot.records)
+        hot.records.append((self._lb_code, t0, t1))
+        if sig is not None:
+            self._bubble_end(sig, seq, t1)
+        elif hot.sampling:
+            self._sample_memory(pos)
+
+    def _sample_memory(self, pos: int) -> None:
+        prof = self._current
+        if prof is None:
+            return
+        try:
+            sample = self.memory_probe.sample()
+            free, allocated = int(sample.free_bytes), int(sample.allocated_bytes)
+        except Exception as exc:  # a broken probe means "unknown", not a broken training
+            self._warn_once("probe", f"memory probe {self.memory_probe!r} failed ({exc!r}); using 0 bytes")
+            free, allocated = 0, 0
+        old = prof.free.get(pos)
+        prof.free[pos] = free if old is None else min(old, free)
+        prof.allocated[pos] = max(allocated, prof.allocated.get(pos, 0))
+
+    def _bubble_start(self, sig: tuple[int, int], t0: int) -> int:
+        self._seq += 1
+        seq = self._seq
+        self._send_bubble_start(sig, seq, t0)
+        return seq
+
+    def _send_bubble_start(self, sig: tuple[int, int], seq: int, t0: int) -> None:
+        if self._disabled:
+            return
+        try:
+            self._listeners.send(wire.encode_bubble_start(self.stage, sig[0], seq, t0, t0 + sig[1]))
+        except Exception as exc:
+            self._fail(exc)
+
+    def _bubble_end(self, sig: tuple[int, int], seq: int, t1: int) -> None:
+        if self._disabled:
+            return
+        try:
+            self._listeners.send(wire.encode_bubble_end(self.stage, sig[0], seq, t1))
+        except Exception as exc:
+            self._fail(exc)
+
+    def _end_iteration(self, t0: int, t1: int) -> None:
+        it = self._iteration
+        self._iteration += 1
+        self.iteration_times_s.append((t1 - t0) / 1e9)
+        prof, self._current = self._current, None
+        hot = self._hot
+        hot.signal_map = _NO_SIGNALS
+        if self._disabled or prof is None:
+            return
+        try:
+            records = hot.records
+            if self.trace:
+                self._trace_ring.append((it, list(records), prof.signal_map if prof.cycle else {}))
+            prof.seen += 1
+            if prof.cycle is None:
+                if prof.seen > self.warmup_iterations:
+                    if self._timer is not None:  # the waits' device-side lengths are not known yet
+                        self._timer.iteration((prof, list(records), (t1 - t0) / 1e9))
+                    else:
+                        self._add_sample(prof, records, (t1 - t0) / 1e9)
+            else:
+                self._listeners.send(wire.encode_iteration(self.stage, it, t0, t1 - t0))
+            new = self._refresh_listeners()
+            if new:
+                self._greet(new)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _on_device_iteration(self, payload: tuple[_ScheduleProfile, list[tuple[int, int, int]], float],
+                             lengths_ns: dict[int, int]) -> None:
+        """Event thread: every wait of a profiled iteration has been measured on the device."""
+        if self._disabled:
+            return
+        prof, records, iteration_s = payload
+        try:
+            self._add_sample(prof, records, iteration_s, lengths_ns)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _add_sample(self, prof: _ScheduleProfile, records: Sequence[tuple[int, int, int]],
+                    iteration_s: float, device_lengths_ns: dict[int, int] | None = None) -> None:
+        """One profiled iteration; ``device_lengths_ns`` (position -> ns) overrides the host stamps."""
+        with self._profile_lock:
+            if prof.cycle is None:  # with device timing, samples queued before the cycle was built
+                self._add_sample_locked(prof, records, iteration_s, device_lengths_ns or {})
+
+    def _add_sample_locked(self, prof: _ScheduleProfile, records: Sequence[tuple[int, int, int]],
+                           iteration_s: float, device_lengths_ns: dict[int, int]) -> None:
+        names = self._names
+        lb = self._lb_code
+        stream = tuple(names[c] for c, _, _ in records if c != lb)
+        has_lb = any(c == lb for c, _, _ in records)
+        if stream != prof.stream:  # first sample, or the schedule changed shape: start over
+            prof.stream = stream
+            prof.candidates = candidate_slots(stream, loss_broadcast=has_lb)
+            prof.durations, prof.iter_s, prof.free, prof.allocated = [], [], {}, {}
+            if len(records) != len(stream) + has_lb:
+                raise RuntimeError("loss broadcast recorded twice in one iteration")
+        prof.durations.append([device_lengths_ns.get(c.position, records[c.position][2] - records[c.position][1])
+                               / 1e9 for c in prof.candidates])
+        prof.iter_s.append(iteration_s)
+        if len(prof.durations) < self.profile_iterations:
+            return
+        cycle = build_cycle(training=self.training, stage=self.stage, stages=self.stages,
+                            microbatches=prof.microbatches, schedule=prof.name, candidates=prof.candidates,
+                            durations_s=prof.durations,
+                            free_bytes=[prof.free.get(c.position, 0) for c in prof.candidates],
+                            allocated_bytes=[prof.allocated.get(c.position, 0) for c in prof.candidates],
+                            iteration_s=prof.iter_s, min_bubble_s=self.min_bubble_s)
+        prof.cycle = cycle
+        # The predicted end is the slot's 10th-percentile length, not its median: a fill step must end
+        # before the training needs the core/GPU again, and a median is overrun by half of all bubbles.
+        prof.signal_map = {s.position: (s.slot, int(min(s.p10_s, s.duration_s) * 1e9)) for s in cycle.slots}
+        self.cycles[prof.name] = cycle
+        log.info("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms", self.stage, prof.name,
+                 len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s)
+        self._refresh_listeners()
+        self._send_profile(cycle)
+
+    def _refresh_listeners(self) -> list[str]:
+        return self._listeners.refresh()
+
+    def _greet(self, new: Sequence[str]) -> None:
+        """A listener appeared: tell it the cycles (the one in use last) and the current fill mode."""
+        current = self._profiles_in_use_last()
+        for cycle in current:
+            self._send_profile(cycle, new)
+        if self.fill_mode is not None:
+            self._listeners.send(wire.encode_fill_mode(self.stage, self.fill_mode), new)
+
+    def _profiles_in_use_last(self) -> list[BubbleCycle]:
+        cycles = list(self.cycles.values())
+        train = self.cycles.get("TrainSchedule")
+        if train is not None:  # the training's cycle is the one a listener should end up holding
+            cycles = [c for c in cycles if c is not train] + [train]
+        return cycles
+
+    def _send_profile(self, cycle: BubbleCycle, targets: Sequence[str] | None = None) -> None:
+        try:
+            data = wire.encode_profile(self.stage, cycle.to_dict())
+        except wire.WireError as exc:
+            self._warn_once("profile", f"stage {self.stage}: bubble profile not sent: {exc}")
+            return
+        self._listeners.send(data, targets)
+
+    # -- failure -----------------------------------------------------------------------------------------
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The hook's own bug or environment problem: stop signalling, keep the training going."""
+        self._disabled = True
+        self._hot.signal_map = _NO_SIGNALS
+        self._hot.sampling = False
+        self._warn_once("fail", f"bubbles hook disabled on stage {self.stage} after an internal error "
+                                f"({exc!r}); training continues without bubble signals")
+
+
+def resolve_timing(timing: str, engine: Any) -> str:
+    """``"auto"``: device events when the engine computes on a CUDA device, host stamps otherwise."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+    if timing != "auto":
+        return timing
+    device = getattr(engine, "device", None)
+    return "cuda" if getattr(device, "type", str(device or "")).startswith("cuda") else "host"
+
+
+def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str | None = None,
+               memory_probe: MemoryProbe | None = None, warmup_iterations: int = 2,
+               profile_iterations: int = 5, min_bubble_s: float = 0.0005, trace: bool = False,
+               timing: str = "auto", event_factory: Callable[[], DeviceEvent] | None = None
+               ) -> Instrumentation:
+    """Hook one DeepSpeed ``PipelineEngine`` (see the module docstring); undo with ``detach()``.
+
+    ``timing``: ``"host"`` (CPU/gloo: the host blocks in each wait), ``"cuda"`` (device events around the
+    waits, read on a helper thread) or ``"auto"`` (``"cuda"`` when ``engine.device`` is a CUDA device).
+    ``event_factory`` replaces ``torch.cuda.Event`` (tests; other devices with the same interface).
+    """
+    if memory_probe is None:
+        try:
+            memory_probe = default_probe()
+        except Exception as exc:
+            log.warning("no memory probe (%s); bubbles report 0 free bytes", exc)
+            memory_probe = MemoryProbe()
+    return Instrumentation(
+        engine,
+        training=paths.check_name("training", training if training is not None else paths.default_training()),
+        run_dir=Path(run_dir) if run_dir is not None else paths.default_run_dir(),
+        memory_probe=memory_probe,
+        warmup_iterations=warmup_iterations,
+        profile_iterations=profile_iterations,
+        min_bubble_s=min_bubble_s,
+        trace=trace,
+        timing=resolve_timing(timing, engine),
+        event_factory=event_factory,
+    )

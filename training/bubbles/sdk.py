@@ -1,0 +1,610 @@
+"""What fill jobs import: the two programming interfaces and the runtime that gates them by bubbles.
+
+Write a fill job as an ``IterativeFillJob`` (preferred, and the only safe choice on a GPU: the runtime
+starts a step only when it can finish inside the bubble, FreeRide's program-directed limit, and waits
+for the step's queued GPU work before counting it done) or an ``ImperativeFillJob`` (any code; the agent
+pauses the whole process with SIGSTOP at bubble end and resumes it with SIGCONT at bubble start, so
+kernels already queued on a GPU still overlap the training).
+
+The agent runs a fill job as ``python -m bubbles.sdk --entry module:Class [--args JSON]`` with its
+end of a socketpair in ``$BUBBLES_CONTROL_FD`` (protocol: ``bubbles.control``). While armed in
+harvest mode the runtime binds ``fill-<job>.sock`` in the stage directory, so the training's hook
+sends each BUBBLE_START/BUBBLE_END straight to it (one hop), and unlinks it when disarmed.
+
+Depends only on the pure core; torch is imported lazily (and only if installed) to pin the fill
+process to one thread, to cap CUDA memory and to wait for queued GPU work. Those CUDA calls go through
+a ``torch.cuda``-like object that tests replace (``apply_process_limits(cuda=...)``, ``DeviceSync``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bubbles.control import cuda_device_index
+from bubbles.cycle import robust_stats
+
+from bubbles import control, wire
+
+INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
+INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
+PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
+_NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
+_NAIVE_FLUSH_NS = 20_000_000
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: its floating-point operations and the samples it processed."""
+
+    flops: float = 0.0
+    samples: int = 0
+
+
+class IterativeFillJob:
+    """A fill job made of short steps; the runtime runs ``step()`` only where it fits in a bubble.
+
+    Life cycle: ``create()`` when the process starts (data and model in host memory), ``init()``
+    once the agent says so (move to the accelerator), then ``step()`` repeatedly inside bubbles
+    until ``is_finished()``. ``checkpoint()``/``restore()`` are optional.
+    """
+
+    def create(self) -> None:
+        """Load the context into host memory."""
+
+    def init(self) -> None:
+        """Move the context to the accelerator."""
+
+    def step(self) -> StepResult | float | None:
+        """Run one step; return a StepResult, or a float (its FLOPs), or None."""
+        raise NotImplementedError
+
+    def is_finished(self) -> bool:
+        return False
+
+    def checkpoint(self) -> bytes | None:
+        return None
+
+    def restore(self, state: bytes) -> None:
+        """Restore from ``checkpoint()``'s bytes."""
+
+
+class ImperativeFillJob:
+    """A fill job that is arbitrary code; the agent pauses it from outside (SIGSTOP/SIGCONT).
+
+    The agent sends SIGCONT at each BUBBLE_START and SIGSTOP at each BUBBLE_END (harvest mode),
+    leaves it running in naive mode and stopped in off mode. Nothing in ``run()`` needs to cooperate,
+    which is why it costs the training more than an iterative job: the process is stopped only after
+    the bubble has ended.
+
+    On a GPU, SIGSTOP does not stop the GPU: it stops the host thread that launches kernels, and every
+    kernel that thread already queued (a CUDA launch returns long before the kernel finishes; the queue
+    can hold many milliseconds of work) runs on after the bubble has ended, competing with the training.
+    Nothing outside the process can drain or cancel that queue. Use an ``IterativeFillJob`` on GPUs: its
+    runtime starts a step only if it fits the bubble and waits for the step's GPU work inside the step.
+    """
+
+    def create(self) -> None:
+        """Load the context into host memory (runs before the first SIGSTOP)."""
+
+    def init(self) -> None:
+        """Move the context to the accelerator."""
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+def load_entry(entry: str) -> type:
+    """Import ``module:Class``; raise ValueError saying what is wrong."""
+    module_name, sep, attr = entry.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"entry {entry!r} must look like 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"entry {entry!r}: cannot import {module_name!r}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"entry {entry!r}: {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, type) or not issubclass(obj, IterativeFillJob | ImperativeFillJob):
+        raise ValueError(f"entry {entry!r} is not a subclass of IterativeFillJob or ImperativeFillJob")
+    return obj
+
+
+def assigned_device() -> str:
+    """The device the agent gave this fill process: ``"cpu"`` or ``"cuda:N"`` (``$BUBBLES_DEVICE``).
+
+    Fill jobs move their model here in ``init()``. A CPU executor's device is ``"cpu:K"`` (core K stands in
+    for a stage's accelerator); torch only knows ``"cpu"``, so the core index is dropped.
+    """
+    device = os.environ.get(control.DEVICE_ENV, "cpu").strip() or "cpu"
+    return "cpu" if device.startswith("cpu") else device
+
+
+
+
+def _cuda_module(cuda: Any, device: str, index: int) -> Any:
+    """``cuda`` if given, else the real ``torch.cuda``, checked to work and to have device ``index``:
+    a RuntimeError saying what to do otherwise."""
+    if cuda is None:
+        try:
+            import torch
+        except ImportError:
+            raise RuntimeError(f"device {device!r} needs torch with CUDA in the fill process; "
+                               "install it, or run the job on a CPU executor") from None
+        cuda = torch.cuda
+    if not cuda.is_available():
+        raise RuntimeError(f"device {device!r} was assigned, but CUDA is not available in this fill process "
+                           "(a CPU build of torch, or no GPU visible: check CUDA_VISIBLE_DEVICES)")
+    count = int(cuda.device_count())
+    if index >= count:
+        raise RuntimeError(f"device {device!r} does not exist: this fill process sees {count} CUDA device(s) "
+                           "(check CUDA_VISIBLE_DEVICES and the agent's --devices)")
+    return cuda
+
+
+class DeviceSync:
+    """Waits until the fill job's queued device work has finished. The base is for CPUs: a step's work
+    is done when ``step()`` returns, so there is nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Return once every operation this process queued on the device has finished."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class CudaDeviceSync(DeviceSync):
+    """``torch.cuda.synchronize(index)``: a CUDA kernel launch returns to the host long before the kernel
+    has run, so without this a step that "returned" may keep the GPU busy after its bubble has ended."""
+
+    def __init__(self, index: int, cuda: Any = None) -> None:
+        self.index = index
+        self._cuda = _cuda_module(cuda, f"cuda:{index}", index)
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize(self.index)
+
+    def __repr__(self) -> str:
+        return f"CudaDeviceSync({self.index})"
+
+
+def device_sync_for(device: str, cuda: Any = None) -> DeviceSync:
+    """The ``DeviceSync`` for an agent device string: a no-op for CPUs, ``CudaDeviceSync`` for ``cuda:N``."""
+    index = cuda_device_index(device)
+    return DeviceSync() if index is None else CudaDeviceSync(index, cuda)
+
+
+def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None) -> float | None:
+    """One thread per fill process; cap the CUDA caching allocator at the agent's memory limit.
+
+    Returns the fraction of the device's memory given to ``set_per_process_memory_fraction``, or None
+    when nothing was capped: a CPU device (host memory has no per-process cap short of cgroups, which the
+    agent does not manage on one machine, and the OS already isolates processes' memory) or no limit
+    (``memory_bytes`` 0 or None). A limit above the device's memory caps at the whole device (1.0) with a
+    warning on stderr. The cap covers the caching allocator only, not the CUDA context (about 0.5 GiB);
+    hard limits are the isolation's job (MPS, see docs/gpu.md). ``cuda`` replaces ``torch.cuda`` in tests.
+    """
+    index = cuda_device_index(device)
+    if memory_bytes is not None and (not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool)
+                                     or memory_bytes < 0):
+        raise ValueError(f"memory limit must be an int number of bytes >= 0, got {memory_bytes!r}; "
+                         f"check ${control.MEMORY_ENV} or the fill job's spec.memory")
+    with contextlib.suppress(ImportError):
+        import torch
+
+        # A fill job shares its core with a pipeline stage: more threads would only contend for it.
+        torch.set_num_threads(1)
+    if index is None or not memory_bytes:
+        return None
+    cuda = _cuda_module(cuda, device, index)
+    total = int(cuda.get_device_properties(index).total_memory)
+    fraction = memory_bytes / total
+    if fraction > 1.0:
+        print(f"bubbles.sdk: memory limit {memory_bytes} bytes exceeds {device}'s {total} bytes; capping at "
+              "the whole device (fraction 1.0). Lower the fill job's spec.memory to what it needs.",
+              file=sys.stderr)
+        fraction = 1.0
+    cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
+class _Bubble:
+    __slots__ = ("ended", "predicted_end_ns", "seq", "start_ns")
+
+    def __init__(self, seq: int, start_ns: int, predicted_end_ns: int) -> None:
+        self.seq = seq
+        self.start_ns = start_ns
+        self.predicted_end_ns = predicted_end_ns
+        self.ended = False
+
+
+class _Stop(Exception):
+    pass
+
+
+class FillRuntime:
+    """Runs one iterative fill job in this process under the agent's commands (see module doc)."""
+
+    def __init__(self, job: IterativeFillJob, control_sock: socket.socket, *, name: str,
+                 socket_path: str | None, step_s: float | None, max_steps: int | None = None,
+                 device: str = "cpu", memory_bytes: int | None = None,
+                 device_sync: DeviceSync | None = None) -> None:
+        self.job = job
+        self.ctrl = control_sock
+        self.name = name
+        self.socket_path = socket_path
+        self.step_s = step_s
+        self.max_steps = max_steps
+        self.device = device
+        self.memory_bytes = memory_bytes
+        cuda_device_index(device)  # a bad device string fails here, before the agent is told CREATED
+        # Every step waits for its device work before it counts as done (see _run_step). Unless injected,
+        # it is made at init, where the job first touches its accelerator and a failure is reported.
+        self.device_sync: DeviceSync | None = device_sync
+        self.mode: str | None = None  # None: disarmed
+        self.share = 1.0
+        self.steps = 0
+        self._lines = control.LineBuffer()
+        self._out: list[bytes] = []
+        self._sig: socket.socket | None = None
+        self._bound_path: str | None = None
+        self._bubble: _Bubble | None = None
+        self._initialized = False
+
+    # -- channel ---------------------------------------------------------------------------------
+    def _emit(self, type_: str, **fields: Any) -> None:
+        self._out.append(control.encode(type_, **fields))
+
+    def _flush(self) -> None:
+        if self._out:
+            data = b"".join(self._out)
+            self._out.clear()
+            self.ctrl.setblocking(True)
+            try:
+                self.ctrl.sendall(data)
+            except OSError:
+                raise _Stop() from None  # the agent is gone
+            finally:
+                self.ctrl.setblocking(False)
+
+    def _poll_control(self) -> None:
+        """Handle every command that has arrived (non-blocking)."""
+        while True:
+            try:
+                data = self.ctrl.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                raise _Stop() from None
+            if not data:
+                raise _Stop()  # the agent closed the channel
+            for line in self._lines.feed(data):
+                try:
+                    cmd = control.parse_command(line)
+                except control.ControlError as exc:
+                    self._emit("error", message=f"rejected command: {exc}")
+                    self._flush()
+                    continue
+                self._handle(cmd)
+
+    def _handle(self, cmd: control.ControlMessage) -> None:
+        if cmd.type == "stop":
+            raise _Stop()
+        if cmd.type == "init":
+            if not self._initialized:
+                apply_process_limits(self.device, self.memory_bytes)
+                if self.device_sync is None:
+                    self.device_sync = device_sync_for(self.device)
+                self.job.init()
+                self._initialized = True
+                if self.step_s is None:
+                    self.step_s = self._profile_step_time()
+            self._emit("state", state="PAUSED")
+            if self.step_s is not None:
+                self._emit("profile", step_s=self.step_s)
+            self._flush()
+            self._check_finished()  # a job that finished while it was being profiled
+        elif cmd.type == "arm":
+            if not self._initialized:
+                self._emit("error", message="arm before init ignored")
+                self._flush()
+                return
+            self.share = float(cmd.get("share", self.share))
+            if cmd.get("socket"):
+                self.socket_path = cmd["socket"]
+            self._disarm()
+            self.mode = cmd["mode"]
+            if self.mode == "harvest":
+                self._bind()
+            else:
+                self._emit("state", state="RUNNING")
+                self._flush()
+        elif cmd.type == "disarm":
+            was_naive = self.mode == "naive"
+            self._disarm()
+            if was_naive:
+                self._emit("state", state="PAUSED")
+                self._flush()
+        elif cmd.type == "share":
+            self.share = float(cmd["share"])
+
+    def _bind(self) -> None:
+        if not self.socket_path:
+            self._emit("error", message="armed in harvest mode without a socket path")
+            self._flush()
+            return
+        path = self.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(path)
+        s.setblocking(False)
+        self._sig = s
+        self._bound_path = path
+        self._bubble = None
+
+    def _disarm(self) -> None:
+        if self._sig is not None:
+            self._sig.close()
+            self._sig = None
+            if self._bound_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._bound_path)
+            self._bound_path = None
+        self.mode = None
+        self._bubble = None
+
+    def _drain_signals(self) -> None:
+        """Read every pending bubble signal; the newest START opens a bubble, its END closes it."""
+        sig = self._sig
+        while sig is not None:
+            try:
+                data = sig.recv(wire.MAX_DATAGRAM_BYTES + 1)
+            except BlockingIOError:
+                return
+            try:
+                msg = wire.decode(data)
+            except wire.WireError:
+                continue  # garbage on our socket: ignore it
+            if isinstance(msg, wire.BubbleStart):
+                self._bubble = _Bubble(msg.seq, msg.start_ns, msg.predicted_end_ns)
+            elif isinstance(msg, wire.BubbleEnd) and self._bubble is not None and self._bubble.seq == msg.seq:
+                self._bubble.ended = True
+
+    # -- stepping --------------------------------------------------------------------------------
+    def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None) -> float:
+        """Run one step and wait for its device work, report it; return its duration in seconds.
+
+        ``start`` is when the gate decided to run it (reported as the step's start, so the record
+        shows exactly the program-directed check: ``start + step_s <= usable end``). The reported end
+        is after the device synchronize: on a GPU that is when the fill job stops occupying it, so the
+        agent's overrun (step end - bubble end) measures how long fill work outlived the bubble.
+        ``sync_ns`` is the part of the step spent waiting for queued device work.
+        """
+        if start is None:
+            start = time.monotonic_ns()
+        if announce:
+            self._emit("step_begin", t_ns=start, bubble_seq=bubble_seq)
+            self._flush()
+        result = self.job.step()
+        sync_start = time.monotonic_ns()
+        self._synchronize()
+        end = time.monotonic_ns()
+        if isinstance(result, StepResult):
+            flops, samples = float(result.flops), int(result.samples)
+        elif isinstance(result, int | float) and not isinstance(result, bool):
+            flops, samples = float(result), 0
+        else:
+            flops, samples = 0.0, 0
+        self.steps += 1
+        self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
+                   bubble_seq=bubble_seq, signal_ns=signal_ns, mode=self.mode or "harvest",
+                   sync_ns=end - sync_start)
+        return (end - start) / 1e9
+
+    def _synchronize(self) -> None:
+        if self.device_sync is None:  # steps run only after init, which sets it
+            raise RuntimeError("a step ran before init(): no device to synchronize")
+        self.device_sync.synchronize()
+
+    def _profile_step_time(self) -> float | None:
+        """FreeRide's side-task profiler: time a few steps during initialization, before the job is offered
+        any bubble, so the program-directed limit holds from the first bubble on. These steps run once,
+        outside bubbles, like process start-up and ``init()``; they are not counted as fill work. Each
+        timed step includes waiting for its device work, as in ``_run_step``: on a GPU the host-side
+        time of a step is only its launch cost, and gating on it would start steps that outlive bubbles."""
+        samples = []
+        for _ in range(INIT_PROFILE_STEPS):
+            if self.job.is_finished():
+                break
+            t0 = time.monotonic_ns()
+            self.job.step()
+            self._synchronize()
+            samples.append((time.monotonic_ns() - t0) / 1e9)
+        samples = samples[INIT_PROFILE_WARMUP:]
+        return robust_stats(samples)[2] * PROFILE_MARGIN if samples else None
+
+    def _check_finished(self) -> None:
+        if self.job.is_finished() or (self.max_steps is not None and self.steps >= self.max_steps):
+            self._emit("finished")
+            self._flush()
+            raise _Stop()
+
+    def _harvest_bubble(self) -> None:
+        """Run steps inside the open bubble while they fit (program-directed limit) and it has not ended."""
+        b = self._bubble
+        assert b is not None
+        usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
+        ran = 0
+        while self.mode == "harvest" and self._bubble is b and not b.ended:
+            now = time.monotonic_ns()
+            # The program-directed limit; without a step time (none given, none measured) nothing is run.
+            if self.step_s is None or now + int(self.step_s * 1e9) > usable_end:
+                break
+            if ran == 0:
+                self._emit("state", state="RUNNING")
+            # Only a bubble's first step is announced (flushed with RUNNING): the agent's watchdog needs to
+            # know a step of this bubble began; later step records travel together at the pass's end, so
+            # the agent is not woken once per step while the training may need the core back.
+            self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now)
+            ran += 1
+            self._check_finished()
+            self._drain_signals()
+            self._poll_control()
+        if ran:
+            self._emit("state", state="PAUSED")
+            self._flush()
+        if self._bubble is b:
+            self._bubble = None  # one pass per bubble: a bubble too short now stays too short
+
+    def _naive_loop(self) -> None:
+        """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location
+        does the same work per step as harvesting and the two compare fairly."""
+        last_flush = time.monotonic_ns()
+        while self.mode == "naive":
+            self._run_step(-1, 0, announce=False)
+            self._check_finished()
+            now = time.monotonic_ns()
+            if len(self._out) >= _NAIVE_FLUSH_STEPS or now - last_flush > _NAIVE_FLUSH_NS:
+                self._flush()
+                last_flush = now
+            self._poll_control()
+        self._flush()
+
+    def serve(self) -> None:
+        """Serve commands until stopped; return normally when the agent says stop or goes away."""
+        self.ctrl.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(self.ctrl, selectors.EVENT_READ)
+        registered: socket.socket | None = None
+        try:
+            while True:
+                if self.mode == "naive":
+                    self._naive_loop()
+                    continue
+                if self._sig is not registered:
+                    if registered is not None:
+                        sel.unregister(registered)
+                    if self._sig is not None:
+                        sel.register(self._sig, selectors.EVENT_READ)
+                    registered = self._sig
+                ready = sel.select()
+                # Most wake-ups are bubble signals: poll the control channel only when it has data.
+                if any(key.fileobj is self.ctrl for key, _ in ready):
+                    self._poll_control()
+                self._drain_signals()
+                if self._bubble is not None and not self._bubble.ended and self.mode == "harvest":
+                    self._harvest_bubble()
+        except _Stop:
+            pass
+        finally:
+            self._disarm()
+            with contextlib.suppress(_Stop):
+                self._flush()
+            sel.close()
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop()
+
+
+def _memory_limit(text: str) -> int | None:
+    """``$BUBBLES_MEMORY_BYTES``: an integer number of bytes; empty or 0 means no limit."""
+    try:
+        value = int(text.strip() or 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"${control.MEMORY_ENV}={text!r} is not an integer number of bytes >= 0; the agent "
+                         "sets it from the fill job's spec.memory")
+    return value or None
+
+
+def run_fill_process(argv: Sequence[str] | None = None) -> int:
+    """The fill process's main: load the job, create it, then serve the agent's commands."""
+    parser = argparse.ArgumentParser(prog="python -m bubbles.sdk", description="Run one fill job.")
+    parser.add_argument("--entry", required=True, help="module:Class of the fill job")
+    parser.add_argument("--args", default="{}", help="JSON object of keyword arguments for the class")
+    ns = parser.parse_args(argv)
+    core = os.environ.get(control.CORE_ENV)
+    if core:
+        # Before torch starts its threads: they inherit the affinity.
+        os.sched_setaffinity(0, {int(core)})
+    try:
+        kwargs = json.loads(ns.args)
+        if not isinstance(kwargs, dict):
+            raise ValueError("--args must be a JSON object")
+        cls = load_entry(ns.entry)
+    except ValueError as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 2
+    fd_text = os.environ.get(control.CONTROL_FD_ENV)
+    device = os.environ.get(control.DEVICE_ENV, "cpu")
+    try:
+        cuda_device_index(device)
+        memory = _memory_limit(os.environ.get(control.MEMORY_ENV, ""))
+    except ValueError as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 2
+    if issubclass(cls, ImperativeFillJob):
+        job_i = cls(**kwargs)
+        job_i.create()
+        apply_process_limits(device, memory)
+        job_i.init()
+        job_i.run()  # the agent stops and continues this process around bubbles
+        return 0
+    if not fd_text:
+        print(f"bubbles.sdk: ${control.CONTROL_FD_ENV} is not set; the agent starts fill processes",
+              file=sys.stderr)
+        return 2
+    ctrl = socket.socket(fileno=int(fd_text))
+    name = os.environ.get(control.JOB_ENV, "fill")
+    step_text = os.environ.get(control.STEP_S_ENV)
+    max_steps_text = os.environ.get(control.MAX_STEPS_ENV)
+    job = cls(**kwargs)
+    assert isinstance(job, IterativeFillJob)
+    runtime = FillRuntime(job, ctrl, name=name, socket_path=os.environ.get(control.SOCKET_ENV),
+                          step_s=float(step_text) if step_text else None,
+                          max_steps=int(max_steps_text) if max_steps_text else None,
+                          device=device, memory_bytes=memory)
+    # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
+    signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        job.create()
+        runtime._emit("state", state="CREATED")
+        runtime._flush()
+        runtime.serve()
+    except _Stop:
+        runtime._disarm()
+    except Exception as exc:  # report the failure to the agent, then exit non-zero
+        try:
+            runtime._emit("error", message=f"{type(exc).__name__}: {exc}")
+            runtime._flush()
+        except _Stop:
+            pass
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the copy imported as bubbles.sdk: under ``python -m`` this file is also ``__main__``, whose
+    # IterativeFillJob is a different class from the one fill jobs subclass.
+    from bubbles.sdk import run_fill_process as _run
+
+    sys.exit(_run())
+
