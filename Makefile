@@ -37,6 +37,6 @@ clean:
 constraints:
 	rm -rf .venv-pin && $(PYTHON) -m venv .venv-pin
 	.venv-pin/bin/python -m pip install --quiet 'torch==2.13.0' -e '.[dev]'
-	{ sed -n '1,/^# Regenerate/p' constraints.txt; .venv-pin/bin/python -m pip freeze --exclude-editable \
-	  | grep -v '^bubbles' | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	{ sed -n '1,/^# Regenerate/p' constraints.txt; .venv-pin/bin/python -m pip freeze --all --exclude-editable \
+	  | grep -v '^bubbles\|^pip==' | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt && rm -rf .venv-pin

@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bubbles.gpu_timing import HostEvent
-from bubbles.hook import instruction_stream, instrument
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles import paths
+from bubbles.gpu_timing import HostEvent
+from bubbles.hook import instruction_stream, instrument
 
 
 class StandInEngine:

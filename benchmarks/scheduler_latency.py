@@ -12,7 +12,8 @@ import platform
 import time
 
 import numpy as np
-from bubbles.scheduler import FillJob, Scheduler
+
+from bubbles.scheduler import FillJobRequest, Scheduler
 from bubbles.simulator import MainJob, load_profiles
 
 
@@ -35,7 +36,7 @@ def main() -> None:
         for k in range(n_exec + args.queued):
             prof = profiles[k % len(profiles)]
             dl = float(rng.uniform(3600, 86400)) if k % 5 == 0 else None
-            s.submit(FillJob(f"j{k}", prof, int(rng.integers(100, 100_000)), 0.0, dl), 0.0)
+            s.submit(FillJobRequest(f"j{k}", prof, int(rng.integers(100, 100_000)), 0.0, dl), 0.0)
         setup_s = time.perf_counter() - t0
         lat = []
         now = 1.0
@@ -49,7 +50,7 @@ def main() -> None:
             lat.append(time.perf_counter() - t)
             # keep the queue at its size
             prof = profiles[d % len(profiles)]
-            s.submit(FillJob(f"n{d}", prof, 1000, now), now, place=False)
+            s.submit(FillJobRequest(f"n{d}", prof, 1000, now), now, place=False)
         ms = np.array(lat) * 1e3
         print(
             f"{policy:<22} queued {s.queued:>6}  decision median {np.median(ms):.3f} ms  "

@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bubbles import paths, wire
+from bubbles.api import FillMode
 from bubbles.cycle import BubbleCycle, BubbleSlot
 from bubbles.hook import Listeners
 from bubbles.stats import percentile
 from grpc_reference import grpc_round_trips_us
-
-from bubbles import paths, wire
 
 TRAINING = "bench"
 BUBBLE_MS = 2.0
@@ -44,7 +44,7 @@ def bubble_start_latencies_us(signals: int, gap_s: float, work: Path) -> list[fl
     stats, ready = work / "stats.json", work / "ready"
     agent = subprocess.Popen(
         [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
-         "--executors", "1", "--fill-job", str(spec), "--mode", "harvest", "--stats", str(stats),
+         "--executors", "1", "--fill-job", str(spec), "--mode", FillMode.HARVEST.label, "--stats", str(stats),
          "--ready-file", str(ready), "--no-pin-cores", "--log-level", "WARNING"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bubbles import paths, wire
 from bubbles.agent.guard import GuardConfig
 from bubbles.agent.metrics import names
 from bubbles.agent.server import Agent, AgentConfig
 from bubbles.api import FillJobSpec, parse_spec
 from bubbles.lifecycle import FillState, InvalidTransition, transition
-
-from bubbles import paths, wire
 
 TESTS = str(Path(__file__).parent)
 TRAINING = "t"
@@ -201,7 +201,7 @@ def test_job_that_ignores_pause_is_killed_after_the_grace_period(start_agent: St
     late_ms = (kill["t_ns"] - end) / 1e6
     assert 50 <= late_ms <= 50 + 100, f"killed {late_ms:.1f} ms after the bubble ended"
     assert h.agent.kills == 1
-    proc = h.agent.jobs[0].proc
+    proc = h.agent.process(h.agent.jobs[0])
     assert proc is None or proc.poll() is not None or wait_for(lambda: proc.poll() is not None)
     assert not hook.fill_armed("sleepy") or wait_for(lambda: not hook.fill_armed("sleepy"))
 
@@ -214,7 +214,7 @@ def test_job_too_big_for_every_bubble_is_rejected_naming_the_bubble(start_agent:
     assert job["reason"].startswith("rejected: ")
     assert "stage 0 slot 1 (RecvGrad, steady)" in job["reason"]  # the roomiest bubble limits it
     assert h.agent.rejected_jobs == 1
-    assert h.agent.jobs[0].proc is None  # never started
+    assert h.agent.process(h.agent.jobs[0]) is None  # never started
 
 
 def test_malformed_input_is_dropped_and_the_agent_keeps_serving(start_agent: StartAgent) -> None:
@@ -286,7 +286,7 @@ def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: Sta
     hook = Hook(h.run_dir)
     hook.send(wire.encode_profile(0, cycle()))
     h.wait_state("imp", "PAUSED")
-    proc = h.agent.jobs[0].proc
+    proc = h.agent.process(h.agent.jobs[0])
     assert proc is not None
 
     def proc_state() -> str:
@@ -303,7 +303,7 @@ def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: Sta
 
 
 def test_metrics_endpoint_serves_the_documented_names(start_agent: StartAgent) -> None:
-    h = start_agent([spec("busy", "test_agent_jobs:BusyJob", step_time="1ms")], metrics_port=0)
+    h = start_agent([spec("busy", "test_agent_jobs:BusyJob", step_time="1ms")], metrics=True, metrics_port=0)
     hook = Hook(h.run_dir)
     hook.send(wire.encode_profile(0, cycle()))
     h.wait_state("busy", "PAUSED")
@@ -340,7 +340,7 @@ def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: Start
     hook = Hook(h.run_dir)
     hook.send(wire.encode_profile(0, cycle()))
     h.wait_state("cmd", "PAUSED")
-    proc = h.agent.jobs[0].proc
+    proc = h.agent.process(h.agent.jobs[0])
     assert proc is not None
     env = dict(e.split("=", 1) for e in Path(f"/proc/{proc.pid}/environ").read_bytes().decode().split("\0") if e)
     private = Path(env["CUDA_MPS_PIPE_DIRECTORY"])

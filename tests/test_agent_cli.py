@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bubbles.api import FillInterface, SpecError, load_spec, parse_duration, parse_quantity, parse_spec
 
 from bubbles import paths, wire
+from bubbles.api import FillInterface, SpecError, load_spec, parse_duration, parse_quantity, parse_spec
 
 ROOT = Path(__file__).parent.parent
 GOOD = {"name": "job", "entry": "pkg.mod:Job"}

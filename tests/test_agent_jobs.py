@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 import time
 
-from bubbles.sdk import ImperativeFillJob, IterativeFillJob, StepResult
-
 from bubbles import control
+from bubbles.sdk import ImperativeFillJob, IterativeFillJob, StepResult
 
 
 class BusyJob(IterativeFillJob):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bubbles import control
+from bubbles.api import FillMode
 
 
 def test_round_trip_commands_and_events() -> None:
@@ -59,6 +60,20 @@ def test_bad_events_are_rejected_with_a_reason(line: bytes, needle: str) -> None
     with pytest.raises(control.ControlError) as err:
         control.parse_event(line)
     assert needle in str(err.value)
+
+
+def test_modes_are_fill_mode_labels_on_the_wire_and_members_in_code() -> None:
+    assert control.MODES == ("harvest", "naive")  # the wire format is unchanged
+    assert control.parse_mode("naive", "arm.mode") is FillMode.NAIVE
+    assert control.parse_mode("harvest") is FillMode.HARVEST
+    ev = control.parse_event(control.encode("step", start_ns=1, end_ns=2, flops=0, mode=FillMode.NAIVE.label))
+    assert control.parse_mode(ev["mode"]) is FillMode.NAIVE
+    # "off" is a FillMode but not a mode a fill process is armed in: the agent disarms instead.
+    for bad, what in (("off", "arm.mode"), ("Harvest", "step.mode"), (2, "mode")):
+        with pytest.raises(control.ControlError, match=rf"{what} must be one of harvest, naive, got {bad!r}"):
+            control.parse_mode(bad, what)
+    with pytest.raises(control.ControlError, match=r"step\.mode must be one of harvest, naive, got 'off'"):
+        control.parse_event(b'{"type": "step", "start_ns": 1, "end_ns": 2, "flops": 0, "mode": "off"}')
 
 
 def test_line_buffer_splits_joins_and_cuts_overlong_lines() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from bubbles.cli import main
 from bubbles.cycle import theoretical_bubble_ratio
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from bubbles.api import load_spec
 from bubbles.sdk import load_entry
 

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bubbles.gpu_timing import EventTimer, HostEvent
-from bubbles.hook import instrument, resolve_timing
-from bubbles.probes import StaticMemoryProbe
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles import paths, wire
+from bubbles.gpu_timing import EventTimer, HostEvent
+from bubbles.hook import instrument, resolve_timing
+from bubbles.probes import StaticMemoryProbe
 
 COMPUTE_S = 0.004  # per forward/backward pass, on the fake device
 WAIT_S = 0.006  # how long each receive waits for its data, on the fake device

@@ -23,15 +23,15 @@ from typing import Any
 
 import pytest
 import torch
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+from bubbles import paths
 from bubbles.hook import candidate_slots, instruction_stream, instrument
 from bubbles.probes import StaticMemoryProbe
-from deepspeed.runtime.pipe.schedule import TrainSchedule
 from gpubench.emulator import CudaOps, DeviceOps, StageEmulator, StageShape
 from gpubench.pipeline_model import simulate_pipeline
 from gpubench.report import cost_savings, regimes_of_run
 from gpubench.run import main as bench_main
-
-from bubbles import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = StageShape(hidden=32, heads=4, ffn_mult=2, seq=16, micro_batch=1, blocks=1)

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+
 from bubbles.agent.guard import GuardConfig, GuardDecision, SlowdownGuard
 
 

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bubbles.cycle import BUBBLE_KINDS, BubbleCycle
-from bubbles.hook import Candidate, Listeners, build_cycle, candidate_slots, instruction_stream, instrument
-from bubbles.probes import CudaAllocatorProbe, MemoryProbe, MemorySample, StaticMemoryProbe, default_probe
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles import hook, paths, wire
+from bubbles.cycle import BUBBLE_KINDS, BubbleCycle
+from bubbles.hook import Candidate, Listeners, build_cycle, candidate_slots, instruction_stream, instrument
+from bubbles.probes import CudaAllocatorProbe, MemoryProbe, MemorySample, StaticMemoryProbe, default_probe
 
 SHAPES = [(p, m) for p in (2, 3, 4) for m in (1, 2, 4, 8)]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
 from bubbles.orchestrate.processes import fill_jobs_ready
 

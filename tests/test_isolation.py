@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
+from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, spec, start_agent, wait_for
+
+from bubbles import wire
 from bubbles.agent import mps
 from bubbles.agent.isolation import (
     READY,
@@ -39,10 +43,6 @@ from bubbles.agent.isolation import (
 from bubbles.agent.launcher import assign_device, default_device, parse_devices
 from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
 from bubbles.api import parse_spec
-from prometheus_client import generate_latest
-from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, spec, start_agent, wait_for
-
-from bubbles import wire
 
 __all__ = ["start_agent"]  # the fixture, shared with test_agent
 
@@ -129,7 +129,7 @@ def environ(pid: int) -> dict[str, str]:
 
 def fill_pid(h: Harness, index: int = -1, name: str | None = None) -> int:
     jobs = [j for j in h.agent.jobs if name is None or j.name == name]
-    proc = jobs[index].proc
+    proc = h.agent.process(jobs[index])
     assert proc is not None, "fill job has no process"
     return proc.pid
 
@@ -374,11 +374,13 @@ def test_losing_the_daemon_stops_its_clients_and_resubmits_them_after_the_restar
     hook.send(wire.encode_profile(0, cycle()))
     h.wait_state("busy", "PAUSED")
     first = h.agent.jobs[0]
-    assert first.proc is not None
+    assert h.agent.process(first) is not None
     old = mps_dirs.kill()
     wait_for(lambda: first.state == "STOPPED", 10, "the MPS client stopped")
     assert first.reason.startswith(f"isolation lost: MPS control daemon in {mps_dirs.pipe} (pid {old}) stopped")
-    wait_for(lambda: first.proc is None or first.proc.poll() is not None, 10, "its process exited")
+    first_proc = h.agent.process(first)
+    assert first_proc is not None
+    wait_for(lambda: first_proc.poll() is not None, 10, "its process exited")
     wait_for(lambda: len(h.agent.jobs) == 2 and h.agent.jobs[1].state == "PAUSED", 15, "resubmitted job runs")
     again = h.agent.jobs[1]
     assert again.name == "busy" and again.resubmission == 1 and again.isolation == "mps"
@@ -405,7 +407,7 @@ def test_a_job_is_resubmitted_at_most_three_times(mps_dirs: MpsDirs, start_agent
     h = start_agent([sleeper()], isolation=mps_config(mps_dirs))
     Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
     for n in range(MAX_ISOLATION_RESUBMISSIONS + 1):
-        wait_for(lambda n=n: len(h.agent.jobs) == n + 1 and h.agent.jobs[n].proc is not None, 15,
+        wait_for(lambda n=n: len(h.agent.jobs) == n + 1 and h.agent.process(h.agent.jobs[n]) is not None, 15,
                  f"run {n} started")
         job = h.agent.jobs[n]
         mps_dirs.kill()
@@ -428,7 +430,7 @@ def test_without_the_control_program_no_fill_process_starts(mps_dirs: MpsDirs, s
     assert waiting["state"] == "SUBMITTED" and "nvidia-cuda-mps-control not found on PATH" in waiting["reason"]
     assert "--mps-control" in waiting["reason"]
     time.sleep(0.3)  # several supervisor checks later: still nothing launched
-    assert h.agent.jobs[0].proc is None and h.job("busy")["state"] == "SUBMITTED"
+    assert h.agent.process(h.agent.jobs[0]) is None and h.job("busy")["state"] == "SUBMITTED"
     iso = h.agent.stats()["isolation"]
     assert iso["state"] == "unavailable" and iso["daemon"] is None
     assert 'bubbles_isolation_ready{mode="mps",training="t"} 0.0' in metrics_text(h.agent)
@@ -447,7 +449,7 @@ def test_a_daemon_that_will_not_start_holds_jobs_back_unless_unisolated_is_allow
         assert "no CUDA-capable device is detected" in job["reason"] and job["state"] == "SUBMITTED"
         assert h.agent.stats()["isolation"]["state"] == "unavailable"
         time.sleep(0.3)
-        assert h.agent.jobs[0].proc is None
+        assert h.agent.process(h.agent.jobs[0]) is None
         return
     h.wait_state("busy", "PAUSED")
     iso = h.agent.stats()["isolation"]
@@ -469,7 +471,7 @@ def test_contexts_mode_refuses_an_exclusive_process_gpu(start_agent: StartAgent,
     assert "GPU 1 is in EXCLUSIVE_PROCESS compute mode" in held["reason"] and "--isolation mps" in held["reason"]
     iso = h.agent.stats()["isolation"]
     assert iso["mode"] == "contexts" and iso["state"] == "unavailable"
-    assert h.agent.jobs[0].proc is None
+    assert h.agent.process(h.agent.jobs[0]) is None
 
 
 def test_contexts_mode_keeps_a_gpu_fill_job_off_mps(start_agent: StartAgent, tmp_path: Path,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from bubbles.agent.ledger import HarvestLedger, LedgerTotals, StepRecord
-from bubbles.stats import percentile
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from bubbles.agent.ledger import HarvestLedger, LedgerTotals, StepRecord
+from bubbles.stats import percentile
 
 MS = 1_000_000  # ns
 

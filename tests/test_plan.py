@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from bubbles.cycle import BubbleCycle, BubbleSlot
 from bubbles.plan import (
     Bubble,
@@ -16,8 +19,6 @@ from bubbles.plan import (
     plan_wall_time_s,
     replicas_for,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 GIB = 2**30
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from bubbles.probes import (
     DEFAULT_MARGIN_BYTES,
     CudaAllocatorProbe,

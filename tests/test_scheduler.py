@@ -6,11 +6,15 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bubbles.api import WorkloadKind
 from bubbles.plan import Bubble, FillNode
 from bubbles.scheduler import (
     ExecutorClass,
     FillConfig,
-    FillJob,
+    FillJobRequest,
     FillProfile,
     Scheduler,
     UnknownPolicyError,
@@ -19,15 +23,13 @@ from bubbles.scheduler import (
     get_policy,
 )
 from bubbles.scheduler import policies as pol_mod
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 GIB = 2**30
 
 
 def profile(name: str, step_s: float, mem_gib: float, nodes: int = 4, batch: int = 4) -> FillProfile:
     node = FillNode(step_s / nodes, int(mem_gib * GIB))
-    return FillProfile(name, "training", 1e9, 100.0, (FillConfig(f"bs{batch}", batch, (node,) * nodes),))
+    return FillProfile(name, WorkloadKind.TRAINING, 1e9, 100.0, (FillConfig(f"bs{batch}", batch, (node,) * nodes),))
 
 
 def two_classes(n0: int = 2, n1: int = 2) -> list[ExecutorClass]:
@@ -69,25 +71,25 @@ def test_entry_points_win_and_builtins_fill_only_the_gaps(monkeypatch: pytest.Mo
     assert names["longest"] == "thirdparty:longest" and names["fifo"] == "thirdparty:fifo"
     assert names["sjf"] == pol_mod.BUILTIN_POLICIES["sjf"]  # missing entry point: built-in fallback
     s = Scheduler(two_classes(1, 0 + 1), "longest")
-    s.submit(FillJob("s", SMALL, 40), 0.0, place=False)
-    s.submit(FillJob("b", BIG, 40), 0.0, place=False)
+    s.submit(FillJobRequest("s", SMALL, 40), 0.0, place=False)
+    s.submit(FillJobRequest("b", BIG, 40), 0.0, place=False)
     assert s.dispatch(0.0)[0].job.job_id == "b"
 
 
 def test_processing_time_comes_from_the_plan_and_per_class() -> None:
     s = Scheduler(two_classes(), "fifo")
     # class a: 0.7 s of bubbles per 2 s iteration; SMALL's 0.05 s step in 4 nodes -> 14 steps per cycle
-    proc = s.processing_times_s(FillJob("x", SMALL, 4 * 28))
+    proc = s.processing_times_s(FillJobRequest("x", SMALL, 4 * 28))
     assert proc[0] == pytest.approx(28 / 14 * 2.0)
     assert proc[1] == pytest.approx(28 / 6 * 1.5)
-    assert math.isinf(s.processing_times_s(FillJob("y", BIG, 4))[1])
+    assert math.isinf(s.processing_times_s(FillJobRequest("y", BIG, 4))[1])
 
 
 def test_fastest_fitting_configuration_is_chosen() -> None:
     fast_big = FillConfig("bs32", 32, (FillNode(0.01, 8 * GIB),) * 4)  # fits no bubble
     slow = FillConfig("bs8", 8, (FillNode(0.01, 1 * GIB),) * 4)
     slower = FillConfig("bs2", 2, (FillNode(0.01, 1 * GIB),) * 4)
-    prof = FillProfile("m", "batch-inference", 1e9, 10.0, (fast_big, slower, slow))
+    prof = FillProfile("m", WorkloadKind.BATCH_INFERENCE, 1e9, 10.0, (fast_big, slower, slow))
     s = Scheduler(two_classes(), "fifo")
     rate = s.rate(0, prof)
     assert rate is not None and rate.config.name == "bs8"
@@ -97,24 +99,24 @@ def test_job_fitting_no_bubble_is_refused_with_advice() -> None:
     s = Scheduler(two_classes(), "fifo")
     huge = profile("huge", 0.1, 9.0)
     with pytest.raises(ValueError, match=r"fits the bubbles of no executor.*offload"):
-        s.submit(FillJob("h", huge, 10), 0.0)
-    s.submit(FillJob("a", SMALL, 10), 0.0)
+        s.submit(FillJobRequest("h", huge, 10), 0.0)
+    s.submit(FillJobRequest("a", SMALL, 10), 0.0)
     with pytest.raises(ValueError, match="unique id"):
-        s.submit(FillJob("a", SMALL, 10), 0.0)
+        s.submit(FillJobRequest("a", SMALL, 10), 0.0)
 
 
 def test_eta_and_deadline_queries() -> None:
     s = Scheduler([ExecutorClass("a", (Bubble(0.5, 4 * GIB),), 1.0, 1)], "fifo")
     # 0.05 s step -> 10 steps per 1 s cycle: 40 samples (10 steps) take 1 s
-    p = s.submit(FillJob("j1", SMALL, 40), 0.0)
+    p = s.submit(FillJobRequest("j1", SMALL, 40), 0.0)
     assert p is not None and p.end_s == pytest.approx(1.0)
-    s.submit(FillJob("j2", SMALL, 80), 0.0)
-    s.submit(FillJob("j3", SMALL, 40), 0.0)
+    s.submit(FillJobRequest("j2", SMALL, 80), 0.0)
+    s.submit(FillJobRequest("j3", SMALL, 40), 0.0)
     etas = s.expected_completions(0.0)
     assert etas == pytest.approx({"j1": 1.0, "j2": 3.0, "j3": 4.0})
     assert s.can_meet_deadline("j3", 4.0, 0.0).feasible
     assert not s.can_meet_deadline("j3", 3.5, 0.0).feasible
-    new = FillJob("j4", SMALL, 40)
+    new = FillJobRequest("j4", SMALL, 40)
     ans = s.can_meet_deadline(new, 4.5, 0.0)
     assert not ans.feasible and ans.expected_completion_s == pytest.approx(5.0)
     assert s.queued == 2  # the query did not submit j4
@@ -125,10 +127,10 @@ def test_eta_and_deadline_queries() -> None:
 
 def test_deadline_policy_prefers_the_nearest_deadline_then_sjf() -> None:
     s = Scheduler([ExecutorClass("a", (Bubble(0.5, 4 * GIB),), 1.0, 1)], "deadline")
-    s.submit(FillJob("run", SMALL, 400), 0.0)
-    s.submit(FillJob("short", SMALL, 4), 0.0)
-    s.submit(FillJob("late", SMALL, 400, deadline_s=500.0), 0.0)
-    s.submit(FillJob("soon", SMALL, 400, deadline_s=200.0), 0.0)
+    s.submit(FillJobRequest("run", SMALL, 400), 0.0)
+    s.submit(FillJobRequest("short", SMALL, 4), 0.0)
+    s.submit(FillJobRequest("late", SMALL, 400, deadline_s=500.0), 0.0)
+    s.submit(FillJobRequest("soon", SMALL, 400, deadline_s=200.0), 0.0)
     order = []
     for _ in range(3):
         p = s.release(0, 10.0)
@@ -170,7 +172,7 @@ def test_placements_never_double_book_and_follow_the_policy(ops: list, policy: s
                 assert p.job.job_id in expected  # one of the jobs the policy's definition ranks first
         else:
             prof, samples, _arrive, dl = op
-            p = s.submit(FillJob(f"j{k}", prof, samples, now, None if dl is None else now + dl), now)
+            p = s.submit(FillJobRequest(f"j{k}", prof, samples, now, None if dl is None else now + dl), now)
         for q in [p] if p is not None else []:
             assert q.executor not in busy, "executor double-booked"
             busy[q.executor] = q.end_s
@@ -213,7 +215,7 @@ def test_decisions_are_shared_per_class_at_cluster_scale() -> None:
     s = Scheduler(classes, "sjf")
     assert len(s.busy_until_s) == 8192
     for k in range(200):
-        s.submit(FillJob(f"j{k}", SMALL, 4 + k), 0.0, place=False)
+        s.submit(FillJobRequest(f"j{k}", SMALL, 4 + k), 0.0, place=False)
     placed = s.dispatch(0.0)
     assert len(placed) == 200 and len({p.executor for p in placed}) == 200
     assert len(s._tables) == 1  # one plan table for the shared profile, not one per executor

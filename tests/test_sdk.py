@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_agent_jobs import BusyJob
+
+from bubbles import control, wire
 from bubbles.agent.ledger import HarvestLedger
 from bubbles.sdk import (
     INIT_PROFILE_STEPS,
@@ -25,9 +28,6 @@ from bubbles.sdk import (
     load_entry,
     run_fill_process,
 )
-from test_agent_jobs import BusyJob
-
-from bubbles import control, wire
 
 
 class Channel:

@@ -8,6 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bubbles.api import WorkloadKind
 from bubbles.cli import main as bubbles_main
 from bubbles.cycle import theoretical_bubble_ratio
 from bubbles.plan import Bubble
@@ -22,8 +26,6 @@ from bubbles.simulator import (
 )
 from bubbles.simulator.profiles import parse_profiles
 from bubbles.simulator.trace import TraceError, TraceJob, write_trace
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 FIXTURE = Path(__file__).parent / "fixtures" / "alibaba-excerpt.csv"
 PROFILES = load_profiles()
@@ -78,9 +80,9 @@ def test_generator_follows_pipefill(tasks) -> None:
     assert all(0 <= t.arrival_s <= 2 * 3600 + 1 for t in trace)
     assert [t.arrival_s for t in trace] == sorted(t.arrival_s for t in trace)
     big = [t for t in trace if t.model in ("swin-large", "xlm-roberta-xl")]
-    assert big and all(t.kind == "batch-inference" for t in big)
+    assert big and all(t.kind is WorkloadKind.BATCH_INFERENCE for t in big)
     small = [t for t in trace if t.model == "bert-base"]
-    assert {t.kind for t in small} == {"training", "batch-inference"}
+    assert {t.kind for t in small} == {WorkloadKind.TRAINING, WorkloadKind.BATCH_INFERENCE}
     # No job is larger than 1 GPU-hour of isolated work.
     for t in trace:
         prof = PROFILES[(t.model, t.kind)]
@@ -103,6 +105,9 @@ def test_trace_round_trip_and_errors(tmp_path: Path, tasks) -> None:
     bad.write_text("arrival_s,model,kind,samples\n0,gpt-9,training,10\n")
     with pytest.raises(TraceError, match=r"no profile for model 'gpt-9'.*known: .*bert-base/training"):
         read_trace(bad, PROFILES)
+    bad.write_text("arrival_s,model,kind,samples\n0,bert-base,pretraining,10\n")
+    with pytest.raises(TraceError, match=r"line 2: kind must be one of training, batch-inference, got 'pretraining'"):
+        read_trace(bad, PROFILES)
     bad.write_text("arrival,model\n1,x\n")
     with pytest.raises(TraceError, match="needs the columns arrival_s"):
         read_trace(bad, PROFILES)
@@ -114,6 +119,9 @@ def test_trace_round_trip_and_errors(tmp_path: Path, tasks) -> None:
 
 
 def test_profiles_file_errors() -> None:
+    with pytest.raises(ValueError, match=r"models\[0\].kind must be one of training, batch-inference, got 'tuning'"):
+        parse_profiles({"models": [{"model": "m", "kind": "tuning", "flops_per_sample": 1,
+                                    "isolated_samples_per_s": 1, "configs": []}]})
     with pytest.raises(ValueError, match=r"models\[0\].configs\[0\].step_s must be a number > 0"):
         parse_profiles(
             {
@@ -223,7 +231,7 @@ def test_cli_runs_writes_report_and_plot(tmp_path: Path, capsys) -> None:
     )
     assert plot.read_bytes()[:4] == b"\x89PNG" and len(doc["sweep"]) >= 2
     trace = tmp_path / "t.csv"
-    write_trace(trace, [TraceJob("a", 0.0, "bert-base", "training", 1000)])
+    write_trace(trace, [TraceJob("a", 0.0, "bert-base", WorkloadKind.TRAINING, 1000)])
     rc = bubbles_main(
         [
             "simulate",

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import pytest
+
+from bubbles.api import FillMode
 from bubbles.demo.train import main
-from bubbles.orchestrate.phases import parse_phases
+from bubbles.orchestrate.phases import format_phases, iteration_times_by_mode, parse_phases
 
 
 def test_phases_parse() -> None:
-    assert parse_phases("off:10, Harvest:3,naive:0") == [("off", 10), ("harvest", 3), ("naive", 0)]
+    assert parse_phases("off:10, Harvest:3,naive:0") == [(FillMode.OFF, 10), (FillMode.HARVEST, 3),
+                                                         (FillMode.NAIVE, 0)]
+    assert format_phases(5, 2) == "off:5,naive:5,harvest:5,off:5,naive:5,harvest:5"
+    assert parse_phases(format_phases(5, 1)) == [(FillMode.OFF, 5), (FillMode.NAIVE, 5), (FillMode.HARVEST, 5)]
+
+
+def test_iteration_times_are_grouped_by_fill_mode_and_an_unknown_phase_is_named() -> None:
+    rank = {"phase": ["profile", "off", "off", "harvest", "harvest"], "iteration_s": [9.0, 1.0, 2.0, 3.0, 4.0]}
+    assert iteration_times_by_mode(rank, settle=1) == {FillMode.OFF: [2.0], FillMode.HARVEST: [4.0]}
+    with pytest.raises(ValueError, match=r"phase of iteration 1 \(other than 'profile'\) must be one of "
+                                         r"off, naive, harvest, got 'lunch'"):
+        iteration_times_by_mode({"phase": ["profile", "lunch"], "iteration_s": [1.0, 1.0]}, settle=0)
 
 
 @pytest.mark.parametrize("text,reason", [

@@ -8,11 +8,11 @@ import struct
 from typing import Any
 
 import pytest
-from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
 from hypothesis import given
 from hypothesis import strategies as st
 
 from bubbles import wire
+from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
 
 
 def cycle_dict(**overrides: Any) -> dict[str, Any]:

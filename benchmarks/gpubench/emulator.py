@@ -20,8 +20,8 @@ times, measured in a calibration pass.
 
 The waits are fixed lengths. A stage slowed down by a fill job does not delay its emulated neighbours, so
 its slowdown shows fully in its own iteration time and is not partly hidden in a shorter wait, as it
-would be in a real pipeline where this stage is not on the critical path: the measured slowdown is an
-upper bound (conservative).
+would be in a real pipeline where this stage is not on the critical path. We expect the measured slowdown
+to err high for that reason; no comparison with a real pipeline has been made.
 
 Everything is seeded, so two emulators built with the same arguments compute bit-identical losses (the
 hook must not change them). ``torch.cuda`` is touched only through ``CudaOps``, and only for a CUDA device.
@@ -166,8 +166,9 @@ def deepspeed_instruction_map() -> dict[type, Callable[..., Any]]:
 
 def deepspeed_streams(stages: int, microbatches: int) -> list[list[str]]:
     """The instruction names DeepSpeed's ``TrainSchedule`` makes each stage execute, for pipeline_model."""
-    from bubbles.hook import instruction_stream
     from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+    from bubbles.hook import instruction_stream
 
     return [instruction_stream(TrainSchedule(micro_batches=microbatches, stages=stages, stage_id=s))
             for s in range(stages)]
@@ -250,8 +251,9 @@ class StageEmulator:
         self.loss_broadcast_s = stage.loss_broadcast_s
 
     def stream(self) -> list[str]:
-        from bubbles.hook import instruction_stream
         from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+        from bubbles.hook import instruction_stream
 
         return instruction_stream(TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages,
                                                 stage_id=self.stage_id))

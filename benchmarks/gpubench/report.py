@@ -21,18 +21,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bubbles.orchestrate.phases import iteration_times_by_mode
+from bubbles.api import FillMode
+from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode
 from bubbles.stats import percentile
 
 MAX_SLOWDOWN = 0.01  # the issue's goal: at most 1% slower training ...
 MIN_FILL_SHARE = 0.60  # ... while filling at least 60% of bubble time (FreeRide 1.1%, PipeFill < 2% at 68%)
-REGIME_NAMES = {
-    ("naive", "contexts"): "naive co-location",
-    ("naive", "mps"): "MPS only",
-    ("harvest", "contexts"): "harvesting (contexts)",
-    ("harvest", "mps"): "harvesting (MPS)",
+BASELINE = "baseline"  # the regime name of the OFF phases, whatever the isolation
+REGIME_NAMES = {  # (fill mode, isolation) -> regime name
+    (FillMode.NAIVE, "contexts"): "naive co-location",
+    (FillMode.NAIVE, "mps"): "MPS only",
+    (FillMode.HARVEST, "contexts"): "harvesting (contexts)",
+    (FillMode.HARVEST, "mps"): "harvesting (MPS)",
 }
-REGIME_ORDER = ("baseline", "naive co-location", "MPS only", "harvesting (contexts)", "harvesting (MPS)")
+REGIME_ORDER = (BASELINE, "naive co-location", "MPS only", "harvesting (contexts)", "harvesting (MPS)")
 
 
 def cost_savings(*, t_no_s: float, t_with_s: float, fill_per_s: float, solo_per_s: float,
@@ -47,11 +49,13 @@ def cost_savings(*, t_no_s: float, t_with_s: float, fill_per_s: float, solo_per_
     return (c_side - c_extra) / c_no
 
 
-def phase_wall_s(record: Mapping[str, Any]) -> dict[str, float]:
-    """Wall time per fill mode, summed over the run's phases of that mode."""
-    out: dict[str, float] = {}
-    for ph in record.get("phases", []):
-        out[ph["mode"]] = out.get(ph["mode"], 0.0) + (ph["end_ns"] - ph["start_ns"]) / 1e9
+def phase_wall_s(record: Mapping[str, Any]) -> dict[FillMode, float]:
+    """Wall time per fill mode, summed over the run's phases of that mode (the record's ``phases[].mode`` is a
+    FillMode label)."""
+    out: dict[FillMode, float] = {}
+    for i, ph in enumerate(record.get("phases", [])):
+        mode = FillMode.parse(ph["mode"], f"phases[{i}].mode")
+        out[mode] = out.get(mode, 0.0) + (ph["end_ns"] - ph["start_ns"]) / 1e9
     return out
 
 
@@ -62,16 +66,16 @@ def regimes_of_run(run: Mapping[str, Any], solo: Mapping[str, Any], *, settle: i
     job, isolation = run["job"], run["isolation"]
     times = iteration_times_by_mode(record, settle)
     walls = phase_wall_s(record)
-    base = times.get("off", [])
+    base = times.get(FillMode.OFF, [])
     base_med = percentile(base, 50) if base else None
     base_p99 = percentile(base, 99) if base else None
     solo_per_s = float((solo.get(job) or {}).get("samples_per_s", 0.0))
     out = []
-    for mode in ("off", "naive", "harvest"):
+    for mode in COMPARED_MODES:
         ts = times.get(mode, [])
         if not ts:
             continue
-        fill = (stats.get("modes") or {}).get(mode, {})
+        fill = (stats.get("modes") or {}).get(mode.label, {})  # the agent's stats key its modes by label
         wall = walls.get(mode, 0.0)
         med, p99 = percentile(ts, 50), percentile(ts, 99)
         steps = int(fill.get("fill_steps", 0))
@@ -80,9 +84,9 @@ def regimes_of_run(run: Mapping[str, Any], solo: Mapping[str, Any], *, settle: i
         bubble_s, filled_s = float(fill.get("bubble_s", 0.0)), float(fill.get("filled_s", 0.0))
         slowdown = med / base_med - 1 if base_med else None
         share = filled_s / bubble_s if bubble_s > 0 else 0.0
-        name = "baseline" if mode == "off" else REGIME_NAMES[(mode, isolation)]
+        name = BASELINE if mode is FillMode.OFF else REGIME_NAMES[(mode, isolation)]
         entry: dict[str, Any] = {
-            "job": job, "regime": name, "mode": mode, "isolation": isolation,
+            "job": job, "regime": name, "mode": mode.label, "isolation": isolation,
             "isolation_label": run.get("isolation_label", isolation),
             "iterations": len(ts), "wall_s": wall,
             "iteration_median_s": med, "iteration_p99_s": p99,
@@ -95,7 +99,7 @@ def regimes_of_run(run: Mapping[str, Any], solo: Mapping[str, Any], *, settle: i
             "overruns": int(fill.get("overruns", 0)), "overrun_p99_ms": float(fill.get("overrun_p99_ms", 0.0)),
             "cost_savings": None, "goal_met": None,
         }
-        if mode != "off" and base_med:
+        if mode is not FillMode.OFF and base_med:
             entry["cost_savings"] = cost_savings(t_no_s=base_med, t_with_s=med, fill_per_s=fill_per_s,
                                                  solo_per_s=solo_per_s, price_training=price_training,
                                                  price_fill=price_fill)
@@ -175,7 +179,7 @@ def format_table(report: Mapping[str, Any]) -> str:
               "| recovered TFLOPS | bubble time filled | overruns (p99 ms) | cost savings S | goal |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in report["regimes"]:
-        base = r["regime"] == "baseline"
+        base = r["regime"] == BASELINE
         slow = "—" if base else f"{_pct(r['slowdown'], sign=True)} / {_pct(r['slowdown_p99'], sign=True)}"
         goal = "—" if r["goal_met"] is None else ("met" if r["goal_met"] else "not met")
         lines.append(
@@ -191,7 +195,7 @@ def format_table(report: Mapping[str, Any]) -> str:
 
 def draw_chart(report: Mapping[str, Any], path: Path) -> bool:
     """Slowdown against share of bubble time filled, one point per regime and job; False if nothing to draw."""
-    points = [r for r in report["regimes"] if r["regime"] != "baseline" and r["slowdown"] is not None]
+    points = [r for r in report["regimes"] if r["regime"] != BASELINE and r["slowdown"] is not None]
     if not points:
         return False
     import matplotlib

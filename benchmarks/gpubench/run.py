@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bubbles.api import FillInterface, FillMode
+from bubbles.orchestrate.phases import COMPARED_MODES, format_phases
 from bubbles.orchestrate.processes import (
     EchoedProcess,
     free_port,
@@ -62,7 +64,7 @@ class FillJobPreset:
 
 
 JOBS = {
-    # ResNet-18 layout on CIFAR-sized images, batch 64, bf16: a few ms a step on an H200
+    # ResNet-18 layout on CIFAR-sized images, batch 64, bf16 (its step time on a GPU has not been measured yet)
     "image-classification": FillJobPreset(
         "bubbles.fill_examples.image_classification:ImageClassification",
         {"arch": "resnet", "batch_size": 64, "width": 64, "dtype": "bfloat16"},
@@ -226,7 +228,7 @@ def estimate_s(args: argparse.Namespace) -> float:
     compute = args.microbatches * 3 * fwd / rate
     iteration = compute * (args.microbatches + args.stages - 1) / args.microbatches + overhead_s
     per_run = startup_s + iteration * (args.warmup_iterations + args.profile_iterations
-                                       + 3 * args.repeats * args.iterations)
+                                       + len(COMPARED_MODES) * args.repeats * args.iterations)
     runs = len(args.job_list) * len(args.isolation_list)
     return runs * per_run + len(args.job_list) * (args.solo_seconds + 3) + startup_s / 2
 
@@ -348,7 +350,7 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
     run_dir, pipe_dir, private = short / "run", short / "mps-pipe", short / "no-mps"
     for d in (pipe_dir, private):
         d.mkdir(mode=0o700)
-    spec = {"name": job, "interface": "iterative", "entry": preset.entry, "args": args.job_args[job],
+    spec = {"name": job, "interface": FillInterface.ITERATIVE.label, "entry": preset.entry, "args": args.job_args[job],
             "stage": args.stage, "memory": preset.gpu_memory if args.device != "cpu" else "256Mi"}
     spec_path = here / "fill-job.json"
     spec_path.write_text(json.dumps(spec))
@@ -356,7 +358,7 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
     record_path = here / "train.json"
     port = free_port()
     agent_cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
-                 "--executors", str(args.stage + 1), "--mode", "off", "--stats", str(stats_path),
+                 "--executors", str(args.stage + 1), "--mode", FillMode.OFF.label, "--stats", str(stats_path),
                  "--ready-file", str(ready_path), "--grace-ms", str(args.grace_ms),
                  "--slowdown-budget", str(args.slowdown_budget), "--metrics-port", str(port),
                  "--fill-job", str(spec_path), "--isolation", isolation]
@@ -365,7 +367,7 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
     if isolation == "mps":
         agent_cmd += ["--mps-control", str(mps_control), "--mps-pipe-dir", str(pipe_dir),
                       "--mps-log-dir", str(short / "mps-log")]
-    phases = ",".join(f"{m}:{args.iterations}" for _ in range(args.repeats) for m in ("off", "naive", "harvest"))
+    phases = format_phases(args.iterations, args.repeats)
     train_cmd = [sys.executable, "-m", "gpubench.train", "--device", args.device,
                  "--stage", str(args.stage), "--stages", str(args.stages), "--microbatches", str(args.microbatches),
                  "--hidden", str(args.hidden), "--heads", str(args.heads), "--ffn-mult", str(args.ffn_mult),

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bubbles.api import FillMode
+from bubbles.orchestrate.phases import PROFILE_PHASE
 from bubbles.orchestrate.processes import wait_for_file
-
-PROFILE_PHASE = "profile"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--phases", default="off:10,harvest:10",
-                   help="comma list of mode:iterations run after profiling (modes: off, naive, harvest)")
+                   help="comma list of mode:iterations run after profiling (modes: "
+                        f"{', '.join(FillMode.labels())})")
     p.add_argument("--warmup-iterations", type=int, default=2)
     p.add_argument("--profile-iterations", type=int, default=5)
     p.add_argument("--min-bubble-ms", type=float, default=0.5)
@@ -89,10 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {args.pin_core % (os.cpu_count() or 1)})
 
     import torch
+
     from bubbles.hook import instrument
     from bubbles.probes import CudaAllocatorProbe, MemoryProbe, StaticMemoryProbe
-
-    from bubbles import wire
     from gpubench.emulator import StageEmulator, StageShape, modelled_summary
 
     device = torch.device(args.device)
@@ -141,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_file is not None:
         _hold_until(args.start_file, args.start_timeout_s)
     for mode, n in phases:
-        inst.set_fill_mode(wire.FillMode[mode.upper()])
+        inst.set_fill_mode(mode)
         start_ns = time.monotonic_ns()
         for _ in range(n):
-            step(mode)
-        phase_records.append({"mode": mode, "iterations": n, "start_ns": start_ns, "end_ns": time.monotonic_ns()})
+            step(mode.label)
+        phase_records.append({"mode": mode.label, "iterations": n, "start_ns": start_ns, "end_ns": time.monotonic_ns()})
         if n:
-            _say(f"phase {mode}: {n} iterations, median {statistics.median(iteration_s[-n:]) * 1e3:.2f} ms")
-    inst.set_fill_mode(wire.FillMode.OFF)  # the fill job is idle while the record is written and the run ends
+            _say(f"phase {mode.label}: {n} iterations, median {statistics.median(iteration_s[-n:]) * 1e3:.2f} ms")
+    inst.set_fill_mode(FillMode.OFF)  # the fill job is idle while the record is written and the run ends
 
     record: dict[str, Any] = {
         "device": str(device),

@@ -25,7 +25,7 @@ import enum
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,8 @@ class _Named:
 
     @property
     def label(self) -> str:
-        return self.name.lower().replace("_", "-")
+        value = getattr(self, "value", None)
+        return value if isinstance(value, str) else self.name.lower()
 
     @classmethod
     def labels(cls) -> tuple[str, ...]:
@@ -67,21 +68,21 @@ class FillMode(_Named, enum.IntEnum):
     HARVEST = 2  # fill steps only inside bubbles (the product)
 
 
-class FillInterface(_Named, enum.Enum):
+class FillInterface(_Named, enum.StrEnum):
     """How a fill job is driven between bubbles (FreeRide's two programming interfaces)."""
 
     ITERATIVE = "iterative"  # the SDK runs one step at a time, each gated by a bubble (preferred; bounds GPU work)
     IMPERATIVE = "imperative"  # any program, frozen and thawed with SIGSTOP/SIGCONT
 
 
-class WorkloadKind(_Named, enum.Enum):
+class WorkloadKind(_Named, enum.StrEnum):
     """What a fill job does (the scheduler's profiles and the FillJob resource use the same words)."""
 
     TRAINING = "training"
     BATCH_INFERENCE = "batch-inference"
 
 
-class IsolationMode(_Named, enum.Enum):
+class IsolationMode(_Named, enum.StrEnum):
     """How fill processes are kept apart from the training on a GPU (docs/gpu.md has the trade-offs)."""
 
     CONTEXTS = "contexts"  # separate CUDA contexts, time-sliced: a fault stays in its process (default)
@@ -89,7 +90,7 @@ class IsolationMode(_Named, enum.Enum):
     NONE = "none"  # explicit unisolated sharing
 
 
-class IsolationState(_Named, enum.Enum):
+class IsolationState(_Named, enum.StrEnum):
     """The health of the chosen isolation, as the agent acts on it (it fails closed)."""
 
     READY = "ready"  # isolation works: fill jobs may start
@@ -111,6 +112,128 @@ class FillState(enum.StrEnum):
     PAUSED = "PAUSED"  # initialized on the accelerator, waiting for a bubble
     RUNNING = "RUNNING"  # executing steps inside a bubble
     STOPPED = "STOPPED"  # finished, cancelled, failed or killed; resources released
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """The MPS control daemon as the agent sees it."""
+
+    owned: bool  # started by this agent (and so quit by it at shutdown)
+    pid: int | None
+    restarts: int  # times this agent started it again after losing it
+    pipe_dir: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class IsolationStatus:
+    """The health of the agent's isolation: raw from its backend, or effective (what the agent acts on)."""
+
+    mode: IsolationMode
+    state: IsolationState
+    detail: str
+    daemon: DaemonStatus | None = None
+    # Bumped each time isolation is (re)established: a fill job launched in an earlier epoch belongs to a
+    # mechanism that has since been lost (e.g. its MPS server died), even if the agent missed the outage.
+    epoch: int = 0
+
+    @property
+    def usable(self) -> bool:
+        """Whether fill jobs may run: isolated (ready) or knowingly without isolation (unisolated)."""
+        return IsolationState(self.state).usable
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": str(self.mode), "state": str(self.state), "detail": self.detail,
+                "daemon": self.daemon.to_dict() if self.daemon else None}
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One fill job as the agent reports it (the stats file's ``jobs``, next the operator's FillJob status)."""
+
+    name: str
+    stage: int
+    state: FillState
+    reason: str
+    steps: int
+    flops: float
+    step_s: float | None
+    isolation: str | None  # the isolation mode it was launched under, "unisolated", or None before launch
+    resubmission: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "state": str(self.state)}
+
+
+@dataclass(frozen=True)
+class ModeTotals:
+    """Harvest totals of one fill mode (from the agent's ledger)."""
+
+    fill_steps: int
+    fill_flops: float
+    bubble_s: float
+    filled_s: float
+    overruns: int
+    overrun_s: float
+    overrun_p99_ms: float
+    max_overrun_ms: float
+
+
+@dataclass(frozen=True)
+class GuardStatus:
+    """The slowdown guard: the share of each bubble it gives fill work and what it measured."""
+
+    share: float
+    stage: int | None  # the stage whose iterations it watches (the lowest reporting one)
+    baseline_s: float | None
+    slowdown_held: float | None  # the slowdown measured at the share it holds
+    history: tuple[tuple[int, float, float | None], ...] = ()  # (window, share, slowdown or None)
+
+
+@dataclass(frozen=True)
+class ExecutorStatus:
+    stage: int
+    device: str
+    mode: FillMode
+    profiled: bool
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    """Everything one agent reports (``bubbles agent --stats``, the demo and the benchmarks read it).
+
+    ``to_dict`` is the stats file's JSON; ``events``, ``steps`` and ``bubbles`` are raw records kept as
+    written (bounded in number)."""
+
+    training: str
+    budget: float
+    grace_ms: float
+    guard: GuardStatus
+    modes: dict[str, ModeTotals]
+    isolation: IsolationStatus
+    isolation_losses: int
+    executors: tuple[ExecutorStatus, ...]
+    jobs: tuple[JobStatus, ...]
+    kills: int
+    rejected_messages: int
+    rejected_jobs: int
+    events: tuple[dict[str, Any], ...] = ()
+    steps: tuple[dict[str, Any], ...] = ()
+    bubbles: tuple[dict[str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "training": self.training, "budget": self.budget, "grace_ms": self.grace_ms,
+            "guard": {**asdict(self.guard), "history": [list(h) for h in self.guard.history]},
+            "modes": {mode: asdict(totals) for mode, totals in self.modes.items()},
+            "isolation": self.isolation.to_dict(), "isolation_losses": self.isolation_losses,
+            "executors": [{**asdict(e), "mode": e.mode.label} for e in self.executors],
+            "jobs": [j.to_dict() for j in self.jobs],
+            "kills": self.kills, "rejected_messages": self.rejected_messages, "rejected_jobs": self.rejected_jobs,
+            "events": list(self.events), "steps": list(self.steps), "bubbles": list(self.bubbles),
+        }
 
 
 @dataclass(frozen=True)

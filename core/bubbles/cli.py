@@ -15,6 +15,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": (
         "bubbles.simulator.cli", "estimate what harvesting would recover on a cluster (event-driven simulator)"
     ),
+    "operator": (
+        "bubbles.operator.cli", "run the Kubernetes operator (planned: flags only, the reconcilers are not built yet)"
+    ),
 }
 
 

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from bubbles.api import FillMode
+
 # Environment the agent gives a fill process (the runtime in bubbles.sdk reads it).
 CONTROL_FD_ENV = "BUBBLES_CONTROL_FD"  # inherited socketpair end
 JOB_ENV = "BUBBLES_FILL_JOB"  # the fill job's name
@@ -29,7 +31,9 @@ MAX_STEPS_ENV = "BUBBLES_MAX_STEPS"  # stop after this many steps (the spec's `s
 
 MAX_LINE_BYTES = 64 * 1024
 
-MODES = ("harvest", "naive")
+# The fill modes a fill process is armed in, as the channel writes them (FillMode labels; OFF is disarm).
+ARMED_MODES = (FillMode.HARVEST, FillMode.NAIVE)
+MODES = tuple(m.label for m in ARMED_MODES)
 STATES = ("CREATED", "PAUSED", "RUNNING", "STOPPED")
 
 _NUM = (int, float)
@@ -88,8 +92,8 @@ def encode(type_: str, **fields: Any) -> bytes:
 def parse_command(line: bytes | str) -> ControlMessage:
     """Parse one agent->job line; raise ControlError naming what is wrong."""
     msg = _parse(line, COMMANDS, "command")
-    if msg.type == "arm" and msg["mode"] not in MODES:
-        raise ControlError(f"arm.mode must be one of {', '.join(MODES)}, got {msg['mode']!r}")
+    if msg.type == "arm":
+        parse_mode(msg["mode"], "arm.mode")
     if "share" in msg.fields and not 0 <= msg["share"] <= 1:
         raise ControlError(f"{msg.type}.share must be in [0, 1], got {msg['share']!r}")
     return msg
@@ -105,11 +109,20 @@ def parse_event(line: bytes | str) -> ControlMessage:
     if msg.type == "step" and not 0 <= msg.get("sync_ns", 0) <= msg["end_ns"] - msg["start_ns"]:
         raise ControlError(f"step.sync_ns must be between 0 and the step's duration "
                            f"({msg['end_ns'] - msg['start_ns']} ns), got {msg['sync_ns']!r}")
-    if msg.type == "step" and msg.get("mode", "harvest") not in MODES:
-        raise ControlError(f"step.mode must be one of {', '.join(MODES)}, got {msg['mode']!r}")
+    if msg.type == "step" and "mode" in msg.fields:
+        parse_mode(msg["mode"], "step.mode")
     if msg.type == "profile" and not msg["step_s"] > 0:
         raise ControlError(f"profile.step_s must be > 0, got {msg['step_s']!r}")
     return msg
+
+
+def parse_mode(text: object, what: str = "mode") -> FillMode:
+    """The FillMode a control line's ``mode`` field names (exactly ``harvest`` or ``naive``: the wire's
+    spelling); ControlError naming ``what`` and the choices otherwise."""
+    for m in ARMED_MODES:
+        if text == m.label:
+            return m
+    raise ControlError(f"{what} must be one of {', '.join(MODES)}, got {text!r}")
 
 
 def _parse(line: bytes | str, schema: dict[str, dict[str, tuple[tuple[type, ...], bool]]],

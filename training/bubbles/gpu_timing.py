@@ -1,7 +1,7 @@
-"""Bubble timing on a GPU: device events around the waits, read by a helper thread, never the training's.
+"""Bubble timing on a GPU: device events around the waits, read by a helper thread.
 
 With NCCL a ``recv`` returns to the host before the data has arrived: the host runs ahead and only
-the device waits (``../shared/NOTES.md``). Host timestamps around ``RecvActivation`` therefore see
+the device waits (the NCCL backend's documented behaviour). Host timestamps around ``RecvActivation`` therefore see
 nothing, and ``torch.cuda.synchronize()`` on the training's thread would remove the very overlap that
 makes the training fast. Instead the hook records a device event on the training's current stream just
 before a wait is enqueued (it completes when the device has finished the work queued ahead of the
@@ -12,7 +12,10 @@ bubble ends). ``EventTimer`` hands both to a helper thread that blocks on them i
 - measures the wait's length as the device saw it (``start.elapsed_time(end)``),
 - and passes each profiled iteration, with those device-side lengths, back to the hook.
 
-The training's thread only records events (a few microseconds each) and appends to a queue. Events are
+For timing, the training's thread only records events (their cost on a GPU has not been measured yet) and
+appends to a queue. While the hook profiles, its memory probe (``bubbles.probes``) still samples on the
+training's thread, and on CUDA that empties the allocator cache, which waits for the device: moving that
+off the training's thread is planned (the GPU issue). Events are
 created with ``blocking=True`` (``cudaEventBlockingSync``): the helper thread sleeps in the driver while
 it waits instead of spinning a host core per stage; torch releases the GIL around the wait.
 

@@ -19,8 +19,9 @@ unchanged. The hook never touches tensors, so the training's losses are bit-iden
 On GPUs (``timing="cuda"``, chosen by ``"auto"`` when the engine's device is a CUDA device) host
 timestamps do not see the waits: with NCCL a ``recv`` returns to the host before the data arrives. There
 each candidate wait is bracketed by device events, and a helper thread (``bubbles.gpu_timing``) signals
-the bubble when the device reaches it and measures its length as the device saw it. The training's thread
-only records the events. On CPU (gloo) the host blocks in the wait, and host time is what is measured.
+the bubble when the device reaches it and measures its length as the device saw it. For timing, the
+training's thread only records the events; the memory probe it calls while profiling is the exception (see
+``bubbles.gpu_timing``). On CPU (gloo) the host blocks in the wait, and host time is what is measured.
 
 The classification of waits into bubble kinds and the aggregation of profiled samples are pure
 functions over instruction streams (``candidate_slots``, ``build_cycle``), tested directly on the
@@ -42,11 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bubbles import paths, wire
 from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
 from bubbles.gpu_timing import DeviceEvent, EventTimer, cuda_event_factory
 from bubbles.probes import MemoryProbe, default_probe
-
-from bubbles import paths, wire
 
 log = logging.getLogger("bubbles.hook")
 

@@ -32,10 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bubbles import control, wire
+from bubbles.api import FillMode
 from bubbles.control import cuda_device_index
 from bubbles.cycle import robust_stats
-
-from bubbles import control, wire
 
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
@@ -256,7 +256,7 @@ class FillRuntime:
         # Every step waits for its device work before it counts as done (see _run_step). Unless injected,
         # it is made at init, where the job first touches its accelerator and a failure is reported.
         self.device_sync: DeviceSync | None = device_sync
-        self.mode: str | None = None  # None: disarmed
+        self.mode: FillMode = FillMode.OFF  # OFF: disarmed; armed in HARVEST or NAIVE
         self.share = 1.0
         self.steps = 0
         self._lines = control.LineBuffer()
@@ -328,14 +328,14 @@ class FillRuntime:
             if cmd.get("socket"):
                 self.socket_path = cmd["socket"]
             self._disarm()
-            self.mode = cmd["mode"]
-            if self.mode == "harvest":
+            self.mode = control.parse_mode(cmd["mode"], "arm.mode")
+            if self.mode is FillMode.HARVEST:
                 self._bind()
             else:
                 self._emit("state", state="RUNNING")
                 self._flush()
         elif cmd.type == "disarm":
-            was_naive = self.mode == "naive"
+            was_naive = self.mode is FillMode.NAIVE
             self._disarm()
             if was_naive:
                 self._emit("state", state="PAUSED")
@@ -366,7 +366,7 @@ class FillRuntime:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._bound_path)
             self._bound_path = None
-        self.mode = None
+        self.mode = FillMode.OFF
         self._bubble = None
 
     def _drain_signals(self) -> None:
@@ -413,7 +413,8 @@ class FillRuntime:
             flops, samples = 0.0, 0
         self.steps += 1
         self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
-                   bubble_seq=bubble_seq, signal_ns=signal_ns, mode=self.mode or "harvest",
+                   bubble_seq=bubble_seq, signal_ns=signal_ns,
+                   mode=(FillMode.HARVEST if self.mode is FillMode.OFF else self.mode).label,
                    sync_ns=end - sync_start)
         return (end - start) / 1e9
 
@@ -451,7 +452,7 @@ class FillRuntime:
         assert b is not None
         usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
         ran = 0
-        while self.mode == "harvest" and self._bubble is b and not b.ended:
+        while self.mode is FillMode.HARVEST and self._bubble is b and not b.ended:
             now = time.monotonic_ns()
             # The program-directed limit; without a step time (none given, none measured) nothing is run.
             if self.step_s is None or now + int(self.step_s * 1e9) > usable_end:
@@ -476,7 +477,7 @@ class FillRuntime:
         """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location
         does the same work per step as harvesting and the two compare fairly."""
         last_flush = time.monotonic_ns()
-        while self.mode == "naive":
+        while self.mode is FillMode.NAIVE:
             self._run_step(-1, 0, announce=False)
             self._check_finished()
             now = time.monotonic_ns()
@@ -494,7 +495,7 @@ class FillRuntime:
         registered: socket.socket | None = None
         try:
             while True:
-                if self.mode == "naive":
+                if self.mode is FillMode.NAIVE:
                     self._naive_loop()
                     continue
                 if self._sig is not registered:
@@ -508,7 +509,7 @@ class FillRuntime:
                 if any(key.fileobj is self.ctrl for key, _ in ready):
                     self._poll_control()
                 self._drain_signals()
-                if self._bubble is not None and not self._bubble.ended and self.mode == "harvest":
+                if self._bubble is not None and not self._bubble.ended and self.mode is FillMode.HARVEST:
                     self._harvest_bubble()
         except _Stop:
             pass

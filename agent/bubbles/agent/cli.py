@@ -19,44 +19,54 @@ import signal
 import sys
 from pathlib import Path
 
-from bubbles import paths
+from bubbles.api import FillMode, IsolationMode
 
-_MODES = {"off": 0, "naive": 1, "harvest": 2}
+from .config import AgentConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Defaults live in AgentConfig, not here: a flag left out (None) lets the file or the environment decide.
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="YAML file of settings, keys named as the flags (executors: 2, grace_ms: 50, ...); "
+                             "the environment (BUBBLES_AGENT_<KEY>) overrides it, flags override both")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="directory of the node-local sockets (default: $BUBBLES_RUN_DIR, "
                              "/run/bubbles or /tmp/bubbles-<uid>)")
     parser.add_argument("--training", default=None,
                         help="training name (default: $BUBBLES_TRAINING or 'default')")
-    parser.add_argument("--executors", type=int, default=1,
-                        help="executors, one per local pipeline stage (CPU: executor k uses core k %% cores)")
-    parser.add_argument("--fill-job", action="append", default=[], metavar="FILE",
+    parser.add_argument("--executors", type=int, default=None,
+                        help="executors, one per local pipeline stage (default 1; CPU: executor k uses core "
+                             "k %% cores)")
+    parser.add_argument("--fill-job", action="append", default=None, metavar="FILE", type=Path,
                         help="fill-job spec (YAML or JSON); repeatable")
-    parser.add_argument("--mode", choices=list(_MODES), default="harvest",
-                        help="initial fill mode; the training's FILL_MODE messages switch it per stage")
-    parser.add_argument("--grace-ms", type=float, default=50.0,
-                        help="SIGKILL a fill job still in a step this long after its bubble ended")
-    parser.add_argument("--slowdown-budget", type=float, default=0.01,
-                        help="training slowdown the guard tolerates (0.01 = 1%%)")
-    parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
-                        help="pin executor k's fill processes to CPU core k %% cores")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = no endpoint)")
-    parser.add_argument("--metrics-addr", default="127.0.0.1", help="Prometheus bind address")
+    parser.add_argument("--mode", choices=list(FillMode.labels()), default=None,
+                        help="initial fill mode (default harvest); the training's FILL_MODE messages switch it "
+                             "per stage")
+    parser.add_argument("--grace-ms", type=float, default=None,
+                        help="SIGKILL a fill job still in a step this long after its bubble ended (default 50)")
+    parser.add_argument("--slowdown-budget", type=float, default=None,
+                        help="training slowdown the guard tolerates (default 0.01 = 1%%)")
+    parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=None,
+                        help="pin executor k's fill processes to CPU core k %% cores (default on)")
+    parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None,
+                        help="serve Prometheus metrics (default: on when --metrics-port is given)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="Prometheus port; 0 picks any free port (the ready file says which). Giving it turns "
+                             "metrics on")
+    parser.add_argument("--metrics-addr", default=None, help="Prometheus bind address (default 127.0.0.1)")
     parser.add_argument("--stats", type=Path, default=None, help="write the stats JSON here on exit")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="written once every socket is bound (wait for it before starting the training)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     gpu = parser.add_argument_group("devices and isolation (see docs/gpu.md)")
     gpu.add_argument("--devices", default=None, metavar="LIST",
                      help="comma-separated cpu or cuda:N, one per executor (executor k gets entry k %% len); "
                           "default: CPU core k stands in for stage k's accelerator")
-    gpu.add_argument("--isolation", choices=["contexts", "mps", "none"], default="contexts",
+    gpu.add_argument("--isolation", choices=list(IsolationMode.labels()), default=None,
                      help="contexts (default): separate CUDA contexts, a fault in a fill job stays in that job; "
                           "mps: MPS clients with enforced memory limits and concurrent kernels, but one fault "
                           "domain with the training; none: unisolated sharing")
-    gpu.add_argument("--allow-unisolated", action="store_true",
+    gpu.add_argument("--allow-unisolated", action="store_const", const=True, default=None,
                      help="run fill jobs even while the chosen isolation does not work (status says "
                           "'unisolated'); default: fail closed, fill jobs wait")
     gpu.add_argument("--mps-control", default=None, metavar="PATH",
@@ -67,9 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--mps-log-dir", type=Path, default=None, metavar="DIR",
                      help="MPS log directory (default: $CUDA_MPS_LOG_DIRECTORY or /var/log/nvidia-mps; a "
                           "directory under the run dir if that is not writable)")
-    gpu.add_argument("--mps-thread-percentage", type=int, default=50, metavar="P",
+    gpu.add_argument("--mps-thread-percentage", type=int, default=None, metavar="P",
                      help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of each fill client, 1..100 (default 50)")
-    gpu.add_argument("--mps-check-interval", type=float, default=1.0, metavar="SECONDS",
+    gpu.add_argument("--mps-check-interval", type=float, default=None, metavar="SECONDS",
                      help="seconds between MPS daemon health checks (default 1)")
 
 
@@ -78,65 +88,44 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _path_problem(config: AgentConfig) -> str | None:
+    """What is wrong with the paths the isolation will use (checked before anything starts), or None."""
+    iso = config.isolation
+    if iso.mps_control is not None:
+        ctl = Path(iso.mps_control)
+        if not ctl.is_file():
+            return (f"--mps-control {ctl} does not exist; give the path of nvidia-cuda-mps-control "
+                    "(or leave it out to find it on PATH)")
+        if not os.access(ctl, os.X_OK):
+            return f"--mps-control {ctl} is not executable; chmod +x it or give the right path"
+    for flag, d in (("--mps-pipe-dir", iso.mps_pipe_dir), ("--mps-log-dir", iso.mps_log_dir)):
+        if d is not None and d.exists() and not d.is_dir():
+            return f"{flag} {d} is a file, not a directory; give a directory"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from bubbles.api import SpecError, load_spec
 
-    from bubbles import wire
+    from .config import ConfigError, load_settings
+    from .server import Agent
 
-    from .isolation import IsolationConfig
-    from .launcher import parse_devices
-    from .server import Agent, AgentConfig
-
-    if args.executors < 1:
-        return _fail(f"--executors must be >= 1 (one per local pipeline stage), got {args.executors}")
-    if not args.grace_ms > 0:
-        return _fail(f"--grace-ms must be > 0, got {args.grace_ms}")
-    if args.metrics_port < 0 or args.metrics_port > 65535:
-        return _fail(f"--metrics-port must be 0 (off) or a TCP port, got {args.metrics_port}")
-    devices: tuple[str, ...] = ()
-    if args.devices is not None:
-        try:
-            devices = parse_devices(args.devices)
-        except ValueError as exc:
-            return _fail(str(exc))
-    if not 1 <= args.mps_thread_percentage <= 100:
-        return _fail(f"--mps-thread-percentage must be 1..100 (a share of the GPU's threads), "
-                     f"got {args.mps_thread_percentage}")
-    if not args.mps_check_interval > 0:
-        return _fail(f"--mps-check-interval must be > 0 seconds, got {args.mps_check_interval}")
-    if args.mps_control is not None:
-        control = Path(args.mps_control)
-        if not control.is_file():
-            return _fail(f"--mps-control {control} does not exist; give the path of nvidia-cuda-mps-control "
-                         "(or leave it out to find it on PATH)")
-        if not os.access(control, os.X_OK):
-            return _fail(f"--mps-control {control} is not executable; chmod +x it or give the right path")
-    for flag, d in (("--mps-pipe-dir", args.mps_pipe_dir), ("--mps-log-dir", args.mps_log_dir)):
-        if d is not None and d.exists() and not d.is_dir():
-            return _fail(f"{flag} {d} is a file, not a directory; give a directory")
-    training = args.training or paths.default_training()
     try:
-        paths.check_name("training", training)
-    except ValueError as exc:
+        settings = load_settings(vars(args), config_file=args.config)
+    except ConfigError as exc:
         return _fail(str(exc))
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = settings.config
+    problem = _path_problem(config)
+    if problem is not None:
+        return _fail(problem)
     specs = []
-    for f in args.fill_job:
+    for f in settings.fill_jobs:
         try:
             specs.append(load_spec(f))
         except SpecError as exc:
             return _fail(str(exc))
     try:
-        config = AgentConfig(
-            run_dir=args.run_dir or paths.default_run_dir(), training=training, executors=args.executors,
-            mode=wire.FillMode(_MODES[args.mode]), grace_s=args.grace_ms / 1e3, budget=args.slowdown_budget,
-            pin_cores=args.pin_cores, metrics_port=args.metrics_port or None, metrics_addr=args.metrics_addr,
-            ready_file=args.ready_file, devices=devices,
-            isolation=IsolationConfig(
-                mode=args.isolation, allow_unisolated=args.allow_unisolated, mps_control=args.mps_control,
-                mps_pipe_dir=args.mps_pipe_dir, mps_log_dir=args.mps_log_dir,
-                mps_thread_percentage=args.mps_thread_percentage, check_interval_s=args.mps_check_interval),
-        )
         agent = Agent(config, specs)
     except ValueError as exc:
         return _fail(str(exc))
@@ -153,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         agent.run()
     finally:
-        if args.stats is not None:
-            agent.write_stats(args.stats)
-            logging.getLogger("bubbles.agent").info("stats written to %s", args.stats)
+        if settings.stats is not None:
+            agent.write_stats(settings.stats)
+            logging.getLogger("bubbles.agent").info("stats written to %s", settings.stats)
     return 0

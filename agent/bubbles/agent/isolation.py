@@ -28,24 +28,24 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from bubbles.control import cuda_device_index
 
 from bubbles import paths
+from bubbles.api import DaemonStatus, IsolationMode, IsolationState, IsolationStatus
+from bubbles.control import cuda_device_index
 
 from . import mps
+from .core import effective_status as effective_status  # re-exported beside the backends
 
 log = logging.getLogger("bubbles.agent.isolation")
 
-MODES = ("contexts", "mps", "none")
-READY = "ready"
-UNAVAILABLE = "unavailable"
-RECOVERING = "recovering"
-UNISOLATED = "unisolated"
-STATES = (READY, UNAVAILABLE, RECOVERING, UNISOLATED)
+MODES = IsolationMode.labels()
+READY = IsolationState.READY
+UNAVAILABLE = IsolationState.UNAVAILABLE
+RECOVERING = IsolationState.RECOVERING
+UNISOLATED = IsolationState.UNISOLATED
+STATES = IsolationState.labels()
 
 NVIDIA_SMI = "nvidia-smi"
 COMPUTE_MODE_QUERY = ("--query-gpu=index,compute_mode", "--format=csv,noheader")
@@ -53,41 +53,8 @@ _MAX_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
-class DaemonStatus:
-    """The MPS control daemon as the agent sees it."""
-
-    owned: bool  # started by this agent (and so quit by it at shutdown)
-    pid: int | None
-    restarts: int  # times this agent started it again after losing it
-    pipe_dir: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"owned": self.owned, "pid": self.pid, "restarts": self.restarts, "pipe_dir": self.pipe_dir}
-
-
-@dataclass(frozen=True)
-class IsolationStatus:
-    mode: str
-    state: str  # one of STATES
-    detail: str
-    daemon: DaemonStatus | None = None
-    # Bumped each time isolation is (re)established: a fill job launched in an earlier epoch belongs to a
-    # mechanism that has since been lost (e.g. its MPS server died), even if the agent missed the outage.
-    epoch: int = 0
-
-    @property
-    def usable(self) -> bool:
-        """Whether fill jobs may run: isolated (ready) or knowingly without isolation (unisolated)."""
-        return self.state in (READY, UNISOLATED)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "state": self.state, "detail": self.detail,
-                "daemon": self.daemon.to_dict() if self.daemon else None}
-
-
-@dataclass(frozen=True)
 class IsolationConfig:
-    mode: str = "contexts"
+    mode: IsolationMode = IsolationMode.CONTEXTS
     allow_unisolated: bool = False
     mps_control: str | None = None  # None: nvidia-cuda-mps-control on PATH
     mps_pipe_dir: Path | None = None  # None: $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps
@@ -98,8 +65,7 @@ class IsolationConfig:
     nvidia_smi: str | None = None  # None: nvidia-smi on PATH (not checked if absent)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"isolation mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "mode", IsolationMode.parse(self.mode, "isolation mode"))
         if not 1 <= self.mps_thread_percentage <= 100:
             raise ValueError(f"MPS active thread percentage must be 1..100, got {self.mps_thread_percentage}")
         if not self.check_interval_s > 0:
@@ -107,13 +73,6 @@ class IsolationConfig:
         if not self.command_timeout_s > 0:
             raise ValueError(f"isolation command timeout must be > 0 s, got {self.command_timeout_s}")
 
-
-def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationStatus:
-    """What the agent acts on: ``raw``, or ``unisolated`` where isolation is broken but the user allows that."""
-    if raw.usable or not allow_unisolated:
-        return raw
-    return replace(raw, state=UNISOLATED,
-                   detail=f"{raw.detail}; fill jobs run WITHOUT isolation because --allow-unisolated is set")
 
 
 
@@ -212,7 +171,7 @@ class GpuModeCheck:
 class Isolation(ABC):
     """One isolation mode on this node. Subclasses: ``NoIsolation``, ``ContextsIsolation``, ``MpsIsolation``."""
 
-    mode: str
+    mode: IsolationMode
 
     def __init__(self) -> None:
         self._status_lock = threading.Lock()
@@ -237,7 +196,7 @@ class Isolation(ABC):
         with self._status_lock:
             return self._status
 
-    def _set(self, state: str, detail: str, daemon: DaemonStatus | None = None) -> IsolationStatus:
+    def _set(self, state: IsolationState, detail: str, daemon: DaemonStatus | None = None) -> IsolationStatus:
         with self._status_lock:
             epoch = self._status.epoch + (state == READY and self._status.state != READY)
             self._status = IsolationStatus(self.mode, state, detail, daemon, epoch)
@@ -247,7 +206,7 @@ class Isolation(ABC):
 class NoIsolation(Isolation):
     """Mode ``none``: fill jobs share the accelerator with no limits beyond the SDK's allocator cap."""
 
-    mode = "none"
+    mode = IsolationMode.NONE
 
     def start(self) -> IsolationStatus:
         return self._set(UNISOLATED, "isolation mode none: fill jobs share the accelerator unisolated, capped only "
@@ -263,7 +222,7 @@ class NoIsolation(Isolation):
 class ContextsIsolation(Isolation):
     """Mode ``contexts``: separate processes and CUDA contexts, kept off any MPS daemon on the node."""
 
-    mode = "contexts"
+    mode = IsolationMode.CONTEXTS
 
     def __init__(self, private_pipe_dir: Path, gpu_check: GpuModeCheck) -> None:
         super().__init__()
@@ -304,7 +263,7 @@ class MpsIsolation(Isolation):
     and owns it: restarts it with backoff if it dies, and quits it on ``close()``.
     """
 
-    mode = "mps"
+    mode = IsolationMode.MPS
 
     def __init__(self, config: IsolationConfig, gpu_check: GpuModeCheck, fallback_log_dir: Path,
                  clock: Callable[[], float] = time.monotonic) -> None:

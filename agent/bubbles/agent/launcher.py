@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bubbles.api import FillInterface, FillJobSpec
-
 from bubbles import control
+from bubbles.api import FillInterface, FillJobSpec
 
 
 @dataclass(frozen=True)

@@ -10,51 +10,20 @@ state (``bubbles_isolation_ready``, ``bubbles_isolation_state``, ``bubbles_isola
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from bubbles.api import IsolationState
 
-@dataclass(frozen=True)
-class StageTotals:
-    stage: int
-    device: str
-    mode: str
-    bubble_s: float
-    filled_s: float
-    overrun_s: float
+from .core import IsolationTotals, JobTotals, Snapshot, StageTotals
+
+__all__ = ["AgentMetrics", "IsolationTotals", "JobTotals", "Snapshot", "StageTotals", "names"]
 
 
-@dataclass(frozen=True)
-class JobTotals:
-    stage: int
-    device: str
-    mode: str
-    job: str
-    steps: int
-    flops: float
-
-
-@dataclass(frozen=True)
-class IsolationTotals:
-    mode: str  # contexts | mps | none
-    state: str  # ready | unavailable | recovering | unisolated
-    losses: int  # times working isolation was lost
-    mps_restarts: int | None  # MPS control daemon restarts; None when no daemon is involved
-
-
-ISOLATION_STATES = ("ready", "unavailable", "recovering", "unisolated")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    stages: list[StageTotals]
-    jobs: list[JobTotals]
-    job_states: list[tuple[int, str, str]]  # (stage, device, state) per job
-    isolation: IsolationTotals | None = None
+ISOLATION_STATES = IsolationState.labels()
 
 
 class _HarvestCollector(Collector):
@@ -125,15 +94,28 @@ class AgentMetrics:
         self.kills = Counter("bubbles_fill_kills",
                              "Fill jobs SIGKILLed for not pausing within the grace period",
                              ["training", "stage", "device", "fill_job"], registry=r)
-        self.rejected = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped",
+        self.rejected_total = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped",
                                 ["training", "stage", "source"], registry=r)
-        self.iteration = Gauge("bubbles_main_iteration_seconds", "Latest training iteration time",
+        self.iteration_s = Gauge("bubbles_main_iteration_seconds", "Latest training iteration time",
                                ["training", "stage"], registry=r)
-        self.share = Gauge("bubbles_fill_share", "Share of each bubble the slowdown guard gives fill work",
+        self.share_gauge = Gauge("bubbles_fill_share", "Share of each bubble the slowdown guard gives fill work",
                            ["training"], registry=r)
-        self.share.labels(training).set(1.0)
+        self.share_gauge.labels(training).set(1.0)
         r.register(_HarvestCollector(training, snapshot))
         self._server: Any = None
+
+    # The core's MetricsSink: what is counted rather than derived from the core's state.
+    def kill(self, stage: int, device: str, job: str) -> None:
+        self.kills.labels(self.training, str(stage), device, job).inc()
+
+    def rejected(self, stage: int, source: str) -> None:
+        self.rejected_total.labels(self.training, str(stage), source).inc()
+
+    def iteration(self, stage: int, seconds: float) -> None:
+        self.iteration_s.labels(self.training, str(stage)).set(seconds)
+
+    def share(self, value: float) -> None:
+        self.share_gauge.labels(self.training).set(value)
 
     def serve(self, port: int, addr: str) -> int:
         """Start the HTTP endpoint in a daemon thread; return the bound port (useful with port 0)."""

@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from bubbles.api import FillMode
+from bubbles.orchestrate.phases import COMPARED_MODES, format_phases
 from bubbles.orchestrate.processes import (
     EchoedProcess,
     free_port,
@@ -125,19 +127,19 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
     metrics_port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     agent_cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
-                 "--executors", str(args.stages), "--mode", "off", "--stats", str(stats_path),
+                 "--executors", str(args.stages), "--mode", FillMode.OFF.label, "--stats", str(stats_path),
                  "--ready-file", str(ready_path), "--grace-ms", str(args.grace_ms),
                  "--slowdown-budget", str(args.slowdown_budget), "--pin-cores", "--metrics-port", str(metrics_port)]
     for path in spec_paths:
         agent_cmd += ["--fill-job", str(path)]
-    phases = ",".join(f"{m}:{args.iterations}" for _ in range(args.repeats) for m in ("off", "naive", "harvest"))
+    phases = format_phases(args.iterations, args.repeats)
     train_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.stages),
                  "--master_port", str(free_port()), "-m", "bubbles.demo.train",
                  "--microbatches", str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                  "--hidden", str(args.hidden), "--layers", str(args.layers), "--phases", phases,
                  "--run-dir", str(run_dir), "--training", TRAINING, "--out", str(ranks_dir), "--pin-cores",
                  "--trace", "--free-bytes", str(DEMO_FREE_BYTES), "--start-file", str(start_path)]
-    total = args.repeats * 3 * args.iterations
+    total = args.repeats * len(COMPARED_MODES) * args.iterations
     print(f"bubbles demo: {args.stages}-stage DeepSpeed pipeline on CPU, {args.microbatches} micro-batches, "
           f"{total} iterations (baseline, naive, harvest x {args.repeats}); files in {work}", flush=True)
     agent_log = (work / "agent.log").open("w")

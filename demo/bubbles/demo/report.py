@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bubbles.api import FillMode
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
 from bubbles.orchestrate.phases import iteration_times_by_mode
 from bubbles.stats import percentile
 
-# Report names of the agent's fill modes: "off" is the baseline the other two are compared with.
-MODE_NAMES = {"off": "baseline", "naive": "naive", "harvest": "harvest"}
+# The report's name of each fill mode (its key in ``modes``): OFF is the baseline the other two are compared with.
+MODE_NAMES = {FillMode.OFF: "baseline", FillMode.NAIVE: "naive", FillMode.HARVEST: "harvest"}
 FILL_FIELDS = ("fill_steps", "fill_flops", "bubble_s", "filled_s", "overruns", "overrun_s", "overrun_p99_ms",
                "max_overrun_ms")
 
@@ -36,11 +37,11 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
         measured[str(r["stage"])] = cycle.idle_ratio if cycle else None
         signalled[str(r["stage"])] = cycle.bubble_ratio if cycle else None
     agent_modes = (agent_stats or {}).get("modes", {})
-    baseline = _median(by_mode.get("off", []))
+    baseline = _median(by_mode.get(FillMode.OFF, []))
     modes: dict[str, dict[str, Any]] = {}
-    for agent_mode, name in MODE_NAMES.items():
-        times = by_mode.get(agent_mode, [])
-        fill = agent_modes.get(agent_mode, {})
+    for mode, name in MODE_NAMES.items():
+        times = by_mode.get(mode, [])
+        fill = agent_modes.get(mode.label, {})  # the agent's stats key its modes by label
         med = _median(times)
         entry: dict[str, Any] = {
             "iterations": len(times),
@@ -87,7 +88,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
     ]
     for name, m in report["modes"].items():
         it = f"{m['main_iteration_s'] * 1000:.1f} ms" if m["main_iteration_s"] else "-"
-        slow = "-" if name == "baseline" or m["slowdown"] is None else f"{m['slowdown'] * 100:+.1f}%"
+        slow = "-" if name == MODE_NAMES[FillMode.OFF] or m["slowdown"] is None else f"{m['slowdown'] * 100:+.1f}%"
         filled = f"{_pct(m['filled_share'])}" if m["bubble_s"] else "-"
         lines.append(f"{name:<10}{it:>12}{slow:>10}{m['fill_steps']:>12}{m['fill_flops'] / 1e9:>10.2f}"
                      f"{filled:>15}{m['overruns']:>10}{m['overrun_p99_ms']:>9.2f}")
@@ -97,7 +98,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
         lines += ["", f"slowdown guard: budget {g['budget'] * 100:.1f}%, settled share "
                   f"{(g.get('share') or 0) * 100:.0f}% of each bubble, slowdown held "
                   + ("-" if held is None else f"{held * 100:+.1f}%")]
-    naive, harvest = report["modes"]["naive"], report["modes"]["harvest"]
+    naive, harvest = report["modes"][MODE_NAMES[FillMode.NAIVE]], report["modes"][MODE_NAMES[FillMode.HARVEST]]
     if naive["slowdown"] is not None and harvest["slowdown"] is not None:
         lines.append(f"harvesting vs naive co-location: training slowdown {harvest['slowdown'] * 100:+.1f}% "
                      f"vs {naive['slowdown'] * 100:+.1f}%, fill steps {harvest['fill_steps']} vs "

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bubbles.api import FillMode
+
 COMPUTE_COLOR = "#3b6ea8"
 BUBBLE_COLOR = "#f2c14e"
 WAIT_COLOR = "#d9d9d9"
@@ -14,12 +16,12 @@ FILL_COLOR = "#3a9d5d"
 OVERRUN_COLOR = "#d1495b"
 
 
-def choose_window(rank0: Mapping[str, Any], mode: str, iterations: int) -> tuple[int, int] | None:
+def choose_window(rank0: Mapping[str, Any], mode: FillMode, iterations: int) -> tuple[int, int] | None:
     """(first_ns, last_ns) spanning ``iterations`` consecutive traced iterations of ``mode`` on stage 0,
     skipping the first two of the phase (the switch settles)."""
     trace = rank0.get("trace") or []
     phases = rank0["phase"]
-    traced = sorted({ev[0] for ev in trace if ev[0] < len(phases) and phases[ev[0]] == mode})
+    traced = sorted({ev[0] for ev in trace if ev[0] < len(phases) and phases[ev[0]] == mode.label})
     if not traced:
         return None
     picked = traced[2:2 + iterations] if len(traced) > 2 + iterations else traced[-iterations:]
@@ -28,7 +30,7 @@ def choose_window(rank0: Mapping[str, Any], mode: str, iterations: int) -> tuple
 
 
 def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, Any] | None, path: Path, *,
-                  mode: str = "harvest", iterations: int = 3, title: str | None = None) -> bool:
+                  mode: FillMode = FillMode.HARVEST, iterations: int = 3, title: str | None = None) -> bool:
     """Write the PNG; return False (and write nothing) when the ranks carry no trace of ``mode``."""
     import matplotlib
 
@@ -72,7 +74,7 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
     ax.set_yticklabels([f"stage {r['stage']}" for r in ranks])
     ax.set_xlim(ms(lo), ms(hi))
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"{len(ranks)}-stage DeepSpeed pipeline on CPU, {mode} mode, {iterations} iterations")
+    ax.set_title(title or f"{len(ranks)}-stage DeepSpeed pipeline on CPU, {mode.label} mode, {iterations} iterations")
     ax.legend(handles=[Patch(color=COMPUTE_COLOR, label="training compute"),
                        Patch(color=BUBBLE_COLOR, label="bubble (signalled)"),
                        Patch(color=WAIT_COLOR, label="other waits/comm"),

@@ -32,15 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bubbles.orchestrate.phases import parse_phases
-from bubbles.orchestrate.processes import wait_for_file
 from torch import nn
 
-from bubbles import wire
-
-PROFILE_PHASE = "profile"
-
-
+from bubbles.api import FillMode
+from bubbles.orchestrate.phases import PROFILE_PHASE, parse_phases
+from bubbles.orchestrate.processes import wait_for_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="layers, split evenly over the stages (default 8)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--phases", default="off:10,harvest:10",
-                   help="comma list of mode:iterations run after profiling (modes: off, naive, harvest)")
+                   help="comma list of mode:iterations run after profiling (modes: "
+                        f"{', '.join(FillMode.labels())})")
     p.add_argument("--warmup-iterations", type=int, default=2)
     p.add_argument("--profile-iterations", type=int, default=5)
     p.add_argument("--min-bubble-ms", type=float, default=0.5)
@@ -215,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     for mode, n in phases:
         dist.barrier()
         if inst is not None:
-            inst.set_fill_mode(wire.FillMode[mode.upper()])
+            inst.set_fill_mode(mode)
         for _ in range(n):
             step()
-            phase_of.append(mode)
-        report(mode, n)
+            phase_of.append(mode.label)
+        report(mode.label, n)
     dist.barrier()
 
     schedule_name = "TrainSchedule" if args.schedule == "train" else "InferenceSchedule"

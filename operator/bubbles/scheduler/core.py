@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+
+from bubbles.api import WorkloadKind
 from bubbles.cycle import BubbleCycle
 from bubbles.plan import Bubble, FillNode, PlanError, bubbles_of, plan_partitions
 from bubbles.scheduler.policies import Policy, QueueView, SchedulerState, get_policy
@@ -51,19 +53,19 @@ class FillProfile:
     """What the scheduler knows of a kind of fill job: its configurations and its work per sample."""
 
     model: str
-    kind: str  # "training" | "batch-inference"
+    kind: WorkloadKind
     flops_per_sample: float
     isolated_samples_per_s: float  # best throughput alone on one whole GPU (for GPU-equivalents)
     configs: tuple[FillConfig, ...]
 
     @property
     def key(self) -> str:
-        return f"{self.model}/{self.kind}"
+        return f"{self.model}/{self.kind.label}"
 
 
 @dataclass(frozen=True)
-class FillJob:
-    """A fill job submitted to the scheduler."""
+class FillJobRequest:
+    """A fill job submitted to the scheduler: its profile, how many samples it needs, when it arrived, its deadline."""
 
     job_id: str
     profile: FillProfile
@@ -104,7 +106,7 @@ class Rate:
 class Placement:
     """A decision: ``job`` runs on ``executor`` (of class ``class_index``) from ``start_s`` to ``end_s``."""
 
-    job: FillJob
+    job: FillJobRequest
     executor: int
     class_index: int
     config: FillConfig
@@ -135,7 +137,7 @@ class _Queue:
     def __init__(self, classes: int) -> None:
         self.n = 0
         cap = 64
-        self.jobs: list[FillJob] = []
+        self.jobs: list[FillJobRequest] = []
         self.ids: list[str] = []
         self.arrival_s = np.empty(cap)
         self.deadline_s = np.empty(cap)
@@ -144,7 +146,7 @@ class _Queue:
         self.seq = np.empty(cap, dtype=np.int64)
         self.index: dict[str, int] = {}
 
-    def add(self, job: FillJob, proc: np.ndarray, seq: int) -> None:
+    def add(self, job: FillJobRequest, proc: np.ndarray, seq: int) -> None:
         if self.n == len(self.arrival_s):
             cap = 2 * self.n
             self.arrival_s = np.resize(self.arrival_s, cap)
@@ -165,7 +167,7 @@ class _Queue:
         self.index[job.job_id] = k
         self.n += 1
 
-    def remove(self, k: int) -> FillJob:
+    def remove(self, k: int) -> FillJobRequest:
         job = self.jobs[k]
         last = self.n - 1
         if k != last:
@@ -244,7 +246,7 @@ class Scheduler:
         """The fastest configuration of ``profile`` that fits the class's bubbles, or None if none fits."""
         return self._table(profile)[2][class_index]
 
-    def processing_times_s(self, job: FillJob) -> np.ndarray:
+    def processing_times_s(self, job: FillJobRequest) -> np.ndarray:
         """The job's processing time on each class (inf where no configuration fits)."""
         batch, s_per_step, _ = self._table(job.profile)
         with np.errstate(invalid="ignore"):
@@ -274,13 +276,13 @@ class Scheduler:
     def queued(self) -> int:
         return self._queue.n
 
-    def queued_jobs(self) -> list[FillJob]:
+    def queued_jobs(self) -> list[FillJobRequest]:
         return list(self._queue.jobs)
 
     def idle_executors(self) -> int:
         return sum(len(s) for s in self._idle)
 
-    def submit(self, job: FillJob, now_s: float, *, place: bool = True) -> Placement | None:
+    def submit(self, job: FillJobRequest, now_s: float, *, place: bool = True) -> Placement | None:
         """Queue ``job``; with ``place``, start it at once on the idle class where it runs fastest.
 
         Raises ValueError if the job fits no executor's bubbles (saying what limits it) or its id is taken.
@@ -426,7 +428,7 @@ class Scheduler:
             raise KeyError(f"fill job {job_id!r} is neither queued nor running")
         return etas[job_id]
 
-    def can_meet_deadline(self, job: FillJob | str, deadline_s: float, now_s: float) -> DeadlineAnswer:
+    def can_meet_deadline(self, job: FillJobRequest | str, deadline_s: float, now_s: float) -> DeadlineAnswer:
         """Whether ``job`` (queued, running, or not yet submitted) would finish by ``deadline_s``."""
         if isinstance(job, str):
             eta = self.expected_completion_s(job, now_s)
@@ -442,7 +444,7 @@ class Scheduler:
             self._version += 1
         return DeadlineAnswer(eta <= deadline_s, eta)
 
-    def _no_fit_message(self, job: FillJob) -> str:
+    def _no_fit_message(self, job: FillJobRequest) -> str:
         cls = self.classes[0]
         reason = ""
         for cfg in job.profile.configs:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bubbles.scheduler.core import ExecutorClass, FillJob, Placement, Scheduler
+from bubbles.scheduler.core import ExecutorClass, FillJobRequest, Placement, Scheduler
 from bubbles.scheduler.policies import Policy
 from bubbles.simulator.mainjob import MainJob
 
@@ -23,7 +23,7 @@ from bubbles.simulator.mainjob import MainJob
 class JobOutcome:
     """What happened to one fill job."""
 
-    job: FillJob
+    job: FillJobRequest
     placement: Placement | None = None
     done: bool = False
     samples_done: float = 0.0
@@ -54,7 +54,7 @@ class SimResult:
 
 def simulate(
     main: MainJob,
-    jobs: Sequence[FillJob],
+    jobs: Sequence[FillJobRequest],
     policy: str | Policy = "fifo",
     *,
     hours: float | None = None,

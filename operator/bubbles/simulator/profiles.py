@@ -13,18 +13,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from bubbles.api import WorkloadKind
 from bubbles.plan import FillNode
 from bubbles.scheduler.core import FillConfig, FillProfile
-
-KINDS = ("training", "batch-inference")
 
 
 def default_profiles_path() -> Path:
     return Path(str(resources.files("bubbles.simulator.data").joinpath("model_profiles.json")))
 
 
-def load_profiles(path: str | Path | None = None) -> dict[tuple[str, str], FillProfile]:
-    """Profiles keyed by (model, kind). Raises ValueError naming the file and the first bad field."""
+def load_profiles(path: str | Path | None = None) -> dict[tuple[str, WorkloadKind], FillProfile]:
+    """Profiles keyed by (model, kind), a kind written as its WorkloadKind label in the file.
+    Raises ValueError naming the file and the first bad field."""
     p = Path(path) if path is not None else default_profiles_path()
     try:
         doc = json.loads(p.read_text())
@@ -40,18 +40,16 @@ def load_profiles(path: str | Path | None = None) -> dict[tuple[str, str], FillP
         raise ValueError(f"model profiles {p}: {e}") from None
 
 
-def parse_profiles(doc: Any) -> dict[tuple[str, str], FillProfile]:
+def parse_profiles(doc: Any) -> dict[tuple[str, WorkloadKind], FillProfile]:
     if not isinstance(doc, dict) or not isinstance(doc.get("models"), list) or not doc["models"]:
         raise ValueError('expected an object with a non-empty "models" list')
-    out: dict[tuple[str, str], FillProfile] = {}
+    out: dict[tuple[str, WorkloadKind], FillProfile] = {}
     for i, m in enumerate(doc["models"]):
         where = f"models[{i}]"
         if not isinstance(m, dict):
             raise ValueError(f"{where} must be an object")
         model = _str(m, "model", where)
-        kind = _str(m, "kind", where)
-        if kind not in KINDS:
-            raise ValueError(f"{where}.kind {kind!r} is not one of {', '.join(KINDS)}")
+        kind = WorkloadKind.parse(_str(m, "kind", where), f"{where}.kind")
         configs = []
         raw = m.get("configs")
         if not isinstance(raw, list) or not raw:

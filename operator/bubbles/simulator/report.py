@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from bubbles.simulator.engine import SimResult
 
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from bubbles.scheduler.core import FillJob, FillProfile
+
+from bubbles.api import WorkloadKind
+from bubbles.scheduler.core import FillJobRequest, FillProfile
 
 ALIBABA_COLUMNS = ("name", "num_gpu", "qos", "creation_time", "deletion_time", "scheduled_time")
 TRACE_COLUMNS = ("arrival_s", "model", "kind")
@@ -68,17 +70,17 @@ class FilterStats:
 
 @dataclass(frozen=True)
 class TraceJob:
-    """One row of a fill-job trace."""
+    """One row of a fill-job trace (its ``kind`` column is the WorkloadKind's label)."""
 
     job_id: str
     arrival_s: float
     model: str
-    kind: str
+    kind: WorkloadKind
     samples: int
     deadline_s: float | None = None
 
-    def to_fill_job(self, profiles: Mapping[tuple[str, str], FillProfile]) -> FillJob:
-        return FillJob(
+    def to_fill_job(self, profiles: Mapping[tuple[str, WorkloadKind], FillProfile]) -> FillJobRequest:
+        return FillJobRequest(
             self.job_id, profiles[(self.model, self.kind)], self.samples, self.arrival_s, self.deadline_s
         )
 
@@ -136,7 +138,7 @@ def read_alibaba(path: str | Path, cap_gpu_hours: float = 1.0) -> tuple[list[Ali
 
 def generate_trace(
     tasks: Sequence[AlibabaTask],
-    profiles: Mapping[tuple[str, str], FillProfile],
+    profiles: Mapping[tuple[str, WorkloadKind], FillProfile],
     *,
     jobs: int,
     hours: float,
@@ -160,9 +162,10 @@ def generate_trace(
         raise ValueError(
             "the filtered trace has fewer than 2 usable tasks; pass a larger excerpt of the trace"
         )
-    missing = [(m, k) for m, _, _ in mix for k in ("batch-inference",) if (m, k) not in profiles]
+    missing = [f"{m}/{WorkloadKind.BATCH_INFERENCE.label}" for m, _, _ in mix
+               if (m, WorkloadKind.BATCH_INFERENCE) not in profiles]
     if missing:
-        raise ValueError(f"no profile for {missing}; add them to the model profiles file")
+        raise ValueError(f"no profile for {', '.join(missing)}; add them to the model profiles file")
     rng = np.random.default_rng(seed)
     arrivals = np.array([t.arrival_s for t in usable])
     gaps = np.diff(arrivals, prepend=arrivals[0])
@@ -186,8 +189,9 @@ def generate_trace(
     for n in range(jobs):
         k = int(pick[n])
         model, params, _ = mix[int(bucket[k])]
-        kind = "training" if params < TRAINING_MAX_PARAMS and coin[n] < 0.5 else "batch-inference"
-        prof = profiles.get((model, kind)) or profiles[(model, "batch-inference")]
+        kind = (WorkloadKind.TRAINING if params < TRAINING_MAX_PARAMS and coin[n] < 0.5
+                else WorkloadKind.BATCH_INFERENCE)
+        prof = profiles.get((model, kind)) or profiles[(model, WorkloadKind.BATCH_INFERENCE)]
         kind = prof.kind
         work_s = float(sizes[k]) * 3600.0
         samples = max(1, round(work_s * prof.isolated_samples_per_s))
@@ -206,18 +210,18 @@ def write_trace(path: str | Path, jobs: Iterable[TraceJob]) -> None:
                     j.job_id,
                     f"{j.arrival_s:.3f}",
                     j.model,
-                    j.kind,
+                    j.kind.label,
                     j.samples,
                     "" if j.deadline_s is None else f"{j.deadline_s:.3f}",
                 ]
             )
 
 
-def read_trace(path: str | Path, profiles: Mapping[tuple[str, str], FillProfile]) -> list[TraceJob]:
+def read_trace(path: str | Path, profiles: Mapping[tuple[str, WorkloadKind], FillProfile]) -> list[TraceJob]:
     """Read our fill-job trace CSV; raise TraceError naming the line and what to fix."""
     p = Path(path)
     out: list[TraceJob] = []
-    known = sorted({f"{m}/{k}" for m, k in profiles})
+    known = sorted({f"{m}/{k.label}" for m, k in profiles})
     try:
         with p.open(newline="") as f:
             reader = csv.DictReader(f)
@@ -244,7 +248,7 @@ def _row(
     p: Path,
     line: int,
     r: dict[str, str],
-    profiles: Mapping[tuple[str, str], FillProfile],
+    profiles: Mapping[tuple[str, WorkloadKind], FillProfile],
     known: list[str],
     seen: set[str],
 ) -> TraceJob:
@@ -254,9 +258,13 @@ def _row(
         raise TraceError(f"{where}: job_id {job_id!r} appears twice; give each job a unique id")
     seen.add(job_id)
     arrival = _num(where, "arrival_s", r.get("arrival_s"))
-    model, kind = (r.get("model") or "").strip(), (r.get("kind") or "").strip()
+    model, kind_text = (r.get("model") or "").strip(), (r.get("kind") or "").strip()
+    try:
+        kind = WorkloadKind.parse(kind_text, "kind")
+    except ValueError as e:
+        raise TraceError(f"{where}: {e}; known profiles: {', '.join(known)}") from None
     if (model, kind) not in profiles:
-        raise TraceError(f"{where}: no profile for model {model!r} kind {kind!r}; known: {', '.join(known)}")
+        raise TraceError(f"{where}: no profile for model {model!r} kind {kind.label!r}; known: {', '.join(known)}")
     if (r.get("samples") or "").strip():
         samples = _num(where, "samples", r.get("samples"))
     else:

@@ -1,0 +1,243 @@
+"""The agent's configuration: one frozen, self-validating ``AgentConfig``, loaded in one place.
+
+``load_settings`` merges, in this order (a later source wins): built-in defaults, a YAML file
+(``--config FILE``), the environment (``BUBBLES_AGENT_<KEY>``; ``BUBBLES_RUN_DIR`` and ``BUBBLES_TRAINING``
+too, which the training's hook reads as well), and the command line's flags. Every key has one name in all
+three, the flag's without its dashes (``grace_ms``, ``metrics_port``, ``mps_pipe_dir``...). A bad value
+raises ``ConfigError`` naming the flag and where the value came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bubbles import paths
+from bubbles.api import FillMode, IsolationMode
+
+from .core import CoreConfig
+from .guard import GuardConfig
+from .isolation import IsolationConfig
+from .launcher import assign_device, parse_devices
+
+ENV_PREFIX = "BUBBLES_AGENT_"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one agent process is configured with; invalid values raise ``ConfigError`` here."""
+
+    run_dir: Path
+    training: str
+    executors: int = 1
+    mode: FillMode = FillMode.HARVEST
+    grace_s: float = 0.050
+    budget: float = 0.01
+    pin_cores: bool = True
+    metrics: bool = False  # serve Prometheus metrics
+    metrics_port: int = 9400  # its TCP port; 0: any free port (the ready file says which)
+    metrics_addr: str = "127.0.0.1"
+    ready_file: Path | None = None
+    guard: GuardConfig | None = None  # default: GuardConfig(budget=budget)
+    devices: tuple[str, ...] = ()  # "cpu" | "cuda:N", executor k gets devices[k % len]; () = CPU core k
+    isolation: IsolationConfig = field(default_factory=IsolationConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.executors, bool) or not isinstance(self.executors, int) or self.executors < 1:
+            raise ConfigError(f"--executors must be >= 1 (one per local pipeline stage), got {self.executors}")
+        try:
+            paths.check_name("training", self.training)
+            object.__setattr__(self, "mode", FillMode.parse(self.mode, "--mode"))
+            for d in self.devices:
+                parse_devices(d)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not self.grace_s > 0:
+            raise ConfigError(f"--grace-ms must be > 0, got {self.grace_s * 1e3:g}")
+        if not 0 < self.budget < 1:
+            raise ConfigError(f"--slowdown-budget must be a fraction in (0, 1) (0.01 = 1%), got {self.budget}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be a TCP port (0 = any free port), got {self.metrics_port}")
+
+    @property
+    def guard_config(self) -> GuardConfig:
+        return self.guard or GuardConfig(budget=self.budget)
+
+    def executor_devices(self) -> tuple[tuple[str, int | None], ...]:
+        """(device, CPU core or None) per executor."""
+        return tuple(assign_device(k, self.devices, self.pin_cores) for k in range(self.executors))
+
+    def core(self) -> CoreConfig:
+        """What the pure core needs of this configuration."""
+        return CoreConfig(run_dir=self.run_dir, training=self.training, executors=self.executor_devices(),
+                          mode=self.mode, grace_s=self.grace_s, guard=self.guard_config,
+                          isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """What ``bubbles agent`` runs with: the configuration plus the command's own inputs and outputs."""
+
+    config: AgentConfig
+    fill_jobs: tuple[Path, ...] = ()
+    stats: Path | None = None
+    log_level: str = "INFO"
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        return int(value.strip())
+    raise ValueError(f"expected an integer, got {value!r}")
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        return float(value.strip())
+    raise ValueError(f"expected a number, got {value!r}")
+
+
+def _as_str(value: Any) -> str:
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ValueError(f"expected a non-empty string, got {value!r}")
+
+
+def _as_path(value: Any) -> Path:
+    return Path(_as_str(value) if not isinstance(value, Path) else value)
+
+
+def _as_devices(value: Any) -> tuple[str, ...]:
+    if isinstance(value, list | tuple):
+        value = ",".join(map(str, value))
+    return parse_devices(_as_str(value))
+
+
+def _as_paths(value: Any) -> tuple[Path, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.split(os.pathsep) if v]
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"expected a list of paths, got {value!r}")
+    return tuple(_as_path(v) for v in value)
+
+
+# key -> how a value from the file or the environment is read (flags arrive typed from argparse)
+KEYS: dict[str, Callable[[Any], Any]] = {
+    "run_dir": _as_path, "training": _as_str, "executors": _as_int, "fill_job": _as_paths, "mode": _as_str,
+    "grace_ms": _as_float, "slowdown_budget": _as_float, "pin_cores": _as_bool, "metrics": _as_bool,
+    "metrics_port": _as_int, "metrics_addr": _as_str, "stats": _as_path, "ready_file": _as_path,
+    "log_level": _as_str, "devices": _as_devices, "isolation": _as_str, "allow_unisolated": _as_bool,
+    "mps_control": _as_str, "mps_pipe_dir": _as_path, "mps_log_dir": _as_path, "mps_thread_percentage": _as_int,
+    "mps_check_interval": _as_float,
+}
+LEGACY_ENV = {"run_dir": "BUBBLES_RUN_DIR", "training": "BUBBLES_TRAINING"}
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _read(key: str, value: Any, where: str) -> Any:
+    try:
+        return KEYS[key](value)
+    except ValueError as exc:
+        message = str(exc)
+        if not message.startswith(_flag(key)):
+            message = f"{_flag(key)} {where}: {message}"
+        raise ConfigError(message) from None
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """The keys of a YAML configuration file, read and checked; ConfigError for a missing or bad file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the agent configuration {path}: {exc.strerror or exc}") from None
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the agent configuration must be a mapping of keys like executors: 2")
+    unknown = sorted(set(map(str, data)) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(KEYS))}")
+    return {k: _read(k, v, f"in {path}") for k, v in data.items()}
+
+
+def merge_sources(flags: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None) -> dict[str, Any]:
+    """File, then environment, then flags (``None`` in ``flags``: not given): the winning value of each key."""
+    values: dict[str, Any] = load_file(config_file) if config_file is not None else {}
+    for key in KEYS:
+        for name in (ENV_PREFIX + key.upper(), LEGACY_ENV.get(key)):
+            if name and environ.get(name):
+                values[key] = _read(key, environ[name], f"from ${name}")
+                break
+    values.update({k: _read(k, v, "on the command line") for k, v in flags.items() if k in KEYS and v is not None})
+    return values
+
+
+def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+                  config_file: Path | None = None) -> AgentSettings:
+    """The agent's settings from its three sources (see the module's documentation); ConfigError if invalid."""
+    v = merge_sources(flags, os.environ if environ is None else environ, config_file)
+    metrics_port = v.get("metrics_port")
+    try:
+        isolation = IsolationConfig(
+            mode=v.get("isolation", IsolationMode.CONTEXTS), allow_unisolated=v.get("allow_unisolated", False),
+            mps_control=v.get("mps_control"), mps_pipe_dir=v.get("mps_pipe_dir"), mps_log_dir=v.get("mps_log_dir"),
+            mps_thread_percentage=v.get("mps_thread_percentage", 50),
+            check_interval_s=v.get("mps_check_interval", 1.0))
+    except ValueError as exc:
+        message = str(exc)
+        for said, flag in (("MPS active thread percentage", "--mps-thread-percentage"),
+                           ("isolation check interval must be > 0 s,", "--mps-check-interval must be > 0 seconds,"),
+                           ("isolation mode", "--isolation")):
+            message = message.replace(said, flag)
+        raise ConfigError(message) from None
+    config = AgentConfig(
+        run_dir=v.get("run_dir") or paths.default_run_dir(),
+        training=v.get("training") or paths.default_training(),
+        executors=v.get("executors", 1),
+        mode=v.get("mode", FillMode.HARVEST),
+        grace_s=v.get("grace_ms", 50.0) / 1e3,
+        budget=v.get("slowdown_budget", 0.01),
+        pin_cores=v.get("pin_cores", True),
+        # --metrics-port alone turns the endpoint on; --no-metrics turns it off whatever the port.
+        metrics=v.get("metrics", metrics_port is not None),
+        metrics_port=9400 if metrics_port is None else metrics_port,
+        metrics_addr=v.get("metrics_addr", "127.0.0.1"),
+        ready_file=v.get("ready_file"),
+        devices=v.get("devices", ()),
+        isolation=isolation,
+    )
+    return AgentSettings(config, fill_jobs=tuple(v.get("fill_job", ())), stats=v.get("stats"),
+                         log_level=v.get("log_level", "INFO"))

@@ -1,0 +1,797 @@
+"""The agent's decisions, as a pure core: inputs in, actions out, the clock injected.
+
+Like DeepSpeed's pipeline schedules, which yield instructions for the engine to execute, ``AgentCore``
+never touches a socket, a process, a thread or the wall clock. Its inputs are the training's datagrams
+(``on_datagram``), a fill process's control lines (``on_control_line``), launch results, process exits,
+isolation health (``on_isolation``) and timer ticks (``tick``); what it decides comes out of
+``take_actions()`` as ``Launch``, ``Send``, ``Signal`` and ``Release`` values, which the shell
+(``bubbles.agent.server.Agent``) carries out. Tests drive it with plain calls and a fake clock.
+
+Per executor (stage k): the PROFILE gives the bubble cycle; the queued job is planned against it
+(``bubbles.plan``; a job that fits no bubble is rejected), launched, initialized and armed in the
+executor's fill mode. Each BUBBLE_END arms a watchdog: a job still inside a step ``grace`` after the bubble
+ended is SIGKILLed. ITERATION messages from the lowest stage feed the slowdown guard, whose share goes to
+every armed job. Isolation fails closed: a fill job starts only while the chosen mode works (or the user
+allowed running unisolated); jobs whose isolation was lost are stopped and resubmitted (a new record, at
+most ``MAX_ISOLATION_RESUBMISSIONS`` times).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import signal
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from bubbles import control, paths, wire
+from bubbles.api import (
+    AgentStatus,
+    ExecutorStatus,
+    FillJobSpec,
+    FillMode,
+    FillNode,
+    FillState,
+    GuardStatus,
+    IsolationMode,
+    IsolationState,
+    IsolationStatus,
+    JobStatus,
+    ModeTotals,
+)
+from bubbles.cycle import BubbleCycle
+from bubbles.lifecycle import InvalidTransition, transition
+from bubbles.plan import PlanError, bubbles_of, plan_partitions
+
+from .guard import GuardConfig, SlowdownGuard
+from .ledger import HarvestLedger
+
+log = logging.getLogger("bubbles.agent")
+
+MAX_STEP_RECORDS = 200_000
+MAX_BUBBLE_RECORDS = 200_000
+MAX_EVENTS = 10_000
+MAX_OPEN_BUBBLES = 256
+MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
+UNISOLATED = "unisolated"  # JobRecord.isolation of a job launched without working isolation
+
+
+# -- what the core decides --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    """Start ``job``'s process on ``device`` (pinned to ``core``); ``isolated``: give it the isolation's
+    client environment. Report back with ``AgentCore.launched`` or ``AgentCore.launch_failed``."""
+
+    job: JobRecord
+    device: str
+    core: int | None
+    socket_path: Path
+    isolated: bool
+
+
+@dataclass(frozen=True)
+class Send:
+    """Write one control command (``bubbles.control``) to ``job``'s process."""
+
+    job: JobRecord
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Signal:
+    """Send ``sig`` to ``job``'s process."""
+
+    job: JobRecord
+    sig: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """``job``'s process has exited: close its descriptors and remove its fill socket."""
+
+    job: JobRecord
+    socket_path: Path
+
+
+Action = Launch | Send | Signal | Release
+
+
+class MetricsSink(Protocol):
+    """Where the core reports events that are counted, not derived from its state (Prometheus in the shell)."""
+
+    def kill(self, stage: int, device: str, job: str) -> None: ...
+    def rejected(self, stage: int, source: str) -> None: ...
+    def iteration(self, stage: int, seconds: float) -> None: ...
+    def share(self, value: float) -> None: ...
+
+
+class NullSink:
+    """The do-nothing default: the core runs the same with or without a metrics endpoint."""
+
+    def kill(self, stage: int, device: str, job: str) -> None:
+        pass
+
+    def rejected(self, stage: int, source: str) -> None:
+        pass
+
+    def iteration(self, stage: int, seconds: float) -> None:
+        pass
+
+    def share(self, value: float) -> None:
+        pass
+
+
+# -- the core's state ----------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class JobRecord:
+    """The agent's record of one running (or queued, or ended) fill job; identity is the object."""
+
+    id: int
+    spec: FillJobSpec
+    stage: int
+    state: FillState = FillState.SUBMITTED
+    reason: str = ""
+    steps: int = 0
+    flops: float = 0.0
+    launched: bool = False  # a process exists (until its exit is handled)
+    has_control: bool = False  # the process speaks the control protocol (SDK jobs)
+    in_step: tuple[int, int] | None = None  # (step start ns, bubble seq) between step_begin and step
+    armed: FillMode | None = None  # the mode the job was armed in; None: disarmed
+    step_s: float | None = None
+    planned_with_step: bool = False
+    finished: bool = False
+    last_error: str = ""
+    job_totals: dict[str, list[float]] = field(default_factory=dict)  # mode label -> [steps, flops]
+    isolation: str | None = None  # at launch: the isolation mode it was a client of, or "unisolated"
+    isolation_epoch: int = 0  # IsolationStatus.epoch at launch
+    resubmission: int = 0  # how often this spec was resubmitted after losing isolation
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def iterative(self) -> bool:
+        return self.spec.iterative
+
+    def status(self) -> JobStatus:
+        return JobStatus(self.name, self.stage, self.state, self.reason, self.steps, self.flops, self.step_s,
+                         self.isolation, self.resubmission)
+
+
+@dataclass(eq=False)
+class ExecutorState:
+    """One executor (a pipeline stage's accelerator on this node) as the core sees it."""
+
+    index: int
+    device: str
+    core: int | None
+    mode: FillMode
+    cycle: BubbleCycle | None = None
+    queue: deque[JobRecord] = field(default_factory=deque)
+    active: JobRecord | None = None
+    open_bubbles: dict[int, wire.BubbleStart] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """What the core needs to know of the agent's configuration (``AgentConfig.core()`` builds it)."""
+
+    run_dir: Path
+    training: str
+    executors: tuple[tuple[str, int | None], ...]  # (device, CPU core or None) per executor
+    mode: FillMode = FillMode.HARVEST
+    grace_s: float = 0.050
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    isolation_mode: IsolationMode = IsolationMode.CONTEXTS
+    allow_unisolated: bool = False
+
+
+@dataclass(frozen=True)
+class StageTotals:
+    stage: int
+    device: str
+    mode: str
+    bubble_s: float
+    filled_s: float
+    overrun_s: float
+
+
+@dataclass(frozen=True)
+class JobTotals:
+    stage: int
+    device: str
+    mode: str
+    job: str
+    steps: int
+    flops: float
+
+
+@dataclass(frozen=True)
+class IsolationTotals:
+    mode: str  # contexts | mps | none
+    state: str  # ready | unavailable | recovering | unisolated
+    losses: int  # times working isolation was lost
+    mps_restarts: int | None  # MPS control daemon restarts; None when no daemon is involved
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The totals the metrics endpoint exports, read at scrape time."""
+
+    stages: list[StageTotals]
+    jobs: list[JobTotals]
+    job_states: list[tuple[int, str, str]]  # (stage, device, state) per job
+    isolation: IsolationTotals | None = None
+
+
+def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationStatus:
+    """What the agent acts on: ``raw``, or ``unisolated`` where isolation is broken but the user allows that."""
+    if raw.usable or not allow_unisolated:
+        return raw
+    return replace(raw, state=IsolationState.UNISOLATED,
+                   detail=f"{raw.detail}; fill jobs run WITHOUT isolation because --allow-unisolated is set")
+
+
+class _RateLimitedLog:
+    """Log at most once per interval; say how many were suppressed in between."""
+
+    def __init__(self, clock: Callable[[], int], interval_s: float = 1.0) -> None:
+        self.clock = clock
+        self.interval_ns = int(interval_s * 1e9)
+        self.last_ns: int | None = None
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = self.clock()
+        if self.last_ns is None or now - self.last_ns >= self.interval_ns:
+            extra = f" ({self.suppressed} more suppressed)" if self.suppressed else ""
+            log.warning(msg + extra, *args)
+            self.last_ns = now
+            self.suppressed = 0
+        else:
+            self.suppressed += 1
+
+
+# -- the core -----------------------------------------------------------------------------------------------
+class AgentCore:
+    """Every decision of the node agent for one training's stages; see the module's documentation."""
+
+    def __init__(self, config: CoreConfig, clock: Callable[[], int], sink: MetricsSink | None = None) -> None:
+        if not config.executors:
+            raise ValueError("the agent needs at least one executor")
+        paths.check_name("training", config.training)
+        self.config = config
+        self.clock = clock
+        self.sink: MetricsSink = sink or NullSink()
+        self.executors = [ExecutorState(k, device, core, config.mode)
+                          for k, (device, core) in enumerate(config.executors)]
+        self.jobs: list[JobRecord] = []
+        self.ledgers = {m.label: HarvestLedger() for m in FillMode}
+        self.steps: list[dict[str, Any]] = []
+        self.bubbles: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.rejected_messages = 0
+        self.rejected_jobs = 0
+        self.kills = 0
+        self.guard: SlowdownGuard | None = None
+        self.guard_stage: int | None = None
+        self.share = 1.0
+        self.fill_paused = False
+        # The raw status from the isolation backend, and the effective one the core acts on (effective_status).
+        self.isolation_raw = IsolationStatus(config.isolation_mode, IsolationState.UNAVAILABLE, "not started")
+        self.isolation_status = self.isolation_raw
+        self.isolation_losses = 0
+        self.serving = False  # the shell has bound the executors' sockets: queued jobs may be admitted
+        self._actions: list[Action] = []
+        self._timers: list[tuple[int, int, JobRecord, int, int]] = []  # (deadline, tie, job, bubble seq, end)
+        self._tie = itertools.count()
+        self._ids = itertools.count()
+        self._rejected_log = _RateLimitedLog(clock)
+
+    # -- the shell's side of the conversation --------------------------------------------------------------
+    def take_actions(self) -> list[Action]:
+        """The actions decided since the last call, in order."""
+        actions, self._actions = self._actions, []
+        return actions
+
+    def next_deadline_ns(self) -> int | None:
+        """When ``tick`` has work next (a watchdog), or None."""
+        return self._timers[0][0] if self._timers else None
+
+    def due_watchdogs(self, now_ns: int) -> list[JobRecord]:
+        """Jobs whose watchdog is due: the shell reads their pending control lines before ``tick``."""
+        return [t[2] for t in self._timers if t[0] <= now_ns]
+
+    # -- inputs ------------------------------------------------------------------------------------------
+    def submit(self, spec: FillJobSpec) -> JobRecord:
+        """Queue a fill job (SUBMITTED) on its stage, or on the executor with the fewest jobs; ValueError if
+        it cannot be queued (a duplicate name, no such stage, a GPU job without a memory limit)."""
+        if any(j.name == spec.name and j.state is not FillState.STOPPED for j in self.jobs):
+            raise ValueError(f"a fill job named {spec.name!r} is already running; names must be unique")
+        if spec.stage is not None:
+            if spec.stage >= len(self.executors):
+                raise ValueError(f"fill job {spec.name!r} asks for stage {spec.stage}, but the agent has "
+                                 f"{len(self.executors)} executor(s); raise --executors or fix 'stage'")
+            ex = self.executors[spec.stage]
+        else:
+            ex = min(self.executors, key=lambda e: len(e.queue) + (e.active is not None))
+        if control.cuda_device_index(ex.device) is not None and spec.memory_bytes <= 0:
+            raise ValueError(f"fill job {spec.name!r} would run on {ex.device} but declares no memory limit; "
+                             "a GPU fill job must set 'memory', a hard limit (e.g. memory: 2Gi), so that it "
+                             "cannot take the training's memory")
+        job = JobRecord(next(self._ids), spec, ex.index)
+        self.jobs.append(job)
+        ex.queue.append(job)
+        self._event(ex.index, job.name, "submitted", "queued")
+        if self.serving:
+            self._admit(ex)
+        return job
+
+    def start_serving(self) -> None:
+        """The executors' sockets are bound: from now on a profiled stage admits its queued jobs."""
+        self.serving = True
+
+    def on_datagram(self, stage: int, data: bytes) -> None:
+        """One datagram from the training's hook, received on ``stage``'s socket."""
+        ex = self.executors[stage]
+        try:
+            msg = wire.decode(data)
+        except wire.WireError as exc:
+            self._reject(ex.index, "datagram", str(exc))
+            return
+        if msg.stage != ex.index:
+            self._reject(ex.index, "datagram", f"{msg.kind.name} for stage {msg.stage} sent to stage "
+                         f"{ex.index}'s socket")
+            return
+        self._on_message(ex, msg)
+
+    def on_control_line(self, job: JobRecord, line: bytes) -> None:
+        """One line from a fill process's control channel."""
+        try:
+            ev = control.parse_event(line)
+        except control.ControlError as exc:
+            self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
+            return
+        self._on_event(job, ev)
+
+    def launched(self, job: JobRecord, *, has_control: bool) -> None:
+        """The shell started ``job``'s process (after a ``Launch``)."""
+        raw = self.isolation_raw
+        job.isolation = raw.mode.label if raw.state == IsolationState.READY and raw.mode != IsolationMode.NONE \
+            else UNISOLATED
+        job.isolation_epoch = raw.epoch
+        if job.reason.startswith("waiting for isolation"):
+            job.reason = ""
+        job.launched = True
+        job.has_control = has_control
+        job.step_s = job.spec.gating_step_s
+        self._set_state(job, FillState.CREATED)
+        if has_control:
+            self._send(job, "init")
+        else:
+            # A plain command has no init handshake: the mode decides at once whether it is frozen (until its
+            # stage's first bubble) or runs freely (naive).
+            self._set_state(job, FillState.PAUSED)
+            self._apply_mode(self.executors[job.stage], job)
+
+    def launch_failed(self, job: JobRecord, error: str) -> None:
+        """The shell could not start ``job``'s process; the next queued job gets its turn."""
+        log.error("stage %d: fill job %r failed to start: %s", job.stage, job.name, error)
+        ex = self.executors[job.stage]
+        if ex.active is job:
+            ex.active = None
+        self._set_state(job, FillState.STOPPED, f"failed to start: {error}")
+        self._admit(ex)
+
+    def on_exit(self, job: JobRecord, code: int | None) -> None:
+        """``job``'s process exited with ``code`` (its pending control lines already delivered)."""
+        if not job.launched:
+            return
+        if job.state is not FillState.STOPPED:
+            if job.finished or code == 0:
+                self._set_state(job, FillState.STOPPED, "finished")
+            else:
+                detail = f": {job.last_error}" if job.last_error else ""
+                log.error("stage %d: fill job %r exited with code %s%s", job.stage, job.name, code, detail)
+                self._set_state(job, FillState.STOPPED, f"failed: exited with code {code}{detail}")
+        self._release(job)
+        ex = self.executors[job.stage]
+        if ex.active is job:
+            ex.active = None
+            self._admit(ex)
+
+    def tick(self, now_ns: int) -> None:
+        """Fire the watchdogs that are due at ``now_ns``."""
+        while self._timers and self._timers[0][0] <= now_ns:
+            _, _, job, seq, end_ns = heapq.heappop(self._timers)
+            self._watchdog(job, seq, end_ns)
+
+    def on_isolation(self, raw: IsolationStatus) -> None:
+        """Act on a health check: record changes, stop jobs whose isolation is gone, admit or hold jobs."""
+        prev_raw, prev = self.isolation_raw, self.isolation_status
+        status = effective_status(raw, self.config.allow_unisolated)
+        self.isolation_raw, self.isolation_status = raw, status
+        if prev_raw.state == IsolationState.READY and raw.state != IsolationState.READY:
+            self.isolation_losses += 1
+        if (status.state, status.detail) != (prev.state, prev.detail):
+            level = {IsolationState.READY: logging.INFO,
+                     IsolationState.UNISOLATED: logging.WARNING}.get(status.state, logging.ERROR)
+            log.log(level, "isolation (%s) %s: %s", status.mode, status.state.upper(), status.detail)
+            self._event(-1, "", "isolation", f"{status.state}: {status.detail}")
+        for ex in self.executors:
+            job = ex.active
+            if job is None or not job.launched or job.state is FillState.STOPPED:
+                continue
+            if status.usable and not (job.isolation == raw.mode
+                                      and (raw.state != IsolationState.READY or job.isolation_epoch != raw.epoch)):
+                continue
+            # READY again but in a new epoch: the outage was shorter than a check interval.
+            lost = raw.detail if raw.state != IsolationState.READY \
+                else f"{raw.mode} isolation was re-established ({raw.detail})"
+            self._stop_job(job, f"isolation lost: {lost}")
+            self._resubmit(job)
+        for ex in self.executors:
+            if status.usable:
+                self._admit(ex)
+            else:
+                self._hold(ex)
+
+    def begin_shutdown(self) -> list[JobRecord]:
+        """Cancel queued jobs and ask running ones to stop; the jobs whose processes the shell must reap."""
+        for job in self.jobs:
+            if job.state is FillState.SUBMITTED:
+                self._set_state(job, FillState.STOPPED, "cancelled: agent shut down")
+            elif job.launched and job.state is not FillState.STOPPED:
+                self._ask_to_stop(job)
+        return [j for j in self.jobs if j.launched]
+
+    def reaped_at_shutdown(self, job: JobRecord) -> None:
+        """``job``'s process is gone at shutdown (its pending control lines already delivered)."""
+        if job.state is not FillState.STOPPED:
+            self._set_state(job, FillState.STOPPED, "finished" if job.finished else "stopped: agent shut down")
+        self._release(job)
+
+    # -- bubble signals ------------------------------------------------------------------------------------
+    def _reject(self, stage: int, source: str, why: str) -> None:
+        self.rejected_messages += 1
+        self.sink.rejected(stage, source)
+        self._rejected_log.warning("stage %d: dropped a malformed %s message: %s", stage, source, why)
+
+    def _on_message(self, ex: ExecutorState, msg: wire.Message) -> None:
+        if isinstance(msg, wire.BubbleStart):
+            ex.open_bubbles[msg.seq] = msg
+            if len(ex.open_bubbles) > MAX_OPEN_BUBBLES:  # ENDs lost: forget the oldest
+                ex.open_bubbles.pop(next(iter(ex.open_bubbles)))
+            job = ex.active
+            if (job is not None and job.launched and not job.iterative and ex.mode is FillMode.HARVEST
+                    and not self.fill_paused and job.state is FillState.PAUSED):
+                self._signal(job, signal.SIGCONT)
+                self._set_state(job, FillState.RUNNING)
+        elif isinstance(msg, wire.BubbleEnd):
+            start = ex.open_bubbles.pop(msg.seq, None)
+            if start is not None and msg.end_ns >= start.start_ns:
+                self.ledgers[ex.mode.label].add_bubble(ex.index, start.start_ns, msg.end_ns)
+                if len(self.bubbles) < MAX_BUBBLE_RECORDS:
+                    self.bubbles.append({"stage": ex.index, "slot": msg.slot, "start_ns": start.start_ns,
+                                         "end_ns": msg.end_ns, "mode": ex.mode.label})
+            job = ex.active
+            if job is None or ex.mode is not FillMode.HARVEST or job.state is FillState.STOPPED:
+                return
+            if job.iterative:
+                deadline = msg.end_ns + int(self.config.grace_s * 1e9)
+                heapq.heappush(self._timers, (deadline, next(self._tie), job, msg.seq, msg.end_ns))
+            elif job.state is FillState.RUNNING:
+                self._signal(job, signal.SIGSTOP)
+                self._set_state(job, FillState.PAUSED)
+        elif isinstance(msg, wire.Iteration):
+            self.sink.iteration(ex.index, msg.duration_ns / 1e9)
+            self._on_iteration(ex, msg)
+        elif isinstance(msg, wire.Profile):
+            try:
+                cycle = BubbleCycle.from_dict(msg.cycle)
+            except ValueError as exc:
+                self._reject(ex.index, "profile", f"invalid bubble cycle: {exc}")
+                return
+            first = ex.cycle is None
+            ex.cycle = cycle
+            if first:
+                log.info("stage %d: bubble cycle with %d bubble(s), %.1f ms of %.1f ms per iteration",
+                         ex.index, len(cycle.slots), cycle.bubble_s * 1e3, cycle.iteration_s * 1e3)
+                self._event(ex.index, "", "profile", f"{len(cycle.slots)} bubbles, "
+                            f"{cycle.bubble_s * 1e3:.2f} ms of {cycle.iteration_s * 1e3:.2f} ms")
+            self._admit(ex)
+        elif isinstance(msg, wire.FillModeChange) and msg.mode is not ex.mode:
+            log.info("stage %d: fill mode %s -> %s", ex.index, ex.mode.label, msg.mode.label)
+            self._event(ex.index, "", "mode", msg.mode.label)
+            ex.mode = msg.mode
+            ex.open_bubbles.clear()
+            if ex.active is not None:
+                self._apply_mode(ex, ex.active)
+
+    def _on_iteration(self, ex: ExecutorState, msg: wire.Iteration) -> None:
+        if self.guard_stage is None or ex.index < self.guard_stage:
+            self.guard_stage = ex.index
+            self.guard = None
+        if ex.index != self.guard_stage or ex.mode is not FillMode.HARVEST or msg.duration_ns <= 0:
+            return
+        if self.guard is None:
+            if ex.cycle is None or ex.cycle.iteration_s <= 0:
+                return
+            self.guard = SlowdownGuard(ex.cycle.iteration_s, self.config.guard)
+        decision = self.guard.observe(msg.duration_ns / 1e9)
+        if decision.slowdown is not None:
+            log.info("slowdown guard: %s", decision.reason)
+        if decision.share != self.share:
+            self.share = decision.share
+            self.sink.share(self.share)
+            for e in self.executors:
+                if e.active is not None and e.active.armed is not None:
+                    self._send(e.active, "share", share=self.share)
+        if decision.fill_paused != self.fill_paused:
+            self.fill_paused = decision.fill_paused
+            self._event(ex.index, "", "guard", "baseline refresh: fill paused" if self.fill_paused
+                        else "baseline refreshed: fill resumed")
+            for e in self.executors:
+                if e.active is not None:
+                    self._apply_mode(e, e.active)
+
+    # -- control events ------------------------------------------------------------------------------------
+    def _on_event(self, job: JobRecord, ev: control.ControlMessage) -> None:
+        ex = self.executors[job.stage]
+        if ev.type == "step_begin":
+            job.in_step = (ev["t_ns"], ev["bubble_seq"])
+        elif ev.type == "step":
+            job.in_step = None
+            job.steps += 1
+            job.flops += ev["flops"]
+            mode = ev.get("mode") or ex.mode.label
+            totals = job.job_totals.setdefault(mode, [0, 0.0])
+            totals[0] += 1
+            totals[1] += ev["flops"]
+            try:
+                self.ledgers[mode].add_step(job.stage, job.name, ev["start_ns"], ev["end_ns"], float(ev["flops"]))
+            except ValueError as exc:
+                self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
+            if len(self.steps) < MAX_STEP_RECORDS:
+                self.steps.append({"stage": job.stage, "job": job.name, "start_ns": ev["start_ns"],
+                                   "end_ns": ev["end_ns"], "flops": ev["flops"], "mode": mode,
+                                   "signal_ns": ev.get("signal_ns", 0), "bubble_seq": ev.get("bubble_seq", -1)})
+        elif ev.type == "state":
+            if job.state is FillState.STOPPED:
+                return
+            target = FillState(ev["state"])
+            if target is FillState.CREATED or target is job.state:
+                return
+            try:
+                self._set_state(job, target)
+            except InvalidTransition as exc:
+                self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
+                return
+            if target is FillState.PAUSED and job.armed is None:
+                self._apply_mode(ex, job)
+        elif ev.type == "profile":
+            job.step_s = float(ev["step_s"])
+            self._event(job.stage, job.name, "profile", f"step time {job.step_s * 1e3:.3f} ms")
+            if not job.planned_with_step and ex.cycle is not None and job.state is not FillState.STOPPED:
+                job.planned_with_step = True
+                self._plan(ex, job, (FillNode(job.step_s, job.spec.memory_bytes),))
+        elif ev.type == "finished":
+            job.finished = True
+            self._stop_job(job, "finished")
+        elif ev.type == "error":
+            job.last_error = ev["message"]
+            log.error("stage %d: fill job %r reports: %s", job.stage, job.name, job.last_error)
+            self._event(job.stage, job.name, "error", job.last_error)
+
+    # -- watchdog ------------------------------------------------------------------------------------------
+    def _watchdog(self, job: JobRecord, seq: int, end_ns: int) -> None:
+        """Grace period over: kill the job if it is still in a step that belongs to the ended bubble."""
+        if job.state is FillState.STOPPED or job.armed is not FillMode.HARVEST or job.in_step is None:
+            return
+        began_ns, step_seq = job.in_step
+        if step_seq != seq and began_ns > end_ns:
+            return  # a step of a later bubble: its own bubble's end arms its own watchdog
+        ex = self.executors[job.stage]
+        grace_ms = round(self.config.grace_s * 1e3)
+        overdue_ms = (self.clock() - end_ns) / 1e6
+        self.kills += 1
+        self.sink.kill(ex.index, ex.device, job.name)
+        log.error("stage %d: fill job %r still in a step %.1f ms after bubble %d ended: SIGKILL",
+                  ex.index, job.name, overdue_ms, seq)
+        self._event(ex.index, job.name, "kill", f"still in a step {overdue_ms:.1f} ms after bubble {seq} ended")
+        self._stop_job(job, f"killed: did not pause within {grace_ms} ms of bubble end", sig=signal.SIGKILL)
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+    def _hold(self, ex: ExecutorState) -> None:
+        """Fail closed: queued jobs stay SUBMITTED and say what they wait for."""
+        for job in ex.queue:
+            if job.state is FillState.SUBMITTED:
+                job.reason = f"waiting for isolation: {self.isolation_status.detail}"
+
+    def _resubmit(self, job: JobRecord) -> None:
+        """Queue ``job``'s spec again as a new record (STOPPED is final), at most MAX_ISOLATION_RESUBMISSIONS."""
+        count = job.resubmission + 1
+        if count > MAX_ISOLATION_RESUBMISSIONS:
+            job.reason += f" (not resubmitted: already restarted {MAX_ISOLATION_RESUBMISSIONS} times after " \
+                          "isolation losses)"
+            log.error("stage %d: fill job %r lost its isolation again; not resubmitted after %d restarts",
+                      job.stage, job.name, MAX_ISOLATION_RESUBMISSIONS)
+            self._event(job.stage, job.name, "resubmit", "not resubmitted: restart limit reached")
+            return
+        again = JobRecord(next(self._ids), job.spec, job.stage, resubmission=count)
+        again.reason = f"resubmitted after isolation loss ({count}/{MAX_ISOLATION_RESUBMISSIONS})"
+        self.jobs.append(again)
+        self.executors[job.stage].queue.appendleft(again)
+        log.warning("stage %d: fill job %r resubmitted after isolation loss (%d/%d)", job.stage, job.name, count,
+                    MAX_ISOLATION_RESUBMISSIONS)
+        self._event(job.stage, job.name, "resubmit", again.reason)
+
+    def _event(self, stage: int, job: str, kind: str, message: str) -> None:
+        if len(self.events) < MAX_EVENTS:
+            self.events.append({"t_ns": self.clock(), "stage": stage, "job": job, "kind": kind, "message": message})
+
+    def _set_state(self, job: JobRecord, target: FillState, reason: str = "") -> None:
+        if job.state is target:
+            return
+        job.state = transition(job.state, target)
+        if reason:
+            job.reason = reason
+        if target in (FillState.CREATED, FillState.STOPPED) or reason:
+            self._event(job.stage, job.name, "state", f"{target}" + (f": {reason}" if reason else ""))
+        if target is FillState.STOPPED:
+            job.armed = None
+            ex = self.executors[job.stage]
+            if ex.active is job and not job.launched:
+                ex.active = None
+
+    def _admit(self, ex: ExecutorState) -> None:
+        """Launch the next queued job on ``ex`` if it is free, the cycle is known and isolation allows it."""
+        if not self.serving:
+            return
+        if not self.isolation_status.usable:
+            self._hold(ex)
+            return
+        while ex.active is None and ex.queue and ex.cycle is not None:
+            job = ex.queue.popleft()
+            if job.state is not FillState.SUBMITTED:
+                continue
+            nodes = job.spec.plan_nodes()
+            job.planned_with_step = nodes is not None
+            if nodes is None:
+                # Step time unknown until the runtime profiles it: check the memory now, the time later.
+                nodes = (FillNode(1e-9, job.spec.memory_bytes),)
+            if not self._plan(ex, job, nodes, steps=None if job.planned_with_step else 1):
+                continue
+            ex.active = job
+            self._actions.append(Launch(job, ex.device, ex.core, self._fill_socket(job),
+                                        isolated=self.isolation_raw.state == IsolationState.READY))
+
+    def _plan(self, ex: ExecutorState, job: JobRecord, nodes: tuple[FillNode, ...], steps: int | None = None) -> bool:
+        """Check the job against the stage's cycle; reject it (STOPPED) if it fits no bubble.
+
+        ``steps=None`` plans as many steps as one cycle's bubble time holds (Algorithm 1).
+        """
+        assert ex.cycle is not None
+        try:
+            plan = plan_partitions(bubbles_of(ex.cycle), nodes, steps=steps, job=job.name)
+        except PlanError as exc:
+            self.rejected_jobs += 1
+            reason = str(exc)
+            if ex.cycle.slots and all(s.free_bytes == 0 for s in ex.cycle.slots):
+                # 0 is what a training without a memory probe reports (a CPU training by default).
+                reason += (" The training reported no free memory in any bubble: on CPU set BUBBLES_FREE_BYTES"
+                           " in the training's environment, or pass instrument(engine, memory_probe=...).")
+            log.error("stage %d: fill job %r rejected: %s", ex.index, job.name, reason)
+            self._stop_job(job, f"rejected: {reason}")
+            return False
+        except ValueError as exc:  # e.g. a cycle with no bubbles
+            self.rejected_jobs += 1
+            log.error("stage %d: fill job %r cannot be planned: %s", ex.index, job.name, exc)
+            self._stop_job(job, f"rejected: {exc}")
+            return False
+        log.info("stage %d: fill job %r planned: %.2f steps per iteration in bubbles %s", ex.index, job.name,
+                 plan.steps_per_cycle(), sorted(plan.usable_bubbles()))
+        return True
+
+    def _apply_mode(self, ex: ExecutorState, job: JobRecord) -> None:
+        """Arm, re-arm or disarm the active job for the executor's mode and the guard's pause."""
+        if not job.launched or job.state not in (FillState.PAUSED, FillState.RUNNING):
+            return
+        want: FillMode | None = None if ex.mode is FillMode.OFF else ex.mode
+        if self.fill_paused and want is FillMode.HARVEST:
+            want = None
+        if not job.iterative:
+            if want is FillMode.NAIVE:
+                self._signal(job, signal.SIGCONT)
+                self._set_state(job, FillState.RUNNING)
+            else:
+                self._signal(job, signal.SIGSTOP)
+                self._set_state(job, FillState.PAUSED)
+            job.armed = want
+            return
+        if want is job.armed:
+            return
+        if want is None:
+            self._send(job, "disarm")
+        else:
+            self._send(job, "arm", mode=want.label, share=self.share, socket=str(self._fill_socket(job)))
+        job.armed = want
+        job.in_step = None
+
+    def _ask_to_stop(self, job: JobRecord) -> None:
+        self._send(job, "stop")
+        self._signal(job, signal.SIGCONT)
+        if not job.has_control:
+            self._signal(job, signal.SIGTERM)
+
+    def _stop_job(self, job: JobRecord, reason: str, sig: int | None = None) -> None:
+        """STOPPED with ``reason``; ask the process to stop (or signal it) if it runs."""
+        if job.state is FillState.STOPPED:
+            return
+        if job.launched:
+            if sig is not None:
+                self._signal(job, sig)
+            else:
+                self._ask_to_stop(job)
+        self._set_state(job, FillState.STOPPED, reason)
+
+    def _release(self, job: JobRecord) -> None:
+        job.launched = False
+        self._actions.append(Release(job, self._fill_socket(job)))
+
+    def _send(self, job: JobRecord, type_: str, **fields: Any) -> None:
+        if job.launched and job.has_control:
+            self._actions.append(Send(job, type_, fields))
+
+    def _signal(self, job: JobRecord, sig: int) -> None:
+        if job.launched:
+            self._actions.append(Signal(job, sig))
+
+    def _fill_socket(self, job: JobRecord) -> Path:
+        return paths.fill_socket(self.config.run_dir, self.config.training, job.stage, job.name)
+
+    # -- reporting -----------------------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The totals the metrics endpoint exports."""
+        stages: list[StageTotals] = []
+        for mode, ledger in self.ledgers.items():
+            for st in ledger.stages():
+                t = ledger.totals(st)
+                dev = self.executors[st].device if st < len(self.executors) else "cpu"
+                stages.append(StageTotals(st, dev, mode, t.bubble_s, t.filled_s, t.overrun_s))
+        jobs = [JobTotals(j.stage, self.executors[j.stage].device, mode, j.name, int(v[0]), float(v[1]))
+                for j in self.jobs for mode, v in j.job_totals.items()]
+        states = [(j.stage, self.executors[j.stage].device, str(j.state)) for j in self.jobs]
+        iso_st = self.isolation_status
+        restarts = iso_st.daemon.restarts if iso_st.daemon is not None else None
+        iso = IsolationTotals(str(iso_st.mode), str(iso_st.state), self.isolation_losses, restarts)
+        return Snapshot(stages, jobs, states, iso)
+
+    def status(self) -> AgentStatus:
+        """Everything the agent reports, typed (``stats()`` is its JSON form)."""
+        modes = {}
+        for mode, ledger in self.ledgers.items():
+            t = ledger.totals()
+            modes[mode] = ModeTotals(t.fill_steps, t.fill_flops, t.bubble_s, t.filled_s, t.overruns, t.overrun_s,
+                                     t.overrun_p99_ms, t.max_overrun_ms)
+        g = self.guard
+        guard = GuardStatus(self.share, self.guard_stage, g.baseline_s if g else None,
+                            g.slowdown_held() if g else None, tuple(g.history) if g else ())
+        return AgentStatus(
+            training=self.config.training, budget=self.config.guard.budget, grace_ms=self.config.grace_s * 1e3,
+            guard=guard, modes=modes, isolation=self.isolation_status, isolation_losses=self.isolation_losses,
+            executors=tuple(ExecutorStatus(ex.index, ex.device, ex.mode, ex.cycle is not None)
+                            for ex in self.executors),
+            jobs=tuple(j.status() for j in self.jobs), kills=self.kills, rejected_messages=self.rejected_messages,
+            rejected_jobs=self.rejected_jobs, events=tuple(self.events), steps=tuple(self.steps),
+            bubbles=tuple(self.bubbles))
+
+    def stats(self) -> dict[str, Any]:
+        """The status as the stats file's JSON (see the agent's documentation for the format)."""
+        return self.status().to_dict()

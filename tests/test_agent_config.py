@@ -1,0 +1,87 @@
+"""The agent's configuration (bubbles.agent.config): one frozen object, loaded from file, environment and flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bubbles.agent.config import AgentConfig, ConfigError, load_settings
+from bubbles.api import FillMode, IsolationMode
+
+NO_FLAGS: dict[str, Any] = {}
+
+
+def test_file_then_environment_then_flags(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "agent.yaml"
+    cfg_file.write_text("executors: 2\ngrace_ms: 20\ntraining: from-file\nmode: naive\nisolation: none\n")
+    env = {"BUBBLES_AGENT_GRACE_MS": "30", "BUBBLES_TRAINING": "from-env"}
+    s = load_settings({"grace_ms": 40.0, "run_dir": tmp_path}, env, cfg_file)
+    assert s.config.executors == 2  # the file only
+    assert s.config.grace_s == pytest.approx(0.040)  # the flag beats the environment and the file
+    assert s.config.training == "from-env"  # the environment beats the file
+    assert s.config.mode is FillMode.NAIVE and s.config.isolation.mode is IsolationMode.NONE
+    s = load_settings({"run_dir": tmp_path}, env, cfg_file)
+    assert s.config.grace_s == pytest.approx(0.030)
+
+
+def test_defaults_and_the_two_names_of_metrics(tmp_path: Path) -> None:
+    s = load_settings({"run_dir": tmp_path}, {})
+    assert (s.config.executors, s.config.mode, s.config.grace_s, s.config.metrics) == (1, FillMode.HARVEST, 0.05, False)
+    any_port = load_settings({"run_dir": tmp_path, "metrics_port": 0}, {}).config
+    assert any_port.metrics and any_port.metrics_port == 0  # 0 now means "any free port", never "off"
+    off = load_settings({"run_dir": tmp_path, "metrics_port": 9500, "metrics": False}, {}).config
+    assert not off.metrics and off.metrics_port == 9500
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        off.executors = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "needle"),
+    [
+        ({"executors": 0}, {}, "--executors must be >= 1"),
+        ({"grace_ms": 0.0}, {}, "--grace-ms must be > 0"),
+        ({"slowdown_budget": 1.5}, {}, "--slowdown-budget must be a fraction in (0, 1)"),
+        ({"metrics_port": 70000}, {}, "--metrics-port must be a TCP port"),
+        ({"mode": "sometimes"}, {}, "--mode must be one of off, naive, harvest"),
+        ({"training": "Bad_Name"}, {}, "training name 'Bad_Name' is not valid"),
+        ({}, {"BUBBLES_AGENT_EXECUTORS": "two"}, "--executors from $BUBBLES_AGENT_EXECUTORS: invalid literal"),
+        ({}, {"BUBBLES_AGENT_PIN_CORES": "maybe"}, "--pin-cores from $BUBBLES_AGENT_PIN_CORES: expected true or false"),
+        ({"devices": "cuda:x"}, {}, "--devices entry 'cuda:x' is neither cpu nor cuda:N"),
+        ({"mps_thread_percentage": 0}, {}, "--mps-thread-percentage must be 1..100"),
+    ],
+)
+def test_bad_values_name_the_flag_and_their_source(tmp_path: Path, flags: dict[str, Any], env: dict[str, str],
+                                                   needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings({"run_dir": tmp_path, **flags}, env)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("executors: [1, 2]\n", "--executors in "),
+        ("colour: blue\n", "unknown key(s) colour; known keys:"),
+        ("- executors\n", "must be a mapping"),
+        ("executors: 2\n  bad indent: [\n", "not valid YAML"),
+    ],
+)
+def test_a_bad_configuration_file_is_refused_with_the_fix(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "agent.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_settings({"run_dir": tmp_path}, {}, f)
+    assert needle in str(err.value)
+    with pytest.raises(ConfigError, match="cannot read the agent configuration"):
+        load_settings(NO_FLAGS, {}, tmp_path / "missing.yaml")
+
+
+def test_the_config_is_self_validating_when_built_directly(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--executors must be >= 1"):
+        AgentConfig(run_dir=tmp_path, training="t", executors=0)
+    cfg = AgentConfig(run_dir=tmp_path, training="t", executors=3, devices=("cuda:0", "cpu"), pin_cores=False)
+    assert cfg.executor_devices() == (("cuda:0", None), ("cpu:1", None), ("cuda:0", None))
+    assert cfg.core().executors == cfg.executor_devices() and cfg.core().guard.budget == cfg.budget

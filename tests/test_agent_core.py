@@ -1,0 +1,275 @@
+"""The agent's pure core (bubbles.agent.core): messages and ticks in, actions out, with a fake clock.
+
+No sockets, no processes, no sleeps: each test plays the training's hook (datagrams from bubbles.wire),
+the fill process (control lines from bubbles.control) and the shell (launch results, exits), and checks
+the actions the core decides.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bubbles import control, wire
+from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch, Release, Send, Signal
+from bubbles.agent.guard import GuardConfig
+from bubbles.api import FillMode, FillState, IsolationMode, IsolationState, IsolationStatus, parse_spec
+
+MS = 1_000_000
+READY = IsolationStatus(IsolationMode.CONTEXTS, IsolationState.READY, "ready for tests", epoch=1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000 * MS
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def kill(self, stage: int, device: str, job: str) -> None:
+        self.calls.append(("kill", stage, device, job))
+
+    def rejected(self, stage: int, source: str) -> None:
+        self.calls.append(("rejected", stage, source))
+
+    def iteration(self, stage: int, seconds: float) -> None:
+        self.calls.append(("iteration", stage, seconds))
+
+    def share(self, value: float) -> None:
+        self.calls.append(("share", value))
+
+
+def cycle(stage: int = 0, slots: tuple[tuple[float, int], ...] = ((0.005, 1 << 30),),
+          iteration_s: float = 0.05) -> dict[str, Any]:
+    return {
+        "training": "t", "stage": stage, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
+        "iteration_s": iteration_s, "samples": 5,
+        "slots": [{"slot": i, "position": i, "instruction": "RecvGrad", "kind": "steady", "duration_s": d,
+                   "p10_s": d, "p90_s": d, "free_bytes": free} for i, (d, free) in enumerate(slots)],
+    }
+
+
+def make_core(executors: int = 1, **kw: Any) -> tuple[AgentCore, Clock, Sink]:
+    clock, sink = Clock(), Sink()
+    cfg = CoreConfig(run_dir=Path("/run/x"), training="t", executors=tuple(("cpu", None) for _ in range(executors)),
+                     **kw)
+    core = AgentCore(cfg, clock, sink)
+    core.on_isolation(READY)
+    core.start_serving()
+    return core, clock, sink
+
+
+def job_spec(name: str = "j", **fields: Any) -> Any:
+    return parse_spec({"name": name, "entry": "pkg.mod:Job", "memory": "16Mi", "step_time": "1ms", **fields})
+
+
+def started(core: AgentCore, name: str = "j", has_control: bool = True, **fields: Any) -> JobRecord:
+    """Submit, profile stage 0, launch: the job is CREATED (SDK) or PAUSED (plain command)."""
+    job = core.submit(job_spec(name, **fields))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    actions = core.take_actions()
+    assert [type(a) for a in actions] == [Launch] and actions[0].job is job and actions[0].isolated
+    core.launched(job, has_control=has_control)
+    return job
+
+
+def line(type_: str, **fields: Any) -> bytes:
+    return control.encode(type_, **fields).rstrip(b"\n")
+
+
+def armed(core: AgentCore) -> JobRecord:
+    job = started(core)
+    core.on_control_line(job, line("state", state="PAUSED"))
+    return job
+
+
+def test_a_profiled_stage_launches_its_queued_job_and_arms_it_for_harvest() -> None:
+    core, _, _ = make_core()
+    job = core.submit(job_spec())
+    assert core.take_actions() == [] and job.state is FillState.SUBMITTED  # no cycle yet: nothing to plan against
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    (launch,) = core.take_actions()
+    assert isinstance(launch, Launch) and launch.device == "cpu" and launch.socket_path.name == "fill-j.sock"
+    core.launched(job, has_control=True)
+    assert core.take_actions() == [Send(job, "init")] and job.state is FillState.CREATED
+    core.on_control_line(job, line("state", state="PAUSED"))
+    (arm,) = core.take_actions()
+    assert isinstance(arm, Send) and arm.type == "arm" and arm.fields["mode"] == "harvest"
+    assert arm.fields["socket"] == str(launch.socket_path) and job.armed is FillMode.HARVEST
+
+
+def test_a_job_still_in_a_step_after_the_grace_period_is_killed_at_the_tick() -> None:
+    core, clock, sink = make_core(grace_s=0.05)
+    job = armed(core)
+    core.take_actions()
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 7, clock.now, clock.now + 5 * MS))
+    core.on_control_line(job, line("step_begin", t_ns=clock.now + MS, bubble_seq=7))
+    end = clock.now + 5 * MS
+    core.on_datagram(0, wire.encode_bubble_end(0, 0, 7, end))
+    assert core.next_deadline_ns() == end + 50 * MS
+    clock.now = end + 49 * MS
+    core.tick(clock.now)
+    assert core.take_actions() == [] and job.state is not FillState.STOPPED  # not due yet
+    clock.now = end + 51 * MS
+    assert core.due_watchdogs(clock.now) == [job]
+    core.tick(clock.now)
+    assert core.take_actions() == [Signal(job, signal.SIGKILL)]
+    assert job.state is FillState.STOPPED and job.reason.startswith("killed: did not pause within 50 ms")
+    assert core.kills == 1 and ("kill", 0, "cpu", "j") in sink.calls
+    assert any(e["kind"] == "kill" and "51.0 ms after bubble 7" in e["message"] for e in core.events)
+
+
+def test_a_step_that_ended_in_time_disarms_the_watchdog() -> None:
+    core, clock, _ = make_core()
+    job = armed(core)
+    core.take_actions()
+    t0 = clock.now
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, t0, t0 + 5 * MS))
+    core.on_control_line(job, line("step_begin", t_ns=t0, bubble_seq=1))
+    core.on_control_line(job, line("step", start_ns=t0, end_ns=t0 + MS, flops=10.0, bubble_seq=1))
+    core.on_datagram(0, wire.encode_bubble_end(0, 0, 1, t0 + 5 * MS))
+    clock.now = t0 + 500 * MS
+    core.tick(clock.now)
+    assert core.take_actions() == [] and job.state is FillState.PAUSED and core.kills == 0
+    assert job.steps == 1 and core.stats()["modes"]["harvest"]["filled_s"] == pytest.approx(1e-3)
+
+
+def test_a_plain_command_is_thawed_for_each_bubble_and_frozen_after_it() -> None:
+    core, clock, _ = make_core()
+    job = core.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"]}))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.take_actions()
+    core.launched(job, has_control=False)
+    assert core.take_actions() == [Signal(job, signal.SIGSTOP)] and job.state is FillState.PAUSED
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, clock.now, clock.now + 5 * MS))
+    assert core.take_actions() == [Signal(job, signal.SIGCONT)] and job.state is FillState.RUNNING
+    core.on_datagram(0, wire.encode_bubble_end(0, 0, 1, clock.now + 5 * MS))
+    assert core.take_actions() == [Signal(job, signal.SIGSTOP)] and job.state is FillState.PAUSED
+
+
+def test_a_job_that_fits_no_bubble_is_rejected_without_a_launch_and_the_next_one_runs() -> None:
+    core, _, _ = make_core()
+    big = core.submit(job_spec("big", memory="2Gi"))
+    small = core.submit(job_spec("small"))
+    core.on_datagram(0, wire.encode_profile(0, cycle(slots=((0.005, 1 << 30),))))
+    (launch,) = core.take_actions()
+    assert launch.job is small  # type: ignore[union-attr]
+    assert big.state is FillState.STOPPED and big.reason.startswith("rejected: ") and core.rejected_jobs == 1
+
+
+def test_a_failed_launch_or_a_crash_frees_the_executor_for_the_next_job() -> None:
+    core, _, _ = make_core()
+    first = core.submit(job_spec("first"))
+    second = core.submit(job_spec("second"))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    assert [a.job for a in core.take_actions()] == [first]  # type: ignore[union-attr]
+    core.launch_failed(first, "no such file")
+    assert first.state is FillState.STOPPED and first.reason == "failed to start: no such file"
+    assert [a.job for a in core.take_actions()] == [second]  # type: ignore[union-attr]
+    core.launched(second, has_control=True)
+    core.on_control_line(second, line("error", message="CUDA out of memory"))
+    core.take_actions()
+    core.on_exit(second, 1)
+    assert second.state is FillState.STOPPED and second.reason == "failed: exited with code 1: CUDA out of memory"
+    (release,) = core.take_actions()
+    assert isinstance(release, Release) and release.job is second and not second.launched
+
+
+def test_malformed_input_is_counted_and_dropped_and_nothing_else_changes() -> None:
+    core, _, sink = make_core()
+    job = armed(core)
+    core.take_actions()
+    core.on_datagram(0, b"not a datagram")
+    core.on_datagram(0, wire.encode_bubble_start(1, 0, 1, 0, 1))  # stage 1's message on stage 0's socket
+    core.on_control_line(job, b'{"type": "step", "start_ns": 5, "end_ns": 1, "flops": 1}')
+    core.on_control_line(job, line("state", state="CREATED"))  # ignored: a job does not go back
+    assert core.rejected_messages == 3 and sink.calls.count(("rejected", 0, "datagram")) == 2
+    assert core.take_actions() == [] and job.state is FillState.PAUSED and job.steps == 0
+
+
+def test_fill_mode_switches_disarm_and_rearm_the_job() -> None:
+    core, _, _ = make_core()
+    job = armed(core)
+    core.take_actions()
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.OFF))
+    assert core.take_actions() == [Send(job, "disarm")] and job.armed is None
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))
+    (arm,) = core.take_actions()
+    assert isinstance(arm, Send) and arm.fields["mode"] == "naive" and job.armed is FillMode.NAIVE
+
+
+def test_isolation_fails_closed_and_a_lost_client_is_stopped_and_resubmitted() -> None:
+    core, _, _ = make_core()
+    job = armed(core)
+    core.take_actions()
+    lost = replace(READY, state=IsolationState.UNAVAILABLE, detail="daemon gone")
+    core.on_isolation(lost)
+    actions = core.take_actions()
+    assert Send(job, "stop") in actions and job.state is FillState.STOPPED
+    assert job.reason == "isolation lost: daemon gone" and core.isolation_losses == 1
+    again = core.jobs[-1]
+    assert again is not job and again.resubmission == 1 and again.state is FillState.SUBMITTED
+    core.on_exit(job, -9)
+    assert [type(a) for a in core.take_actions()] == [Release]  # held: no launch while isolation is down
+    assert again.reason.startswith("waiting for isolation: daemon gone")
+    core.on_isolation(replace(READY, epoch=2))
+    assert [type(a) for a in core.take_actions()] == [Launch]
+
+
+def test_unisolated_running_needs_the_users_consent() -> None:
+    core, _, _ = make_core(allow_unisolated=True)
+    broken = IsolationStatus(IsolationMode.MPS, IsolationState.UNAVAILABLE, "no daemon")
+    core.on_isolation(broken)
+    assert core.isolation_status.state is IsolationState.UNISOLATED and core.isolation_status.usable
+    job = core.submit(job_spec())
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    (launch,) = core.take_actions()
+    assert isinstance(launch, Launch) and not launch.isolated
+    core.launched(job, has_control=True)
+    assert job.isolation == "unisolated"
+
+
+def test_the_guard_lowers_the_share_of_armed_jobs_when_the_training_slows() -> None:
+    guard = GuardConfig(budget=0.01, window=3, refresh_every=0, min_share=0.1)
+    core, clock, sink = make_core(guard=guard)
+    job = armed(core)
+    core.take_actions()
+    for _ in range(12):  # 20% slower than the profiled 50 ms iteration
+        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, 60 * MS))
+    shares = [a.fields["share"] for a in core.take_actions()
+              if isinstance(a, Send) and a.type == "share" and a.job is job]
+    assert shares and shares[-1] < 1.0 and core.share == shares[-1]
+    assert ("share", shares[-1]) in sink.calls and ("iteration", 0, pytest.approx(0.06)) in sink.calls
+
+
+def test_shutdown_cancels_queued_jobs_and_stops_running_ones() -> None:
+    core, _, _ = make_core(executors=1)
+    running = armed(core)
+    queued = core.submit(job_spec("queued"))
+    core.take_actions()
+    assert core.begin_shutdown() == [running]
+    assert queued.state is FillState.STOPPED and queued.reason == "cancelled: agent shut down"
+    assert core.take_actions() == [Send(running, "stop"), Signal(running, signal.SIGCONT)]
+    core.reaped_at_shutdown(running)
+    assert running.state is FillState.STOPPED and running.reason == "stopped: agent shut down"
+
+
+def test_submissions_that_cannot_run_are_refused_with_the_fix() -> None:
+    core, _, _ = make_core()
+    core.submit(job_spec("a"))
+    with pytest.raises(ValueError, match="already running; names must be unique"):
+        core.submit(job_spec("a"))
+    with pytest.raises(ValueError, match="asks for stage 3, but the agent has 1 executor"):
+        core.submit(job_spec("b", stage=3))
+    gpu = AgentCore(CoreConfig(run_dir=Path("/r"), training="t", executors=(("cuda:0", None),)), Clock())
+    with pytest.raises(ValueError, match="declares no memory limit"):
+        gpu.submit(parse_spec({"name": "g", "entry": "a:B"}))
