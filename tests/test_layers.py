@@ -36,6 +36,7 @@ VIOLATIONS: dict[str, tuple[str, str]] = {
     "operator": ("bubbles.operator.cli", "torch"),
     "agent": ("bubbles.agent.server", "kopf"),
     "entry-points": ("gpubench.report", "bubbles.demo.report"),
+    "benchmarks": ("bubbles.orchestrate.phases", "gpubench.report"),
 }
 
 
