@@ -1,0 +1,545 @@
+"""The custom resources users write (``FillJob``, ``PipelineTraining``, group ``bubbles.dev``), defined once.
+
+Each resource's ``spec`` is a table of ``Field`` values. From that one table come the CRD's structural
+OpenAPI schema (``openapi_schema``, used by ``bubbles.operator.crd`` to write ``crds/``), the operator's own
+validation (``validate``: the same rules the API server enforces, for emulators and for messages that name
+the field and the fix) and the defaults (``apply_defaults``). The typed views (``FillJobResource``,
+``PipelineTrainingResource``) are built from a validated spec, and a FillJob maps onto the agent's
+``bubbles.api.FillJobSpec``. Statuses use the phases, conditions and field names here, so the operator, the
+CRDs' printer columns and the docs cannot drift apart. Pure: no Kubernetes client, no I/O.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bubbles.api import (
+    FillInterface,
+    FillJobSpec,
+    WorkloadKind,
+    parse_duration,
+    parse_quantity,
+    parse_spec,
+)
+
+GROUP = "bubbles.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+FINALIZER = f"{GROUP}/fill-job-cleanup"
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|k)?$"
+DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s)?$"
+ENTRY_PATTERN = r"^[\w.]+:[\w.]+$"
+IMAGE_PATTERN = r"^[^\s]+$"
+LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+class FillJobPhase(enum.StrEnum):
+    """``status.phase`` of a FillJob: where it is on its way through the cluster."""
+
+    PENDING = "Pending"  # accepted, not yet validated against the cluster's trainings
+    QUEUED = "Queued"  # valid, waiting for a bubble it fits
+    PLACED = "Placed"  # assigned to (training, stage, node, device); its Pod is being created
+    RUNNING = "Running"  # its fill process runs steps in the bubbles
+    PAUSED = "Paused"  # held: the training's budget is exceeded or isolation is down
+    SUCCEEDED = "Succeeded"  # did all its work
+    FAILED = "Failed"  # invalid, or out of restarts; the message says why
+
+    @property
+    def terminal(self) -> bool:
+        return self in (FillJobPhase.SUCCEEDED, FillJobPhase.FAILED)
+
+
+class ConditionType(enum.StrEnum):
+    """Condition types of both resources, as Kubernetes' own APIs write them."""
+
+    ADMITTED = "Admitted"
+    PLACED = "Placed"
+    RUNNING = "Running"
+    THROTTLED = "Throttled"
+    EVICTED = "Evicted"
+    FINISHED = "Finished"
+    HOOK_REPORTING = "HookReporting"
+    PROFILED = "Profiled"
+    BUDGET_EXCEEDED = "BudgetExceeded"
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One entry of ``status.conditions`` (the shape of ``metav1.Condition``)."""
+
+    type: str
+    status: str  # "True" | "False" | "Unknown"
+    reason: str  # CamelCase, machine-readable
+    message: str  # for people: what happened and what to do
+    last_transition_time: str = ""  # RFC 3339
+    observed_generation: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "status": self.status, "reason": self.reason, "message": self.message,
+                "lastTransitionTime": self.last_transition_time, "observedGeneration": self.observed_generation}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Condition:
+        return cls(str(d.get("type", "")), str(d.get("status", "Unknown")), str(d.get("reason", "")),
+                   str(d.get("message", "")), str(d.get("lastTransitionTime", "")), int(d.get("observedGeneration", 0)))
+
+
+def rfc3339(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(conditions: Sequence[Mapping[str, Any]], new: Condition, now: dt.datetime) -> list[dict[str, Any]]:
+    """``conditions`` with ``new`` in place of the one of its type; the transition time moves only when the
+    status changes (as ``meta.SetStatusCondition`` does)."""
+    out: list[dict[str, Any]] = []
+    found = False
+    for c in conditions:
+        if c.get("type") != new.type:
+            out.append(dict(c))
+            continue
+        found = True
+        old = Condition.from_dict(c)
+        when = old.last_transition_time if old.status == new.status and old.last_transition_time else rfc3339(now)
+        out.append(Condition(new.type, new.status, new.reason, new.message, when, new.observed_generation).to_dict())
+    if not found:
+        out.append(Condition(new.type, new.status, new.reason, new.message, rfc3339(now),
+                             new.observed_generation).to_dict())
+    return out
+
+
+# -- the field tables --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    """One field of a resource's spec: its schema, its checks and its default, in one place."""
+
+    name: str
+    type: str  # string | integer | number | boolean | object | array | quantity | duration | map
+    description: str
+    required: bool = False
+    default: Any = None
+    enum: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    pattern: str | None = None
+    max_length: int | None = None
+    min_items: int | None = None
+    items: Field | None = None  # for arrays
+    fields: tuple[Field, ...] = ()  # for objects
+    one_of: tuple[tuple[str, ...], ...] = ()  # for objects: exactly one of each group may be set
+    free_form: bool = False  # objects: any JSON (x-kubernetes-preserve-unknown-fields)
+
+
+def _label_selector(name: str, description: str) -> Field:
+    return Field(name, "object", description, fields=(
+        Field("matchLabels", "map", "labels every selected object has (key: value)"),
+        Field("matchExpressions", "array", "set-based requirements, as in any Kubernetes label selector",
+              items=Field("requirement", "object", "one requirement", fields=(
+                  Field("key", "string", "the label's key", required=True, pattern=LABEL_KEY_PATTERN),
+                  Field("operator", "string", "how the values are matched", required=True,
+                        enum=("In", "NotIn", "Exists", "DoesNotExist")),
+                  Field("values", "array", "values for In and NotIn", items=Field("value", "string", "a value")),
+              ))),
+    ))
+
+
+FILL_JOB_SPEC: tuple[Field, ...] = (
+    Field("image", "string", "container image of the fill job, with the bubbles SDK installed", required=True,
+          pattern=IMAGE_PATTERN, max_length=512),
+    Field("entry", "string", "the job's class as module:Class (an IterativeFillJob or ImperativeFillJob); "
+          "the image runs it with the bubbles runtime", pattern=ENTRY_PATTERN, max_length=256),
+    Field("command", "array", "argv of an imperative job run as a plain program (instead of entry)",
+          min_items=1, items=Field("arg", "string", "one argument", max_length=4096)),
+    Field("args", "object", "keyword arguments for the job's class (plain JSON)", free_form=True),
+    Field("kind", "string", "what the job does", enum=tuple(k.value for k in WorkloadKind),
+          default=WorkloadKind.TRAINING.value),
+    Field("interface", "string", "how the job is paused between bubbles: iterative (steps gated by bubble "
+          "signals; required on GPUs) or imperative (frozen and thawed)", enum=tuple(i.value for i in FillInterface),
+          default=FillInterface.ITERATIVE.value),
+    Field("profile", "object", "what one step costs; fields left out are measured on the first run", fields=(
+        Field("stepTime", "duration", "time of one step on the target GPU, e.g. 2ms"),
+        Field("memory", "quantity", "accelerator memory the job may use, a hard limit (e.g. 4Gi); required "
+              "on GPUs", required=True),
+        Field("flopsPerStep", "number", "FLOPs of one step, for recovered-TFLOPS accounting", minimum=0),
+    ), required=True),
+    Field("work", "object", "how much work the job does; it succeeds when done", fields=(
+        Field("steps", "integer", "steps to run", minimum=1),
+        Field("samples", "integer", "samples to process (with samplesPerStep)", minimum=1),
+        Field("samplesPerStep", "integer", "samples one step processes (its batch size)", minimum=1),
+    ), one_of=(("steps", "samples"),), required=True),
+    Field("priority", "integer", "higher runs first among queued jobs", default=0, minimum=-1000, maximum=1000),
+    Field("deadline", "string", "finish by this time (RFC 3339, e.g. 2026-11-24T08:00:00Z); the status says "
+          "whether the current plan meets it", pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$"),
+    _label_selector("trainingSelector", "which PipelineTrainings' bubbles the job may use (labels of the "
+                    "PipelineTraining objects); empty or left out: any"),
+    Field("checkpoint", "object", "where the job keeps its state to resume after a preemption", fields=(
+        Field("path", "string", "a path inside the fill job's Pod (a mounted volume)", required=True,
+              max_length=1024),
+    )),
+    Field("restartLimit", "integer", "how often the job is restarted (after its node, agent or isolation was "
+          "lost) before it fails", default=3, minimum=0, maximum=100),
+)
+
+PIPELINE_TRAINING_SPEC: tuple[Field, ...] = (
+    _label_selector("selector", "labels of the training's Pods (one Pod per pipeline stage and replica)"),
+    Field("stages", "integer", "pipeline stages; left out: discovered from the hook", minimum=1, maximum=1024),
+    Field("microbatches", "integer", "micro-batches per iteration; left out: discovered from the hook",
+          minimum=1, maximum=65536),
+    Field("slowdownBudget", "number", "training slowdown harvesting may cause (0.01 = 1%)", default=0.01,
+          minimum=0.0001, maximum=0.5),
+    Field("maxFillShare", "number", "the largest share of each bubble fill work may use", default=1.0,
+          minimum=0.0, maximum=1.0),
+    Field("memoryReserve", "quantity", "accelerator memory fill jobs never touch, on top of what the hook "
+          "measured free", default="0"),
+)
+
+
+# -- schema ------------------------------------------------------------------------------------------------
+def openapi_schema(f: Field) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one field (what a Kubernetes 1.20 API server enforces: no CEL)."""
+    s: dict[str, Any] = {"description": f.description}
+    if f.type in ("string", "integer", "number", "boolean"):
+        s["type"] = f.type
+    elif f.type == "quantity":
+        s.update({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN})
+    elif f.type == "duration":
+        s.update({"type": "string", "pattern": DURATION_PATTERN})
+    elif f.type == "map":
+        s.update({"type": "object", "additionalProperties": {"type": "string"}})
+    elif f.type == "array":
+        s["type"] = "array"
+        s["items"] = openapi_schema(f.items) if f.items else {"type": "string"}
+    elif f.type == "object":
+        s["type"] = "object"
+        if f.free_form:
+            s["x-kubernetes-preserve-unknown-fields"] = True
+        else:
+            s["properties"] = {c.name: openapi_schema(c) for c in f.fields}
+            required = [c.name for c in f.fields if c.required]
+            if required:
+                s["required"] = required
+    else:
+        raise ValueError(f"unknown field type {f.type!r}")
+    if f.enum:
+        s["enum"] = list(f.enum)
+    if f.minimum is not None:
+        s["minimum"] = f.minimum
+    if f.maximum is not None:
+        s["maximum"] = f.maximum
+    if f.pattern and "pattern" not in s:
+        s["pattern"] = f.pattern
+    if f.max_length is not None:
+        s["maxLength"] = f.max_length
+    if f.min_items is not None:
+        s["minItems"] = f.min_items
+    if f.default is not None:
+        s["default"] = f.default
+    return s
+
+
+def spec_schema(fields: Sequence[Field], description: str) -> dict[str, Any]:
+    return openapi_schema(Field("spec", "object", description, fields=tuple(fields)))
+
+
+# -- validation and defaults ---------------------------------------------------------------------------------
+class ResourceError(ValueError):
+    """A resource the operator cannot act on; the message names the field and what to do."""
+
+
+def _check(f: Field, value: Any, path: str, errors: list[str]) -> None:
+    where = f"{path}"
+    if f.type == "string":
+        if not isinstance(value, str):
+            errors.append(f"{where} must be a string, got {value!r}")
+            return
+        if f.max_length is not None and len(value) > f.max_length:
+            errors.append(f"{where} must be at most {f.max_length} characters")
+        if f.pattern and not re.match(f.pattern, value):
+            errors.append(f"{where} {value!r} is not valid: {f.description}")
+    elif f.type in ("integer", "number"):
+        ok = isinstance(value, int) if f.type == "integer" else isinstance(value, int | float)
+        if isinstance(value, bool) or not ok or (isinstance(value, float) and not math.isfinite(value)):
+            errors.append(f"{where} must be {'an integer' if f.type == 'integer' else 'a number'}, got {value!r}")
+            return
+        if f.minimum is not None and value < f.minimum:
+            errors.append(f"{where} must be >= {f.minimum:g}, got {value}")
+        if f.maximum is not None and value > f.maximum:
+            errors.append(f"{where} must be <= {f.maximum:g}, got {value}")
+    elif f.type == "boolean":
+        if not isinstance(value, bool):
+            errors.append(f"{where} must be true or false, got {value!r}")
+    elif f.type == "quantity":
+        try:
+            parse_quantity(value, where)
+        except ValueError as exc:
+            errors.append(str(exc))
+    elif f.type == "duration":
+        try:
+            parse_duration(value, where)
+        except ValueError as exc:
+            errors.append(str(exc))
+    elif f.type == "map":
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            errors.append(f"{where} must be a map of strings to strings")
+    elif f.type == "array":
+        if not isinstance(value, list):
+            errors.append(f"{where} must be a list, got {value!r}")
+            return
+        if f.min_items is not None and len(value) < f.min_items:
+            errors.append(f"{where} must have at least {f.min_items} item(s)")
+        if f.items is not None:
+            for i, v in enumerate(value):
+                _check(f.items, v, f"{where}[{i}]", errors)
+    elif f.type == "object":
+        if not isinstance(value, dict):
+            errors.append(f"{where} must be an object, got {value!r}")
+            return
+        if not f.free_form:
+            _check_object(f.fields, f.one_of, value, where, errors)
+    if f.enum and value not in f.enum:
+        errors.append(f"{where} must be one of {', '.join(f.enum)}, got {value!r}")
+
+
+def _check_object(fields: Sequence[Field], one_of: Sequence[tuple[str, ...]], value: Mapping[str, Any], path: str,
+                  errors: list[str]) -> None:
+    known = {f.name: f for f in fields}
+    for name in value:
+        if name not in known:
+            errors.append(f"{path}.{name} is not a known field; known fields: {', '.join(known)}")
+    for f in fields:
+        if f.name in value and value[f.name] is not None:
+            _check(f, value[f.name], f"{path}.{f.name}", errors)
+        elif f.required:
+            errors.append(f"{path}.{f.name} is required: {f.description}")
+    for group in one_of:
+        given = [n for n in group if value.get(n) is not None]
+        if len(given) != 1:
+            errors.append(f"{path} needs exactly one of {', '.join(group)}, got "
+                          f"{', '.join(given) if given else 'none'}")
+
+
+def validate(fields: Sequence[Field], spec: Any, path: str = "spec") -> list[str]:
+    """Every rule of the table broken by ``spec`` (an empty list: valid)."""
+    if not isinstance(spec, dict):
+        return [f"{path} must be an object"]
+    errors: list[str] = []
+    _check_object(fields, (), spec, path, errors)
+    return errors
+
+
+def apply_defaults(fields: Sequence[Field], spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` with every defaulted field that was left out filled in (as the API server would)."""
+    out = dict(spec)
+    for f in fields:
+        if out.get(f.name) is None and f.default is not None:
+            out[f.name] = f.default
+        elif f.type == "object" and not f.free_form and isinstance(out.get(f.name), dict):
+            out[f.name] = apply_defaults(f.fields, out[f.name])
+    return out
+
+
+# -- label selectors -----------------------------------------------------------------------------------------
+def selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """Whether ``labels`` satisfy a Kubernetes label selector (empty or None: everything)."""
+    if not selector:
+        return True
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for req in selector.get("matchExpressions") or []:
+        key, op, values = req["key"], req["operator"], req.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+# -- typed views ---------------------------------------------------------------------------------------------
+def _parse_time(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+@dataclass(frozen=True)
+class FillJobResource:
+    """A validated FillJob as the operator and the scheduler use it."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    image: str
+    job: FillJobSpec  # what the node agent runs (bubbles.api), with the same validation as a spec file
+    priority: int
+    steps: int  # work, in steps
+    samples_per_step: int
+    flops_per_step: float | None
+    deadline: dt.datetime | None
+    training_selector: dict[str, Any] = field(default_factory=dict)
+    checkpoint_path: str | None = None
+    restart_limit: int = 3
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> FillJobResource:
+        """From a FillJob object (metadata + spec); ResourceError listing everything that is wrong."""
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec")
+        errors = validate(FILL_JOB_SPEC, spec)
+        if errors:
+            raise ResourceError("; ".join(errors))
+        assert isinstance(spec, dict)
+        s = apply_defaults(FILL_JOB_SPEC, spec)
+        profile, work = s["profile"], s["work"]
+        if s.get("entry") is None and s.get("command") is None:
+            raise ResourceError("spec needs entry (module:Class of an IterativeFillJob) or command (an argv for an "
+                                "imperative job)")
+        spb = int(work.get("samplesPerStep") or 1)
+        steps = int(work["steps"]) if work.get("steps") is not None else -(-int(work["samples"]) // spb)
+        if work.get("samples") is not None and work.get("samplesPerStep") is None:
+            raise ResourceError("spec.work.samples needs spec.work.samplesPerStep (the job's batch size)")
+        agent_spec: dict[str, Any] = {
+            "name": meta.get("name", ""), "interface": s["interface"], "kind": s["kind"],
+            "args": s.get("args") or {}, "memory": profile["memory"], "steps": steps,
+        }
+        if s.get("entry") is not None:
+            agent_spec["entry"] = s["entry"]
+        if s.get("command") is not None:
+            agent_spec["command"] = s["command"]
+        if profile.get("stepTime") is not None:
+            agent_spec["step_time"] = profile["stepTime"]
+        try:
+            job = parse_spec(agent_spec, "spec")
+        except ValueError as exc:
+            raise ResourceError(str(exc)) from None
+        deadline = _parse_time(s["deadline"]) if s.get("deadline") else None
+        return cls(
+            name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),
+            generation=int(meta.get("generation") or 1), image=s["image"], job=job, priority=int(s["priority"]),
+            steps=steps, samples_per_step=spb,
+            flops_per_step=float(profile["flopsPerStep"]) if profile.get("flopsPerStep") is not None else None,
+            deadline=deadline, training_selector=dict(s.get("trainingSelector") or {}),
+            checkpoint_path=(s.get("checkpoint") or {}).get("path"), restart_limit=int(s["restartLimit"]),
+            labels=dict(meta.get("labels") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class PipelineTrainingResource:
+    """A validated PipelineTraining."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    selector: dict[str, Any]
+    stages: int | None
+    microbatches: int | None
+    slowdown_budget: float
+    max_fill_share: float
+    memory_reserve_bytes: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> PipelineTrainingResource:
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec")
+        errors = validate(PIPELINE_TRAINING_SPEC, spec)
+        if errors:
+            raise ResourceError("; ".join(errors))
+        assert isinstance(spec, dict)
+        s = apply_defaults(PIPELINE_TRAINING_SPEC, spec)
+        if not (s.get("selector") or {}).get("matchLabels") and not (s.get("selector") or {}).get("matchExpressions"):
+            raise ResourceError("spec.selector must select the training's Pods, e.g. matchLabels: {app: llama-70b}")
+        return cls(
+            name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),
+            generation=int(meta.get("generation") or 1), selector=dict(s["selector"]), stages=s.get("stages"),
+            microbatches=s.get("microbatches"), slowdown_budget=float(s["slowdownBudget"]),
+            max_fill_share=float(s["maxFillShare"]),
+            memory_reserve_bytes=parse_quantity(s["memoryReserve"], "spec.memoryReserve"),
+            labels=dict(meta.get("labels") or {}),
+        )
+
+
+# -- statuses (written by the operator; declared in full so the API server prunes none of it) ---------------
+def _conditions() -> Field:
+    return Field("conditions", "array", "the latest observations of the object's state", items=Field(
+        "condition", "object", "one condition", fields=(
+            Field("type", "string", "the condition's type, e.g. Placed", required=True, max_length=316),
+            Field("status", "string", "True, False or Unknown", required=True, enum=("True", "False", "Unknown")),
+            Field("reason", "string", "why, in one CamelCase word", required=True, max_length=1024),
+            Field("message", "string", "why, for people", max_length=32768),
+            Field("lastTransitionTime", "string", "when the status last changed (RFC 3339)"),
+            Field("observedGeneration", "integer", "the generation the condition was set for", minimum=0),
+        )))
+
+
+FILL_JOB_STATUS: tuple[Field, ...] = (
+    Field("phase", "string", "where the job is", enum=tuple(p.value for p in FillJobPhase)),
+    Field("message", "string", "the latest reason, for people"),
+    Field("observedGeneration", "integer", "the spec generation this status is for", minimum=0),
+    Field("assignment", "object", "where the job runs", fields=(
+        Field("training", "string", "the PipelineTraining whose bubbles it fills"),
+        Field("stage", "integer", "the pipeline stage", minimum=0),
+        Field("node", "string", "the node"),
+        Field("device", "string", "the device, e.g. cuda:0"),
+        Field("pod", "string", "the fill job's Pod"),
+    )),
+    Field("progress", "object", "how much of its work is done", fields=(
+        Field("stepsDone", "integer", "steps completed", minimum=0),
+        Field("stepsTotal", "integer", "steps to do", minimum=0),
+        Field("percent", "number", "share done, 0-100", minimum=0, maximum=100),
+    )),
+    Field("progressText", "string", "progress for kubectl's columns, e.g. 40% (400/1000)"),
+    Field("eta", "string", "when the job is expected to finish (RFC 3339)"),
+    Field("deadlineFeasible", "boolean", "whether the expected finish meets spec.deadline"),
+    Field("restarts", "integer", "restarts so far", minimum=0),
+    Field("recoveredFlops", "number", "FLOPs of the steps done in bubbles", minimum=0),
+    Field("queuePosition", "integer", "place in the queue while Queued (1: next)", minimum=0),
+    Field("counters", "object", "events counted for this job", fields=(
+        Field("kills", "integer", "steps killed for overrunning their bubble", minimum=0),
+        Field("placements", "integer", "times the job was placed", minimum=0),
+        Field("evictions", "integer", "times it lost its place (agent, node or training gone)", minimum=0),
+    )),
+    _conditions(),
+)
+
+PIPELINE_TRAINING_STATUS: tuple[Field, ...] = (
+    Field("observedGeneration", "integer", "the spec generation this status is for", minimum=0),
+    Field("pods", "integer", "training Pods the selector matches", minimum=0),
+    Field("stages", "array", "per pipeline stage and Pod: where it runs and its profiled bubbles", items=Field(
+        "stage", "object", "one stage", fields=(
+            Field("stage", "integer", "the stage's index", minimum=0),
+            Field("pod", "string", "the training Pod"),
+            Field("node", "string", "its node"),
+            Field("device", "string", "its device"),
+            Field("iterationSeconds", "number", "its profiled iteration time", minimum=0),
+            Field("bubbleRatio", "number", "share of the iteration it idles", minimum=0, maximum=1),
+            Field("bubbles", "array", "its profiled bubble cycle", items=Field("bubble", "object", "one bubble",
+                  fields=(
+                      Field("slot", "integer", "position in the cycle", minimum=0),
+                      Field("durationSeconds", "number", "median length", minimum=0),
+                      Field("freeBytes", "integer", "accelerator memory free in it", minimum=0),
+                  ))),
+        ))),
+    Field("bubbleRatio", "number", "share of the training's GPU time spent in bubbles", minimum=0, maximum=1),
+    Field("iterationSeconds", "number", "iteration time without harvesting", minimum=0),
+    Field("iterationSecondsHarvesting", "number", "iteration time while fill jobs run", minimum=0),
+    Field("slowdown", "number", "iteration time lost to harvesting (0.004 = 0.4%)"),
+    Field("slowdownText", "string", "slowdown against the budget, for kubectl's columns"),
+    Field("shareFilled", "number", "share of bubble time fill jobs used", minimum=0, maximum=1),
+    Field("recoveredFlopsPerSecond", "number", "fill-job FLOP/s recovered from the bubbles", minimum=0),
+    Field("fillJobs", "integer", "fill jobs placed on this training", minimum=0),
+    _conditions(),
+)
