@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from bubbles.api import FillInterface, WorkloadKind
 from bubbles.operator.crd import all_crds, render
 from bubbles.resources import (
