@@ -122,11 +122,11 @@ def test_rules_the_schema_cannot_say_are_checked_by_the_operator() -> None:
     with pytest.raises(ResourceError, match="give either 'entry' or 'command'"):
         FillJobResource.from_object({"metadata": {"name": "j"},
                                      "spec": {**GOOD, "interface": "imperative", "command": ["x"]}})
-    with pytest.raises(ResourceError, match="needs spec.work.samplesPerStep"):
+    with pytest.raises(ResourceError, match=r"needs spec\.work\.samplesPerStep"):
         FillJobResource.from_object({"metadata": {"name": "j"}, "spec": {**GOOD, "work": {"samples": 10}}})
     with pytest.raises(ResourceError, match="field 'name'"):
         FillJobResource.from_object({"metadata": {"name": "Bad_Name"}, "spec": GOOD})
-    with pytest.raises(ResourceError, match="spec.selector must select the training's Pods"):
+    with pytest.raises(ResourceError, match=r"spec\.selector must select the training's Pods"):
         PipelineTrainingResource.from_object({"metadata": {"name": "t"}, "spec": {}})
     assert validate(PIPELINE_TRAINING_SPEC, {"selector": {}, "slowdownBudget": 2}) == [
         "spec.slowdownBudget must be <= 0.5, got 2"]
