@@ -219,3 +219,23 @@ def test_decisions_are_shared_per_class_at_cluster_scale() -> None:
     placed = s.dispatch(0.0)
     assert len(placed) == 200 and len({p.executor for p in placed}) == 200
     assert len(s._tables) == 1  # one plan table for the shared profile, not one per executor
+
+
+def test_a_job_runs_only_on_the_classes_it_is_eligible_for() -> None:
+    s = Scheduler(two_classes(1, 1), "fifo")
+    only_b = FillJobRequest("j", SMALL, 40, eligible=frozenset({"b"}))
+    assert math.isinf(s.processing_times_s(only_b)[0]) and math.isfinite(s.processing_times_s(only_b)[1])
+    p = s.submit(only_b, 0.0)
+    assert p is not None and p.class_index == 1  # class a is faster for SMALL, but not allowed
+    nowhere = FillJobRequest("k", SMALL, 40, eligible=frozenset())
+    with pytest.raises(ValueError, match="fits the bubbles of no executor"):
+        s.submit(nowhere, 0.0)
+
+
+def test_an_occupied_executor_takes_no_job_until_it_frees_up() -> None:
+    s = Scheduler([ExecutorClass("a", (Bubble(0.5, 4 * GIB),), 1.0, 1)], "fifo")
+    s.occupy(0, "placed-before", until_s=3.0)
+    assert s.submit(FillJobRequest("j", SMALL, 40), 0.0) is None  # nothing idle
+    assert s.expected_completions(0.0) == pytest.approx({"placed-before": 3.0, "j": 4.0})
+    with pytest.raises(ValueError, match="busy already"):
+        s.occupy(0, "again", 5.0)

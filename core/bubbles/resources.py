@@ -495,6 +495,7 @@ FILL_JOB_STATUS: tuple[Field, ...] = (
         Field("node", "string", "the node"),
         Field("device", "string", "the device, e.g. cuda:0"),
         Field("pod", "string", "the fill job's Pod"),
+        Field("trainingPod", "string", "the training's Pod whose bubbles it fills"),
     )),
     Field("progress", "object", "how much of its work is done", fields=(
         Field("stepsDone", "integer", "steps completed", minimum=0),

@@ -72,6 +72,8 @@ class FillJobRequest:
     samples: int
     arrival_s: float = 0.0
     deadline_s: float | None = None
+    # Names of the executor classes the job may use (e.g. the trainings its selector admits); None: any.
+    eligible: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,7 @@ class Scheduler:
         self.executor_class = np.repeat(np.arange(len(classes)), [c.executors for c in classes])
         self.busy_until_s = np.zeros(len(self.executor_class))
         self.running: dict[int, Placement] = {}
+        self._occupied: dict[int, tuple[str, float]] = {}  # executor -> (job id, busy until), see occupy()
         self._running_by_job: dict[str, Placement] = {}
         # Idle executors per class, as stacks (the lowest index is used first).
         self._idle: list[list[int]] = []
@@ -250,7 +253,10 @@ class Scheduler:
         """The job's processing time on each class (inf where no configuration fits)."""
         batch, s_per_step, _ = self._table(job.profile)
         with np.errstate(invalid="ignore"):
-            return np.ceil(job.samples / batch) * s_per_step
+            proc = np.ceil(job.samples / batch) * s_per_step
+        if job.eligible is not None:
+            proc = np.where([c.name in job.eligible for c in self.classes], proc, math.inf)
+        return proc
 
     def _table(self, profile: FillProfile) -> tuple[np.ndarray, np.ndarray, tuple[Rate | None, ...]]:
         # Keyed by identity: hashing a profile walks every node of every configuration, and the
@@ -310,6 +316,17 @@ class Scheduler:
         if best_c < 0:
             return None
         return self._start(self._queue.index[job.job_id], self._idle[best_c].pop(), now_s)
+
+    def occupy(self, executor: int, job_id: str, until_s: float) -> None:
+        """Mark the idle ``executor`` busy with a job placed elsewhere (say, before a restart) until ``until_s``:
+        no job is placed on it, and projections count it free from then on."""
+        c = int(self.executor_class[executor])
+        if executor not in self._idle[c]:
+            raise ValueError(f"executor {executor} is busy already; occupy each executor once")
+        self._idle[c].remove(executor)
+        self.busy_until_s[executor] = until_s
+        self._occupied[executor] = (job_id, until_s)
+        self._version += 1
 
     def release(self, executor: int, now_s: float, *, fill: bool = True) -> Placement | None:
         """Mark ``executor``'s job done; with ``fill``, start the best queued job on it (or None)."""
@@ -385,6 +402,7 @@ class Scheduler:
         if pr is not None and pr.version == self._version and pr.at_s == now_s:
             return dict(pr.completion_s)
         out = {p.job.job_id: p.end_s for p in self.running.values()}
+        out.update(dict(self._occupied.values()))
         busy = self.busy_until_s.copy()
         heap = [(max(float(t), now_s), e) for e, t in enumerate(busy)]
         heapq.heapify(heap)

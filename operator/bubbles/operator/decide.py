@@ -1,0 +1,556 @@
+"""What the operator decides, as one pure function of what it sees: ``reconcile(view) -> Decisions``.
+
+The kopf handlers (``bubbles.operator.handlers``) gather the view (FillJobs, PipelineTrainings, the
+training Pods, what the node agents report) and carry the decisions out (status patches, fill Pods,
+assignments to agents, Events). Nothing here calls Kubernetes or an agent, reads a clock or sleeps: the time
+comes in with the view, so every decision can be replayed in a test.
+
+Level-triggered: the status of each FillJob is the record of where it runs. A job whose status names an
+assignment is placed, whatever the operator remembers, so a restarted operator places nothing twice.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bubbles.api import FillState
+from bubbles.cycle import BubbleCycle
+from bubbles.plan import Bubble, FillNode
+from bubbles.resources import (
+    API_VERSION,
+    Condition,
+    ConditionType,
+    FillJobPhase,
+    FillJobResource,
+    PipelineTrainingResource,
+    ResourceError,
+    rfc3339,
+    selector_matches,
+    set_condition,
+)
+from bubbles.scheduler import ExecutorClass, FillConfig, FillJobRequest, FillProfile, Scheduler
+
+# Where the fill Pod finds the node agent's sockets (a hostPath shared with the training's Pods).
+RUN_DIR = "/run/bubbles"
+# A fill job whose step time is not given is planned with this until the agent measures it.
+PROVISIONAL_STEP_S = 1e-3
+ACTIVE = (FillJobPhase.PLACED, FillJobPhase.RUNNING, FillJobPhase.PAUSED)
+
+
+# -- what the operator sees ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageView:
+    """One pipeline stage of one training Pod: the Pod from the API server, its bubbles from its node's agent."""
+
+    training: str  # "namespace/name" of the PipelineTraining
+    stage: int
+    pod: str
+    pod_uid: str
+    node: str
+    device: str
+    cycle: BubbleCycle | None = None  # None until the hook has profiled the stage (or after the Pod restarted)
+    agent_up: bool = True
+    hook_reporting: bool = False
+    iteration_s: float | None = None  # latest iteration time while harvesting
+    baseline_iteration_s: float | None = None  # the guard's baseline (no fill work)
+    bubble_s: float = 0.0  # bubble time seen so far while harvesting
+    filled_s: float = 0.0  # fill-step time inside those bubbles
+
+    @property
+    def key(self) -> str:
+        return f"{self.training}/{self.stage}/{self.pod}"
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """What the node agent reports of one placed fill job."""
+
+    uid: str
+    state: FillState
+    steps_done: int = 0
+    flops: float = 0.0
+    reason: str = ""
+    kills: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    now: dt.datetime
+    fill_jobs: Sequence[Mapping[str, Any]]  # FillJob objects as the API server has them (with status)
+    trainings: Sequence[Mapping[str, Any]]  # PipelineTraining objects
+    stages: Sequence[StageView]
+    progress: Mapping[str, JobProgress] = field(default_factory=dict)  # by FillJob uid
+    policy: str = "fifo"
+
+
+# -- what it decides ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Assignment:
+    """A FillJob placed on one stage: what the agent on ``node`` is told, and what the fill Pod is given."""
+
+    uid: str
+    generation: int
+    namespace: str
+    name: str
+    training: str
+    stage: int
+    node: str
+    pod: str  # the training Pod
+    device: str
+    fill_pod: str  # the fill job's Pod
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # FillJob | PipelineTraining
+    namespace: str
+    name: str
+    uid: str
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Decisions:
+    fill_job_status: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> whole status
+    training_status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    create_pods: list[dict[str, Any]] = field(default_factory=list)
+    delete_pods: list[tuple[str, str]] = field(default_factory=list)  # (namespace, name)
+    assign: list[Assignment] = field(default_factory=list)
+    cancel: list[tuple[str, str]] = field(default_factory=list)  # (node, FillJob uid)
+    events: list[Event] = field(default_factory=list)
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+def key_of(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def fill_pod_name(name: str, attempt: int) -> str:
+    """Deterministic, so a retried create conflicts instead of starting the job twice."""
+    base = f"fj-{name}"[: 63 - 4]
+    return f"{base}-a{attempt}"
+
+
+def _profile(job: FillJobResource) -> FillProfile:
+    step_s = job.job.gating_step_s or PROVISIONAL_STEP_S
+    nodes = job.job.plan_nodes(step_s) or (FillNode(step_s, job.job.memory_bytes),)
+    return FillProfile(job.name, job.job.kind or _default_kind(), job.flops_per_step or 0.0, 0.0,
+                       (FillConfig("spec", job.samples_per_step, tuple(nodes)),))
+
+
+def _default_kind() -> Any:
+    from bubbles.api import WorkloadKind
+
+    return WorkloadKind.TRAINING
+
+
+def executor_class(stage: StageView, training: PipelineTrainingResource) -> ExecutorClass:
+    """The scheduler's view of one stage: its bubbles cut to the training's share and memory reserve."""
+    assert stage.cycle is not None
+    bubbles = tuple(Bubble(s.duration_s * training.max_fill_share,
+                           max(0, s.free_bytes - training.memory_reserve_bytes),
+                           f"{stage.training} stage {stage.stage} slot {s.slot}") for s in stage.cycle.slots)
+    return ExecutorClass(stage.key, bubbles, stage.cycle.iteration_s, 1)
+
+
+def _status(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(obj.get("status") or {})
+
+
+def _phase(status: Mapping[str, Any]) -> FillJobPhase | None:
+    try:
+        return FillJobPhase(str(status.get("phase")))
+    except ValueError:
+        return None
+
+
+class _JobState:
+    """The status being built for one FillJob (its conditions kept, its events collected)."""
+
+    def __init__(self, obj: Mapping[str, Any], now: dt.datetime, out: Decisions) -> None:
+        self.obj = obj
+        self.meta = obj.get("metadata") or {}
+        self.generation = int(self.meta.get("generation") or 1)
+        self.before = _status(obj)
+        self.status = dict(self.before)
+        self.now = now
+        self.out = out
+
+    def condition(self, type_: ConditionType, ok: bool, reason: str, message: str) -> None:
+        self.status["conditions"] = set_condition(self.status.get("conditions") or [], Condition(
+            type_.value, "True" if ok else "False", reason, message, observed_generation=self.generation), self.now)
+
+    def phase(self, phase: FillJobPhase, message: str, *, event: str | None = None, warning: bool = False) -> None:
+        changed = self.before.get("phase") != phase.value or self.before.get("message") != message
+        self.status["phase"] = phase.value
+        self.status["message"] = message
+        if event is not None and changed:
+            self.out.events.append(Event("FillJob", self.meta.get("namespace", ""), self.meta.get("name", ""),
+                                         self.meta.get("uid", ""), "Warning" if warning else "Normal", event, message))
+
+    def finish(self) -> None:
+        self.status["observedGeneration"] = self.generation
+        if self.status != self.before:
+            self.out.fill_job_status[key_of(self.obj)] = self.status
+
+
+def _progress_fields(job: FillJobResource, done: int, flops: float) -> dict[str, Any]:
+    pct = 100.0 * min(done, job.steps) / job.steps if job.steps else 0.0
+    return {"progress": {"stepsDone": done, "stepsTotal": job.steps, "percent": round(pct, 1)},
+            "progressText": f"{pct:.0f}% ({done}/{job.steps})", "recoveredFlops": float(flops)}
+
+
+# -- the decision -------------------------------------------------------------------------------------------
+def reconcile(view: ClusterView) -> Decisions:
+    """Every decision for the cluster as it is now: statuses, fill Pods, assignments, cancellations, Events."""
+    out = Decisions()
+    now_s = view.now.timestamp()
+    trainings: dict[str, PipelineTrainingResource] = {}
+    for t in view.trainings:
+        try:
+            trainings[key_of(t)] = PipelineTrainingResource.from_object(t)
+        except ResourceError:
+            continue  # its own handler reports the error in its status
+    stages = {s.key: s for s in view.stages if s.training in trainings}
+
+    valid: dict[str, tuple[Mapping[str, Any], FillJobResource, _JobState]] = {}
+    busy: dict[str, tuple[str, float]] = {}  # stage key -> (FillJob uid, expected end)
+    for obj in view.fill_jobs:
+        meta = obj.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue  # the delete handler cleans up
+        st = _JobState(obj, view.now, out)
+        try:
+            job = FillJobResource.from_object(obj)
+        except ResourceError as exc:
+            st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
+            st.phase(FillJobPhase.FAILED, f"invalid spec: {exc}", event="InvalidSpec", warning=True)
+            st.finish()
+            continue
+        phase = _phase(st.status)
+        if phase is not None and phase.terminal:
+            st.finish()
+            continue
+        if phase is None or phase is FillJobPhase.PENDING:
+            st.condition(ConditionType.ADMITTED, True, "Valid", "the spec is valid")
+            st.status.setdefault("restarts", 0)
+            st.status.setdefault("counters", {"kills": 0, "placements": 0, "evictions": 0})
+            st.status.update(_progress_fields(job, 0, 0.0))
+            st.phase(FillJobPhase.QUEUED, "waiting for a bubble it fits", event="Queued")
+        if _phase(st.status) in ACTIVE:
+            _track(view, st, job, stages, trainings, busy, now_s)
+        valid[key_of(obj)] = (obj, job, st)
+
+    _place(view, out, valid, stages, trainings, busy, now_s)
+    for _obj, _job, st in valid.values():
+        st.finish()
+    _training_statuses(view, out, trainings, stages, valid)
+    return out
+
+
+def _track(view: ClusterView, st: _JobState, job: FillJobResource, stages: Mapping[str, StageView],
+           trainings: Mapping[str, PipelineTrainingResource], busy: dict[str, tuple[str, float]],
+           now_s: float) -> None:
+    """A placed job: follow its progress, or evict it when its stage, Pod or agent is gone."""
+    a = st.status.get("assignment") or {}
+    skey = f"{job.namespace}/{a.get('training')}/{a.get('stage')}/{a.get('trainingPod')}"
+    stage = stages.get(skey)
+    uid = job.uid
+    prog = view.progress.get(uid)
+    lost = None
+    if stage is None:
+        lost = f"training Pod {a.get('trainingPod')} (stage {a.get('stage')} of {a.get('training')}) is gone"
+    elif not stage.agent_up:
+        lost = f"the bubbles agent on node {stage.node} stopped answering"
+    elif stage.cycle is None:
+        lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
+    if prog is not None and prog.state is FillState.STOPPED:
+        if prog.reason == "finished" or prog.steps_done >= job.steps:
+            st.status.update(_progress_fields(job, max(prog.steps_done, job.steps), prog.flops))
+            st.status.pop("eta", None)
+            st.condition(ConditionType.FINISHED, True, "Succeeded", f"did {job.steps} steps")
+            st.condition(ConditionType.RUNNING, False, "Finished", "the job finished")
+            st.phase(FillJobPhase.SUCCEEDED, f"finished {job.steps} steps in the bubbles of {a.get('training')}",
+                     event="Succeeded")
+            return
+        lost = f"the fill process stopped: {prog.reason}"
+    if lost is not None:
+        _evict(st, job, lost, a)
+        return
+    assert stage is not None
+    done = prog.steps_done if prog is not None else int((st.status.get("progress") or {}).get("stepsDone", 0))
+    flops = prog.flops if prog is not None else float(st.status.get("recoveredFlops", 0.0))
+    st.status.update(_progress_fields(job, done, flops))
+    if prog is not None:
+        counters = dict(st.status.get("counters") or {})
+        counters["kills"] = max(int(counters.get("kills", 0)), prog.kills)
+        st.status["counters"] = counters
+    rate = _steps_per_s(job, stage, trainings.get(stage.training))
+    end_s = now_s + (job.steps - done) / rate if rate > 0 else math.inf
+    busy[skey] = (uid, end_s)
+    _eta(st, job, end_s)
+    if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
+        st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {stage.stage} "
+                     f"on {stage.node}")
+        st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {stage.training} stage {stage.stage} on "
+                 f"{stage.node}", event="Running")
+
+
+def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any]) -> None:
+    restarts = int(st.status.get("restarts", 0)) + 1
+    counters = dict(st.status.get("counters") or {})
+    counters["evictions"] = int(counters.get("evictions", 0)) + 1
+    st.status["counters"] = counters
+    if a.get("pod"):
+        st.out.delete_pods.append((job.namespace, str(a["pod"])))
+    if a.get("node"):
+        st.out.cancel.append((str(a["node"]), job.uid))
+    st.status.pop("assignment", None)
+    st.status.pop("eta", None)
+    st.condition(ConditionType.RUNNING, False, "Evicted", why)
+    st.condition(ConditionType.PLACED, False, "Evicted", why)
+    if restarts > job.restart_limit:
+        st.status["restarts"] = restarts - 1
+        st.condition(ConditionType.EVICTED, True, "RestartLimit", why)
+        st.phase(FillJobPhase.FAILED, f"{why}; failed after {job.restart_limit} restart(s) (spec.restartLimit)",
+                 event="Failed", warning=True)
+        return
+    st.status["restarts"] = restarts
+    resume = f", resuming from {job.checkpoint_path}" if job.checkpoint_path else ", starting over (no checkpoint)"
+    st.condition(ConditionType.EVICTED, True, "Requeued", why)
+    st.phase(FillJobPhase.QUEUED, f"{why}; back in the queue ({restarts}/{job.restart_limit}){resume}",
+             event="Evicted", warning=True)
+
+
+def _steps_per_s(job: FillJobResource, stage: StageView, training: PipelineTrainingResource | None) -> float:
+    if stage.cycle is None or training is None:
+        return 0.0
+    s = Scheduler([executor_class(stage, training)])
+    rate = s.rate(0, _profile(job))
+    return rate.steps_per_cycle / stage.cycle.iteration_s if rate else 0.0
+
+
+def _eta(st: _JobState, job: FillJobResource, end_s: float) -> None:
+    if math.isfinite(end_s):
+        st.status["eta"] = rfc3339(dt.datetime.fromtimestamp(end_s, dt.UTC))
+        if job.deadline is not None:
+            st.status["deadlineFeasible"] = end_s <= job.deadline.timestamp()
+    else:
+        st.status.pop("eta", None)
+        if job.deadline is not None:
+            st.status["deadlineFeasible"] = False
+
+
+def _eligible(job: FillJobResource, training_keys: Sequence[str], trainings: Mapping[str, PipelineTrainingResource]
+              ) -> list[str]:
+    return [k for k in training_keys
+            if trainings[k].namespace == job.namespace and selector_matches(job.training_selector, trainings[k].labels)]
+
+
+def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[str, Any], FillJobResource, _JobState]],
+           stages: Mapping[str, StageView], trainings: Mapping[str, PipelineTrainingResource],
+           busy: Mapping[str, tuple[str, float]], now_s: float) -> None:
+    """Queued jobs onto free profiled stages: by priority tier, then by the scheduling policy."""
+    usable = [s for s in stages.values() if s.cycle is not None and s.agent_up]
+    queued = [(obj, job, st) for obj, job, st in valid.values() if _phase(st.status) is FillJobPhase.QUEUED]
+    if not queued:
+        return
+    if not usable:
+        for _obj, _job, st in queued:
+            why = ("no PipelineTraining has reported its bubbles yet (is the hook attached, and the agent running on "
+                   "its nodes?)")
+            st.condition(ConditionType.PLACED, False, "NoProfiledTraining", why)
+            st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
+        return
+    classes = [executor_class(s, trainings[s.training]) for s in usable]
+    by_name = {c.name: s for c, s in zip(classes, usable, strict=True)}
+    sched = Scheduler(classes, view.policy)
+    for e, c in enumerate(classes):
+        if c.name in busy:
+            sched.occupy(e, busy[c.name][0], busy[c.name][1])
+    requests: dict[str, tuple[Mapping[str, Any], FillJobResource, _JobState]] = {}
+    tiers: dict[int, list[FillJobRequest]] = {}
+    for obj, job, st in queued:
+        allowed = _eligible(job, sorted(trainings), trainings)
+        if not allowed:
+            why = "no PipelineTraining in this namespace matches spec.trainingSelector"
+            st.condition(ConditionType.PLACED, False, "NoMatchingTraining", why)
+            st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NoMatchingTraining", warning=True)
+            continue
+        eligible = frozenset(c.name for c in classes if by_name[c.name].training in allowed)
+        created = (obj.get("metadata") or {}).get("creationTimestamp")
+        arrival = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() if created else now_s
+        req = FillJobRequest(job.uid or key_of(obj), _profile(job), job.steps * job.samples_per_step,
+                             arrival_s=arrival, deadline_s=job.deadline.timestamp() if job.deadline else None,
+                             eligible=eligible)
+        if not eligible or not math.isfinite(min(sched.processing_times_s(req))):
+            why = (f"fits no profiled bubble of {', '.join(allowed)}: each step needs "
+                   f"{(job.job.gating_step_s or PROVISIONAL_STEP_S) * 1e3:.3g} ms and "
+                   f"{job.job.memory_bytes / 2**20:.0f} MiB; lower spec.profile.memory or the step's batch")
+            st.condition(ConditionType.PLACED, False, "NoBubbleFits", why)
+            st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NoBubbleFits", warning=True)
+            continue
+        requests[req.job_id] = (obj, job, st)
+        tiers.setdefault(job.priority, []).append(req)
+    placed: dict[str, tuple[str, float]] = {}
+    for prio in sorted(tiers, reverse=True):
+        for req in tiers[prio]:
+            sched.submit(req, now_s, place=False)
+        for p in sched.dispatch(now_s):
+            placed[p.job.job_id] = (sched.classes[p.class_index].name, p.end_s)
+    etas = sched.expected_completions(now_s)
+    position = 0
+    for req_id, (_obj, job, st) in requests.items():
+        if req_id in placed:
+            cls_name, end_s = placed[req_id]
+            _assign(out, st, job, by_name[cls_name], end_s)
+            continue
+        position += 1
+        st.status["queuePosition"] = position
+        _eta(st, job, etas.get(req_id, math.inf))
+        st.condition(ConditionType.PLACED, False, "AllBubblesBusy", "every stage it fits runs another fill job")
+        st.phase(FillJobPhase.QUEUED, "waiting: every bubble it fits is in use")
+
+
+def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageView, end_s: float) -> None:
+    attempt = int(st.status.get("restarts", 0))
+    pod = fill_pod_name(job.name, attempt)
+    a = Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node,
+                   stage.pod, stage.device, pod, attempt)
+    out.assign.append(a)
+    out.create_pods.append(fill_pod(job, a))
+    counters = dict(st.status.get("counters") or {})
+    counters["placements"] = int(counters.get("placements", 0)) + 1
+    st.status["counters"] = counters
+    st.status["assignment"] = {"training": stage.training.split("/", 1)[-1], "stage": stage.stage,
+                               "node": stage.node, "device": stage.device, "pod": pod, "trainingPod": stage.pod}
+    st.status.pop("queuePosition", None)
+    _eta(st, job, end_s)
+    msg = f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
+    st.condition(ConditionType.PLACED, True, "Placed", msg)
+    st.phase(FillJobPhase.PLACED, msg, event="Placed")
+
+
+def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
+    """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets."""
+    env = [
+        {"name": "BUBBLES_FILL_JOB", "value": job.name},
+        {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},
+        {"name": "BUBBLES_TRAINING", "value": a.training.split("/", 1)[-1]},
+        {"name": "BUBBLES_STAGE", "value": str(a.stage)},
+        {"name": "BUBBLES_DEVICE", "value": a.device},
+        {"name": "BUBBLES_RUN_DIR", "value": RUN_DIR},
+        {"name": "BUBBLES_MEMORY_BYTES", "value": str(job.job.memory_bytes)},
+        {"name": "BUBBLES_MAX_STEPS", "value": str(job.steps)},
+    ]
+    if job.job.gating_step_s is not None:
+        env.append({"name": "BUBBLES_STEP_S", "value": repr(job.job.gating_step_s)})
+    if job.checkpoint_path:
+        env.append({"name": "BUBBLES_CHECKPOINT", "value": job.checkpoint_path})
+    container: dict[str, Any] = {
+        "name": "fill", "image": job.image, "env": env,
+        "volumeMounts": [{"name": "bubbles-run", "mountPath": RUN_DIR}],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if job.job.command:
+        container["command"] = list(job.job.command)
+    else:
+        container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
+        if job.job.args:
+            import json
+
+            container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": a.fill_pod, "namespace": job.namespace,
+            "labels": {"app.kubernetes.io/managed-by": "bubbles", "app.kubernetes.io/component": "fill-job",
+                       "bubbles.dev/fill-job": job.name, "bubbles.dev/training": a.training.split("/", 1)[-1]},
+            "annotations": {"bubbles.dev/fill-job-uid": job.uid, "bubbles.dev/attempt": str(a.attempt)},
+            "ownerReferences": [{"apiVersion": API_VERSION, "kind": "FillJob", "name": job.name, "uid": job.uid,
+                                 "controller": True, "blockOwnerDeletion": True}],
+        },
+        "spec": {
+            "nodeName": a.node,  # the training's node: the bubbles are its GPU's
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "containers": [container],
+            "volumes": [{"name": "bubbles-run", "hostPath": {"path": RUN_DIR, "type": "Directory"}}],
+        },
+    }
+
+
+def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str, PipelineTrainingResource],
+                       stages: Mapping[str, StageView],
+                       valid: Mapping[str, tuple[Mapping[str, Any], FillJobResource, _JobState]]) -> None:
+    by_key = {key_of(t): t for t in view.trainings}
+    for tkey, tr in trainings.items():
+        obj = by_key[tkey]
+        before = _status(obj)
+        status = dict(before)
+        mine = [s for s in stages.values() if s.training == tkey]
+        status["pods"] = len({s.pod for s in mine})
+        status["stages"] = [{
+            "stage": s.stage, "pod": s.pod, "node": s.node, "device": s.device,
+            **({"iterationSeconds": s.cycle.iteration_s, "bubbleRatio": round(s.cycle.bubble_ratio, 4),
+                "bubbles": [{"slot": b.slot, "durationSeconds": b.duration_s, "freeBytes": b.free_bytes}
+                            for b in s.cycle.slots]} if s.cycle else {}),
+        } for s in sorted(mine, key=lambda s: (s.stage, s.pod))]
+        profiled = [s for s in mine if s.cycle is not None]
+        gen = tr.generation
+        conds = status.get("conditions") or []
+        silent = [s.pod for s in mine if not s.hook_reporting]
+        if not mine:
+            conds = set_condition(conds, Condition("HookReporting", "False", "NoPods", "no Pod matches spec.selector",
+                                                   observed_generation=gen), view.now)
+        elif silent:
+            conds = set_condition(conds, Condition(
+                "HookReporting", "False", "NoHook", f"no bubble signals from {', '.join(sorted(silent))}: attach the "
+                "hook (bubbles.hook.instrument(engine)) and set BUBBLES_TRAINING to this PipelineTraining's name",
+                observed_generation=gen), view.now)
+        else:
+            conds = set_condition(conds, Condition("HookReporting", "True", "Reporting",
+                                                   f"all {len(mine)} stage(s) report", observed_generation=gen),
+                                  view.now)
+        conds = set_condition(conds, Condition(
+            "Profiled", "True" if mine and len(profiled) == len(mine) else "False",
+            "Profiled" if mine and len(profiled) == len(mine) else "Profiling",
+            f"{len(profiled)} of {len(mine)} stage(s) profiled", observed_generation=gen), view.now)
+        if profiled:
+            bubble = sum(s.cycle.bubble_s for s in profiled if s.cycle)
+            it = sum(s.cycle.iteration_s for s in profiled if s.cycle)
+            status["bubbleRatio"] = round(bubble / it, 4) if it else 0.0
+            status["iterationSeconds"] = sum(s.baseline_iteration_s or s.cycle.iteration_s
+                                             for s in profiled if s.cycle) / len(profiled)
+        harvesting = [s for s in profiled if s.iteration_s]
+        if harvesting:
+            status["iterationSecondsHarvesting"] = sum(s.iteration_s or 0.0 for s in harvesting) / len(harvesting)
+            base = status.get("iterationSeconds") or 0.0
+            slowdown = status["iterationSecondsHarvesting"] / base - 1 if base else 0.0
+            status["slowdown"] = round(slowdown, 5)
+            status["slowdownText"] = f"{slowdown:+.2%} of {tr.slowdown_budget:.2%}"
+            over = slowdown > tr.slowdown_budget
+            conds = set_condition(conds, Condition(
+                "BudgetExceeded", "True" if over else "False", "OverBudget" if over else "WithinBudget",
+                f"harvesting slows the training by {slowdown:+.2%}; the budget is {tr.slowdown_budget:.2%}",
+                observed_generation=gen), view.now)
+        bubble_total = sum(s.bubble_s for s in mine)
+        if bubble_total > 0:
+            status["shareFilled"] = round(sum(s.filled_s for s in mine) / bubble_total, 4)
+        jobs_here = [j for _o, j, st in valid.values() if _phase(st.status) in ACTIVE
+                     and f"{j.namespace}/{(st.status.get('assignment') or {}).get('training')}" == tkey]
+        status["fillJobs"] = len(jobs_here)
+        status["conditions"] = conds
+        status["observedGeneration"] = gen
+        if status != before:
+            out.training_status[tkey] = status
+
+

@@ -1,0 +1,116 @@
+"""The CRDs on a real kube-apiserver (1.20, RBAC on): what the API server enforces is what bubbles.resources says.
+
+One API server for the whole module (tests/kubeapi.py). Skipped, loudly, where its binaries cannot be had.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubeapi import ApiServer, api_server, find_assets
+
+from bubbles.resources import (
+    API_VERSION,
+    FILL_JOB_SPEC,
+    FILL_JOB_STATUS,
+    Field,
+    FillJobPhase,
+    apply_defaults,
+    validate,
+)
+
+pytestmark = pytest.mark.kube
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    assets, why = find_assets()
+    if assets is None:
+        pytest.skip(f"REAL API SERVER TIER SKIPPED: {why}")
+    with api_server(tmp_path_factory.mktemp("kube"), assets) as server:
+        server.kubectl("apply", "-f", str(ROOT / "crds"))
+        server.kubectl("wait", "--for", "condition=established", "--timeout", "30s",
+                       "crd/filljobs.bubbles.dev", "crd/pipelinetrainings.bubbles.dev")
+        yield server
+
+
+def fill_job(name: str, spec: dict[str, Any]) -> str:
+    return json.dumps({"apiVersion": API_VERSION, "kind": "FillJob", "metadata": {"name": name}, "spec": spec})
+
+
+GOOD: dict[str, Any] = {"image": "img:1", "entry": "m:C", "profile": {"memory": "1Gi"}, "work": {"steps": 10}}
+
+
+def test_examples_apply_and_the_servers_defaults_are_the_tables(kube: ApiServer) -> None:
+    kube.kubectl("apply", "-f", str(ROOT / "examples" / "cluster"))
+    obj = json.loads(kube.kubectl("get", "fj", "image-classification", "-o", "json").stdout)
+    sent = yaml.safe_load((ROOT / "examples/cluster/filljob-image-classification.yaml").read_text())["spec"]
+    assert obj["spec"] == apply_defaults(FILL_JOB_SPEC, sent)
+    bare = json.loads(kube.kubectl("create", "-o", "json", "-f", "-", input_text=fill_job("bare", GOOD)).stdout)
+    assert bare["spec"] == apply_defaults(FILL_JOB_SPEC, GOOD) != GOOD  # kind, interface, priority, restartLimit
+    header = kube.kubectl("get", "fj").stdout.splitlines()[0].split()
+    assert header == ["NAME", "PHASE", "TRAINING", "NODE", "PROGRESS", "ETA", "AGE"]
+    assert kube.kubectl("get", "pt").stdout.splitlines()[0].split()[:3] == ["NAME", "PODS", "BUBBLE-RATIO"]
+
+
+@pytest.mark.parametrize(
+    ("change", "server_says"),
+    [
+        ({"kind": "finetune"}, 'spec.kind: Unsupported value: "finetune"'),
+        ({"interface": "sometimes"}, 'spec.interface: Unsupported value: "sometimes"'),
+        ({"profile": {}}, "spec.profile.memory: Required value"),
+        ({"profile": {"memory": "lots"}}, "spec.profile.memory: Invalid value"),
+        ({"profile": {"memory": "1Gi", "stepTime": "soon"}}, "spec.profile.stepTime: Invalid value"),
+        ({"work": {"steps": 0}}, "spec.work.steps: Invalid value: 0"),
+        ({"priority": 5000}, "spec.priority: Invalid value: 5000"),
+        ({"deadline": "tomorrow"}, "spec.deadline: Invalid value"),
+        ({"image": "has space"}, "spec.image: Invalid value"),
+        ({"entry": "no-colon"}, "spec.entry: Invalid value"),
+        ({"restartLimit": -1}, "spec.restartLimit: Invalid value: -1"),
+        ({"command": []}, "spec.command: Invalid value: 0"),
+        ({"trainingSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}},
+         'spec.trainingSelector.matchExpressions[0].operator: Unsupported value: "Near"'),
+    ],
+)
+def test_the_server_and_the_operator_refuse_the_same_bad_fill_jobs(kube: ApiServer, change: dict[str, Any],
+                                                                    server_says: str) -> None:
+    spec = {**copy.deepcopy(GOOD), **change}
+    proc = kube.kubectl("create", "-f", "-", input_text=fill_job("bad", spec), check=False)
+    assert proc.returncode != 0 and server_says in proc.stderr, proc.stderr
+    assert validate(FILL_JOB_SPEC, spec), f"the operator's validation accepts what the server refuses: {spec}"
+    assert kube.kubectl("get", "fj", "bad", check=False).returncode != 0  # nothing was stored
+
+
+def test_a_spec_without_its_required_fields_is_refused(kube: ApiServer) -> None:
+    proc = kube.kubectl("create", "-f", "-", input_text=json.dumps(
+        {"apiVersion": API_VERSION, "kind": "FillJob", "metadata": {"name": "nospec"}}), check=False)
+    assert proc.returncode != 0 and "spec: Required value" in proc.stderr, proc.stderr
+
+
+def _sample(f: Field) -> Any:
+    """A value for every declared status field (to see that the server keeps all of it)."""
+    if f.enum:
+        return f.enum[-1]
+    return {"string": "x", "integer": 1, "number": 0.5, "boolean": True, "map": {"k": "v"},
+            "array": [_sample(f.items)] if f.items else ["x"],
+            "object": {c.name: _sample(c) for c in f.fields}}[f.type]
+
+
+def test_every_status_field_the_operator_writes_survives_the_server(kube: ApiServer) -> None:
+    kube.kubectl("create", "-f", "-", input_text=fill_job("status-probe", GOOD))
+    status = {f.name: _sample(f) for f in FILL_JOB_STATUS}
+    status["phase"] = FillJobPhase.RUNNING.value
+    code, body = kube.request("PATCH", "/apis/bubbles.dev/v1alpha1/namespaces/default/filljobs/status-probe/status",
+                              {"status": status}, content_type="application/merge-patch+json")
+    assert code == 200, body
+    stored = json.loads(kube.kubectl("get", "fj", "status-probe", "-o", "json").stdout)
+    assert stored["status"] == status  # nothing pruned: every field is declared
+    row = kube.kubectl("get", "fj", "status-probe", "--no-headers").stdout.split()
+    assert row[1:6] == ["Running", "x", "x", "x", "x"]  # phase, training, node, progress, ETA columns

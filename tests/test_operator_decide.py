@@ -1,0 +1,178 @@
+"""The operator's decisions (bubbles.operator.decide): cluster views in, statuses, Pods and Events out.
+
+Each test builds what the operator would see (FillJob and PipelineTraining objects, training stages with the
+bubble cycles their agents report, fill-job progress), calls ``reconcile`` and writes the decided statuses
+back, as the API server would, before the next round.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from bubbles.api import FillState
+from bubbles.cycle import BubbleCycle
+from bubbles.operator.decide import ClusterView, Decisions, JobProgress, StageView, reconcile
+
+NOW = dt.datetime(2026, 11, 23, 8, 0, tzinfo=dt.UTC)
+MIB = 2**20
+
+
+def cycle(stage: int = 0, bubble_s: float = 0.010, free: int = 1024 * MIB, iteration_s: float = 0.100) -> BubbleCycle:
+    return BubbleCycle.from_dict({
+        "training": "llama", "stage": stage, "stages": 2, "microbatches": 8, "schedule": "TrainSchedule",
+        "iteration_s": iteration_s, "samples": 5,
+        "slots": [{"slot": 0, "position": 3, "instruction": "RecvGrad", "kind": "steady", "duration_s": bubble_s,
+                   "p10_s": bubble_s, "p90_s": bubble_s, "free_bytes": free}]})
+
+
+def stage(k: int = 0, pod: str = "llama-0", node: str = "node-a", **kw: Any) -> StageView:
+    fields: dict[str, Any] = {"cycle": cycle(k), "hook_reporting": True}
+    fields.update(kw)
+    return StageView("ml/llama", k, pod, f"uid-{pod}", node, "cuda:0", **fields)
+
+
+def training(labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "llama", "namespace": "ml", "uid": "t-uid", "generation": 1,
+                         "labels": labels or {"team": "a"}},
+            "spec": {"selector": {"matchLabels": {"app": "llama"}}, **spec}}
+
+
+def fill_job(name: str = "fj", created: str = "2026-11-23T07:00:00Z", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"image": "fill:1", "entry": "pkg.mod:Job", "profile": {"memory": "64Mi", "stepTime": "2ms"},
+                            "work": {"steps": 1000}}
+    body.update(spec)
+    return {"metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", "generation": 1,
+                         "creationTimestamp": created}, "spec": body}
+
+
+def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[dict[str, Any]] | None = None,
+         progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW) -> Decisions:
+    """One reconcile; the decided statuses are written into the objects (the API server's part)."""
+    trainings = trainings if trainings is not None else [training()]
+    d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}))
+    for obj in jobs:
+        key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+        if key in d.fill_job_status:
+            obj["status"] = d.fill_job_status[key]
+    for obj in trainings:
+        key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+        if key in d.training_status:
+            obj["status"] = d.training_status[key]
+    return d
+
+
+def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
+
+
+def test_an_invalid_fill_job_fails_with_the_reason_and_one_event() -> None:
+    bad = fill_job(work={"steps": 0})
+    d = step([bad], [stage()])
+    assert bad["status"]["phase"] == "Failed" and "spec.work.steps must be >= 1" in bad["status"]["message"]
+    assert cond(bad, "Admitted")["status"] == "False" and cond(bad, "Admitted")["reason"] == "InvalidSpec"
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "InvalidSpec")]
+    again = step([bad], [stage()])
+    assert again.events == [] and again.fill_job_status == {}  # nothing changes, nothing is written
+
+
+def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -> None:
+    job = fill_job()
+    d = step([job], [stage()])
+    st = job["status"]
+    assert st["phase"] == "Placed" and st["observedGeneration"] == 1
+    assert st["assignment"] == {"training": "llama", "stage": 0, "node": "node-a", "device": "cuda:0",
+                                "pod": "fj-fj-a0", "trainingPod": "llama-0"}
+    assert st["progressText"] == "0% (0/1000)" and st["counters"]["placements"] == 1
+    # 10 ms bubble per 100 ms iteration, 2 ms steps: 5 steps per iteration -> 1000 steps in 20 s
+    assert st["eta"] == "2026-11-23T08:00:20Z"
+    (pod,) = d.create_pods
+    assert pod["spec"]["nodeName"] == "node-a" and pod["metadata"]["name"] == "fj-fj-a0"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-fj"
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["BUBBLES_TRAINING"] == "llama" and env["BUBBLES_STAGE"] == "0" and env["BUBBLES_DEVICE"] == "cuda:0"
+    assert env["BUBBLES_MEMORY_BYTES"] == str(64 * MIB) and env["BUBBLES_MAX_STEPS"] == "1000"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    (a,) = d.assign
+    assert (a.uid, a.node, a.stage, a.fill_pod) == ("uid-fj", "node-a", 0, "fj-fj-a0")
+    assert [e.reason for e in d.events] == ["Queued", "Placed"]
+
+
+def test_a_placed_job_is_never_placed_twice_even_by_a_restarted_operator() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    for _ in range(3):  # every later round sees the assignment in the status: nothing is created again
+        d = step([job], [stage(), stage(1, pod="llama-1")])
+        assert d.create_pods == [] and d.assign == []
+
+
+def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 400, 4e12)})
+    st = job["status"]
+    assert st["phase"] == "Running" and st["progressText"] == "40% (400/1000)" and st["recoveredFlops"] == 4e12
+    assert st["eta"] == "2026-11-23T08:00:12Z" and [e.reason for e in d.events] == ["Running"]
+    d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.STOPPED, 1000, 1e13, "finished")})
+    assert job["status"]["phase"] == "Succeeded" and cond(job, "Finished")["status"] == "True"
+    assert "eta" not in job["status"] and [e.reason for e in d.events] == ["Succeeded"]
+
+
+def test_a_lost_training_pod_requeues_the_job_and_the_restart_limit_fails_it() -> None:
+    job = fill_job(restartLimit=1, checkpoint={"path": "/ckpt"})
+    step([job], [stage()])
+    d = step([job], [stage(1, pod="llama-1")])  # llama-0 is gone
+    st = job["status"]
+    assert st["restarts"] == 1
+    assert st["phase"] == "Placed" and st["assignment"]["trainingPod"] == "llama-1"  # requeued and placed again
+    assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
+    assert [e.reason for e in d.events] == ["Evicted", "Placed"] and d.create_pods[0]["metadata"]["name"] == "fj-fj-a1"
+    assert cond(job, "Evicted")["reason"] == "Requeued"
+    d = step([job], [stage(), stage(1, pod="llama-1", agent_up=False)])  # its agent stops answering
+    assert job["status"]["phase"] == "Failed" and "spec.restartLimit" in job["status"]["message"]
+    assert "stopped answering" in job["status"]["message"] and d.create_pods == []
+
+
+def test_a_restarted_training_pod_is_re_profiled_before_it_gets_work_again() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    d = step([job], [stage(cycle=None)])  # same Pod name, restarted: no cycle until the hook profiles it again
+    assert job["status"]["phase"] == "Queued" and "re-measured" in cond(job, "Evicted")["message"]
+    assert d.create_pods == [] and cond(job, "Placed")["reason"] == "NoProfiledTraining"
+    assert [e.reason for e in d.events] == ["Evicted"] and "re-measured" in d.events[0].message
+
+
+def test_jobs_wait_with_a_reason_people_can_act_on() -> None:
+    big = fill_job("big", profile={"memory": "4Gi", "stepTime": "2ms"})
+    elsewhere = fill_job("other", trainingSelector={"matchLabels": {"team": "b"}})
+    step([big, elsewhere], [stage()])
+    assert big["status"]["phase"] == "Queued" and cond(big, "Placed")["reason"] == "NoBubbleFits"
+    assert "lower spec.profile.memory" in big["status"]["message"]
+    assert cond(elsewhere, "Placed")["reason"] == "NoMatchingTraining"
+    lone = fill_job("lone")
+    step([lone], [stage(hook_reporting=False, cycle=None)])
+    assert "no PipelineTraining has reported its bubbles yet" in lone["status"]["message"]
+
+
+def test_priority_then_policy_and_the_queue_gets_positions_and_etas() -> None:
+    first = fill_job("first", created="2026-11-23T06:00:00Z")
+    urgent = fill_job("urgent", created="2026-11-23T07:30:00Z", priority=10)
+    step([first, urgent], [stage()])
+    assert urgent["status"]["phase"] == "Placed" and first["status"]["phase"] == "Queued"
+    assert first["status"]["queuePosition"] == 1
+    assert first["status"]["eta"] == "2026-11-23T08:00:40Z"  # after urgent's 20 s, then its own 20 s
+    late = fill_job("late", deadline="2026-11-23T08:00:30Z")
+    step([first, urgent, late], [stage()])
+    assert late["status"]["deadlineFeasible"] is False and first["status"]["queuePosition"] == 1
+
+
+def test_training_status_says_whether_the_hook_reports_and_what_harvesting_costs() -> None:
+    t = training(slowdownBudget=0.01)
+    step([], [stage(hook_reporting=False, cycle=None)], [t])
+    hook = cond(t, "HookReporting")
+    assert hook["status"] == "False" and "attach the hook" in hook["message"] and t["status"]["pods"] == 1
+    step([], [stage(iteration_s=0.103, baseline_iteration_s=0.100, bubble_s=10.0, filled_s=7.0)], [t])
+    st = t["status"]
+    assert st["bubbleRatio"] == 0.1 and st["slowdown"] == 0.03 and st["shareFilled"] == 0.7
+    assert st["slowdownText"] == "+3.00% of 1.00%" and cond(t, "BudgetExceeded")["status"] == "True"
+    assert st["stages"][0]["bubbles"] == [{"slot": 0, "durationSeconds": 0.01, "freeBytes": 1024 * MIB}]
