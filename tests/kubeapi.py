@@ -84,9 +84,16 @@ class ApiServer:
         ctx.verify_mode = ssl.CERT_NONE
         try:
             with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
+                return resp.status, _decode(resp.read())
         except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"null")
+            return err.code, _decode(err.read())
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        return raw.decode(errors="replace")  # /readyz and friends answer in plain text
 
 
 def _kubeconfig(path: Path, url: str, token: str, user: str) -> Path:

@@ -176,3 +176,16 @@ def test_training_status_says_whether_the_hook_reports_and_what_harvesting_costs
     assert st["bubbleRatio"] == 0.1 and st["slowdown"] == 0.03 and st["shareFilled"] == 0.7
     assert st["slowdownText"] == "+3.00% of 1.00%" and cond(t, "BudgetExceeded")["status"] == "True"
     assert st["stages"][0]["bubbles"] == [{"slot": 0, "durationSeconds": 0.01, "freeBytes": 1024 * MIB}]
+
+
+def test_a_finalizer_is_held_only_while_a_job_has_something_to_clean_up() -> None:
+    job = fill_job()
+    d = step([job], [])
+    assert d.add_finalizer == []  # queued: nothing to clean up
+    d = step([job], [stage()])
+    assert d.add_finalizer == ["ml/fj"]
+    job["metadata"]["finalizers"] = ["bubbles.dev/fill-job-cleanup"]
+    job["metadata"]["deletionTimestamp"] = "2026-11-23T08:01:00Z"
+    d = step([job], [stage()])
+    assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
+    assert d.remove_finalizer == ["ml/fj"] and d.create_pods == [] and [e.reason for e in d.events] == ["Deleted"]

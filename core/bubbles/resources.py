@@ -22,6 +22,7 @@ from typing import Any
 from bubbles.api import (
     FillInterface,
     FillJobSpec,
+    FillState,
     WorkloadKind,
     parse_duration,
     parse_quantity,
@@ -544,3 +545,66 @@ PIPELINE_TRAINING_STATUS: tuple[Field, ...] = (
     Field("fillJobs", "integer", "fill jobs placed on this training", minimum=0),
     _conditions(),
 )
+
+
+# -- what node agents report to the operator -------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageReport:
+    """One pipeline stage of one training Pod on a node, as its agent sees it."""
+
+    namespace: str
+    training: str  # the PipelineTraining's name (the training's $BUBBLES_TRAINING)
+    pod: str
+    stage: int
+    device: str
+    cycle: dict[str, Any] | None = None  # BubbleCycle.to_dict() once the hook has profiled the stage
+    hook_reporting: bool = False
+    iteration_s: float | None = None  # latest iteration time while harvesting
+    baseline_iteration_s: float | None = None  # the slowdown guard's baseline (no fill work)
+    bubble_s: float = 0.0
+    filled_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StageReport:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """What a node agent reports of one placed fill job (by its FillJob's uid)."""
+
+    uid: str
+    state: FillState
+    steps_done: int = 0
+    flops: float = 0.0
+    reason: str = ""
+    kills: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "state": str(self.state)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> JobProgress:
+        return cls(str(d["uid"]), FillState(d["state"]), int(d.get("steps_done", 0)), float(d.get("flops", 0.0)),
+                   str(d.get("reason", "")), int(d.get("kills", 0)))
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """Everything one node's agent tells the operator."""
+
+    node: str
+    stages: tuple[StageReport, ...] = ()
+    jobs: tuple[JobProgress, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "stages": [s.to_dict() for s in self.stages],
+                "jobs": [j.to_dict() for j in self.jobs]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> NodeReport:
+        return cls(str(d["node"]), tuple(StageReport.from_dict(s) for s in d.get("stages", ())),
+                   tuple(JobProgress.from_dict(j) for j in d.get("jobs", ())))

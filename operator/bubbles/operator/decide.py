@@ -22,10 +22,12 @@ from bubbles.cycle import BubbleCycle
 from bubbles.plan import Bubble, FillNode
 from bubbles.resources import (
     API_VERSION,
+    FINALIZER,
     Condition,
     ConditionType,
     FillJobPhase,
     FillJobResource,
+    JobProgress,
     PipelineTrainingResource,
     ResourceError,
     rfc3339,
@@ -63,18 +65,6 @@ class StageView:
     @property
     def key(self) -> str:
         return f"{self.training}/{self.stage}/{self.pod}"
-
-
-@dataclass(frozen=True)
-class JobProgress:
-    """What the node agent reports of one placed fill job."""
-
-    uid: str
-    state: FillState
-    steps_done: int = 0
-    flops: float = 0.0
-    reason: str = ""
-    kills: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +115,8 @@ class Decisions:
     assign: list[Assignment] = field(default_factory=list)
     cancel: list[tuple[str, str]] = field(default_factory=list)  # (node, FillJob uid)
     events: list[Event] = field(default_factory=list)
+    add_finalizer: list[str] = field(default_factory=list)  # "ns/name" of FillJobs that now hold resources
+    remove_finalizer: list[str] = field(default_factory=list)  # deleted FillJobs whose clean-up is done
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
@@ -226,7 +218,8 @@ def reconcile(view: ClusterView) -> Decisions:
     for obj in view.fill_jobs:
         meta = obj.get("metadata") or {}
         if meta.get("deletionTimestamp"):
-            continue  # the delete handler cleans up
+            _clean_up(obj, out)
+            continue
         st = _JobState(obj, view.now, out)
         try:
             job = FillJobResource.from_object(obj)
@@ -254,6 +247,22 @@ def reconcile(view: ClusterView) -> Decisions:
         st.finish()
     _training_statuses(view, out, trainings, stages, valid)
     return out
+
+
+def _clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
+    """A deleted FillJob: stop its fill process, delete its Pod, then let the deletion finish."""
+    meta = obj.get("metadata") or {}
+    if FINALIZER not in (meta.get("finalizers") or []):
+        return
+    a = (obj.get("status") or {}).get("assignment") or {}
+    if a.get("pod"):
+        out.delete_pods.append((str(meta.get("namespace", "")), str(a["pod"])))
+    if a.get("node"):
+        out.cancel.append((str(a["node"]), str(meta.get("uid", ""))))
+    out.remove_finalizer.append(key_of(obj))
+    out.events.append(Event("FillJob", str(meta.get("namespace", "")), str(meta.get("name", "")),
+                            str(meta.get("uid", "")), "Normal", "Deleted",
+                            f"stopped; its Pod {a['pod']} is deleted" if a.get("pod") else "deleted"))
 
 
 def _track(view: ClusterView, st: _JobState, job: FillJobResource, stages: Mapping[str, StageView],
@@ -427,6 +436,8 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
                    stage.pod, stage.device, pod, attempt)
     out.assign.append(a)
     out.create_pods.append(fill_pod(job, a))
+    if FINALIZER not in (st.meta.get("finalizers") or []):
+        out.add_finalizer.append(key_of(st.obj))
     counters = dict(st.status.get("counters") or {})
     counters["placements"] = int(counters.get("placements", 0)) + 1
     st.status["counters"] = counters
