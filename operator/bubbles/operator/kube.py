@@ -1,0 +1,160 @@
+"""The operator's writes to the Kubernetes API: a thin shell over the ``kubernetes`` client, nothing decided here.
+
+Every call is one API request; ``Writes`` counts them (the scale benchmark reports writes per placement).
+Status patches are JSON merge patches that also null the fields the new status dropped, so a status is
+always exactly what ``bubbles.operator.decide`` computed. A create that finds its object there already
+(409) and a delete that finds nothing (404) are not errors: retries are safe.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bubbles.resources import FINALIZER, GROUP, VERSION
+
+from .decide import Event
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where the API server is and how to authenticate (what kopf's login and the client both use)."""
+
+    server: str
+    token: str | None = None
+    ca_path: str | None = None
+    insecure: bool = False
+    namespace: str | None = None  # the namespace of the operator's own Pod, if known
+
+    @classmethod
+    def from_environment(cls, kubeconfig: Path | None = None) -> Connection:
+        """In-cluster (the ServiceAccount's token and CA), else a kubeconfig file ($KUBECONFIG, ~/.kube/config)."""
+        sa = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and (sa / "token").exists():
+            host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+            return cls(f"https://{host}:{port}", (sa / "token").read_text().strip(), str(sa / "ca.crt"),
+                       namespace=(sa / "namespace").read_text().strip())
+        import yaml
+
+        path = kubeconfig or Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
+        try:
+            cfg = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"no in-cluster ServiceAccount and cannot read kubeconfig {path}: {exc}; "
+                             "pass --kubeconfig or run the operator in a Pod") from None
+        ctx_name = cfg.get("current-context")
+        ctx = next((c["context"] for c in cfg.get("contexts", []) if c["name"] == ctx_name), None)
+        if ctx is None:
+            raise ValueError(f"kubeconfig {path} has no current context")
+        cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == ctx["cluster"])
+        user: dict[str, Any] = next((u["user"] for u in cfg.get("users", []) if u["name"] == ctx.get("user")), {})
+        return cls(cluster["server"], user.get("token"), cluster.get("certificate-authority"),
+                   bool(cluster.get("insecure-skip-tls-verify")), ctx.get("namespace"))
+
+    def api_client(self) -> Any:
+        import kubernetes
+
+        c = kubernetes.client.Configuration()
+        c.host = self.server
+        c.verify_ssl = not self.insecure
+        if self.ca_path:
+            c.ssl_ca_cert = self.ca_path
+        if self.token:
+            c.api_key = {"authorization": self.token}
+            c.api_key_prefix = {"authorization": "Bearer"}
+        return kubernetes.client.ApiClient(c)
+
+
+def status_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch that turns status ``before`` into ``after`` (dropped fields are set to null)."""
+    patch: dict[str, Any] = dict(after)
+    for k in before:
+        if k not in after:
+            patch[k] = None
+    return {"status": patch}
+
+
+class KubeWriter:
+    """Carries out the operator's writes; synchronous (the operator calls it from a worker thread)."""
+
+    def __init__(self, connection: Connection) -> None:
+        import kubernetes
+
+        self._k = kubernetes
+        # The client's own type hints want its model classes; plain dicts are what it sends, so: Any.
+        self.api: Any = connection.api_client()
+        self.custom: Any = kubernetes.client.CustomObjectsApi(self.api)
+        self.core: Any = kubernetes.client.CoreV1Api(self.api)
+        self.writes: Counter[str] = Counter()
+
+    def _ok(self, exc: Exception, *codes: int) -> bool:
+        return isinstance(exc, self._k.client.ApiException) and exc.status in codes
+
+    def patch_status(self, plural: str, namespace: str, name: str, before: Mapping[str, Any],
+                     after: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The object after the patch, or None if it is gone."""
+        self.writes["status"] += 1
+        try:
+            return dict(self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, plural, name, status_patch(before, after)))
+        except Exception as exc:
+            if self._ok(exc, 404):
+                return None
+            raise
+
+    def set_finalizer(self, plural: str, namespace: str, name: str, present: bool,
+                      finalizers: list[str]) -> dict[str, Any] | None:
+        """Add or remove the operator's finalizer; the object after the patch (None if gone)."""
+        want = [f for f in finalizers if f != FINALIZER] + ([FINALIZER] if present else [])
+        self.writes["finalizer"] += 1
+        try:
+            return dict(self.custom.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, plural, name, {"metadata": {"finalizers": want}}))
+        except Exception as exc:
+            if self._ok(exc, 404):
+                return None
+            raise
+
+    def create_pod(self, manifest: Mapping[str, Any]) -> bool:
+        """True if created, False if a Pod of that name is there already (a retried placement)."""
+        self.writes["pod"] += 1
+        try:
+            self.core.create_namespaced_pod(manifest["metadata"]["namespace"], dict(manifest))
+            return True
+        except Exception as exc:
+            if self._ok(exc, 409):
+                return False
+            raise
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.writes["pod_delete"] += 1
+        try:
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=5)
+        except Exception as exc:
+            if not self._ok(exc, 404):
+                raise
+
+    def post_event(self, event: Event, now: dt.datetime, component: str = "bubbles-operator") -> None:
+        self.writes["event"] += 1
+        stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            # A name of its own, as kubectl's and the kubelet's Events have: <object>.<hex nanoseconds>
+            "metadata": {"name": f"{event.name}.{time.time_ns():x}", "namespace": event.namespace},
+            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": event.kind, "name": event.name,
+                               "namespace": event.namespace, "uid": event.uid},
+            "type": event.type, "reason": event.reason, "message": event.message[:1024],
+            "source": {"component": component}, "reportingComponent": component,
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(event.namespace, body)
+        except Exception as exc:
+            if not self._ok(exc, 404, 403):  # an Event is best effort: losing one stops nothing
+                raise

@@ -1,0 +1,312 @@
+"""The operator process: kopf watches, a store of what it saw, one reconcile loop, the writes.
+
+kopf streams every FillJob, PipelineTraining and Pod event into ``Store`` (``on.event`` handlers only: kopf
+keeps no progress of its own on our objects, so it writes nothing to them). The loop then gathers the
+agents' reports, calls the pure ``bubbles.operator.decide.reconcile`` and carries out its decisions with
+``KubeWriter``, updating the store from each write's answer so that a decision taken is seen at once by the
+next round (a placement is never repeated while its watch event is still on its way). It runs every
+``interval_s`` or as soon as a watched object changes. With leader election on, only the Lease holder
+writes; a replica that loses the Lease stops before its next write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bubbles.cycle import BubbleCycle
+from bubbles.resources import (
+    GROUP,
+    VERSION,
+    JobProgress,
+    NodeReport,
+    PipelineTrainingResource,
+    ResourceError,
+    selector_matches,
+)
+
+from .agents import AgentDirectory
+from .decide import ClusterView, Decisions, StageView, key_of, reconcile
+from .kube import Connection, KubeWriter
+from .leader import LeaseElector
+from .metrics import OperatorMetrics
+
+log = logging.getLogger("bubbles.operator")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    namespaces: tuple[str, ...] = ()  # () with clusterwide: every namespace
+    clusterwide: bool = True
+    policy: str = "fifo"
+    interval_s: float = 2.0
+    leader_election: bool = False
+    lease_name: str = "bubbles-operator"
+    lease_namespace: str = "default"
+    identity: str = "bubbles-operator"
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+
+
+@dataclass
+class Store:
+    """The latest body of every watched object, by kind and "namespace/name"."""
+
+    fill_jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    trainings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def put(self, kind: str, obj: Mapping[str, Any], deleted: bool = False) -> None:
+        table = getattr(self, kind)
+        key = key_of(obj)
+        if deleted:
+            table.pop(key, None)
+        else:
+            old = table.get(key)
+            rv_old = int((old or {}).get("metadata", {}).get("resourceVersion") or 0) if old else -1
+            rv_new = int((obj.get("metadata") or {}).get("resourceVersion") or 0)
+            if old is None or rv_new == 0 or rv_new >= rv_old:  # an older watch event never undoes a write
+                table[key] = copy.deepcopy(dict(obj))
+
+
+class Operator:
+    """One replica of the bubbles operator; ``run()`` until ``stop`` is set."""
+
+    def __init__(self, config: OperatorConfig, connection: Connection, agents: AgentDirectory,
+                 wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)) -> None:
+        self.config = config
+        self.connection = connection
+        self.agents = agents
+        self.wall = wall
+        self.store = Store()
+        self.writer = KubeWriter(connection)
+        self.metrics = OperatorMetrics()
+        self.wake = asyncio.Event()
+        self.rounds = 0
+        self.writes_total: Counter[str] = Counter()  # API writes by kind since start
+        self.last: Decisions | None = None
+        self.leader: LeaseElector | None = None
+        if config.leader_election:
+            self.leader = LeaseElector(self.writer.api, config.lease_namespace, config.lease_name, config.identity)
+
+    # -- kopf ------------------------------------------------------------------------------------------------
+    def registry(self) -> Any:
+        import kopf
+
+        registry = kopf.OperatorRegistry()
+
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            c = self.connection
+            return kopf.ConnectionInfo(server=c.server, token=c.token, ca_path=c.ca_path, insecure=c.insecure,
+                                       default_namespace=c.namespace)
+
+        for kind, group, version, plural in (("fill_jobs", GROUP, VERSION, "filljobs"),
+                                             ("trainings", GROUP, VERSION, "pipelinetrainings"),
+                                             ("pods", "", "v1", "pods")):
+            def on_event(event: Mapping[str, Any], kind: str = kind, **_: Any) -> None:
+                obj = event.get("object")
+                if isinstance(obj, Mapping):
+                    self.store.put(kind, obj, deleted=event.get("type") == "DELETED")
+                    self.wake.set()
+            kopf.on.event(group, version, plural, registry=registry)(on_event)
+        return registry
+
+    def settings(self) -> Any:
+        import kopf
+
+        s = kopf.OperatorSettings()
+        s.posting.enabled = False  # Events are the reconcile's, with their own reasons
+        s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.bubbles.dev")
+        s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.bubbles.dev")
+        s.watching.server_timeout = 60
+        return s
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        """kopf's watches, the lease and the reconcile loop, until ``stop``."""
+        import kopf
+
+        if self.config.metrics_port is not None:
+            port = self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+            log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, port)
+        tasks = [asyncio.create_task(kopf.operator(
+            registry=self.registry(), settings=self.settings(), standalone=True,
+            clusterwide=self.config.clusterwide, namespaces=list(self.config.namespaces), stop_flag=stop,
+            ready_flag=ready)), asyncio.create_task(self._loop(stop))]
+        if self.leader is not None:
+            tasks.append(asyncio.create_task(self.leader.run(stop)))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.metrics.close()
+
+    # -- the loop --------------------------------------------------------------------------------------------
+    @property
+    def acting(self) -> bool:
+        return self.leader is None or self.leader.is_leader
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.wake.clear()
+            if self.acting:
+                try:
+                    await self.reconcile_once()
+                except Exception:
+                    self.metrics.reconcile_errors.inc()
+                    log.exception("reconcile failed; retrying in %.1f s", self.config.interval_s)
+            self.metrics.leader.set(1 if self.acting else 0)
+            waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self.wake.wait())]
+            if self.leader is not None:
+                waits.append(asyncio.create_task(self.leader.changed.wait()))
+            _done, pending = await asyncio.wait(waits, timeout=self.config.interval_s,
+                                                return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+            if self.leader is not None:
+                self.leader.changed.clear()
+            await asyncio.sleep(0.02)  # let a burst of watch events land before the next round
+
+    async def view(self) -> ClusterView:
+        """What the operator sees now: the store joined with the agents' reports."""
+        now = self.wall()
+        trainings = list(self.store.trainings.values())
+        selectors: list[tuple[str, PipelineTrainingResource]] = []
+        for t in trainings:
+            try:
+                selectors.append((key_of(t), PipelineTrainingResource.from_object(t)))
+            except ResourceError:
+                continue
+        pods_by_training: dict[str, list[dict[str, Any]]] = {}
+        for pod in self.store.pods.values():
+            meta = pod.get("metadata") or {}
+            if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") not in ("Running", "Pending"):
+                continue
+            for tkey, tr in selectors:
+                if meta.get("namespace") == tr.namespace and selector_matches(tr.selector, meta.get("labels") or {}):
+                    pods_by_training.setdefault(tkey, []).append(pod)
+        nodes = sorted({str((p.get("spec") or {}).get("nodeName")) for ps in pods_by_training.values() for p in ps
+                        if (p.get("spec") or {}).get("nodeName")})
+        answers = await asyncio.gather(*(self.agents.report(n) for n in nodes))
+        reports: dict[str, NodeReport | None] = dict(zip(nodes, answers, strict=True))
+        stages: list[StageView] = []
+        progress: dict[str, JobProgress] = {}
+        for rep in reports.values():
+            for j in rep.jobs if rep else ():
+                progress[j.uid] = j
+        for tkey, pods in pods_by_training.items():
+            ns, name = tkey.split("/", 1)
+            for pod in pods:
+                meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+                node = str(spec.get("nodeName") or "")
+                rep = reports.get(node)
+                sr = next((s for s in (rep.stages if rep else ()) if s.namespace == ns and s.training == name
+                           and s.pod == meta.get("name")), None)
+                cycle = None
+                if sr is not None and sr.cycle is not None:
+                    try:
+                        cycle = BubbleCycle.from_dict(sr.cycle)
+                    except ValueError:
+                        cycle = None
+                stages.append(StageView(
+                    tkey, sr.stage if sr else -1, str(meta.get("name")), str(meta.get("uid", "")), node,
+                    sr.device if sr else "", cycle if node else None, agent_up=rep is not None,
+                    hook_reporting=bool(sr and sr.hook_reporting), iteration_s=sr.iteration_s if sr else None,
+                    baseline_iteration_s=sr.baseline_iteration_s if sr else None,
+                    bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0))
+        return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy)
+
+    async def reconcile_once(self) -> Decisions:
+        """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""
+        t0 = time.perf_counter()
+        view = await self.view()
+        d = reconcile(view)
+        await self.apply(d, view.now)
+        self.rounds += 1
+        self.last = d
+        self.metrics.reconciles.inc()
+        self.metrics.observe(list(self.store.fill_jobs.values()))
+        if d.create_pods or d.fill_job_status:
+            log.debug("round %d: %d status(es), %d Pod(s) in %.1f ms", self.rounds, len(d.fill_job_status),
+                      len(d.create_pods), (time.perf_counter() - t0) * 1e3)
+        return d
+
+    async def apply(self, d: Decisions, now: dt.datetime) -> None:
+        """Carry out ``d``: finalizers before Pods, Pods before statuses, clean-up before releasing finalizers."""
+        w = self.writer
+
+        async def write(fn: Callable[..., Any], *args: Any) -> Any:
+            if not self.acting:
+                raise LeadershipLost()
+            return await asyncio.to_thread(fn, *args)
+
+        try:
+            for key in d.add_finalizer:
+                obj = self.store.fill_jobs.get(key)
+                if obj is not None:
+                    meta = obj["metadata"]
+                    new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], True,
+                                      list(meta.get("finalizers") or []))
+                    if new is not None:
+                        self.store.put("fill_jobs", new)
+            for pod in d.create_pods:
+                await write(w.create_pod, pod)
+            for a in d.assign:
+                await self.agents.assign(a)
+            for key, status in d.fill_job_status.items():
+                obj = self.store.fill_jobs.get(key)
+                if obj is None:
+                    continue
+                meta = obj["metadata"]
+                new = await write(w.patch_status, "filljobs", meta["namespace"], meta["name"],
+                                  obj.get("status") or {}, status)
+                if new is not None:
+                    self.store.put("fill_jobs", new)
+                    if status.get("phase") == "Placed" and (obj.get("status") or {}).get("phase") != "Placed" \
+                            and int((status.get("counters") or {}).get("placements", 0)) == 1:
+                        created = meta.get("creationTimestamp")
+                        if created:
+                            t = dt.datetime.fromisoformat(str(created).replace("Z", "+00:00"))
+                            self.metrics.placement_latency.observe(max(0.0, (now - t).total_seconds()))
+            for ns, name in d.delete_pods:
+                await write(w.delete_pod, ns, name)
+            for node, uid in d.cancel:
+                await self.agents.cancel(node, uid)
+            for key in d.remove_finalizer:
+                obj = self.store.fill_jobs.get(key)
+                if obj is not None:
+                    meta = obj["metadata"]
+                    new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], False,
+                                      list(meta.get("finalizers") or []))
+                    if new is not None:
+                        self.store.put("fill_jobs", new)
+            for key, status in d.training_status.items():
+                obj = self.store.trainings.get(key)
+                if obj is None:
+                    continue
+                meta = obj["metadata"]
+                new = await write(w.patch_status, "pipelinetrainings", meta["namespace"], meta["name"],
+                                  obj.get("status") or {}, status)
+                if new is not None:
+                    self.store.put("trainings", new)
+            for ev in d.events:
+                await write(w.post_event, ev, now)
+        except LeadershipLost:
+            log.warning("stopped mid-round: this replica no longer holds the lease")
+        finally:
+            for kind, n in w.writes.items():
+                self.metrics.api_writes.labels(kind).inc(n)
+            self.writes_total.update(w.writes)
+            w.writes.clear()
+
+
+class LeadershipLost(Exception):
+    """Raised before a write when this replica no longer holds the Lease."""

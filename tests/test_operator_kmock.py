@@ -1,0 +1,228 @@
+"""The whole operator process (kopf watches, store, reconcile loop, writes) against KMock, kopf's API emulator.
+
+Fast end-to-end scenarios; the node agents are ``InMemoryAgents`` whose reports each test sets (the agent's
+gRPC service is not built yet). What KMock cannot do (uids, resourceVersions, schema validation, pruning)
+is the real-API-server tier's (tests/test_kube_api.py, tests/test_operator_kube.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from bubbles.operator.agents import InMemoryAgents
+from bubbles.operator.kube import Connection
+from bubbles.operator.shell import Operator, OperatorConfig
+from bubbles.resources import FillState, JobProgress, NodeReport, StageReport
+
+pytestmark = pytest.mark.asyncio
+MIB = 2**20
+CYCLE = {"training": "llama", "stage": 0, "stages": 2, "microbatches": 8, "schedule": "TrainSchedule",
+         "iteration_s": 0.1, "samples": 5,
+         "slots": [{"slot": 0, "position": 3, "instruction": "RecvGrad", "kind": "steady", "duration_s": 0.01,
+                    "p10_s": 0.01, "p90_s": 0.01, "free_bytes": 1024 * MIB}]}
+
+
+class Cluster:
+    def __init__(self, kmock: Any, session: aiohttp.ClientSession) -> None:
+        self.kmock = kmock
+        self.http = session
+        self.base = str(kmock.url).rstrip("/")
+
+    async def post(self, path: str, obj: dict[str, Any]) -> None:
+        async with self.http.post(self.base + path, json=obj) as resp:
+            assert resp.status < 300, await resp.text()
+
+    async def delete(self, path: str) -> None:
+        async with self.http.delete(self.base + path) as resp:
+            assert resp.status < 300, await resp.text()
+
+    def get(self, resource: str, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj = self.kmock.objects[resource, ns, name]
+        except KeyError:
+            return None
+        if obj.deleted:
+            return None
+        return json.loads(json.dumps(dict(obj.raw)))
+
+    async def until(self, what: str, fn: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            value = fn()
+            if value:
+                return value
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            await asyncio.sleep(0.05)
+
+
+def fill_job(name: str = "fj", **spec: Any) -> dict[str, Any]:
+    body = {"image": "fill:1", "entry": "pkg.mod:Job", "profile": {"memory": "64Mi", "stepTime": "2ms"},
+            "work": {"steps": 1000}, **spec}
+    return {"apiVersion": "bubbles.dev/v1alpha1", "kind": "FillJob",
+            "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", "generation": 1,
+                         "creationTimestamp": "2026-11-23T07:00:00Z"}, "spec": body}
+
+
+TRAINING = {"apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining",
+            "metadata": {"name": "llama", "namespace": "ml", "uid": "uid-llama", "generation": 1},
+            "spec": {"selector": {"matchLabels": {"app": "llama"}}}}
+
+
+def training_pod(name: str = "llama-0", node: str = "node-a") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", "labels": {"app": "llama"}},
+            "spec": {"nodeName": node, "containers": [{"name": "train", "image": "train:1"}]},
+            "status": {"phase": "Running"}}
+
+
+@pytest_asyncio.fixture()
+async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
+    kmock.resources.load_bundled()
+    for plural, kind in (("filljobs", "FillJob"), ("pipelinetrainings", "PipelineTraining")):
+        kmock.resources[f"bubbles.dev/v1alpha1/{plural}"] = dict(
+            kind=kind, singular=kind.lower(), namespaced=True, subresources={"status"},
+            verbs={"list", "watch", "get", "create", "patch", "update", "delete"})
+    async with aiohttp.ClientSession() as session:
+        yield Cluster(kmock, session)
+
+
+class OperatorThread:
+    """The operator in a thread with its own event loop, as it would be in its own process: kopf cancels every
+    task of its loop when it exits, which must not include the test's."""
+
+    def __init__(self, op: Operator) -> None:
+        self.op = op
+        self.loop = asyncio.new_event_loop()
+        self.stop: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            self.stop = asyncio.Event()
+            await self.op.run(self.stop)
+
+        try:
+            self.loop.run_until_complete(main())
+        except BaseException as exc:
+            self.error = exc
+
+    def wake(self) -> None:
+        self.loop.call_soon_threadsafe(self.op.wake.set)
+
+    def close(self, timeout_s: float = 20.0) -> float:
+        t0 = time.monotonic()
+        while self.stop is None and self.thread.is_alive():
+            time.sleep(0.01)
+        if self.stop is not None:
+            self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the operator did not stop"
+        assert self.error is None, repr(self.error)
+        return time.monotonic() - t0
+
+
+@pytest_asyncio.fixture()
+async def operator(cluster: Cluster) -> AsyncIterator[tuple[OperatorThread, InMemoryAgents]]:
+    agents = InMemoryAgents()
+    op = OperatorThread(Operator(OperatorConfig(interval_s=0.2), Connection(cluster.base, insecure=True), agents))
+    yield op, agents
+    await asyncio.to_thread(op.close)
+
+
+FJ = "bubbles.dev/v1alpha1/filljobs"
+PODS = "v1/pods"
+
+
+def phase(cluster: Cluster, name: str) -> str | None:
+    obj = cluster.get(FJ, "ml", name)
+    return ((obj or {}).get("status") or {}).get("phase")
+
+
+async def test_apply_queue_place_run_succeed(cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
+    op, agents = operator
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job())
+    await cluster.until("Queued (no bubbles reported yet)", lambda: phase(cluster, "fj") == "Queued")
+    assert "no PipelineTraining has reported" in cluster.get(FJ, "ml", "fj")["status"]["message"]
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, True),))
+    op.wake()
+    await cluster.until("Placed", lambda: phase(cluster, "fj") == "Placed")
+    pod = await cluster.until("the fill Pod", lambda: cluster.get(PODS, "ml", "fj-fj-a0"))
+    assert pod["spec"]["nodeName"] == "node-a" and pod["metadata"]["labels"]["bubbles.dev/fill-job"] == "fj"
+    st = cluster.get(FJ, "ml", "fj")
+    assert st["status"]["assignment"]["node"] == "node-a" and "bubbles.dev/fill-job-cleanup" in \
+        st["metadata"]["finalizers"]
+    assert [a.fill_pod for a in agents.assigned] == ["fj-fj-a0"]
+    agents.reports["node-a"] = NodeReport("node-a", agents.reports["node-a"].stages,
+                                          (JobProgress("uid-fj", FillState.RUNNING, 250, 1e12),))
+    op.wake()
+    await cluster.until("Running 25%", lambda: (cluster.get(FJ, "ml", "fj")["status"].get("progressText")
+                                                == "25% (250/1000)"))
+    agents.reports["node-a"] = NodeReport("node-a", agents.reports["node-a"].stages,
+                                          (JobProgress("uid-fj", FillState.STOPPED, 1000, 4e12, "finished"),))
+    op.wake()
+    await cluster.until("Succeeded", lambda: phase(cluster, "fj") == "Succeeded")
+    pt = cluster.get("bubbles.dev/v1alpha1/pipelinetrainings", "ml", "llama")
+    assert pt["status"]["pods"] == 1 and pt["status"]["bubbleRatio"] == 0.1
+    assert op.op.writes_total["pod"] == 1  # placed once
+
+
+async def test_invalid_jobs_fail_and_the_rest_of_the_queue_is_untouched(
+        cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
+    _op, agents = operator
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, True),))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("bad", work={"steps": 0}))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("good"))
+    await cluster.until("bad Failed", lambda: phase(cluster, "bad") == "Failed")
+    await cluster.until("good Placed", lambda: phase(cluster, "good") == "Placed")
+    assert "spec.work.steps must be >= 1" in cluster.get(FJ, "ml", "bad")["status"]["message"]
+    assert cluster.get(PODS, "ml", "fj-bad-a0") is None
+
+
+async def test_deleting_a_running_job_stops_it_and_frees_its_slot(
+        cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
+    _op, agents = operator
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, True),))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("first"))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("second"))
+    await cluster.until("first Placed", lambda: phase(cluster, "first") == "Placed")
+    assert phase(cluster, "second") == "Queued"
+    await cluster.delete("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs/first")
+    await cluster.until("first gone", lambda: cluster.get(FJ, "ml", "first") is None)
+    assert cluster.get(PODS, "ml", "fj-first-a0") is None and ("node-a", "uid-first") in agents.cancelled
+    await cluster.until("second Placed in the freed slot", lambda: phase(cluster, "second") == "Placed")
+
+
+async def test_a_restarted_operator_places_nothing_twice(cluster: Cluster) -> None:
+    agents = InMemoryAgents()
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, True),))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job())
+    for round_ in range(2):
+        op = Operator(OperatorConfig(interval_s=0.2), Connection(cluster.base, insecure=True), agents)
+        thread = OperatorThread(op)
+        await cluster.until("Placed", lambda: phase(cluster, "fj") == "Placed")
+        await cluster.until("a few rounds", lambda op=op: op.rounds >= 3)
+        await asyncio.to_thread(thread.close)
+        assert op.writes_total["pod"] == (1 if round_ == 0 else 0), op.writes_total
+    assert len(agents.assigned) == 1
