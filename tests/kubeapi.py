@@ -64,6 +64,11 @@ class ApiServer:
     admin_kubeconfig: Path
     operator_kubeconfig: Path
 
+    @property
+    def ca_path(self) -> str:
+        """The API server's self-signed serving certificate (for clients that verify TLS, as the operator does)."""
+        return str(self.workdir / "certs" / "apiserver.crt")
+
     def kubectl(self, *args: str, kubeconfig: Path | None = None, check: bool = True,
                 input_text: str | None = None) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this server (as admin unless ``kubeconfig`` says otherwise)."""

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kubeapi import ApiServer, api_server, find_assets
+from kubeapi import ApiServer
 
 from bubbles.resources import (
     API_VERSION,
@@ -27,18 +26,6 @@ from bubbles.resources import (
 
 pytestmark = pytest.mark.kube
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    assets, why = find_assets()
-    if assets is None:
-        pytest.skip(f"REAL API SERVER TIER SKIPPED: {why}")
-    with api_server(tmp_path_factory.mktemp("kube"), assets) as server:
-        server.kubectl("apply", "-f", str(ROOT / "crds"))
-        server.kubectl("wait", "--for", "condition=established", "--timeout", "30s",
-                       "crd/filljobs.bubbles.dev", "crd/pipelinetrainings.bubbles.dev")
-        yield server
 
 
 def fill_job(name: str, spec: dict[str, Any]) -> str:

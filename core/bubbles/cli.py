@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "bubbles.simulator.cli", "estimate what harvesting would recover on a cluster (event-driven simulator)"
     ),
     "operator": (
-        "bubbles.operator.cli", "run the Kubernetes operator (planned: flags only, the reconcilers are not built yet)"
+        "bubbles.operator.cli", "run the Kubernetes operator that places FillJobs in the bubbles of PipelineTrainings"
     ),
 }
 

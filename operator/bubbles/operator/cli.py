@@ -1,31 +1,42 @@
-"""``bubbles operator``: the control-plane operator (planned; the reconcilers are the next issue).
+"""``bubbles operator``: the control-plane operator for FillJob and PipelineTraining resources.
 
-What exists today is the command line the operator will take, so that the Helm chart, the image and the
-docs can be written against it: ``bubbles operator --help`` lists every flag. Running it says that the
-reconcilers are not built yet and exits 2. The planned operator (kopf) reconciles ``FillJob`` and
-``PipelineTraining`` resources, places fill jobs with ``bubbles.scheduler`` and talks to the node agents;
-it never imports torch or DeepSpeed (import-linter contract ``operator`` in pyproject.toml).
+It watches the custom resources and the training Pods (kopf), places fill jobs on profiled bubbles with
+``bubbles.scheduler``, creates each fill job's Pod on its training's node and keeps both resources' status
+current (``bubbles.operator.shell``). With ``--leader-election`` (the default) only the holder of a
+coordination.k8s.io Lease acts. Bad flags exit 2 with a message saying what to fix.
 
-Nothing here imports kopf, kubernetes, torch or DeepSpeed at module level: ``bubbles operator --help``
-works on an install of the ``operator`` extra and on one without it.
+Status (2026-11-23): the node agents do not serve the operator yet (their gRPC service is planned in the
+operator issue), so no bubble profile reaches it: FillJobs are validated and queued with that reason, and
+PipelineTrainings report their Pods and that no hook reports.
+
+Nothing here imports kopf, kubernetes, torch or DeepSpeed at module level: ``bubbles operator --help`` works
+on any install.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import socket
 import sys
-
-PLANNED = (
-    "Planned: the kopf reconcilers for FillJob and PipelineTraining are the subject of the operator issue and "
-    "are not built yet; these flags are the interface they will take."
-)
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Run the Kubernetes operator, which will reconcile FillJob and PipelineTraining resources, place fill "
-        f"jobs with the scheduler and drive the node agents. {PLANNED} Running it today says so and exits 2."
+        "Run the Kubernetes operator: reconcile FillJob and PipelineTraining resources, place fill jobs in the "
+        "bubbles of profiled trainings, create their Pods and keep their status current."
     )
+    parser.add_argument("--kubeconfig", type=Path, default=None, metavar="FILE",
+                        help="kubeconfig to use (default: the Pod's ServiceAccount in a cluster, else $KUBECONFIG "
+                             "or ~/.kube/config)")
+    parser.add_argument("--policy", default="fifo", metavar="NAME",
+                        help="scheduling policy among queued jobs of equal priority: fifo, sjf, makespan, deadline "
+                             "or one registered in the bubbles.policies entry-point group (default fifo)")
+    parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+                        help="seconds between reconcile rounds when nothing changes (default 2)")
+    parser.add_argument("--identity", default=None, metavar="NAME",
+                        help="this replica's name in the Lease (default: the host name, i.e. the Pod's name)")
     scope = parser.add_argument_group("which namespaces to watch")
     where = scope.add_mutually_exclusive_group()
     where.add_argument("--namespace", "-n", action="append", default=[], metavar="NAME",
@@ -48,14 +59,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="namespace of the Lease (default: the operator pod's own namespace)")
     agents = parser.add_argument_group("node agents")
     agents.add_argument("--agent-port", type=int, default=7070, metavar="PORT",
-                        help="port on which each node's `bubbles agent` will serve the operator (gRPC, planned "
-                             "with the operator; default 7070)")
+                        help="port on which each node's `bubbles agent` serves the operator (gRPC; planned: the "
+                             "agent does not serve it yet; default 7070)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default INFO)")
 
 
-def run(args: argparse.Namespace) -> int:
-    print(f"bubbles operator: nothing to run yet. {PLANNED} "
-          "Meanwhile `bubbles simulate` drives the scheduler and `bubbles agent` runs a node.",
-          file=sys.stderr)
+def _fail(message: str) -> int:
+    print(f"bubbles operator: error: {message}", file=sys.stderr)
     return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not 0 <= args.metrics_port <= 65535:
+        return _fail(f"--metrics-port must be a TCP port (0 = no endpoint), got {args.metrics_port}")
+    if not args.interval > 0:
+        return _fail(f"--interval must be > 0 seconds, got {args.interval}")
+    from bubbles.scheduler import UnknownPolicyError, get_policy
+
+    try:
+        get_policy(args.policy)
+    except UnknownPolicyError as exc:
+        return _fail(str(exc))
+    import asyncio
+    import signal
+
+    from .agents import InMemoryAgents
+    from .kube import Connection
+    from .shell import Operator, OperatorConfig
+
+    try:
+        connection = Connection.from_environment(args.kubeconfig)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
+    config = OperatorConfig(
+        namespaces=tuple(args.namespace), clusterwide=args.all_namespaces or not args.namespace,
+        policy=args.policy, interval_s=args.interval, leader_election=args.leader_election,
+        lease_name=args.lease_name, lease_namespace=args.lease_namespace or connection.namespace or "default",
+        identity=args.identity or socket.gethostname(), metrics_port=args.metrics_port or None,
+        metrics_addr=args.metrics_addr)
+    log = logging.getLogger("bubbles.operator")
+    log.warning("the node agents do not serve the operator yet (planned): no bubble profile reaches it, so fill "
+                "jobs are validated and queued but not placed")
+    op = Operator(config, connection, InMemoryAgents())
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await op.run(stop)
+
+    asyncio.run(main())
+    return 0

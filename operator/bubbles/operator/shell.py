@@ -51,6 +51,8 @@ class OperatorConfig:
     lease_name: str = "bubbles-operator"
     lease_namespace: str = "default"
     identity: str = "bubbles-operator"
+    lease_s: int = 15  # a Lease not renewed for this long may be taken over
+    renew_s: float = 5.0
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
 
@@ -94,7 +96,8 @@ class Operator:
         self.last: Decisions | None = None
         self.leader: LeaseElector | None = None
         if config.leader_election:
-            self.leader = LeaseElector(self.writer.api, config.lease_namespace, config.lease_name, config.identity)
+            self.leader = LeaseElector(self.writer.api, config.lease_namespace, config.lease_name, config.identity,
+                                       lease_s=config.lease_s, renew_s=config.renew_s)
 
     # -- kopf ------------------------------------------------------------------------------------------------
     def registry(self) -> Any:
@@ -127,6 +130,9 @@ class Operator:
         s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.bubbles.dev")
         s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.bubbles.dev")
         s.watching.server_timeout = 60
+        # No watch on CRDs and namespaces: the operator needs no RBAC beyond its own resources (bubbles.operator.rbac).
+        # The CRDs must therefore exist when it starts (Helm installs crds/ first).
+        s.scanning.disabled = True
         return s
 
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:

@@ -1,0 +1,175 @@
+"""The operator on a real kube-apiserver (1.20, RBAC on), running as its ServiceAccount under bubbles.operator.rbac.
+
+What KMock cannot show: every call the operator makes is allowed by exactly those rules (and nothing else is),
+real uids, resourceVersions, status subresources, finalizers and Events, and leader election between two
+replicas on a real Lease. The node agents are ``InMemoryAgents`` (their gRPC service is not built yet).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
+from operator_thread import OperatorThread
+
+from bubbles.operator.agents import InMemoryAgents
+from bubbles.operator.kube import Connection
+from bubbles.operator.rbac import RULES, cluster_role, cluster_role_binding
+from bubbles.operator.shell import Operator, OperatorConfig
+from bubbles.resources import NodeReport, StageReport
+
+pytestmark = pytest.mark.kube
+NS = "harvest"
+MIB = 2**20
+CYCLE = {"training": "llama", "stage": 0, "stages": 2, "microbatches": 8, "schedule": "TrainSchedule",
+         "iteration_s": 0.1, "samples": 5,
+         "slots": [{"slot": 0, "position": 3, "instruction": "RecvGrad", "kind": "steady", "duration_s": 0.01,
+                    "p10_s": 0.01, "p90_s": 0.01, "free_bytes": 1024 * MIB}]}
+
+
+def until(what: str, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster(kube: ApiServer) -> Iterator[ApiServer]:
+    """The operator's identity bound to its ClusterRole; a namespace with a training and its Pod."""
+    manifests = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}},
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        # No controller-manager here to make the default ServiceAccount: the Pods do not mount its token anyway.
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": NS},
+         "automountServiceAccountToken": False},
+        cluster_role(), cluster_role_binding(OPERATOR_NAMESPACE, OPERATOR_SA),
+        {"apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining",
+         "metadata": {"name": "llama", "namespace": NS, "labels": {"team": "a"}},
+         "spec": {"selector": {"matchLabels": {"app": "llama"}}}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "llama-0", "namespace": NS, "labels": {"app": "llama"}},
+         "spec": {"nodeName": "node-a", "automountServiceAccountToken": False,
+                  "containers": [{"name": "train", "image": "train:1"}]}},
+    ]
+    kube.kubectl("apply", "-f", "-", input_text=json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests}))
+    yield kube
+
+
+def operator(kube: ApiServer, agents: InMemoryAgents, **kw: Any) -> OperatorThread:
+    conn = Connection(kube.url, token=OPERATOR_TOKEN, ca_path=kube.ca_path, namespace=OPERATOR_NAMESPACE)
+    cfg = OperatorConfig(interval_s=0.3, lease_namespace=OPERATOR_NAMESPACE, **kw)
+    return OperatorThread(Operator(cfg, conn, agents))
+
+
+def agents_with_bubbles() -> InMemoryAgents:
+    agents = InMemoryAgents()
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport(NS, "llama", "llama-0", 0, "cuda:0", CYCLE, True),))
+    return agents
+
+
+def fill_job(name: str) -> str:
+    return json.dumps({"apiVersion": "bubbles.dev/v1alpha1", "kind": "FillJob",
+                       "metadata": {"name": name, "namespace": NS},
+                       "spec": {"image": "fill:1", "entry": "pkg.mod:Job",
+                                "profile": {"memory": "64Mi", "stepTime": "2ms"}, "work": {"steps": 1000}}})
+
+
+def get(kube: ApiServer, kind: str, name: str) -> dict[str, Any] | None:
+    proc = kube.kubectl("get", kind, name, "-n", NS, "-o", "json", check=False)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def phase(kube: ApiServer, name: str) -> str | None:
+    return ((get(kube, "fj", name) or {}).get("status") or {}).get("phase")
+
+
+def can_i(kube: ApiServer, verb: str, resource: str) -> bool:
+    """``kubectl auth can-i`` as the operator; ``resource`` may name a subresource as plural.group/sub."""
+    resource, _, sub = resource.partition("/")
+    extra = [f"--subresource={sub}"] if sub else []
+    proc = kube.kubectl("auth", "can-i", verb, resource, *extra, "-n", NS, f"--as={OPERATOR_USER}", check=False)
+    return proc.stdout.strip() == "yes"
+
+
+def test_the_operator_is_granted_exactly_what_it_uses(cluster: ApiServer) -> None:
+    for rule in RULES:
+        group = rule["apiGroups"][0]
+        for resource in rule["resources"]:
+            base, _, sub = resource.partition("/")
+            full = (f"{base}.{group}" if group else base) + (f"/{sub}" if sub else "")
+            for verb in rule["verbs"]:
+                assert can_i(cluster, verb, full), f"{verb} {full} should be allowed"
+    for verb, resource in (("delete", "filljobs.bubbles.dev"), ("update", "filljobs.bubbles.dev"),
+                           ("create", "filljobs.bubbles.dev"), ("patch", "pods"), ("update", "pods"),
+                           ("get", "secrets"), ("list", "secrets"), ("create", "deployments.apps"),
+                           ("delete", "leases.coordination.k8s.io"), ("delete", "events"),
+                           ("patch", "pipelinetrainings.bubbles.dev")):
+        assert not can_i(cluster, verb, resource), f"{verb} {resource} must not be granted"
+
+
+def test_place_then_delete_on_a_real_api_server_under_rbac(cluster: ApiServer) -> None:
+    agents = agents_with_bubbles()
+    op = operator(cluster, agents)
+    try:
+        cluster.kubectl("create", "-f", "-", input_text=fill_job("resnet"))
+        until("Placed", lambda: phase(cluster, "resnet") == "Placed")
+        fj = get(cluster, "fj", "resnet")
+        assert fj is not None
+        uid = fj["metadata"]["uid"]
+        assert fj["metadata"]["finalizers"] == ["bubbles.dev/fill-job-cleanup"]
+        assert fj["status"]["assignment"]["trainingPod"] == "llama-0" and fj["status"]["observedGeneration"] == 1
+        pod = get(cluster, "pod", "fj-resnet-a0")
+        assert pod is not None and pod["spec"]["nodeName"] == "node-a"
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == uid  # a real uid now
+        events = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
+        story = [e["reason"] for e in events if e["involvedObject"]["name"] == "resnet"]
+        assert "Queued" in story and "Placed" in story
+        row = cluster.kubectl("get", "fj", "resnet", "-n", NS, "--no-headers").stdout.split()
+        assert row[1:5] == ["Placed", "llama", "node-a", "0%"]
+        pt = get(cluster, "pt", "llama")
+        assert pt is not None and pt["status"]["bubbleRatio"] == 0.1 and pt["status"]["fillJobs"] == 1
+        cluster.kubectl("delete", "fj", "resnet", "-n", NS, "--wait=false")
+        until("the FillJob gone (finalizer released)", lambda: get(cluster, "fj", "resnet") is None)
+        # No kubelet here to finish a bound Pod's graceful deletion: it is marked deleted, and stays Terminating.
+        until("its Pod deleted", lambda: (get(cluster, "pod", "fj-resnet-a0") or {"metadata": {"deletionTimestamp": 1}})
+              ["metadata"].get("deletionTimestamp"))
+        assert (("node-a", uid) in agents.cancelled)
+    finally:
+        op.close()
+
+
+def test_two_replicas_elect_one_leader_and_the_other_takes_over(cluster: ApiServer) -> None:
+    agents = agents_with_bubbles()
+    a = operator(cluster, agents, leader_election=True, identity="replica-a", lease_s=4, renew_s=0.5)
+    until("replica-a leads", lambda: a.op.acting)
+    b = operator(cluster, agents, leader_election=True, identity="replica-b", lease_s=4, renew_s=0.5)
+    try:
+        cluster.kubectl("create", "-f", "-", input_text=fill_job("first"))
+        until("first Placed", lambda: phase(cluster, "first") == "Placed")
+        time.sleep(1.5)  # both replicas run several rounds
+        assert a.op.acting and not b.op.acting and b.op.writes_total["pod"] == 0
+        a.close()  # the leader goes away (and releases the Lease)
+        until("replica-b takes over", lambda: b.op.acting, timeout_s=10)
+        cluster.kubectl("delete", "fj", "first", "-n", NS, "--wait=false")
+        cluster.kubectl("create", "-f", "-", input_text=fill_job("second"))
+        until("second Placed by the new leader", lambda: phase(cluster, "second") == "Placed")
+        # The write counts are updated when a round ends, just after the status the test saw.
+        until("the new leader's round ends", lambda: b.op.writes_total["pod"] >= 1)
+        time.sleep(1.0)
+        assert a.op.writes_total["pod"] == 1 and b.op.writes_total["pod"] == 1  # nothing ran twice
+        lease = json.loads(cluster.kubectl("get", "lease", "bubbles-operator", "-n", OPERATOR_NAMESPACE,
+                                           "-o", "json").stdout)
+        assert lease["spec"]["holderIdentity"] == "replica-b"
+    finally:
+        b.close()
+        if a.thread.is_alive():
+            a.close()
+        cluster.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false", check=False)
