@@ -55,7 +55,8 @@ def cluster(kube: ApiServer) -> Iterator[ApiServer]:
         {"apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining",
          "metadata": {"name": "llama", "namespace": NS, "labels": {"team": "a"}},
          "spec": {"selector": {"matchLabels": {"app": "llama"}}}},
-        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "llama-0", "namespace": NS, "labels": {"app": "llama"}},
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": "llama-0", "namespace": NS, "labels": {"app": "llama"}},
          "spec": {"nodeName": "node-a", "automountServiceAccountToken": False,
                   "containers": [{"name": "train", "image": "train:1"}]}},
     ]
