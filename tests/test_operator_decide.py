@@ -92,10 +92,13 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert env["BUBBLES_TRAINING"] == "llama" and env["BUBBLES_STAGE"] == "0" and env["BUBBLES_DEVICE"] == "cuda:0"
     assert env["BUBBLES_MEMORY_BYTES"] == str(64 * MIB) and env["BUBBLES_MAX_STEPS"] == "1000"
-    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["automountServiceAccountToken"] is False and "NVIDIA_VISIBLE_DEVICES" not in env
     (a,) = d.assign
     assert (a.uid, a.node, a.stage, a.fill_pod) == ("uid-fj", "node-a", 0, "fj-fj-a0")
-    assert [e.reason for e in d.events] == ["Queued", "Placed"]
+    assert [e.reason for e in d.events] == ["Placed"]  # queued and placed in one round: one Event
+    d = step([fill_job("on-gpu")], [stage(1, pod="llama-1", gpu_uuid="GPU-1234")])
+    env = {e["name"]: e["value"] for e in d.create_pods[0]["spec"]["containers"][0]["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1234" and env["BUBBLES_DEVICE"] == "cuda:0"
 
 
 def test_a_placed_job_is_never_placed_twice_even_by_a_restarted_operator() -> None:
@@ -112,7 +115,11 @@ def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
     d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 400, 4e12)})
     st = job["status"]
     assert st["phase"] == "Running" and st["progressText"] == "40% (400/1000)" and st["recoveredFlops"] == 4e12
-    assert st["eta"] == "2026-11-23T08:00:12Z" and [e.reason for e in d.events] == ["Running"]
+    # 600 steps left at 50 steps/s is 08:00:12, within 30 s of the ETA written at placement: kept, not rewritten
+    assert st["eta"] == "2026-11-23T08:00:20Z" and [e.reason for e in d.events] == ["Running"]
+    later = NOW + dt.timedelta(minutes=5)
+    step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 500, 5e12)}, now=later)
+    assert job["status"]["eta"] == "2026-11-23T08:05:10Z"  # far from the old one: moved
     d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.STOPPED, 1000, 1e13, "finished")})
     assert job["status"]["phase"] == "Succeeded" and cond(job, "Finished")["status"] == "True"
     assert "eta" not in job["status"] and [e.reason for e in d.events] == ["Succeeded"]

@@ -165,7 +165,7 @@ async def test_deleting_a_running_job_stops_it_and_frees_its_slot(
     await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("first"))
     await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("second"))
     await cluster.until("first Placed", lambda: phase(cluster, "first") == "Placed")
-    assert phase(cluster, "second") == "Queued"
+    await cluster.until("second Queued", lambda: phase(cluster, "second") == "Queued")
     await cluster.delete("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs/first")
     await cluster.until("first gone", lambda: cluster.get(FJ, "ml", "first") is None)
     assert cluster.get(PODS, "ml", "fj-first-a0") is None and ("node-a", "uid-first") in agents.cancelled

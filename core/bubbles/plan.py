@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from bubbles.api import FillNode
@@ -30,7 +30,9 @@ class Bubble:
 
     duration_s: float
     free_bytes: int
-    label: str = ""  # for error messages, e.g. "stage 0 slot 3 (RecvGrad, fwd-bwd)"
+    # For error messages only (e.g. "stage 0 slot 3 (RecvGrad, fwd-bwd)"): bubbles that differ only in their label
+    # are equal, so plans cached per bubble shape are shared across stages and trainings.
+    label: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

@@ -563,6 +563,7 @@ class StageReport:
     baseline_iteration_s: float | None = None  # the slowdown guard's baseline (no fill work)
     bubble_s: float = 0.0
     filled_s: float = 0.0
+    gpu_uuid: str | None = None  # the stage GPU's UUID (from NVML), what a fill Pod names to reach that GPU
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

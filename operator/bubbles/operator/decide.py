@@ -12,6 +12,8 @@ assignment is placed, whatever the operator remembers, so a restarted operator p
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ from bubbles.resources import (
     selector_matches,
     set_condition,
 )
-from bubbles.scheduler import ExecutorClass, FillConfig, FillJobRequest, FillProfile, Scheduler
+from bubbles.scheduler import ExecutorClass, FillConfig, FillJobRequest, FillProfile, Scheduler, get_policy
 
 # Where the fill Pod finds the node agent's sockets (a hostPath shared with the training's Pods).
 RUN_DIR = "/run/bubbles"
@@ -61,6 +63,7 @@ class StageView:
     baseline_iteration_s: float | None = None  # the guard's baseline (no fill work)
     bubble_s: float = 0.0  # bubble time seen so far while harvesting
     filled_s: float = 0.0  # fill-step time inside those bubbles
+    gpu_uuid: str | None = None  # the GPU's UUID, when the agent knows it (NVML)
 
     @property
     def key(self) -> str:
@@ -93,6 +96,7 @@ class Assignment:
     device: str
     fill_pod: str  # the fill job's Pod
     attempt: int
+    gpu_uuid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,17 +135,53 @@ def fill_pod_name(name: str, attempt: int) -> str:
     return f"{base}-a{attempt}"
 
 
+_PARSED: dict[tuple[str, str, str, str], FillJobResource] = {}
+
+
+def _parse(obj: Mapping[str, Any]) -> FillJobResource:
+    """``FillJobResource.from_object``, remembered per (identity, spec): re-validating a thousand unchanged specs
+    every round would dominate the round. The key holds the spec itself, so the memo never changes a result."""
+    meta = obj.get("metadata") or {}
+    key = (str(meta.get("uid") or ""), str(meta.get("namespace") or ""), str(meta.get("name") or ""),
+           json.dumps(obj.get("spec"), sort_keys=True, default=str))
+    job = _PARSED.get(key)
+    if job is None:
+        if len(_PARSED) > 100_000:
+            _PARSED.clear()
+        job = _PARSED[key] = FillJobResource.from_object(obj)
+    return job
+
+
+_PROFILES: dict[tuple[Any, ...], FillProfile] = {}
+
+
 def _profile(job: FillJobResource) -> FillProfile:
+    """The scheduler's profile of a job, one object per shape: the scheduler caches a profile's processing
+    times per object, so jobs of one shape share them (a memo of pure values, bounded by the shapes seen)."""
     step_s = job.job.gating_step_s or PROVISIONAL_STEP_S
-    nodes = job.job.plan_nodes(step_s) or (FillNode(step_s, job.job.memory_bytes),)
-    return FillProfile(job.name, job.job.kind or _default_kind(), job.flops_per_step or 0.0, 0.0,
-                       (FillConfig("spec", job.samples_per_step, tuple(nodes)),))
+    nodes = tuple(job.job.plan_nodes(step_s) or (FillNode(step_s, job.job.memory_bytes),))
+    kind = job.job.kind or _default_kind()
+    key = (kind, job.samples_per_step, job.flops_per_step, nodes)
+    prof = _PROFILES.get(key)
+    if prof is None:
+        if len(_PROFILES) > 10_000:
+            _PROFILES.clear()
+        shape = f"{kind}:{job.samples_per_step}:" + ",".join(f"{n.duration_s:.9g}/{n.memory_bytes}" for n in nodes)
+        prof = _PROFILES[key] = FillProfile(shape, kind, job.flops_per_step or 0.0, 0.0,
+                                            (FillConfig("spec", job.samples_per_step, nodes),))
+    return prof
 
 
 def _default_kind() -> Any:
     from bubbles.api import WorkloadKind
 
     return WorkloadKind.TRAINING
+
+
+@functools.cache
+def _policy(name: str) -> Any:
+    """The policy object for ``name`` (entry points are looked up once per process; policies hold no state)."""
+    return get_policy(name)
 
 
 def executor_class(stage: StageView, training: PipelineTrainingResource) -> ExecutorClass:
@@ -175,6 +215,7 @@ class _JobState:
         self.status = dict(self.before)
         self.now = now
         self.out = out
+        self.queued_event: Event | None = None
 
     def condition(self, type_: ConditionType, ok: bool, reason: str, message: str) -> None:
         self.status["conditions"] = set_condition(self.status.get("conditions") or [], Condition(
@@ -185,10 +226,15 @@ class _JobState:
         self.status["phase"] = phase.value
         self.status["message"] = message
         if event is not None and changed:
-            self.out.events.append(Event("FillJob", self.meta.get("namespace", ""), self.meta.get("name", ""),
-                                         self.meta.get("uid", ""), "Warning" if warning else "Normal", event, message))
+            ev = Event("FillJob", self.meta.get("namespace", ""), self.meta.get("name", ""), self.meta.get("uid", ""),
+                       "Warning" if warning else "Normal", event, message)
+            self.out.events.append(ev)
+            if event == "Queued":
+                self.queued_event = ev
 
     def finish(self) -> None:
+        if self.status.get("phase") != FillJobPhase.QUEUED.value and self.queued_event is not None:
+            self.out.events.remove(self.queued_event)  # queued and placed in one round: one story
         self.status["observedGeneration"] = self.generation
         if self.status != self.before:
             self.out.fill_job_status[key_of(self.obj)] = self.status
@@ -222,7 +268,7 @@ def reconcile(view: ClusterView) -> Decisions:
             continue
         st = _JobState(obj, view.now, out)
         try:
-            job = FillJobResource.from_object(obj)
+            job = _parse(obj)
         except ResourceError as exc:
             st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
             st.phase(FillJobPhase.FAILED, f"invalid spec: {exc}", event="InvalidSpec", warning=True)
@@ -348,7 +394,14 @@ def _steps_per_s(job: FillJobResource, stage: StageView, training: PipelineTrain
 
 
 def _eta(st: _JobState, job: FillJobResource, end_s: float) -> None:
+    """Set the ETA, keeping the one written before while the new estimate is within max(30 s, 5% of the time
+    left) of it: an estimate that moves with every round would rewrite every status every round."""
     if math.isfinite(end_s):
+        old = st.before.get("eta")
+        if old:
+            old_s = dt.datetime.fromisoformat(str(old).replace("Z", "+00:00")).timestamp()
+            if abs(old_s - end_s) <= max(30.0, 0.05 * max(0.0, end_s - st.now.timestamp())):
+                end_s = old_s
         st.status["eta"] = rfc3339(dt.datetime.fromtimestamp(end_s, dt.UTC))
         if job.deadline is not None:
             st.status["deadlineFeasible"] = end_s <= job.deadline.timestamp()
@@ -358,10 +411,13 @@ def _eta(st: _JobState, job: FillJobResource, end_s: float) -> None:
             st.status["deadlineFeasible"] = False
 
 
-def _eligible(job: FillJobResource, training_keys: Sequence[str], trainings: Mapping[str, PipelineTrainingResource]
-              ) -> list[str]:
-    return [k for k in training_keys
-            if trainings[k].namespace == job.namespace and selector_matches(job.training_selector, trainings[k].labels)]
+def _eligible(job: FillJobResource, training_keys: Sequence[str], trainings: Mapping[str, PipelineTrainingResource],
+              memo: dict[str, list[str]]) -> list[str]:
+    key = f"{job.namespace}|{sorted(job.training_selector.items())!r}"
+    if key not in memo:
+        memo[key] = [k for k in training_keys if trainings[k].namespace == job.namespace
+                     and selector_matches(job.training_selector, trainings[k].labels)]
+    return memo[key]
 
 
 def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[str, Any], FillJobResource, _JobState]],
@@ -381,20 +437,29 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
         return
     classes = [executor_class(s, trainings[s.training]) for s in usable]
     by_name = {c.name: s for c, s in zip(classes, usable, strict=True)}
-    sched = Scheduler(classes, view.policy)
+    sched = Scheduler(classes, _policy(view.policy))
     for e, c in enumerate(classes):
         if c.name in busy:
             sched.occupy(e, busy[c.name][0], busy[c.name][1])
     requests: dict[str, tuple[Mapping[str, Any], FillJobResource, _JobState]] = {}
     tiers: dict[int, list[FillJobRequest]] = {}
+    class_names: dict[str, set[str]] = {}  # training -> names of its usable stages' classes
+    for c in classes:
+        class_names.setdefault(by_name[c.name].training, set()).add(c.name)
+    eligible_sets: dict[tuple[str, ...], frozenset[str]] = {}
+    training_keys = sorted(trainings)
+    selector_memo: dict[str, list[str]] = {}
     for obj, job, st in queued:
-        allowed = _eligible(job, sorted(trainings), trainings)
+        allowed = _eligible(job, training_keys, trainings, selector_memo)
         if not allowed:
             why = "no PipelineTraining in this namespace matches spec.trainingSelector"
             st.condition(ConditionType.PLACED, False, "NoMatchingTraining", why)
             st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NoMatchingTraining", warning=True)
             continue
-        eligible = frozenset(c.name for c in classes if by_name[c.name].training in allowed)
+        key_allowed = tuple(allowed)
+        eligible = eligible_sets.get(key_allowed)
+        if eligible is None:
+            eligible = eligible_sets[key_allowed] = frozenset().union(*(class_names.get(a, ()) for a in allowed))
         created = (obj.get("metadata") or {}).get("creationTimestamp")
         arrival = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() if created else now_s
         req = FillJobRequest(job.uid or key_of(obj), _profile(job), job.steps * job.samples_per_step,
@@ -433,7 +498,7 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
     attempt = int(st.status.get("restarts", 0))
     pod = fill_pod_name(job.name, attempt)
     a = Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node,
-                   stage.pod, stage.device, pod, attempt)
+                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid)
     out.assign.append(a)
     out.create_pods.append(fill_pod(job, a))
     if FINALIZER not in (st.meta.get("finalizers") or []):
@@ -462,6 +527,11 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
         {"name": "BUBBLES_MEMORY_BYTES", "value": str(job.job.memory_bytes)},
         {"name": "BUBBLES_MAX_STEPS", "value": str(job.steps)},
     ]
+    if a.gpu_uuid:
+        # The training's GPU, without asking the device plugin for one (it is the training's): the NVIDIA container
+        # runtime exposes the GPU this names to a Pod that requests none. Inside, it is the only GPU: cuda:0.
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": a.gpu_uuid})
+        env = [e if e["name"] != "BUBBLES_DEVICE" else {"name": "BUBBLES_DEVICE", "value": "cuda:0"} for e in env]
     if job.job.gating_step_s is not None:
         env.append({"name": "BUBBLES_STEP_S", "value": repr(job.job.gating_step_s)})
     if job.checkpoint_path:
@@ -476,8 +546,6 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
     else:
         container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
         if job.job.args:
-            import json
-
             container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
     return {
         "apiVersion": "v1", "kind": "Pod",
@@ -503,6 +571,11 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
                        stages: Mapping[str, StageView],
                        valid: Mapping[str, tuple[Mapping[str, Any], FillJobResource, _JobState]]) -> None:
     by_key = {key_of(t): t for t in view.trainings}
+    placed_on: dict[str, int] = {}
+    for _o, j, st in valid.values():
+        if _phase(st.status) in ACTIVE:
+            tk = f"{j.namespace}/{(st.status.get('assignment') or {}).get('training')}"
+            placed_on[tk] = placed_on.get(tk, 0) + 1
     for tkey, tr in trainings.items():
         obj = by_key[tkey]
         before = _status(obj)
@@ -556,9 +629,7 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         bubble_total = sum(s.bubble_s for s in mine)
         if bubble_total > 0:
             status["shareFilled"] = round(sum(s.filled_s for s in mine) / bubble_total, 4)
-        jobs_here = [j for _o, j, st in valid.values() if _phase(st.status) in ACTIVE
-                     and f"{j.namespace}/{(st.status.get('assignment') or {}).get('training')}" == tkey]
-        status["fillJobs"] = len(jobs_here)
+        status["fillJobs"] = placed_on.get(tkey, 0)
         status["conditions"] = conds
         status["observedGeneration"] = gen
         if status != before:

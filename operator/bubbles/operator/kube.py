@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -57,10 +58,11 @@ class Connection:
         return cls(cluster["server"], user.get("token"), cluster.get("certificate-authority"),
                    bool(cluster.get("insecure-skip-tls-verify")), ctx.get("namespace"))
 
-    def api_client(self) -> Any:
+    def api_client(self, pool: int = 4) -> Any:
         import kubernetes
 
         c = kubernetes.client.Configuration()
+        c.connection_pool_maxsize = pool
         c.host = self.server
         c.verify_ssl = not self.insecure
         if self.ca_path:
@@ -83,23 +85,28 @@ def status_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
 class KubeWriter:
     """Carries out the operator's writes; synchronous (the operator calls it from a worker thread)."""
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: Connection, pool: int = 4) -> None:
         import kubernetes
 
         self._k = kubernetes
         # The client's own type hints want its model classes; plain dicts are what it sends, so: Any.
-        self.api: Any = connection.api_client()
+        self.api: Any = connection.api_client(pool)
         self.custom: Any = kubernetes.client.CustomObjectsApi(self.api)
         self.core: Any = kubernetes.client.CoreV1Api(self.api)
-        self.writes: Counter[str] = Counter()
+        self.writes: Counter[str] = Counter()  # by kind; written from the operator's write threads
+        self._lock = threading.Lock()
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.writes[kind] += 1
 
     def _ok(self, exc: Exception, *codes: int) -> bool:
         return isinstance(exc, self._k.client.ApiException) and exc.status in codes
 
     def patch_status(self, plural: str, namespace: str, name: str, before: Mapping[str, Any],
-                     after: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The object after the patch, or None if it is gone."""
-        self.writes["status"] += 1
+                     after: Mapping[str, Any], kind: str = "status") -> dict[str, Any] | None:
+        """The object after the patch, or None if it is gone (``kind`` labels the write in the counts)."""
+        self._count(kind)
         try:
             return dict(self.custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, plural, name, status_patch(before, after)))
@@ -112,7 +119,7 @@ class KubeWriter:
                       finalizers: list[str]) -> dict[str, Any] | None:
         """Add or remove the operator's finalizer; the object after the patch (None if gone)."""
         want = [f for f in finalizers if f != FINALIZER] + ([FINALIZER] if present else [])
-        self.writes["finalizer"] += 1
+        self._count("finalizer")
         try:
             return dict(self.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, namespace, plural, name, {"metadata": {"finalizers": want}}))
@@ -123,7 +130,7 @@ class KubeWriter:
 
     def create_pod(self, manifest: Mapping[str, Any]) -> bool:
         """True if created, False if a Pod of that name is there already (a retried placement)."""
-        self.writes["pod"] += 1
+        self._count("pod")
         try:
             self.core.create_namespaced_pod(manifest["metadata"]["namespace"], dict(manifest))
             return True
@@ -133,7 +140,7 @@ class KubeWriter:
             raise
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        self.writes["pod_delete"] += 1
+        self._count("pod_delete")
         try:
             self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=5)
         except Exception as exc:
@@ -141,7 +148,7 @@ class KubeWriter:
                 raise
 
     def post_event(self, event: Event, now: dt.datetime, component: str = "bubbles-operator") -> None:
-        self.writes["event"] += 1
+        self._count("event")
         stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1", "kind": "Event",

@@ -12,6 +12,7 @@ writes; a replica that loses the Lease stops before its next write.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import datetime as dt
 import logging
@@ -53,6 +54,7 @@ class OperatorConfig:
     identity: str = "bubbles-operator"
     lease_s: int = 15  # a Lease not renewed for this long may be taken over
     renew_s: float = 5.0
+    write_concurrency: int = 16  # API writes in flight at once
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
 
@@ -88,10 +90,12 @@ class Operator:
         self.agents = agents
         self.wall = wall
         self.store = Store()
-        self.writer = KubeWriter(connection)
+        self.writer = KubeWriter(connection, pool=config.write_concurrency)
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.write_concurrency, "bubbles-writes")
         self.metrics = OperatorMetrics()
         self.wake = asyncio.Event()
         self.rounds = 0
+        self.round_s: list[tuple[float, float, float]] = []  # per round: (see, decide, act) seconds, the last 1000
         self.writes_total: Counter[str] = Counter()  # API writes by kind since start
         self.last: Decisions | None = None
         self.leader: LeaseElector | None = None
@@ -227,15 +231,19 @@ class Operator:
                     sr.device if sr else "", cycle if node else None, agent_up=rep is not None,
                     hook_reporting=bool(sr and sr.hook_reporting), iteration_s=sr.iteration_s if sr else None,
                     baseline_iteration_s=sr.baseline_iteration_s if sr else None,
-                    bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0))
+                    bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0,
+                    gpu_uuid=sr.gpu_uuid if sr else None))
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy)
 
     async def reconcile_once(self) -> Decisions:
         """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""
         t0 = time.perf_counter()
         view = await self.view()
+        t1 = time.perf_counter()
         d = reconcile(view)
+        t2 = time.perf_counter()
         await self.apply(d, view.now)
+        self.round_s = [*self.round_s[-999:], (t1 - t0, t2 - t1, time.perf_counter() - t2)]
         self.rounds += 1
         self.last = d
         self.metrics.reconciles.inc()
@@ -246,72 +254,104 @@ class Operator:
         return d
 
     async def apply(self, d: Decisions, now: dt.datetime) -> None:
-        """Carry out ``d``: finalizers before Pods, Pods before statuses, clean-up before releasing finalizers."""
+        """Carry out ``d``. Per FillJob in order (finalizer, Pod, assignment, status; clean-up before releasing
+        the finalizer); FillJobs, trainings and Events concurrently, at most ``write_concurrency`` at a time."""
         w = self.writer
+        sem = asyncio.Semaphore(self.config.write_concurrency)
+        loop = asyncio.get_running_loop()
 
         async def write(fn: Callable[..., Any], *args: Any) -> Any:
             if not self.acting:
                 raise LeadershipLost()
-            return await asyncio.to_thread(fn, *args)
+            return await loop.run_in_executor(self._pool, fn, *args)
 
-        try:
-            for key in d.add_finalizer:
+        pods = {f"{p['metadata']['namespace']}/{p['metadata']['ownerReferences'][0]['name']}": p
+                for p in d.create_pods}
+        assignments = {f"{a.namespace}/{a.name}": a for a in d.assign}
+        deleted_pods: dict[str, list[tuple[str, str]]] = {}
+        for ns, name in d.delete_pods:
+            owner = next((k for k, o in self.store.fill_jobs.items() if k.startswith(f"{ns}/") and
+                          ((o.get("status") or {}).get("assignment") or {}).get("pod") == name), f"{ns}/?")
+            deleted_pods.setdefault(owner, []).append((ns, name))
+        cancels = {uid: node for node, uid in d.cancel}
+
+        async def fill_job(key: str) -> None:
+            async with sem:
                 obj = self.store.fill_jobs.get(key)
-                if obj is not None:
-                    meta = obj["metadata"]
+                if obj is None:
+                    return
+                meta = obj["metadata"]
+                for ns, name in deleted_pods.get(key, ()):
+                    await write(w.delete_pod, ns, name)
+                uid = str(meta.get("uid", ""))
+                if uid in cancels:
+                    await self.agents.cancel(cancels[uid], uid)
+                if key in d.add_finalizer:
                     new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], True,
                                       list(meta.get("finalizers") or []))
-                    if new is not None:
-                        self.store.put("fill_jobs", new)
-            for pod in d.create_pods:
-                await write(w.create_pod, pod)
-            for a in d.assign:
-                await self.agents.assign(a)
-            for key, status in d.fill_job_status.items():
-                obj = self.store.fill_jobs.get(key)
-                if obj is None:
-                    continue
-                meta = obj["metadata"]
-                new = await write(w.patch_status, "filljobs", meta["namespace"], meta["name"],
-                                  obj.get("status") or {}, status)
-                if new is not None:
+                    if new is None:
+                        return
                     self.store.put("fill_jobs", new)
-                    if status.get("phase") == "Placed" and (obj.get("status") or {}).get("phase") != "Placed" \
-                            and int((status.get("counters") or {}).get("placements", 0)) == 1:
-                        created = meta.get("creationTimestamp")
-                        if created:
-                            t = dt.datetime.fromisoformat(str(created).replace("Z", "+00:00"))
-                            self.metrics.placement_latency.observe(max(0.0, (now - t).total_seconds()))
-            for ns, name in d.delete_pods:
-                await write(w.delete_pod, ns, name)
-            for node, uid in d.cancel:
-                await self.agents.cancel(node, uid)
-            for key in d.remove_finalizer:
-                obj = self.store.fill_jobs.get(key)
-                if obj is not None:
-                    meta = obj["metadata"]
-                    new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], False,
-                                      list(meta.get("finalizers") or []))
+                if key in pods:
+                    await write(w.create_pod, pods[key])
+                if key in assignments:
+                    await self.agents.assign(assignments[key])
+                if key in d.fill_job_status:
+                    status = d.fill_job_status[key]
+                    before = (self.store.fill_jobs.get(key) or obj).get("status") or {}
+                    new = await write(w.patch_status, "filljobs", meta["namespace"], meta["name"], before, status)
                     if new is not None:
                         self.store.put("fill_jobs", new)
-            for key, status in d.training_status.items():
+                        self._observe_placement(meta, before, status, now)
+                if key in d.remove_finalizer:
+                    current = self.store.fill_jobs.get(key) or obj
+                    new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], False,
+                                      list(current["metadata"].get("finalizers") or []))
+                    if new is not None:
+                        self.store.put("fill_jobs", new)
+
+        async def training(key: str, status: dict[str, Any]) -> None:
+            async with sem:
                 obj = self.store.trainings.get(key)
                 if obj is None:
-                    continue
+                    return
                 meta = obj["metadata"]
                 new = await write(w.patch_status, "pipelinetrainings", meta["namespace"], meta["name"],
-                                  obj.get("status") or {}, status)
+                                  obj.get("status") or {}, status, "training_status")
                 if new is not None:
                     self.store.put("trainings", new)
-            for ev in d.events:
+
+        async def event(ev: Any) -> None:
+            async with sem:
                 await write(w.post_event, ev, now)
-        except LeadershipLost:
-            log.warning("stopped mid-round: this replica no longer holds the lease")
+
+        keys = set(d.fill_job_status) | set(pods) | set(d.add_finalizer) | set(d.remove_finalizer) | set(deleted_pods)
+        try:
+            results = await asyncio.gather(*(fill_job(k) for k in sorted(keys)),
+                                           *(training(k, s) for k, s in d.training_status.items()),
+                                           return_exceptions=True)
+            lost = [r for r in results if isinstance(r, LeadershipLost)]
+            errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, LeadershipLost)]
+            if not lost:
+                await asyncio.gather(*(event(ev) for ev in d.events), return_exceptions=True)
+            if lost:
+                log.warning("stopped mid-round: this replica no longer holds the lease")
+            if errors:
+                raise errors[0]
         finally:
             for kind, n in w.writes.items():
                 self.metrics.api_writes.labels(kind).inc(n)
             self.writes_total.update(w.writes)
             w.writes.clear()
+
+    def _observe_placement(self, meta: Mapping[str, Any], before: Mapping[str, Any], status: Mapping[str, Any],
+                           now: dt.datetime) -> None:
+        if status.get("phase") == "Placed" and before.get("phase") != "Placed" \
+                and int((status.get("counters") or {}).get("placements", 0)) == 1:
+            created = meta.get("creationTimestamp")
+            if created:
+                t = dt.datetime.fromisoformat(str(created).replace("Z", "+00:00"))
+                self.metrics.placement_latency.observe(max(0.0, (now - t).total_seconds()))
 
 
 class LeadershipLost(Exception):

@@ -228,6 +228,7 @@ class Scheduler:
         self.busy_until_s = np.zeros(len(self.executor_class))
         self.running: dict[int, Placement] = {}
         self._occupied: dict[int, tuple[str, float]] = {}  # executor -> (job id, busy until), see occupy()
+        self._eligible_masks: dict[frozenset[str], np.ndarray] = {}
         self._running_by_job: dict[str, Placement] = {}
         # Idle executors per class, as stacks (the lowest index is used first).
         self._idle: list[list[int]] = []
@@ -255,7 +256,10 @@ class Scheduler:
         with np.errstate(invalid="ignore"):
             proc = np.ceil(job.samples / batch) * s_per_step
         if job.eligible is not None:
-            proc = np.where([c.name in job.eligible for c in self.classes], proc, math.inf)
+            mask = self._eligible_masks.get(job.eligible)
+            if mask is None:
+                mask = self._eligible_masks[job.eligible] = np.array([c.name in job.eligible for c in self.classes])
+            proc = np.where(mask, proc, math.inf)
         return proc
 
     def _table(self, profile: FillProfile) -> tuple[np.ndarray, np.ndarray, tuple[Rate | None, ...]]:

@@ -1,0 +1,201 @@
+"""Operator at scale on a real kube-apiserver: placement latency and API writes per placement.
+
+128 PipelineTrainings of 8 stages each (1,024 training Pods, one per GPU, 8 per node) report a bubble cycle
+through ``InMemoryAgents`` (the agents' gRPC service is planned); 1,000 FillJobs are created one after the
+other by a client as fast as it can, and a watch records when each is first seen ``Placed``. The operator
+runs in this process (its own thread and event loop) against a real kube-apiserver 1.20 with etcd
+(tools/kube-from-debian.sh), as the operator's ServiceAccount under its RBAC rules.
+
+    .venv/bin/python benchmarks/operator_scale.py --runs 3 --out out/bench/operator-scale.json
+
+Latency is from the create call's return to the watch event showing Placed (client-side clock, so it
+includes the watch's delivery). Writes are counted by the operator's KubeWriter by kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from kubeapi import (  # noqa: E402
+    OPERATOR_NAMESPACE,
+    OPERATOR_SA,
+    OPERATOR_TOKEN,
+    ApiServer,
+    api_server,
+    find_assets,
+)
+from operator_thread import OperatorThread  # noqa: E402
+
+from bubbles.operator.agents import InMemoryAgents  # noqa: E402
+from bubbles.operator.kube import Connection  # noqa: E402
+from bubbles.operator.rbac import cluster_role, cluster_role_binding  # noqa: E402
+from bubbles.operator.shell import Operator, OperatorConfig  # noqa: E402
+from bubbles.resources import NodeReport, StageReport  # noqa: E402
+from bubbles.stats import percentile  # noqa: E402
+
+NS = "scale"
+CYCLE = {"training": "t", "stage": 0, "stages": 8, "microbatches": 16, "schedule": "TrainSchedule",
+         "iteration_s": 0.1, "samples": 5,
+         "slots": [{"slot": 0, "position": 3, "instruction": "RecvGrad", "kind": "steady", "duration_s": 0.01,
+                    "p10_s": 0.01, "p90_s": 0.01, "free_bytes": 2**30}]}
+
+
+def setup(kube: ApiServer, trainings: int, stages: int) -> InMemoryAgents:
+    items: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}},
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": NS},
+         "automountServiceAccountToken": False},
+        cluster_role(), cluster_role_binding(OPERATOR_NAMESPACE, OPERATOR_SA)]
+    agents = InMemoryAgents()
+    for t in range(trainings):
+        name = f"train-{t:03d}"
+        items.append({"apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining",
+                      "metadata": {"name": name, "namespace": NS},
+                      "spec": {"selector": {"matchLabels": {"training": name}}}})
+        node = f"node-{t:03d}"
+        reports = []
+        for k in range(stages):
+            pod = f"{name}-{k}"
+            items.append({"apiVersion": "v1", "kind": "Pod",
+                          "metadata": {"name": pod, "namespace": NS, "labels": {"training": name}},
+                          "spec": {"nodeName": node, "automountServiceAccountToken": False,
+                                   "containers": [{"name": "train", "image": "train:1"}]}})
+            reports.append(StageReport(NS, name, pod, k, f"cuda:{k}", {**CYCLE, "stage": k}, True))
+        agents.reports[node] = NodeReport(node, tuple(reports))
+    for i in range(0, len(items), 200):
+        kube.kubectl("apply", "-f", "-", input_text=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                 "items": items[i:i + 200]}))
+    return agents
+
+
+def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: float) -> dict[str, Any]:
+    import kubernetes
+
+    conn = Connection(kube.url, token=OPERATOR_TOKEN, ca_path=kube.ca_path, namespace=OPERATOR_NAMESPACE)
+    op = Operator(OperatorConfig(interval_s=interval_s, lease_namespace=OPERATOR_NAMESPACE), conn, agents)
+    thread = OperatorThread(op)
+    while op.rounds < 1:
+        time.sleep(0.05)
+    admin = Connection(kube.url, token="bubbles-test-admin-token", ca_path=kube.ca_path).api_client()
+    custom = kubernetes.client.CustomObjectsApi(admin)
+    created: dict[str, float] = {}
+    placed: dict[str, float] = {}
+    stop = threading.Event()
+
+    def watch() -> None:
+        w = kubernetes.watch.Watch()
+        while not stop.is_set():
+            for ev in w.stream(custom.list_namespaced_custom_object, "bubbles.dev", "v1alpha1", NS, "filljobs",
+                               timeout_seconds=5):
+                obj = ev["object"]
+                name = obj["metadata"]["name"]
+                if (obj.get("status") or {}).get("phase") == "Placed" and name not in placed:
+                    placed[name] = time.monotonic()
+                if stop.is_set():
+                    break
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    for i in range(jobs):
+        name = f"job-{i:04d}"
+        custom.create_namespaced_custom_object("bubbles.dev", "v1alpha1", NS, "filljobs", {
+            "apiVersion": "bubbles.dev/v1alpha1", "kind": "FillJob", "metadata": {"name": name},
+            "spec": {"image": "fill:1", "entry": "pkg.mod:Job", "profile": {"memory": "64Mi", "stepTime": "2ms"},
+                     "work": {"steps": 100000}}})
+        created[name] = time.monotonic()
+    apply_s = time.monotonic() - t0
+    deadline = time.monotonic() + 120
+    while len(placed) < jobs and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(interval_s * 2)  # the last round's write counts
+    stop.set()
+    thread.close(60)
+    lat = [placed[n] - created[n] for n in created if n in placed]
+    writes = dict(op.writes_total)
+    n = len(placed)
+    # Clean up for the next run: delete the jobs (the next operator releases their finalizers) and their Pods.
+    kube.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false")
+    kube.kubectl("delete", "pods", "-n", NS, "-l", "app.kubernetes.io/component=fill-job", "--wait=false",
+                 "--grace-period=0", "--force")
+    cleaner = OperatorThread(Operator(OperatorConfig(interval_s=0.5), conn, agents))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        left = json.loads(kube.kubectl("get", "fj", "-n", NS, "-o", "json").stdout)["items"]
+        if not left:
+            break
+        time.sleep(0.5)
+    cleaner.close(60)
+    return {
+        "jobs": jobs, "placed": n, "apply_s": round(apply_s, 2),
+        "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
+        "latency_p99_s": round(percentile(lat, 99), 3) if lat else None,
+        "latency_max_s": round(max(lat), 3) if lat else None,
+        "writes": writes, "rounds": op.rounds,
+        "round_ms_max": {k: round(max(r[i] for r in op.round_s) * 1e3, 1) for i, k in enumerate(("see", "decide",
+                                                                                                 "act"))},
+        "object_writes_per_placement": round((writes.get("status", 0) + writes.get("pod", 0)
+                                              + writes.get("finalizer", 0)) / n, 2) if n else None,
+        "events_per_placement": round(writes.get("event", 0) / n, 2) if n else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainings", type=int, default=128)
+    p.add_argument("--stages", type=int, default=8, help="stages (training Pods, GPUs) per training")
+    p.add_argument("--jobs", type=int, default=1000)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--interval", type=float, default=1.0, help="the operator's idle reconcile interval (s)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if min(args.trainings, args.stages, args.jobs, args.runs) < 1:
+        p.error("--trainings, --stages, --jobs and --runs must be >= 1")
+    assets, why = find_assets()
+    if assets is None:
+        print(f"operator_scale: {why}", file=sys.stderr)
+        return 2
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp, api_server(Path(tmp), assets) as kube:
+        kube.kubectl("apply", "-f", str(ROOT / "crds"))
+        kube.kubectl("wait", "--for", "condition=established", "--timeout", "30s", "crd/filljobs.bubbles.dev")
+        t0 = time.monotonic()
+        agents = setup(kube, args.trainings, args.stages)
+        print(f"[operator_scale] {args.trainings} trainings x {args.stages} stages set up in "
+              f"{time.monotonic() - t0:.1f} s", flush=True)
+        for r in range(args.runs):
+            res = one_run(kube, args.jobs, agents, args.interval)
+            runs.append(res)
+            print(f"[operator_scale] run {r + 1}: {json.dumps(res)}", flush=True)
+    p50 = [r["latency_p50_s"] for r in runs if r["latency_p50_s"] is not None]
+    p99 = [r["latency_p99_s"] for r in runs if r["latency_p99_s"] is not None]
+    summary = {"trainings": args.trainings, "stages": args.stages, "jobs": args.jobs, "runs": runs,
+               "median_of_p50_s": statistics.median(p50) if p50 else None,
+               "median_of_p99_s": statistics.median(p99) if p99 else None,
+               "p99_range_s": [min(p99), max(p99)] if p99 else None}
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
