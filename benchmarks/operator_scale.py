@@ -15,7 +15,6 @@ includes the watch's delivery). Writes are counted by the operator's KubeWriter 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
