@@ -135,8 +135,10 @@ def test_place_then_delete_on_a_real_api_server_under_rbac(cluster: ApiServer) -
         assert story == ["Placed"]  # admitted and placed in one round: one Event
         row = cluster.kubectl("get", "fj", "resnet", "-n", NS, "--no-headers").stdout.split()
         assert row[1:5] == ["Placed", "llama", "node-a", "0%"]
-        pt = get(cluster, "pt", "llama")
-        assert pt is not None and pt["status"]["bubbleRatio"] == 0.1 and pt["status"]["fillJobs"] == 1
+        # A training's figures are rewritten at most every 5 s (OperatorConfig.training_status_interval_s).
+        pt = until("the training counts its fill job",
+                   lambda: (p := get(cluster, "pt", "llama")) and p["status"].get("fillJobs") == 1 and p, 15)
+        assert pt["status"]["bubbleRatio"] == 0.1
         cluster.kubectl("delete", "fj", "resnet", "-n", NS, "--wait=false")
         until("the FillJob gone (finalizer released)", lambda: get(cluster, "fj", "resnet") is None)
         # No kubelet here to finish a bound Pod's graceful deletion: it is marked deleted, and stays Terminating.

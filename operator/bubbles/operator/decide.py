@@ -36,7 +36,15 @@ from bubbles.resources import (
     selector_matches,
     set_condition,
 )
-from bubbles.scheduler import ExecutorClass, FillConfig, FillJobRequest, FillProfile, Scheduler, get_policy
+from bubbles.scheduler import (
+    ExecutorClass,
+    FillConfig,
+    FillJobRequest,
+    FillProfile,
+    Scheduler,
+    best_rate,
+    get_policy,
+)
 
 # Where the fill Pod finds the node agent's sockets (a hostPath shared with the training's Pods).
 RUN_DIR = "/run/bubbles"
@@ -388,8 +396,8 @@ def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any]) 
 def _steps_per_s(job: FillJobResource, stage: StageView, training: PipelineTrainingResource | None) -> float:
     if stage.cycle is None or training is None:
         return 0.0
-    s = Scheduler([executor_class(stage, training)])
-    rate = s.rate(0, _profile(job))
+    cls = executor_class(stage, training)
+    rate = best_rate(cls.bubbles, cls.iteration_s, _profile(job))  # cached per bubble shape and profile
     return rate.steps_per_cycle / stage.cycle.iteration_s if rate else 0.0
 
 

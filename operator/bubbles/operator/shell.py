@@ -16,6 +16,7 @@ import concurrent.futures
 import copy
 import datetime as dt
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -55,6 +56,7 @@ class OperatorConfig:
     lease_s: int = 15  # a Lease not renewed for this long may be taken over
     renew_s: float = 5.0
     write_concurrency: int = 16  # API writes in flight at once
+    training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
 
@@ -95,6 +97,7 @@ class Operator:
         self.metrics = OperatorMetrics()
         self.wake = asyncio.Event()
         self.rounds = 0
+        self._training_written: dict[str, float] = {}  # PipelineTraining key -> when its status was last written
         self.round_s: list[tuple[float, float, float]] = []  # per round: (see, decide, act) seconds, the last 1000
         self.writes_total: Counter[str] = Counter()  # API writes by kind since start
         self.last: Decisions | None = None
@@ -118,7 +121,9 @@ class Operator:
         for kind, group, version, plural in (("fill_jobs", GROUP, VERSION, "filljobs"),
                                              ("trainings", GROUP, VERSION, "pipelinetrainings"),
                                              ("pods", "", "v1", "pods")):
-            def on_event(event: Mapping[str, Any], kind: str = kind, **_: Any) -> None:
+            # async: kopf runs it on the event loop, as the reconcile loop; a sync handler would run in a worker
+            # thread and change the store while a round iterates over it.
+            async def on_event(event: Mapping[str, Any], kind: str = kind, **_: Any) -> None:
                 obj = event.get("object")
                 if isinstance(obj, Mapping):
                     self.store.put(kind, obj, deleted=event.get("type") == "DELETED")
@@ -196,7 +201,7 @@ class Operator:
             except ResourceError:
                 continue
         pods_by_training: dict[str, list[dict[str, Any]]] = {}
-        for pod in self.store.pods.values():
+        for pod in list(self.store.pods.values()):
             meta = pod.get("metadata") or {}
             if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") not in ("Running", "Pending"):
                 continue
@@ -233,6 +238,7 @@ class Operator:
                     baseline_iteration_s=sr.baseline_iteration_s if sr else None,
                     bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0,
                     gpu_uuid=sr.gpu_uuid if sr else None))
+        # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy)
 
     async def reconcile_once(self) -> Decisions:
@@ -286,14 +292,19 @@ class Operator:
                 uid = str(meta.get("uid", ""))
                 if uid in cancels:
                     await self.agents.cancel(cancels[uid], uid)
+                # The finalizer and the Pod at once (both before the status that says Placed): one round trip less.
+                steps = []
                 if key in d.add_finalizer:
-                    new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], True,
-                                      list(meta.get("finalizers") or []))
-                    if new is None:
-                        return
-                    self.store.put("fill_jobs", new)
+                    steps.append(write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], True,
+                                       list(meta.get("finalizers") or [])))
                 if key in pods:
-                    await write(w.create_pod, pods[key])
+                    steps.append(write(w.create_pod, pods[key]))
+                if steps:
+                    done = await asyncio.gather(*steps)
+                    if key in d.add_finalizer:
+                        if done[0] is None:
+                            return  # the FillJob is gone
+                        self.store.put("fill_jobs", done[0])
                 if key in assignments:
                     await self.agents.assign(assignments[key])
                 if key in d.fill_job_status:
@@ -315,6 +326,12 @@ class Operator:
                 obj = self.store.trainings.get(key)
                 if obj is None:
                     return
+                before = obj.get("status") or {}
+                last = self._training_written.get(key, -math.inf)
+                if before.get("conditions") == status.get("conditions") and \
+                        time.monotonic() - last < self.config.training_status_interval_s:
+                    return  # only figures changed, and they were written moments ago: a later round writes them
+                self._training_written[key] = time.monotonic()
                 meta = obj["metadata"]
                 new = await write(w.patch_status, "pipelinetrainings", meta["namespace"], meta["name"],
                                   obj.get("status") or {}, status, "training_status")

@@ -13,6 +13,7 @@ from bubbles.scheduler.core import (
     Placement,
     Rate,
     Scheduler,
+    best_rate,
     classes_from_cycles,
 )
 from bubbles.scheduler.policies import (
@@ -54,6 +55,7 @@ __all__ = [
     "UnknownPolicyError",
     "WeightedPolicy",
     "available_policies",
+    "best_rate",
     "classes_from_cycles",
     "get_policy",
 ]

@@ -497,6 +497,11 @@ def _best_rate(bubbles: tuple[Bubble, ...], iteration_s: float, profile: FillPro
     return best
 
 
+def best_rate(bubbles: tuple[Bubble, ...], iteration_s: float, profile: FillProfile) -> Rate | None:
+    """The fastest configuration of ``profile`` that fits ``bubbles`` and its rate (None if none fits); cached."""
+    return _best_rate(bubbles, iteration_s, profile)
+
+
 def _choose(policy: Policy, queue: QueueView, state: SchedulerState, executor: int) -> int | None:
     if len(queue) == 0:
         return None
