@@ -8,6 +8,7 @@ back, as the API server would, before the next round.
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 from typing import Any
 
 from bubbles.api import FillState
@@ -196,3 +197,50 @@ def test_a_finalizer_is_held_only_while_a_job_has_something_to_clean_up() -> Non
     d = step([job], [stage()])
     assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
     assert d.remove_finalizer == ["ml/fj"] and d.create_pods == [] and [e.reason for e in d.events] == ["Deleted"]
+
+
+def test_a_pod_whose_hook_never_reported_gets_a_status_the_server_accepts() -> None:
+    from bubbles.resources import PIPELINE_TRAINING_STATUS, validate
+
+    t = training()
+    silent = StageView("ml/llama", -1, "llama-0", "uid-llama-0", "node-a", "", None)
+    step([], [silent], [t])
+    assert t["status"]["stages"] == [{"pod": "llama-0", "node": "node-a"}]
+    assert validate(PIPELINE_TRAINING_STATUS, t["status"], "status") == []
+
+
+def test_one_bad_job_does_not_stop_the_round_for_the_others() -> None:
+    bad_date = fill_job("bad-date", deadline="2026-02-30T08:00:00Z")  # passes the schema's pattern
+    huge = fill_job("huge", work={"steps": 10**15})
+    good = fill_job("good")
+    step([bad_date, huge, good], [stage(), stage(1, pod="llama-1")])
+    assert bad_date["status"]["phase"] == "Failed" and "is not a valid time" in bad_date["status"]["message"]
+    assert huge["status"]["phase"] == "Placed" and "eta" not in huge["status"]  # beyond any calendar
+    assert good["status"]["phase"] in ("Placed", "Queued")
+
+
+def test_a_running_job_edited_into_an_invalid_spec_is_stopped_and_its_stage_freed() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    job["spec"].pop("entry")  # an edit the schema cannot refuse (entry or command is the operator's rule)
+    job["metadata"]["generation"] = 2
+    d = step([job], [stage()])
+    assert job["status"]["phase"] == "Failed" and "assignment" not in job["status"]
+    assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
+    other = fill_job("other")
+    d = step([job, other], [stage()])
+    assert other["status"]["phase"] == "Placed"  # the stage is free again
+
+
+def test_long_names_are_refused_or_kept_valid_in_labels() -> None:
+    long_job = fill_job("x" * 70)  # a valid Kubernetes name, but fill-job names are DNS labels (socket paths)
+    step([long_job], [stage()])
+    assert long_job["status"]["phase"] == "Failed" and "1-63 lower-case letters" in long_job["status"]["message"]
+    name = "t" * 200
+    t = training()
+    t["metadata"]["name"] = name
+    job = fill_job()
+    d = step([job], [replace(stage(), training=f"ml/{name}")], [t])
+    labels = d.create_pods[0]["metadata"]["labels"]
+    assert all(len(v) <= 63 for v in labels.values()) and labels["bubbles.dev/training"].startswith("t" * 50)
+    assert job["status"]["assignment"]["training"] == name

@@ -368,8 +368,11 @@ def selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, st
 
 
 # -- typed views ---------------------------------------------------------------------------------------------
-def _parse_time(text: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+def _parse_time(text: str, where: str = "spec.deadline") -> dt.datetime:
+    try:
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:  # the schema's pattern admits dates that do not exist (2026-02-30)
+        raise ResourceError(f"{where} {text!r} is not a valid time: {exc}") from None
 
 
 @dataclass(frozen=True)

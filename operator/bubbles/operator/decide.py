@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,7 @@ RUN_DIR = "/run/bubbles"
 # A fill job whose step time is not given is planned with this until the agent measures it.
 PROVISIONAL_STEP_S = 1e-3
 ACTIVE = (FillJobPhase.PLACED, FillJobPhase.RUNNING, FillJobPhase.PAUSED)
+MAX_ETA_S = dt.datetime(9000, 1, 1, tzinfo=dt.UTC).timestamp()
 
 
 # -- what the operator sees ------------------------------------------------------------------------------
@@ -138,9 +140,21 @@ def key_of(obj: Mapping[str, Any]) -> str:
 
 
 def fill_pod_name(name: str, attempt: int) -> str:
-    """Deterministic, so a retried create conflicts instead of starting the job twice."""
-    base = f"fj-{name}"[: 63 - 4]
-    return f"{base}-a{attempt}"
+    """Deterministic, so a retried create conflicts instead of starting the job twice; a name too long for a
+    Pod keeps a hash of the whole so two long names never share a Pod."""
+    full = f"fj-{name}-a{attempt}"
+    if len(full) <= 253:
+        return full
+    return f"fj-{name[:200]}-{_digest(name)}-a{attempt}"
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value (at most 63 characters): long ones keep a prefix and a hash of the whole."""
+    return text if len(text) <= 63 else f"{text[:50].rstrip('-_.')}-{_digest(text)}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 _PARSED: dict[tuple[str, str, str, str], FillJobResource] = {}
@@ -278,6 +292,12 @@ def reconcile(view: ClusterView) -> Decisions:
         try:
             job = _parse(obj)
         except ResourceError as exc:
+            a = st.status.pop("assignment", None) or {}
+            if a.get("pod"):  # it ran: its spec was edited into an invalid one; stop it, free its stage
+                out.delete_pods.append((str(meta.get("namespace", "")), str(a["pod"])))
+            if a.get("node"):
+                out.cancel.append((str(a["node"]), str(meta.get("uid", ""))))
+            st.status.pop("eta", None)
             st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
             st.phase(FillJobPhase.FAILED, f"invalid spec: {exc}", event="InvalidSpec", warning=True)
             st.finish()
@@ -404,6 +424,8 @@ def _steps_per_s(job: FillJobResource, stage: StageView, training: PipelineTrain
 def _eta(st: _JobState, job: FillJobResource, end_s: float) -> None:
     """Set the ETA, keeping the one written before while the new estimate is within max(30 s, 5% of the time
     left) of it: an estimate that moves with every round would rewrite every status every round."""
+    if math.isfinite(end_s) and end_s > MAX_ETA_S:
+        end_s = math.inf  # beyond any calendar (a huge job at a trickle): no ETA
     if math.isfinite(end_s):
         old = st.before.get("eta")
         if old:
@@ -560,7 +582,8 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
         "metadata": {
             "name": a.fill_pod, "namespace": job.namespace,
             "labels": {"app.kubernetes.io/managed-by": "bubbles", "app.kubernetes.io/component": "fill-job",
-                       "bubbles.dev/fill-job": job.name, "bubbles.dev/training": a.training.split("/", 1)[-1]},
+                       "bubbles.dev/fill-job": label_value(job.name),
+                       "bubbles.dev/training": label_value(a.training.split("/", 1)[-1])},
             "annotations": {"bubbles.dev/fill-job-uid": job.uid, "bubbles.dev/attempt": str(a.attempt)},
             "ownerReferences": [{"apiVersion": API_VERSION, "kind": "FillJob", "name": job.name, "uid": job.uid,
                                  "controller": True, "blockOwnerDeletion": True}],
@@ -591,7 +614,8 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         mine = [s for s in stages.values() if s.training == tkey]
         status["pods"] = len({s.pod for s in mine})
         status["stages"] = [{
-            "stage": s.stage, "pod": s.pod, "node": s.node, "device": s.device,
+            **({"stage": s.stage} if s.stage >= 0 else {}),  # unknown until the Pod's hook reports
+            "pod": s.pod, "node": s.node, **({"device": s.device} if s.device else {}),
             **({"iterationSeconds": s.cycle.iteration_s, "bubbleRatio": round(s.cycle.bubble_ratio, 4),
                 "bubbles": [{"slot": b.slot, "durationSeconds": b.duration_s, "freeBytes": b.free_bytes}
                             for b in s.cycle.slots]} if s.cycle else {}),

@@ -143,6 +143,7 @@ class LeaseElector:
             await asyncio.to_thread(self.release)
 
     def release(self) -> None:
+        self._valid_until = -1.0  # stop acting first: the Lease may be someone else's a moment from now
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
             if lease.spec and lease.spec.holder_identity == self.identity:

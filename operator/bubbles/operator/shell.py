@@ -291,6 +291,8 @@ class Operator:
                     await write(w.delete_pod, ns, name)
                 uid = str(meta.get("uid", ""))
                 if uid in cancels:
+                    if not self.acting:
+                        raise LeadershipLost()
                     await self.agents.cancel(cancels[uid], uid)
                 # The finalizer and the Pod at once (both before the status that says Placed): one round trip less.
                 steps = []
@@ -303,17 +305,22 @@ class Operator:
                     done = await asyncio.gather(*steps)
                     if key in d.add_finalizer:
                         if done[0] is None:
-                            return  # the FillJob is gone
+                            self.store.put("fill_jobs", obj, deleted=True)  # gone (a watch gap may hide it)
+                            return
                         self.store.put("fill_jobs", done[0])
                 if key in assignments:
+                    if not self.acting:
+                        raise LeadershipLost()
                     await self.agents.assign(assignments[key])
                 if key in d.fill_job_status:
                     status = d.fill_job_status[key]
                     before = (self.store.fill_jobs.get(key) or obj).get("status") or {}
                     new = await write(w.patch_status, "filljobs", meta["namespace"], meta["name"], before, status)
-                    if new is not None:
-                        self.store.put("fill_jobs", new)
-                        self._observe_placement(meta, before, status, now)
+                    if new is None:
+                        self.store.put("fill_jobs", obj, deleted=True)
+                        return
+                    self.store.put("fill_jobs", new)
+                    self._observe_placement(meta, before, status, now)
                 if key in d.remove_finalizer:
                     current = self.store.fill_jobs.get(key) or obj
                     new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], False,
@@ -335,8 +342,7 @@ class Operator:
                 meta = obj["metadata"]
                 new = await write(w.patch_status, "pipelinetrainings", meta["namespace"], meta["name"],
                                   obj.get("status") or {}, status, "training_status")
-                if new is not None:
-                    self.store.put("trainings", new)
+                self.store.put("trainings", new if new is not None else obj, deleted=new is None)
 
         async def event(ev: Any) -> None:
             async with sem:
