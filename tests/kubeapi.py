@@ -122,6 +122,16 @@ def api_server(workdir: Path, assets: Path, timeout_s: float = 60.0) -> Iterator
     subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
     subprocess.run(["openssl", "rsa", "-in", str(key), "-pubout", "-out", str(workdir / "sa.pub")], check=True,
                    capture_output=True)
+    # A client CA and one client certificate (an admin, as kubeadm writes them), for kubeconfigs that use one.
+    pki = workdir / "pki"
+    pki.mkdir(exist_ok=True)
+    for cmd in (["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "ca.key"),
+                 "-out", str(pki / "ca.crt"), "-days", "2", "-subj", "/CN=bubbles-test-ca"],
+                ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "client.key"),
+                 "-out", str(pki / "client.csr"), "-subj", "/O=system:masters/CN=bubbles-cert-admin"],
+                ["openssl", "x509", "-req", "-in", str(pki / "client.csr"), "-CA", str(pki / "ca.crt"), "-CAkey",
+                 str(pki / "ca.key"), "-CAcreateserial", "-out", str(pki / "client.crt"), "-days", "2"]):
+        subprocess.run(cmd, check=True, capture_output=True)
     tokens = workdir / "tokens.csv"
     tokens.write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n'
                       f'{OPERATOR_TOKEN},{OPERATOR_USER},operator-uid,'
@@ -137,7 +147,7 @@ def api_server(workdir: Path, assets: Path, timeout_s: float = 60.0) -> Iterator
         procs.append(subprocess.Popen(
             [str(assets / "kube-apiserver"), "--etcd-servers", etcd_url, "--bind-address", "127.0.0.1",
              "--advertise-address", "127.0.0.1", "--secure-port", str(api_port), "--cert-dir", str(workdir / "certs"),
-             "--token-auth-file", str(tokens), "--authorization-mode", "RBAC",
+             "--token-auth-file", str(tokens), "--client-ca-file", str(pki / "ca.crt"), "--authorization-mode", "RBAC",
              "--service-account-issuer", "https://kubernetes.default.svc", "--service-account-key-file",
              str(workdir / "sa.pub"), "--service-account-signing-key-file", str(key),
              "--service-cluster-ip-range", "10.0.0.0/24", "--allow-privileged=true", "--event-ttl", "1h"],

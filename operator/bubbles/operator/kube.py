@@ -32,10 +32,16 @@ class Connection:
     ca_path: str | None = None
     insecure: bool = False
     namespace: str | None = None  # the namespace of the operator's own Pod, if known
+    cert_path: str | None = None  # a client certificate (kubeconfigs of kind, minikube, kubeadm)
+    key_path: str | None = None
 
     @classmethod
     def from_environment(cls, kubeconfig: Path | None = None) -> Connection:
-        """In-cluster (the ServiceAccount's token and CA), else a kubeconfig file ($KUBECONFIG, ~/.kube/config)."""
+        """In-cluster (the ServiceAccount's token and CA), else a kubeconfig file ($KUBECONFIG, ~/.kube/config).
+
+        From a kubeconfig: the current context's server, its CA (a file or inline ``-data``), and a token or a
+        client certificate and key (files or inline). Exec and auth-provider plugins are refused with the fix.
+        """
         sa = Path("/var/run/secrets/kubernetes.io/serviceaccount")
         if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and (sa / "token").exists():
             host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
@@ -49,14 +55,41 @@ class Connection:
         except OSError as exc:
             raise ValueError(f"no in-cluster ServiceAccount and cannot read kubeconfig {path}: {exc}; "
                              "pass --kubeconfig or run the operator in a Pod") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"kubeconfig {path} is not valid YAML: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"kubeconfig {path} is not a kubeconfig (no mapping of clusters, users, contexts)")
         ctx_name = cfg.get("current-context")
-        ctx = next((c["context"] for c in cfg.get("contexts", []) if c["name"] == ctx_name), None)
-        if ctx is None:
-            raise ValueError(f"kubeconfig {path} has no current context")
-        cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == ctx["cluster"])
-        user: dict[str, Any] = next((u["user"] for u in cfg.get("users", []) if u["name"] == ctx.get("user")), {})
-        return cls(cluster["server"], user.get("token"), cluster.get("certificate-authority"),
-                   bool(cluster.get("insecure-skip-tls-verify")), ctx.get("namespace"))
+        ctx = next((c.get("context") for c in cfg.get("contexts") or [] if c.get("name") == ctx_name), None)
+        if not ctx:
+            raise ValueError(f"kubeconfig {path} has no current context; set one with kubectl config use-context")
+        cluster = next((c.get("cluster") for c in cfg.get("clusters") or [] if c.get("name") == ctx.get("cluster")),
+                       None)
+        if not cluster or not cluster.get("server"):
+            raise ValueError(f"kubeconfig {path}: context {ctx_name!r} names cluster {ctx.get('cluster')!r}, "
+                             "which has no server")
+        user: dict[str, Any] = next((u.get("user") or {} for u in cfg.get("users") or []
+                                     if u.get("name") == ctx.get("user")), {})
+        if user.get("exec") or user.get("auth-provider"):
+            raise ValueError(f"kubeconfig {path}: user {ctx.get('user')!r} authenticates through a plugin, which "
+                             "the operator does not run; give it a token or a client certificate, or run the "
+                             "operator in a Pod with its ServiceAccount")
+        base = path.parent
+
+        def ref(section: Mapping[str, Any], name: str) -> str | None:
+            """A file named in the kubeconfig (relative to it), or its inline ``-data`` written to a file."""
+            if section.get(name):
+                return str((base / section[name]).resolve())
+            if section.get(f"{name}-data"):
+                return _inline_file(section[f"{name}-data"], name)
+            return None
+
+        token = user.get("token")
+        if not token and user.get("tokenFile"):
+            token = (base / user["tokenFile"]).read_text().strip()
+        return cls(str(cluster["server"]), token, ref(cluster, "certificate-authority"),
+                   bool(cluster.get("insecure-skip-tls-verify")), ctx.get("namespace"),
+                   ref(user, "client-certificate"), ref(user, "client-key"))
 
     def api_client(self, pool: int = 4) -> Any:
         import kubernetes
@@ -70,7 +103,24 @@ class Connection:
         if self.token:
             c.api_key = {"authorization": self.token}
             c.api_key_prefix = {"authorization": "Bearer"}
+        if self.cert_path and self.key_path:
+            c.cert_file, c.key_file = self.cert_path, self.key_path
         return kubernetes.client.ApiClient(c)
+
+
+def _inline_file(data: str, name: str) -> str:
+    """Write a kubeconfig's inline base64 ``*-data`` to a private file (the clients want paths); its path."""
+    import base64
+    import tempfile
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise ValueError(f"kubeconfig {name}-data is not base64") from None
+    fd, path = tempfile.mkstemp(prefix=f"bubbles-{name}-")
+    with os.fdopen(fd, "wb") as f:  # mkstemp: mode 0600
+        f.write(raw)
+    return path
 
 
 def status_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:

@@ -116,6 +116,7 @@ class Operator:
         def login(**_: Any) -> kopf.ConnectionInfo:
             c = self.connection
             return kopf.ConnectionInfo(server=c.server, token=c.token, ca_path=c.ca_path, insecure=c.insecure,
+                                       certificate_path=c.cert_path, private_key_path=c.key_path,
                                        default_namespace=c.namespace)
 
         for kind, group, version, plural in (("fill_jobs", GROUP, VERSION, "filljobs"),

@@ -1,0 +1,83 @@
+"""How `bubbles operator` finds its API server: kubeconfig files as kind, minikube and kubeadm write them."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bubbles.operator.kube import Connection
+
+
+def kubeconfig(tmp_path: Path, cluster: dict[str, Any], user: dict[str, Any], namespace: str = "ml") -> Path:
+    path = tmp_path / "config"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": cluster}], "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u", "namespace": namespace}}]}))
+    return path
+
+
+def test_inline_certificates_and_relative_files(tmp_path: Path) -> None:
+    ca = base64.b64encode(b"CA PEM").decode()
+    (tmp_path / "client.crt").write_text("CERT PEM")
+    cfg = kubeconfig(tmp_path, {"server": "https://127.0.0.1:6443", "certificate-authority-data": ca},
+                     {"client-certificate": "client.crt", "client-key-data": base64.b64encode(b"KEY").decode()})
+    c = Connection.from_environment(cfg)
+    assert c.server == "https://127.0.0.1:6443" and c.namespace == "ml" and c.token is None
+    assert c.ca_path and Path(c.ca_path).read_bytes() == b"CA PEM" and oct(Path(c.ca_path).stat().st_mode)[-3:] == "600"
+    assert c.cert_path == str(tmp_path / "client.crt") and c.key_path and Path(c.key_path).read_bytes() == b"KEY"
+    client = c.api_client()
+    assert client.configuration.cert_file == c.cert_path and client.configuration.ssl_ca_cert == c.ca_path
+
+
+def test_a_token_file(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("s3cret\n")
+    c = Connection.from_environment(kubeconfig(tmp_path, {"server": "https://k:6443", "insecure-skip-tls-verify": True},
+                                               {"tokenFile": "token"}))
+    assert c.token == "s3cret" and c.insecure and c.ca_path is None
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "cannot read kubeconfig"),
+        ("clusters: [\n", "not valid YAML"),
+        ("- 1\n", "is not a kubeconfig"),
+        ("current-context: nowhere\ncontexts: []\n", "has no current context"),
+    ],
+)
+def test_bad_kubeconfigs_say_what_to_do(tmp_path: Path, content: str | None, needle: str) -> None:
+    path = tmp_path / "config"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=needle):
+        Connection.from_environment(path)
+
+
+def test_plugins_and_bad_inline_data_are_refused(tmp_path: Path) -> None:
+    cfg = kubeconfig(tmp_path, {"server": "https://k"}, {"exec": {"command": "aws"}})
+    with pytest.raises(ValueError, match="authenticates through a plugin"):
+        Connection.from_environment(cfg)
+    cfg = kubeconfig(tmp_path, {"server": "https://k", "certificate-authority-data": "not base64!"}, {})
+    with pytest.raises(ValueError, match="certificate-authority-data is not base64"):
+        Connection.from_environment(cfg)
+    cfg = kubeconfig(tmp_path, {"certificate-authority": "x"}, {})
+    with pytest.raises(ValueError, match="has no server"):
+        Connection.from_environment(cfg)
+
+
+@pytest.mark.kube
+def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Path, kube: Any) -> None:
+    import kubernetes
+
+    pki = kube.workdir / "pki"
+    data = {name: base64.b64encode((pki / f"client.{ext}").read_bytes()).decode()
+            for name, ext in (("client-certificate-data", "crt"), ("client-key-data", "key"))}
+    cfg = kubeconfig(tmp_path, {"server": kube.url, "certificate-authority": kube.ca_path}, data)
+    c = Connection.from_environment(cfg)
+    namespaces = kubernetes.client.CoreV1Api(c.api_client()).list_namespace()
+    assert any(ns.metadata.name == "default" for ns in namespaces.items)
