@@ -81,3 +81,20 @@ def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Pat
     c = Connection.from_environment(cfg)
     namespaces = kubernetes.client.CoreV1Api(c.api_client()).list_namespace()
     assert any(ns.metadata.name == "default" for ns in namespaces.items)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--interval", "0"], "--interval must be > 0 seconds"),
+        (["--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+        (["--policy", "luck"], "unknown scheduling policy 'luck'; known policies:"),
+        (["--kubeconfig", "/no/such/kubeconfig"], "cannot read kubeconfig /no/such/kubeconfig"),
+    ],
+)
+def test_bad_operator_flags_exit_2_with_the_fix(flags: list[str], needle: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from bubbles.cli import main
+
+    assert main(["operator", "--no-leader-election", *flags]) == 2
+    assert needle in capsys.readouterr().err

@@ -403,17 +403,22 @@ def parse_spec(data: Any, source: str = "spec") -> FillJobSpec:
     )
 
 
+def read_yaml(path: Path, what: str, error: type[ValueError] = ValueError) -> Any:
+    """The data in a YAML (or JSON: YAML is a superset) file; ``error`` saying which ``what`` for a missing or
+    unreadable file and for text that is not YAML."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML/JSON: {exc}") from None
+
+
 def load_spec(path: str | Path) -> FillJobSpec:
     """Read and validate a YAML or JSON spec file; raise SpecError for a missing or invalid file."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise SpecError(f"cannot read fill-job spec {p}: {exc.strerror or exc}") from None
-    import yaml  # YAML is a superset of JSON: one loader for both
-
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML/JSON: {exc}") from None
-    return parse_spec(data, str(p))
+    return parse_spec(read_yaml(p, "fill-job spec", SpecError), str(p))

@@ -346,6 +346,14 @@ def apply_defaults(fields: Sequence[Field], spec: Mapping[str, Any]) -> dict[str
     return out
 
 
+def _valid_spec(fields: Sequence[Field], obj: Mapping[str, Any]) -> dict[str, Any]:
+    """An object's spec, checked against ``fields`` (ResourceError listing every problem) and defaulted."""
+    errors = validate(fields, obj.get("spec"))
+    if errors:
+        raise ResourceError("; ".join(errors))
+    return apply_defaults(fields, obj["spec"])
+
+
 # -- label selectors -----------------------------------------------------------------------------------------
 def selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
     """Whether ``labels`` satisfy a Kubernetes label selector (empty or None: everything)."""
@@ -399,12 +407,7 @@ class FillJobResource:
     def from_object(cls, obj: Mapping[str, Any]) -> FillJobResource:
         """From a FillJob object (metadata + spec); ResourceError listing everything that is wrong."""
         meta = obj.get("metadata") or {}
-        spec = obj.get("spec")
-        errors = validate(FILL_JOB_SPEC, spec)
-        if errors:
-            raise ResourceError("; ".join(errors))
-        assert isinstance(spec, dict)
-        s = apply_defaults(FILL_JOB_SPEC, spec)
+        s = _valid_spec(FILL_JOB_SPEC, obj)
         profile, work = s["profile"], s["work"]
         if s.get("entry") is None and s.get("command") is None:
             raise ResourceError("spec needs entry (module:Class of an IterativeFillJob) or command (an argv for an "
@@ -458,12 +461,7 @@ class PipelineTrainingResource:
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PipelineTrainingResource:
         meta = obj.get("metadata") or {}
-        spec = obj.get("spec")
-        errors = validate(PIPELINE_TRAINING_SPEC, spec)
-        if errors:
-            raise ResourceError("; ".join(errors))
-        assert isinstance(spec, dict)
-        s = apply_defaults(PIPELINE_TRAINING_SPEC, spec)
+        s = _valid_spec(PIPELINE_TRAINING_SPEC, obj)
         if not (s.get("selector") or {}).get("matchLabels") and not (s.get("selector") or {}).get("matchExpressions"):
             raise ResourceError("spec.selector must select the training's Pods, e.g. matchLabels: {app: llama-70b}")
         return cls(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles import paths
-from bubbles.api import FillMode, IsolationMode
+from bubbles.api import FillMode, IsolationMode, read_yaml
 
 from .core import CoreConfig
 from .guard import GuardConfig
@@ -173,16 +173,7 @@ def _read(key: str, value: Any, where: str) -> Any:
 
 def load_file(path: Path) -> dict[str, Any]:
     """The keys of a YAML configuration file, read and checked; ConfigError for a missing or bad file."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the agent configuration {path}: {exc.strerror or exc}") from None
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path, "the agent configuration", ConfigError)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -40,12 +40,10 @@ from .core import effective_status as effective_status  # re-exported beside the
 
 log = logging.getLogger("bubbles.agent.isolation")
 
-MODES = IsolationMode.labels()
 READY = IsolationState.READY
 UNAVAILABLE = IsolationState.UNAVAILABLE
 RECOVERING = IsolationState.RECOVERING
 UNISOLATED = IsolationState.UNISOLATED
-STATES = IsolationState.labels()
 
 NVIDIA_SMI = "nvidia-smi"
 COMPUTE_MODE_QUERY = ("--query-gpu=index,compute_mode", "--format=csv,noheader")

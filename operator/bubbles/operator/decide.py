@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bubbles.api import FillState
+from bubbles.api import FillState, WorkloadKind
 from bubbles.cycle import BubbleCycle
 from bubbles.plan import Bubble, FillNode
 from bubbles.resources import (
@@ -182,7 +182,7 @@ def _profile(job: FillJobResource) -> FillProfile:
     times per object, so jobs of one shape share them (a memo of pure values, bounded by the shapes seen)."""
     step_s = job.job.gating_step_s or PROVISIONAL_STEP_S
     nodes = tuple(job.job.plan_nodes(step_s) or (FillNode(step_s, job.job.memory_bytes),))
-    kind = job.job.kind or _default_kind()
+    kind = job.job.kind or WorkloadKind.TRAINING
     key = (kind, job.samples_per_step, job.flops_per_step, nodes)
     prof = _PROFILES.get(key)
     if prof is None:
@@ -193,11 +193,6 @@ def _profile(job: FillJobResource) -> FillProfile:
                                             (FillConfig("spec", job.samples_per_step, nodes),))
     return prof
 
-
-def _default_kind() -> Any:
-    from bubbles.api import WorkloadKind
-
-    return WorkloadKind.TRAINING
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bubbles.api import read_yaml
 from bubbles.resources import FINALIZER, GROUP, VERSION
 
 from .decide import Event
@@ -47,16 +48,11 @@ class Connection:
             host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
             return cls(f"https://{host}:{port}", (sa / "token").read_text().strip(), str(sa / "ca.crt"),
                        namespace=(sa / "namespace").read_text().strip())
-        import yaml
-
         path = kubeconfig or Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
-        try:
-            cfg = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise ValueError(f"no in-cluster ServiceAccount and cannot read kubeconfig {path}: {exc}; "
-                             "pass --kubeconfig or run the operator in a Pod") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"kubeconfig {path} is not valid YAML: {exc}") from None
+        if kubeconfig is None and not path.exists():
+            raise ValueError(f"no in-cluster ServiceAccount and no kubeconfig at {path}: pass --kubeconfig or run "
+                             "the operator in a Pod")
+        cfg = read_yaml(path, "kubeconfig")
         if not isinstance(cfg, dict):
             raise ValueError(f"kubeconfig {path} is not a kubeconfig (no mapping of clusters, users, contexts)")
         ctx_name = cfg.get("current-context")
