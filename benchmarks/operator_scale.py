@@ -1,10 +1,11 @@
 """Operator at scale on a real kube-apiserver: placement latency and API writes per placement.
 
 128 PipelineTrainings of 8 stages each (1,024 training Pods, one per GPU, 8 per node) report a bubble cycle
-through ``InMemoryAgents`` (the agents' gRPC service is planned); 1,000 FillJobs are created one after the
-other by a client as fast as it can, and a watch records when each is first seen ``Placed``. The operator
-runs in this process (its own thread and event loop) against a real kube-apiserver 1.20 with etcd
-(tools/kube-from-debian.sh), as the operator's ServiceAccount under its RBAC rules.
+through ``InMemoryAgents`` (the scale of the control plane is measured, not 128 agents' gRPC); 1,000 FillJobs are
+created one after the other by a client as fast as it can, and a watch records when each is first seen
+``Placed``. The operator runs in a process of its own, as it does in its Deployment (``--operator-child``: this
+script again), against a real kube-apiserver 1.20 with etcd (tools/kube-from-debian.sh), as the operator's
+ServiceAccount under its RBAC rules; the load generator and the watch run in this process.
 
     .venv/bin/python benchmarks/operator_scale.py --runs 3 --out out/bench/operator-scale.json
 
@@ -80,13 +81,51 @@ def setup(kube: ApiServer, trainings: int, stages: int) -> InMemoryAgents:
     return agents
 
 
-def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: float) -> dict[str, Any]:
+def operator_child(spec_path: Path) -> int:
+    """The operator alone in this process: ``spec_path`` names the API server, the agents' reports and where to
+    write the operator's counts when SIGTERM ends it."""
+    import signal
+
+    spec = json.loads(spec_path.read_text())
+    agents = InMemoryAgents()
+    for rep in spec["reports"]:
+        report = NodeReport.from_dict(rep)
+        agents.reports[report.node] = report
+    conn = Connection(spec["url"], token=OPERATOR_TOKEN, ca_path=spec["ca_path"], namespace=OPERATOR_NAMESPACE)
+    op = Operator(OperatorConfig(interval_s=spec["interval_s"], lease_namespace=OPERATOR_NAMESPACE), conn, agents)
+    thread = OperatorThread(op)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    ready = Path(spec["stats"] + ".ready")
+    while op.rounds < 1 and not done.is_set():
+        time.sleep(0.05)
+    ready.write_text("ready\n")
+    done.wait()
+    thread.close(60)
+    Path(spec["stats"]).write_text(json.dumps({
+        "writes": dict(op.writes_total), "rounds": op.rounds,
+        "round_ms_max": {k: round(max(r[i] for r in op.round_s) * 1e3, 1)
+                         for i, k in enumerate(("see", "decide", "act"))}}))
+    return 0
+
+
+def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: float, workdir: Path,
+            rate: float | None = None) -> dict[str, Any]:
+    import subprocess
+
     import kubernetes
 
     conn = Connection(kube.url, token=OPERATOR_TOKEN, ca_path=kube.ca_path, namespace=OPERATOR_NAMESPACE)
-    op = Operator(OperatorConfig(interval_s=interval_s, lease_namespace=OPERATOR_NAMESPACE), conn, agents)
-    thread = OperatorThread(op)
-    while op.rounds < 1:
+    stats = workdir / f"operator-{time.monotonic_ns()}.json"
+    spec = workdir / "child.json"
+    spec.write_text(json.dumps({"url": kube.url, "ca_path": kube.ca_path, "interval_s": interval_s,
+                                "stats": str(stats), "reports": [r.to_dict() for r in agents.reports.values()]}))
+    child = subprocess.Popen([sys.executable, __file__, "--operator-child", str(spec)])
+    ready = Path(f"{stats}.ready")
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the operator process did not start its first round")
         time.sleep(0.05)
     admin = Connection(kube.url, token="bubbles-test-admin-token", ca_path=kube.ca_path).api_client()
     custom = kubernetes.client.CustomObjectsApi(admin)
@@ -111,6 +150,10 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
     time.sleep(0.5)
     t0 = time.monotonic()
     for i in range(jobs):
+        if rate is not None:  # a steady arrival rate instead of a burst
+            wait = t0 + i / rate - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
         name = f"job-{i:04d}"
         custom.create_namespaced_custom_object("bubbles.dev", "v1alpha1", NS, "filljobs", {
             "apiVersion": "bubbles.dev/v1alpha1", "kind": "FillJob", "metadata": {"name": name},
@@ -123,9 +166,11 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
         time.sleep(0.1)
     time.sleep(interval_s * 2)  # the last round's write counts
     stop.set()
-    thread.close(60)
+    child.terminate()
+    child.wait(90)
+    counts = json.loads(stats.read_text())
     lat = [placed[n] - created[n] for n in created if n in placed]
-    writes = dict(op.writes_total)
+    writes = counts["writes"]
     n = len(placed)
     # Clean up for the next run: delete the jobs (the next operator releases their finalizers) and their Pods.
     kube.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false")
@@ -144,9 +189,7 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
         "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
         "latency_p99_s": round(percentile(lat, 99), 3) if lat else None,
         "latency_max_s": round(max(lat), 3) if lat else None,
-        "writes": writes, "rounds": op.rounds,
-        "round_ms_max": {k: round(max(r[i] for r in op.round_s) * 1e3, 1) for i, k in enumerate(("see", "decide",
-                                                                                                 "act"))},
+        "writes": writes, "rounds": counts["rounds"], "round_ms_max": counts["round_ms_max"],
         "object_writes_per_placement": round((writes.get("status", 0) + writes.get("pod", 0)
                                               + writes.get("finalizer", 0)) / n, 2) if n else None,
         "events_per_placement": round(writes.get("event", 0) / n, 2) if n else None,
@@ -160,10 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1000)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--interval", type=float, default=1.0, help="the operator's idle reconcile interval (s)")
+    p.add_argument("--rate", type=float, default=None, metavar="JOBS_PER_S",
+                   help="create the FillJobs at this steady rate (default: as fast as the client can, a burst)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--operator-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.operator_child is not None:
+        return operator_child(args.operator_child)
     if min(args.trainings, args.stages, args.jobs, args.runs) < 1:
         p.error("--trainings, --stages, --jobs and --runs must be >= 1")
+    if args.rate is not None and not args.rate > 0:
+        p.error("--rate must be > 0 jobs per second")
     assets, why = find_assets()
     if assets is None:
         print(f"operator_scale: {why}", file=sys.stderr)
@@ -180,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[operator_scale] {args.trainings} trainings x {args.stages} stages set up in "
               f"{time.monotonic() - t0:.1f} s", flush=True)
         for r in range(args.runs):
-            res = one_run(kube, args.jobs, agents, args.interval)
+            res = one_run(kube, args.jobs, agents, args.interval, Path(tmp), args.rate)
             runs.append(res)
             print(f"[operator_scale] run {r + 1}: {json.dumps(res)}", flush=True)
     p50 = [r["latency_p50_s"] for r in runs if r["latency_p50_s"] is not None]
     p99 = [r["latency_p99_s"] for r in runs if r["latency_p99_s"] is not None]
-    summary = {"trainings": args.trainings, "stages": args.stages, "jobs": args.jobs, "runs": runs,
+    summary = {"trainings": args.trainings, "stages": args.stages, "jobs": args.jobs, "rate": args.rate, "runs": runs,
                "median_of_p50_s": statistics.median(p50) if p50 else None,
                "median_of_p99_s": statistics.median(p99) if p99 else None,
                "p99_range_s": [min(p99), max(p99)] if p99 else None}

@@ -41,6 +41,17 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = 
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def environ(pid: int, timeout_s: float = 5.0) -> dict[str, str]:
+    """The environment a (fill) process was started with.
+
+    Right after ``Popen`` returns, the child can still be inside ``execve``: the kernel has switched it to the new
+    address space but not yet written its environment there, and ``/proc/PID/environ`` reads empty. Wait (bounded)
+    until it is readable; a process that never shows an environment fails the test."""
+    path = Path(f"/proc/{pid}/environ")
+    raw = wait_for(path.read_bytes, timeout_s, f"/proc/{pid}/environ to be readable")
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
 def cycle(stage: int = 0, slots: tuple[tuple[float, int], ...] = ((0.005, 1 << 30),),
           iteration_s: float = 0.05) -> dict[str, Any]:
     """A BubbleCycle.to_dict() with the given (duration_s, free_bytes) slots."""
@@ -342,7 +353,7 @@ def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: Start
     h.wait_state("cmd", "PAUSED")
     proc = h.agent.process(h.agent.jobs[0])
     assert proc is not None
-    env = dict(e.split("=", 1) for e in Path(f"/proc/{proc.pid}/environ").read_bytes().decode().split("\0") if e)
+    env = environ(proc.pid)
     private = Path(env["CUDA_MPS_PIPE_DIRECTORY"])
     assert private == h.run_dir / TRAINING / "no-mps" and private.is_dir() and not list(private.iterdir())
     assert h.job("cmd")["isolation"] == "contexts"

@@ -8,6 +8,7 @@ of computing. Sockets are real AF_UNIX datagram sockets.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -451,3 +452,27 @@ def test_default_probe_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(probe, StaticMemoryProbe) and probe.free_bytes() == 1000
     with pytest.raises(RuntimeError, match="needs CUDA"):
         CudaAllocatorProbe()
+
+
+def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("POD_NAME", "llama-3")
+    monkeypatch.setenv("POD_NAMESPACE", "ml")
+    eng = StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001)
+    inst = instrument(eng, training="t7", run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
+    card_path = paths.hook_card(tmp_path, "t7", 1)
+    card = json.loads(card_path.read_text())
+    assert {k: card[k] for k in ("training", "stage", "stages", "namespace", "pod", "device", "gpu_uuid")} == \
+        {"training": "t7", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3", "device": "cpu",
+         "gpu_uuid": None}
+    assert card["pid"] == os.getpid() and card["started_ns"] > 0
+    inst.detach()
+    assert not card_path.exists()  # a training that is gone leaves no card behind
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    eng2 = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+    with caplog.at_level("WARNING", logger="bubbles.hook"):
+        inst2 = instrument(eng2, training="t8", run_dir=blocker, warmup_iterations=0, profile_iterations=1)
+        assert eng2.train_batch() == 1.5  # the training goes on
+    assert "could not write its card" in caplog.text
+    inst2.detach()

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
-from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, spec, start_agent, wait_for
+from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, environ, spec, start_agent, wait_for
 
 from bubbles import wire
 from bubbles.agent import mps
@@ -119,12 +119,6 @@ def mps_isolation(dirs: MpsDirs, clock: Any = time.monotonic, **kw: Any) -> MpsI
     config = mps_config(dirs, **kw)
     return MpsIsolation(config, GpuModeCheck([], None, allow_exclusive=True), dirs.pipe.parent / "fallback",
                         clock=clock)
-
-
-def environ(pid: int) -> dict[str, str]:
-    """The environment a (fill) process was started with."""
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
 
 
 def fill_pid(h: Harness, index: int = -1, name: str | None = None) -> int:

@@ -31,6 +31,7 @@ CONTRACT_IDS = [c["id"] for c in CONTRACTS]
 # case is a framework only the core forbids.
 VIOLATIONS: dict[str, tuple[str, str]] = {
     "core": ("bubbles.wire", "numpy"),
+    "agentapi": ("bubbles.agentapi", "numpy"),
     "training": ("bubbles.hook", "kopf"),
     "scheduler": ("bubbles.scheduler.core", "kubernetes"),
     "operator": ("bubbles.operator.cli", "torch"),

@@ -48,10 +48,11 @@ def fill_job(name: str = "fj", created: str = "2026-11-23T07:00:00Z", **spec: An
 
 
 def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[dict[str, Any]] | None = None,
-         progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW) -> Decisions:
+         progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW,
+         failed_pods: dict[str, str] | None = None) -> Decisions:
     """One reconcile; the decided statuses are written into the objects (the API server's part)."""
     trainings = trainings if trainings is not None else [training()]
-    d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}))
+    d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}, failed_pods=failed_pods or {}))
     for obj in jobs:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
         if key in d.fill_job_status:
@@ -83,7 +84,7 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     st = job["status"]
     assert st["phase"] == "Placed" and st["observedGeneration"] == 1
     assert st["assignment"] == {"training": "llama", "stage": 0, "node": "node-a", "device": "cuda:0",
-                                "pod": "fj-fj-a0", "trainingPod": "llama-0"}
+                                "pod": "fj-fj-a0", "trainingPod": "llama-0", "trainingPodUid": "uid-llama-0"}
     assert st["progressText"] == "0% (0/1000)" and st["counters"]["placements"] == 1
     # 10 ms bubble per 100 ms iteration, 2 ms steps: 5 steps per iteration -> 1000 steps in 20 s
     assert st["eta"] == "2026-11-23T08:00:20Z"
@@ -104,10 +105,22 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
 
 def test_a_placed_job_is_never_placed_twice_even_by_a_restarted_operator() -> None:
     job = fill_job()
-    step([job], [stage()])
+    (first,) = step([job], [stage()]).assign
     for _ in range(3):  # every later round sees the assignment in the status: nothing is created again
         d = step([job], [stage(), stage(1, pod="llama-1")])
-        assert d.create_pods == [] and d.assign == []
+        # Until the agent reports the run, the same assignment is told again (the agent keeps it once: same key).
+        assert d.create_pods == [] and d.assign == [first]
+    d = step([job], [stage(), stage(1, pod="llama-1")],
+             progress={"uid-fj": JobProgress("uid-fj", FillState.SUBMITTED, attempt=0)})
+    assert d.create_pods == [] and d.assign == []
+
+
+def test_progress_of_an_earlier_attempt_is_not_this_runs() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    job["status"]["restarts"] = 1  # as after an eviction and a new placement
+    d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.STOPPED, 1000, 1e13, "finished")})
+    assert job["status"]["phase"] != "Succeeded" and d.assign and d.assign[0].attempt == 1
 
 
 def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
@@ -244,3 +257,41 @@ def test_long_names_are_refused_or_kept_valid_in_labels() -> None:
     labels = d.create_pods[0]["metadata"]["labels"]
     assert all(len(v) <= 63 for v in labels.values()) and labels["bubbles.dev/training"].startswith("t" * 50)
     assert job["status"]["assignment"]["training"] == name
+
+
+def test_a_new_training_pod_under_the_same_name_evicts_what_ran_in_the_old_ones_bubbles() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    assert job["status"]["assignment"]["trainingPodUid"] == "uid-llama-0"
+    replaced = StageView("ml/llama", 0, "llama-0", "uid-llama-0-again", "node-a", "cuda:0", cycle=cycle(0),
+                         hook_reporting=True)
+    d = step([job], [replaced])
+    assert job["status"]["restarts"] == 1 and ("ml", "fj-fj-a0") in d.delete_pods
+    assert "replaced by a new Pod of the same name" in cond(job, "Evicted")["message"]
+
+
+def test_a_failed_fill_pod_evicts_its_job_with_the_kubelets_reason() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    d = step([job], [stage()], failed_pods={"ml/fj-fj-a0": "OOMKilled (exit code 137)"})
+    assert job["status"]["restarts"] == 1 and ("ml", "fj-fj-a0") in d.delete_pods
+    assert "fill Pod fj-fj-a0 failed: OOMKilled (exit code 137)" in cond(job, "Evicted")["message"]
+    assert d.events[0].reason == "Evicted"
+    # The stage is free again: the next attempt is placed at once, in a Pod of its own.
+    assert job["status"]["assignment"]["pod"] == "fj-fj-a1"
+
+
+def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt() -> None:
+    job = fill_job(checkpoint={"path": "/state", "claimName": "fj-state"})
+    d = step([job], [stage()])
+    (pod,) = d.create_pods
+    (c,) = pod["spec"]["containers"]
+    assert {"name": "checkpoint", "mountPath": "/state"} in c["volumeMounts"]
+    assert {"name": "checkpoint", "persistentVolumeClaim": {"claimName": "fj-state"}} in pod["spec"]["volumes"]
+    assert {"name": "BUBBLES_CHECKPOINT", "value": "/state"} in c["env"]
+    plain = fill_job("plain", checkpoint={"path": "/state"})  # no claim: nothing mounted, the path is the image's
+    (pod,) = step([plain], [stage(1, pod="llama-1")]).create_pods
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["bubbles-run"]
+    bad = fill_job("bad", checkpoint={"path": "state", "claimName": "Not_A_Name"})
+    step([bad], [stage(1, pod="llama-1")])
+    assert bad["status"]["phase"] == "Failed" and "checkpoint" in cond(bad, "Admitted")["message"]

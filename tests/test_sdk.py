@@ -21,6 +21,7 @@ from bubbles.sdk import (
     CudaDeviceSync,
     DeviceSync,
     FillRuntime,
+    IterativeFillJob,
     StepResult,
     apply_process_limits,
     cuda_device_index,
@@ -460,3 +461,48 @@ def test_the_fill_process_refuses_a_bad_device_or_memory_limit(env: dict[str, st
         monkeypatch.setenv(name, value)
     assert run_fill_process(["--entry", "test_agent_jobs:BusyJob"]) == 2
     assert needle in capsys.readouterr().err
+
+
+class Counter(IterativeFillJob):
+    """Counts its steps; its state is the count."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def step(self) -> None:
+        self.count += 1
+
+    def checkpoint(self) -> bytes | None:
+        return str(self.count).encode()
+
+    def restore(self, state: bytes) -> None:
+        self.count = int(state)
+
+
+def test_a_job_resumes_from_the_state_its_last_attempt_saved(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from bubbles.sdk import CheckpointStore
+
+    monkeypatch.delenv("BUBBLES_CHECKPOINT", raising=False)
+    assert CheckpointStore.from_environment() is None
+    monkeypatch.setenv("BUBBLES_CHECKPOINT", str(tmp_path / "ckpt"))
+    store = CheckpointStore.from_environment()
+    assert store is not None
+    first = Counter()
+    assert store.restore(first) is False  # nothing saved yet: start from the beginning
+    for _ in range(7):
+        first.step()
+    assert store.save(first) is True
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["state.bin"]  # no temporary file left
+    second = Counter()
+    assert store.restore(second) is True and second.count == 7
+    assert store.save(IterativeFillJob()) is False  # a job without state writes nothing
+
+
+def test_an_unreadable_checkpoint_means_starting_over_with_a_warning(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from bubbles.sdk import CheckpointStore
+
+    (tmp_path / "state.bin").mkdir()  # a directory where the state file should be
+    assert CheckpointStore(tmp_path).restore(Counter()) is False
+    assert "starting over" in capsys.readouterr().err

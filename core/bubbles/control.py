@@ -7,6 +7,12 @@ one JSON object with a ``type`` and that type's fields. ``parse_command``/``pars
 only parsers; they reject anything else with ``ControlError`` saying what is wrong.
 
 The fill process inherits its end of the socketpair; its number is in ``$BUBBLES_CONTROL_FD``.
+
+In a cluster the agent does not start fill processes: the operator creates each fill job's Pod, and its process
+*attaches*. It connects to the agent's node-local attach socket (``bubbles.paths.attach_socket``), sends one
+``hello`` line (its FillJob's uid and attempt, and the GPU it sees), and reads one reply: ``welcome`` (the job's
+name and datagram socket on this node; the connection is then its control channel, as above) or ``refused``
+(why). ``parse_hello``/``parse_reply`` are their parsers.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ MEMORY_ENV = "BUBBLES_MEMORY_BYTES"  # memory limit for the accelerator's cachin
 DEVICE_ENV = "BUBBLES_DEVICE"  # "cpu" or "cuda:N"
 CORE_ENV = "BUBBLES_CPU_CORE"  # CPU core to pin to (absent: no pinning)
 MAX_STEPS_ENV = "BUBBLES_MAX_STEPS"  # stop after this many steps (the spec's `steps`)
+# Set by the operator in a fill Pod: the process attaches to the node's agent instead of inheriting a channel.
+UID_ENV = "BUBBLES_FILL_JOB_UID"  # the FillJob's metadata.uid
+ATTEMPT_ENV = "BUBBLES_FILL_ATTEMPT"  # its status.restarts when placed
+ARGS_ENV = "BUBBLES_FILL_ARGS"  # the job's keyword arguments (a JSON object), when not given as --args
+CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job's state across attempts
 
 MAX_LINE_BYTES = 64 * 1024
 
@@ -63,6 +74,16 @@ EVENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "profile": {"step_s": (_NUM, True)},
     "finished": {},
     "error": {"message": ((str,), True)},
+}
+
+
+# The attach handshake: the process's first line, and the agent's one reply.
+HELLO: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "hello": {"uid": ((str,), True), "attempt": ((int,), True), "gpu": ((str,), False), "pid": ((int,), False)},
+}
+REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "welcome": {"job": ((str,), True), "socket": ((str,), True), "stage": ((int,), True)},
+    "refused": {"reason": ((str,), True)},
 }
 
 
@@ -114,6 +135,20 @@ def parse_event(line: bytes | str) -> ControlMessage:
     if msg.type == "profile" and not msg["step_s"] > 0:
         raise ControlError(f"profile.step_s must be > 0, got {msg['step_s']!r}")
     return msg
+
+
+def parse_hello(line: bytes | str) -> ControlMessage:
+    """Parse an attaching process's first line; ControlError naming what is wrong."""
+    msg = _parse(line, HELLO, "hello")
+    if not msg["uid"] or msg["attempt"] < 0:
+        raise ControlError("hello needs the FillJob's uid and an attempt >= 0 (the operator sets "
+                           f"${UID_ENV} and ${ATTEMPT_ENV} in the fill Pod)")
+    return msg
+
+
+def parse_reply(line: bytes | str) -> ControlMessage:
+    """Parse the agent's answer to ``hello``; ControlError naming what is wrong."""
+    return _parse(line, REPLIES, "reply")
 
 
 def parse_mode(text: object, what: str = "mode") -> FillMode:

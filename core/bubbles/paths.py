@@ -4,6 +4,8 @@ Layout under the run directory (one per node)::
 
     <run_dir>/<training>/stage-<k>/agent.sock        the agent's datagram socket for stage k
     <run_dir>/<training>/stage-<k>/fill-<job>.sock   an armed fill job's datagram socket
+    <run_dir>/<training>/stage-<k>/hook.json         the hook's card: which Pod and GPU the stage runs on
+    <run_dir>/attach.sock                            cluster mode: where fill Pods' processes attach
 
 The hook sends every bubble signal to each ``*.sock`` in its stage directory, so the fill job that
 harvests the stage hears of a bubble directly (one hop, no relay through the agent), and the agent
@@ -23,6 +25,8 @@ DEFAULT_TRAINING = "default"
 AGENT_SOCKET_NAME = "agent.sock"
 FILL_SOCKET_PREFIX = "fill-"
 SOCKET_SUFFIX = ".sock"
+HOOK_CARD_NAME = "hook.json"
+ATTACH_SOCKET_NAME = "attach.sock"
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 
@@ -71,3 +75,11 @@ def make_private_dir(path: Path) -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     return path
+
+
+def hook_card(run_dir: Path | str, training: str, stage: int) -> Path:
+    return stage_dir(run_dir, training, stage) / HOOK_CARD_NAME
+
+
+def attach_socket(run_dir: Path | str) -> Path:
+    return Path(run_dir) / ATTACH_SOCKET_NAME

@@ -181,8 +181,11 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
     _label_selector("trainingSelector", "which PipelineTrainings' bubbles the job may use (labels of the "
                     "PipelineTraining objects); empty or left out: any"),
     Field("checkpoint", "object", "where the job keeps its state to resume after a preemption", fields=(
-        Field("path", "string", "a path inside the fill job's Pod (a mounted volume)", required=True,
-              max_length=1024),
+        Field("path", "string", "the directory inside the fill job's Pod where the SDK keeps the job's state "
+              "(checkpoint() on stop, restore() at start)", required=True, max_length=1024, pattern=r"^/"),
+        Field("claimName", "string", "a PersistentVolumeClaim mounted at path, so the state outlives the Pod (left "
+              "out: path must be storage the image or the node provides)", max_length=253,
+              pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
     )),
     Field("restartLimit", "integer", "how often the job is restarted (after its node, agent or isolation was "
           "lost) before it fails", default=3, minimum=0, maximum=100),
@@ -400,6 +403,7 @@ class FillJobResource:
     deadline: dt.datetime | None
     training_selector: dict[str, Any] = field(default_factory=dict)
     checkpoint_path: str | None = None
+    checkpoint_claim: str | None = None
     restart_limit: int = 3
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -437,7 +441,8 @@ class FillJobResource:
             steps=steps, samples_per_step=spb,
             flops_per_step=float(profile["flopsPerStep"]) if profile.get("flopsPerStep") is not None else None,
             deadline=deadline, training_selector=dict(s.get("trainingSelector") or {}),
-            checkpoint_path=(s.get("checkpoint") or {}).get("path"), restart_limit=int(s["restartLimit"]),
+            checkpoint_path=(s.get("checkpoint") or {}).get("path"),
+            checkpoint_claim=(s.get("checkpoint") or {}).get("claimName"), restart_limit=int(s["restartLimit"]),
             labels=dict(meta.get("labels") or {}),
         )
 
@@ -498,6 +503,7 @@ FILL_JOB_STATUS: tuple[Field, ...] = (
         Field("device", "string", "the device, e.g. cuda:0"),
         Field("pod", "string", "the fill job's Pod"),
         Field("trainingPod", "string", "the training's Pod whose bubbles it fills"),
+        Field("trainingPodUid", "string", "that Pod's uid: a new Pod under the same name is another training process"),
     )),
     Field("progress", "object", "how much of its work is done", fields=(
         Field("stepsDone", "integer", "steps completed", minimum=0),
@@ -584,6 +590,7 @@ class JobProgress:
     flops: float = 0.0
     reason: str = ""
     kills: int = 0
+    attempt: int = 0  # the FillJob's status.restarts when this run was placed: older attempts' progress is stale
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "state": str(self.state)}
@@ -591,7 +598,7 @@ class JobProgress:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JobProgress:
         return cls(str(d["uid"]), FillState(d["state"]), int(d.get("steps_done", 0)), float(d.get("flops", 0.0)),
-                   str(d.get("reason", "")), int(d.get("kills", 0)))
+                   str(d.get("reason", "")), int(d.get("kills", 0)), int(d.get("attempt", 0)))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import socket
@@ -46,7 +47,7 @@ from typing import Any
 from bubbles import paths, wire
 from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
 from bubbles.gpu_timing import DeviceEvent, EventTimer, cuda_event_factory
-from bubbles.probes import MemoryProbe, default_probe
+from bubbles.probes import MemoryProbe, default_probe, gpu_uuid
 
 log = logging.getLogger("bubbles.hook")
 
@@ -325,6 +326,8 @@ class Instrumentation:
         self._saved: dict[str, Any] = {}
         self._attached = False
         self._attach()
+        self._card: Path | None = None
+        self._write_card()
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -386,6 +389,33 @@ class Instrumentation:
         if self._timer is not None:
             self._timer.close()
         self._listeners.close()
+        if self._card is not None:
+            with contextlib.suppress(OSError):
+                self._card.unlink()
+            self._card = None
+
+    def _write_card(self) -> None:
+        """Tell the node's agent (cluster mode) which Pod and GPU this stage runs on: ``hook.json`` in the stage's
+        directory. The Pod's name and namespace come from ``$POD_NAME``/``$POD_NAMESPACE`` (the downward API),
+        else the hostname. Fails open: without the card a local agent still works, a cluster agent waits."""
+        try:
+            device = getattr(self.engine, "device", "cpu")
+            card = {
+                "training": self.training, "stage": self.stage, "stages": self.stages,
+                "namespace": os.environ.get("POD_NAMESPACE", ""),
+                "pod": os.environ.get("POD_NAME") or socket.gethostname(),
+                "device": str(device), "gpu_uuid": gpu_uuid(device), "pid": os.getpid(),
+                "started_ns": time.time_ns(),  # with the pid: a restarted process under the same Pod name differs
+            }
+            path = paths.hook_card(self.run_dir, self.training, self.stage)
+            paths.make_private_dir(path.parent)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(card) + "\n")
+            tmp.replace(path)
+            self._card = path
+        except Exception as exc:
+            self._warn_once("card", f"bubbles hook on stage {self.stage} could not write its card for the node "
+                                    f"agent ({exc!r}); training continues")
 
     # -- wiring ----------------------------------------------------------------------------------------
 

@@ -182,3 +182,21 @@ def default_probe() -> MemoryProbe:
     except Exception:  # no torch, a broken driver: fall back to the static answer
         pass
     return StaticMemoryProbe.from_env()
+
+
+def gpu_uuid(device: Any) -> str | None:
+    """The UUID of the CUDA device ``device`` names, as NVML and ``NVIDIA_VISIBLE_DEVICES`` write it
+    (``GPU-<uuid>``); None on CPU or where torch cannot say. Never raises: callers fail open."""
+    try:
+        text = str(getattr(device, "type", device) or "")
+        if not text.startswith("cuda"):
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        index = _cuda_device_index(device, torch.cuda)
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    except Exception:
+        return None

@@ -30,12 +30,14 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from bubbles import control, wire
+from bubbles import control, paths, wire
 from bubbles.api import FillMode
 from bubbles.control import cuda_device_index
 from bubbles.cycle import robust_stats
+from bubbles.probes import gpu_uuid
 
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
@@ -536,12 +538,127 @@ def _memory_limit(text: str) -> int | None:
     return value or None
 
 
+class CheckpointStore:
+    """The job's state in a directory (``$BUBBLES_CHECKPOINT``, the FillJob's ``spec.checkpoint.path``): ``restore``
+    after ``create()`` when a state is there, ``save`` when the process stops (finished, cancelled, evicted). A
+    later attempt, on any node that mounts the same storage, resumes instead of starting over."""
+
+    FILE = "state.bin"
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / self.FILE
+
+    @classmethod
+    def from_environment(cls) -> CheckpointStore | None:
+        text = os.environ.get(control.CHECKPOINT_ENV, "").strip()
+        return cls(Path(text)) if text else None
+
+    def restore(self, job: IterativeFillJob) -> bool:
+        """Give the job its saved state; False (and a warning) when there is none or it cannot be read."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            print(f"bubbles.sdk: cannot read the checkpoint {self.path} ({exc}); starting over", file=sys.stderr)
+            return False
+        job.restore(data)
+        return True
+
+    def save(self, job: IterativeFillJob) -> bool:
+        """Write ``job.checkpoint()`` atomically (never a half-written state); False when it has none to give."""
+        data = job.checkpoint()
+        if data is None:
+            return False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.FILE}.{os.getpid()}")
+            tmp.write_bytes(data)
+            tmp.replace(self.path)
+        except OSError as exc:
+            print(f"bubbles.sdk: cannot write the checkpoint {self.path} ({exc})", file=sys.stderr)
+            return False
+        return True
+
+
+def attach_to_agent(device: str, timeout_s: float = 30.0) -> tuple[socket.socket, control.ControlMessage]:
+    """Connect to the node agent's attach socket, say who this process is (``$BUBBLES_FILL_JOB_UID``,
+    ``$BUBBLES_FILL_ATTEMPT``, the GPU it sees) and return the connection (now the control channel) and the agent's
+    ``welcome``; OSError or ValueError saying why the agent refused or could not be reached."""
+    path = paths.attach_socket(paths.default_run_dir())
+    uid = os.environ.get(control.UID_ENV, "")
+    try:
+        attempt = int(os.environ.get(control.ATTEMPT_ENV, "0"))
+    except ValueError:
+        raise ValueError(f"${control.ATTEMPT_ENV} must be an integer (the operator sets it)") from None
+    hello: dict[str, Any] = {"uid": uid, "attempt": attempt, "pid": os.getpid()}
+    seen = gpu_uuid(device)
+    if seen is not None:
+        hello["gpu"] = seen
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            raise OSError(f"cannot reach the node's bubbles agent at {path} ({exc.strerror or exc}): is the agent "
+                          f"running on this node, and is its run directory mounted at {path.parent}?") from None
+        sock.sendall(control.encode("hello", **hello))
+        reply = bytearray()
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise OSError("the node's bubbles agent closed the connection without answering")
+            reply += chunk
+            if len(reply) > control.MAX_LINE_BYTES:
+                raise ValueError("the agent's reply is too long")
+        msg = control.parse_reply(bytes(reply))
+        if msg.type == "refused":
+            raise ValueError(f"the node's bubbles agent refused this fill process: {msg['reason']}")
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return sock, msg
+
+
+def exec_attached(command: Sequence[str]) -> int:
+    """``python -m bubbles.sdk --exec -- ARGV...``: a plain command as a fill Pod runs it. Attach to the node's
+    agent (which then pauses and resumes this process around bubbles with SIGSTOP/SIGCONT), then become ``ARGV``
+    (same process, so the agent's handle on it stays valid). Returns only on an error."""
+    argv = list(command[1:] if command[:1] == ["--"] else command)
+    if not argv:
+        print("bubbles.sdk: --exec needs a command: python -m bubbles.sdk --exec -- PROGRAM ARGS...", file=sys.stderr)
+        return 2
+    if not os.environ.get(control.UID_ENV):
+        print(f"bubbles.sdk: --exec runs a fill Pod's command; ${control.UID_ENV} (set by the operator) is missing",
+              file=sys.stderr)
+        return 2
+    device = os.environ.get(control.DEVICE_ENV, "cpu")
+    try:
+        sock, _welcome = attach_to_agent(device)
+    except (OSError, ValueError) as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 3
+    sock.close()  # the agent holds its end; this process is its handle now
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        print(f"bubbles.sdk: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
 def run_fill_process(argv: Sequence[str] | None = None) -> int:
     """The fill process's main: load the job, create it, then serve the agent's commands."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--exec"]:
+        return exec_attached(args[1:])
     parser = argparse.ArgumentParser(prog="python -m bubbles.sdk", description="Run one fill job.")
     parser.add_argument("--entry", required=True, help="module:Class of the fill job")
-    parser.add_argument("--args", default="{}", help="JSON object of keyword arguments for the class")
-    ns = parser.parse_args(argv)
+    parser.add_argument("--args", default=os.environ.get(control.ARGS_ENV) or "{}",
+                        help=f"JSON object of keyword arguments for the class (default: ${control.ARGS_ENV} or {{}})")
+    ns = parser.parse_args(args)
     core = os.environ.get(control.CORE_ENV)
     if core:
         # Before torch starts its threads: they inherit the affinity.
@@ -562,6 +679,14 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bubbles.sdk: {exc}", file=sys.stderr)
         return 2
+    attached: tuple[socket.socket, control.ControlMessage] | None = None
+    if not fd_text and os.environ.get(control.UID_ENV):
+        # In a fill Pod: the process attaches to the node's agent, which admits it or says why not.
+        try:
+            attached = attach_to_agent(device)
+        except (OSError, ValueError) as exc:
+            print(f"bubbles.sdk: {exc}", file=sys.stderr)
+            return 3
     if issubclass(cls, ImperativeFillJob):
         job_i = cls(**kwargs)
         job_i.create()
@@ -569,27 +694,40 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         job_i.init()
         job_i.run()  # the agent stops and continues this process around bubbles
         return 0
-    if not fd_text:
-        print(f"bubbles.sdk: ${control.CONTROL_FD_ENV} is not set; the agent starts fill processes",
+    name = os.environ.get(control.JOB_ENV, "fill")
+    socket_path = os.environ.get(control.SOCKET_ENV)
+    if attached is not None:
+        ctrl, welcome = attached
+        name, socket_path = welcome["job"], welcome["socket"]
+    elif not fd_text:
+        print(f"bubbles.sdk: neither ${control.CONTROL_FD_ENV} (set by a local agent that starts this process) nor "
+              f"${control.UID_ENV} (set by the operator in a fill Pod, to attach to the node's agent) is set",
               file=sys.stderr)
         return 2
-    ctrl = socket.socket(fileno=int(fd_text))
-    name = os.environ.get(control.JOB_ENV, "fill")
+    else:
+        ctrl = socket.socket(fileno=int(fd_text))
     step_text = os.environ.get(control.STEP_S_ENV)
     max_steps_text = os.environ.get(control.MAX_STEPS_ENV)
     job = cls(**kwargs)
     assert isinstance(job, IterativeFillJob)
-    runtime = FillRuntime(job, ctrl, name=name, socket_path=os.environ.get(control.SOCKET_ENV),
+    runtime = FillRuntime(job, ctrl, name=name, socket_path=socket_path,
                           step_s=float(step_text) if step_text else None,
                           max_steps=int(max_steps_text) if max_steps_text else None,
                           device=device, memory_bytes=memory)
     # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
     signal.signal(signal.SIGTERM, _raise_stop)
+    state = CheckpointStore.from_environment()
     try:
         job.create()
+        if state is not None:
+            state.restore(job)
         runtime._emit("state", state="CREATED")
         runtime._flush()
-        runtime.serve()
+        try:
+            runtime.serve()
+        finally:
+            if state is not None:
+                state.save(job)
     except _Stop:
         runtime._disarm()
     except Exception as exc:  # report the failure to the agent, then exit non-zero

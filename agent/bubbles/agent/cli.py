@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bubbles.api import FillMode, IsolationMode
 
-from .config import AgentConfig
+from .config import AgentConfig, ClusterSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +58,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="written once every socket is bound (wait for it before starting the training)")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    cl = parser.add_argument_group("cluster mode (a DaemonSet: every training on the node, called by the operator)")
+    cl.add_argument("--cluster", action="store_const", const=True, default=None,
+                    help="serve every training whose hook runs on this node, and the operator's gRPC calls; fill "
+                         "Pods attach to <run-dir>/attach.sock (--training and --executors are then per training)")
+    cl.add_argument("--node", default=None, help="this node's name (the chart sets $BUBBLES_AGENT_NODE)")
+    cl.add_argument("--listen", default=None, metavar="HOST:PORT",
+                    help="gRPC address for the operator (TLS; default 0.0.0.0:7070)")
+    cl.add_argument("--health-listen", default=None, metavar="HOST:PORT",
+                    help="plain-text grpc.health.v1 only, for kubelet probes (default: none; health is also served "
+                         "on --listen)")
+    cl.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="the agent's server certificate")
+    cl.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="its private key")
+    cl.add_argument("--client-ca", type=Path, default=None, metavar="FILE",
+                    help="CA of the operator's client certificate: mutual TLS is then required")
+    cl.add_argument("--token-file", type=Path, default=None, metavar="FILE",
+                    help="a bearer token the operator must send (the fallback without client certificates)")
+    cl.add_argument("--gpus", default=None, metavar="LIST",
+                    help="GPU-<uuid>=cuda:N entries, comma-separated, where NVML is not available (default: NVML)")
     gpu = parser.add_argument_group("devices and isolation (see docs/gpu.md)")
     gpu.add_argument("--devices", default=None, metavar="LIST",
                      help="comma-separated cpu or cuda:N, one per executor (executor k gets entry k %% len); "
@@ -119,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     problem = _path_problem(config)
     if problem is not None:
         return _fail(problem)
+    if settings.cluster is not None:
+        return run_cluster(settings.config, settings.cluster)
     specs = []
     for f in settings.fill_jobs:
         try:
@@ -145,4 +165,43 @@ def run(args: argparse.Namespace) -> int:
         if settings.stats is not None:
             agent.write_stats(settings.stats)
             logging.getLogger("bubbles.agent").info("stats written to %s", settings.stats)
+    return 0
+
+
+def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
+    """``--cluster``: the node's trainings, the attach socket and the gRPC service, until SIGTERM/SIGINT."""
+    import threading
+
+    from .cluster import ClusterConfig, NodeAgent
+    from .gpus import discover_gpus
+    from .rpc import SecurityError, ServerSecurity, serve
+
+    log = logging.getLogger("bubbles.agent")
+    gpus = dict(cluster.gpus) or discover_gpus()
+    node = NodeAgent(ClusterConfig(cluster.node, template, gpus))
+    security = ServerSecurity(cluster.tls_cert, cluster.tls_key, cluster.client_ca, cluster.token_file)
+    try:
+        node.start()
+    except OSError as exc:
+        return _fail(f"cannot bind the attach socket under {template.run_dir}: {exc}")
+    if template.metrics:
+        try:
+            node.serve_metrics(template.metrics_port, template.metrics_addr)
+        except OSError as exc:
+            node.stop()
+            return _fail(f"cannot serve metrics on {template.metrics_addr}:{template.metrics_port}: {exc}")
+    try:
+        server = serve(node, cluster.listen, security, health_address=cluster.health_listen,
+                       watch_condition=node.changed)
+    except (SecurityError, OSError) as exc:
+        node.stop()
+        return _fail(str(exc))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    log.info("node %s: serving the operator on %s (port %d); %d GPU(s) known", cluster.node, cluster.listen,
+             server.port, len(gpus))
+    stop.wait()
+    server.stop()
+    node.stop()
     return 0

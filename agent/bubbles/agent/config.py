@@ -82,6 +82,52 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class ClusterSettings:
+    """``--cluster``: serve every training on this node and the operator's gRPC calls (``bubbles.agent.cluster``)."""
+
+    node: str
+    listen: str = "0.0.0.0:7070"
+    health_listen: str | None = None  # plain-text grpc.health.v1 only, for kubelet probes
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    client_ca: Path | None = None
+    token_file: Path | None = None
+    gpus: tuple[tuple[str, str], ...] = ()  # (GPU UUID, "cuda:N") given by --gpus; NVML is asked when empty
+
+    def __post_init__(self) -> None:
+        if not self.node:
+            raise ConfigError("--cluster needs the node's name: --node NAME, or $BUBBLES_AGENT_NODE (the chart sets "
+                              "it from spec.nodeName)")
+        for flag, addr in (("--listen", self.listen), ("--health-listen", self.health_listen)):
+            if addr is None:
+                continue
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ConfigError(f"{flag} must be HOST:PORT (e.g. 0.0.0.0:7070), got {addr!r}")
+        if self.tls_cert is None or self.tls_key is None:
+            raise ConfigError("--cluster serves the operator over TLS only: give --tls-cert and --tls-key (the "
+                              "chart mounts them from its Secret)")
+        if self.client_ca is None and self.token_file is None:
+            raise ConfigError("--cluster must authenticate the operator: give --client-ca (mutual TLS) or "
+                              "--token-file (a bearer token), or both")
+        for flag, f in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--client-ca", self.client_ca),
+                        ("--token-file", self.token_file)):
+            if f is not None and not f.is_file():
+                raise ConfigError(f"{flag} {f} does not exist or is not a file")
+
+
+def parse_gpus(text: str) -> tuple[tuple[str, str], ...]:
+    """``--gpus``: ``UUID=cuda:N`` entries, comma-separated; ValueError saying what is wrong."""
+    out = []
+    for entry in (e.strip() for e in text.split(",")):
+        uuid, sep, device = entry.partition("=")
+        if not sep or not uuid.startswith("GPU-") or parse_devices(device) != (device,) or device == "cpu":
+            raise ValueError(f"--gpus entry {entry!r} is not GPU-<uuid>=cuda:N (nvidia-smi -L lists the UUIDs)")
+        out.append((uuid, device))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class AgentSettings:
     """What ``bubbles agent`` runs with: the configuration plus the command's own inputs and outputs."""
 
@@ -89,6 +135,7 @@ class AgentSettings:
     fill_jobs: tuple[Path, ...] = ()
     stats: Path | None = None
     log_level: str = "INFO"
+    cluster: ClusterSettings | None = None
 
 
 def _as_bool(value: Any) -> bool:
@@ -153,6 +200,8 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "log_level": _as_str, "devices": _as_devices, "isolation": _as_str, "allow_unisolated": _as_bool,
     "mps_control": _as_str, "mps_pipe_dir": _as_path, "mps_log_dir": _as_path, "mps_thread_percentage": _as_int,
     "mps_check_interval": _as_float,
+    "cluster": _as_bool, "node": _as_str, "listen": _as_str, "health_listen": _as_str, "tls_cert": _as_path,
+    "tls_key": _as_path, "client_ca": _as_path, "token_file": _as_path, "gpus": lambda v: parse_gpus(_as_str(v)),
 }
 LEGACY_ENV = {"run_dir": "BUBBLES_RUN_DIR", "training": "BUBBLES_TRAINING"}
 
@@ -230,5 +279,19 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         devices=v.get("devices", ()),
         isolation=isolation,
     )
+    cluster = None
+    if v.get("cluster", False):
+        if v.get("fill_job"):
+            raise ConfigError("--fill-job is for local mode; in a cluster the operator assigns fill jobs (FillJob "
+                              "resources)")
+        cluster = ClusterSettings(node=v.get("node", ""), listen=v.get("listen", "0.0.0.0:7070"),
+                                  health_listen=v.get("health_listen"), tls_cert=v.get("tls_cert"),
+                                  tls_key=v.get("tls_key"), client_ca=v.get("client_ca"),
+                                  token_file=v.get("token_file"), gpus=v.get("gpus", ()))
+    else:
+        extra = sorted(k for k in ("node", "listen", "health_listen", "tls_cert", "tls_key", "client_ca",
+                                   "token_file", "gpus") if v.get(k) is not None)
+        if extra:
+            raise ConfigError(f"{', '.join(_flag(k) for k in extra)} only apply with --cluster")
     return AgentSettings(config, fill_jobs=tuple(v.get("fill_job", ())), stats=v.get("stats"),
-                         log_level=v.get("log_level", "INFO"))
+                         log_level=v.get("log_level", "INFO"), cluster=cluster)

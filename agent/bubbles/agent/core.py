@@ -176,6 +176,8 @@ class ExecutorState:
     queue: deque[JobRecord] = field(default_factory=deque)
     active: JobRecord | None = None
     open_bubbles: dict[int, wire.BubbleStart] = field(default_factory=dict)
+    last_message_ns: int | None = None  # when the stage's hook was last heard from (a valid datagram)
+    last_iteration_s: float | None = None  # the latest iteration time the stage's hook reported
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,8 @@ class Snapshot:
     jobs: list[JobTotals]
     job_states: list[tuple[int, str, str]]  # (stage, device, state) per job
     isolation: IsolationTotals | None = None
+    baseline_s: float | None = None  # the slowdown guard's baseline iteration time (no fill work)
+    budget: float = 0.0  # the slowdown the guard tolerates
 
 
 def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationStatus:
@@ -349,7 +353,35 @@ class AgentCore:
             self._reject(ex.index, "datagram", f"{msg.kind.name} for stage {msg.stage} sent to stage "
                          f"{ex.index}'s socket")
             return
+        ex.last_message_ns = self.clock()
         self._on_message(ex, msg)
+
+    def cancel(self, name: str, reason: str) -> bool:
+        """Stop the fill job ``name`` (queued or running) with ``reason``; False if no such job is live."""
+        for job in self.jobs:
+            if job.name == name and job.state is not FillState.STOPPED:
+                ex = self.executors[job.stage]
+                if job in ex.queue:
+                    ex.queue.remove(job)
+                self._stop_job(job, reason)
+                if ex.active is None:
+                    self._admit(ex)
+                return True
+        return False
+
+    def reset_stage(self, stage: int, reason: str) -> None:
+        """The process behind ``stage`` changed (its training Pod restarted): forget its bubble cycle, so nothing is
+        admitted there until the new hook has profiled it, and stop the fill job that ran in the old bubbles."""
+        ex = self.executors[stage]
+        ex.cycle = None
+        ex.open_bubbles.clear()
+        ex.last_message_ns = None
+        if stage == self.guard_stage:
+            self.guard = None
+        job = ex.active
+        if job is not None and job.state is not FillState.STOPPED:
+            self._stop_job(job, reason)
+        self._event(stage, "", "reset", reason)
 
     def on_control_line(self, job: JobRecord, line: bytes) -> None:
         """One line from a fill process's control channel."""
@@ -490,6 +522,7 @@ class AgentCore:
                 self._signal(job, signal.SIGSTOP)
                 self._set_state(job, FillState.PAUSED)
         elif isinstance(msg, wire.Iteration):
+            ex.last_iteration_s = msg.duration_ns / 1e9
             self.sink.iteration(ex.index, msg.duration_ns / 1e9)
             self._on_iteration(ex, msg)
         elif isinstance(msg, wire.Profile):
@@ -771,7 +804,8 @@ class AgentCore:
         iso_st = self.isolation_status
         restarts = iso_st.daemon.restarts if iso_st.daemon is not None else None
         iso = IsolationTotals(str(iso_st.mode), str(iso_st.state), self.isolation_losses, restarts)
-        return Snapshot(stages, jobs, states, iso)
+        return Snapshot(stages, jobs, states, iso, self.guard.baseline_s if self.guard else None,
+                        self.config.guard.budget)
 
     def status(self) -> AgentStatus:
         """Everything the agent reports, typed (``stats()`` is its JSON form)."""

@@ -61,6 +61,15 @@ class _HarvestCollector(Collector):
         for (stage, device, state), n in sorted(counts.items()):
             jobs.add_metric([self.training, str(stage), device, state], n)
         yield from (bubble, filled, overrun, steps, flops, jobs)
+        budget = GaugeMetricFamily("bubbles_slowdown_budget", "The training slowdown the guard tolerates (0.01 = 1%)",
+                                   labels=["training"])
+        budget.add_metric([self.training], snap.budget)
+        yield budget
+        if snap.baseline_s is not None:
+            baseline = GaugeMetricFamily("bubbles_guard_baseline_seconds", "The training's iteration time without fill "
+                                         "work, as the slowdown guard measured it", labels=["training"])
+            baseline.add_metric([self.training], snap.baseline_s)
+            yield baseline
         iso = snap.isolation
         if iso is None:
             return
@@ -130,6 +139,57 @@ class AgentMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class NodeMetrics:
+    """Cluster mode's one endpoint for the node: every training's metrics (each training's agent keeps its own
+    registry; families of one name are merged, as the exposition format needs) and the node's own: assignments
+    by state and refused attach attempts."""
+
+    def __init__(self, registries: Callable[[], list[CollectorRegistry]],
+                 assignments: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.refused = Counter("bubbles_attach_refused", "Fill processes the agent refused to admit (not assigned "
+                               "here, another attempt, another GPU, an invisible PID, a bad hello)",
+                               registry=self.registry)
+        self.registry.register(_NodeCollector(registries, assignments))
+        self._server: Any = None
+
+    def serve(self, port: int, addr: str) -> int:
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _NodeCollector(Collector):
+    def __init__(self, registries: Callable[[], list[CollectorRegistry]],
+                 assignments: Callable[[], dict[str, int]]) -> None:
+        self.registries = registries
+        self.assignments = assignments
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for registry in self.registries():
+            for family in registry.collect():
+                have = merged.get(family.name)
+                if have is None:
+                    merged[family.name] = family
+                else:
+                    have.samples.extend(family.samples)
+        yield from merged.values()
+        states = GaugeMetricFamily("bubbles_fill_assignments", "Fill jobs the operator assigned to this node, by "
+                                   "state (waiting: its Pod has not attached yet)", labels=["state"])
+        for state, n in sorted(self.assignments().items()):
+            states.add_metric([state], n)
+        yield states
 
 
 def names(lines: Iterable[str]) -> set[str]:

@@ -128,6 +128,19 @@ class Agent:
             self._execute()
             return job
 
+    def cancel(self, name: str, reason: str) -> bool:
+        """Stop the fill job ``name`` (queued or running); False if no such job is live."""
+        with self.lock:
+            found = self.core.cancel(name, reason)
+            self._execute()
+            return found
+
+    def reset_stage(self, stage: int, reason: str) -> None:
+        """The stage's training process changed: re-profile before admitting anything there."""
+        with self.lock:
+            self.core.reset_stage(stage, reason)
+            self._execute()
+
     def start(self) -> None:
         """Set up isolation, bind every executor's socket, start the metrics endpoint, write the ready file.
 

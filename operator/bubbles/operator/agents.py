@@ -5,10 +5,8 @@ reported, the progress of the fill jobs it drives), tells it about assignments a
 waits on an agent for long: an agent that does not answer counts as down, and the fill jobs it ran are
 requeued by the pure reconcile.
 
-Status (2026-11-23): the node agent does not serve the operator yet (its gRPC service with mutual TLS is
-planned in the operator issue). ``InMemoryAgents`` is the directory the tests drive, and what `bubbles
-operator` uses until then: with no agent reporting, fill jobs are admitted and queued, and PipelineTrainings
-say that no hook reports.
+Two directories implement it: ``GrpcAgents`` (``grpc_agents.py``), the agents over gRPC, what `bubbles operator`
+uses with ``--agent-ca``; and ``InMemoryAgents``, agents as plain data, which the tests drive.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ class InMemoryAgents:
         self.down: set[str] = set()
         self.assigned: list[Assignment] = []
         self.cancelled: list[tuple[str, str]] = []
+        self._keys: set[tuple[str, int]] = set()
 
     async def report(self, node: str) -> NodeReport | None:
         if node in self.down:
@@ -46,7 +45,8 @@ class InMemoryAgents:
         return self.reports.get(node, NodeReport(node))
 
     async def assign(self, assignment: Assignment) -> None:
-        if all(a.uid != assignment.uid or a.attempt != assignment.attempt for a in self.assigned):
+        if (assignment.uid, assignment.attempt) not in self._keys:  # told again every round: kept once
+            self._keys.add((assignment.uid, assignment.attempt))
             self.assigned.append(assignment)
 
     async def cancel(self, node: str, uid: str) -> None:

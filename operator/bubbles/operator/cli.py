@@ -5,9 +5,9 @@ It watches the custom resources and the training Pods (kopf), places fill jobs o
 current (``bubbles.operator.shell``). With ``--leader-election`` (the default) only the holder of a
 coordination.k8s.io Lease acts. Bad flags exit 2 with a message saying what to fix.
 
-Status (2026-11-23): the node agents do not serve the operator yet (their gRPC service is planned in the
-operator issue), so no bubble profile reaches it: FillJobs are validated and queued with that reason, and
-PipelineTrainings report their Pods and that no hook reports.
+The node agents are called over gRPC with TLS (``bubbles.operator.grpc_agents``): ``--agent-ca`` and a client
+certificate or token. Without ``--agent-ca`` no agent is called: FillJobs are validated and queued, and
+PipelineTrainings report their Pods and that no hook reports (a warning says so at start).
 
 Nothing here imports kopf, kubernetes, torch or DeepSpeed at module level: ``bubbles operator --help`` works
 on any install.
@@ -59,10 +59,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="namespace of the Lease (default: the operator pod's own namespace)")
     agents = parser.add_argument_group("node agents")
     agents.add_argument("--agent-port", type=int, default=7070, metavar="PORT",
-                        help="port on which each node's `bubbles agent` serves the operator (gRPC; planned: the "
-                             "agent does not serve it yet; default 7070)")
+                        help="port on which each node's `bubbles agent --cluster` serves the operator (gRPC; "
+                             "default 7070)")
+    agents.add_argument("--agent-selector", default="app.kubernetes.io/name=bubbles,app.kubernetes.io/component=agent",
+                        metavar="LABELS", help="labels of the agent DaemonSet's Pods (key=value,...), through which "
+                                               "the operator finds each node's agent")
+    agents.add_argument("--agent-ca", type=Path, default=None, metavar="FILE",
+                        help="CA certificate that signed the agents' server certificate; without it no agent is "
+                             "called and nothing is placed")
+    agents.add_argument("--agent-client-cert", type=Path, default=None, metavar="FILE",
+                        help="the operator's client certificate for mutual TLS with the agents")
+    agents.add_argument("--agent-client-key", type=Path, default=None, metavar="FILE",
+                        help="its private key")
+    agents.add_argument("--agent-token-file", type=Path, default=None, metavar="FILE",
+                        help="a bearer token the agents accept (where no client certificate is issued)")
+    agents.add_argument("--agent-server-name", default="bubbles-agent", metavar="NAME",
+                        help="the name in the agents' server certificate (default bubbles-agent)")
+    agents.add_argument("--agent-timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="how long one call to an agent may take (default 2)")
+    agents.add_argument("--agent-down-after", type=float, default=10.0, metavar="SECONDS",
+                        help="an agent that has not answered for this long is down: its fill jobs are requeued "
+                             "(default 10)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default INFO)")
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.strip().partition("=")
+    if not sep or not key or not value:
+        raise ValueError(f"{text!r} is not key=value (e.g. app.kubernetes.io/component=agent)")
+    return key, value
 
 
 def _fail(message: str) -> int:
@@ -89,6 +115,30 @@ def run(args: argparse.Namespace) -> int:
     from .kube import Connection
     from .shell import Operator, OperatorConfig
 
+    if not 1 <= args.agent_port <= 65535:
+        return _fail(f"--agent-port must be a TCP port, got {args.agent_port}")
+    if not args.agent_timeout > 0:
+        return _fail(f"--agent-timeout must be > 0 seconds, got {args.agent_timeout}")
+    if not args.agent_down_after >= 0:
+        return _fail(f"--agent-down-after must be >= 0 seconds, got {args.agent_down_after}")
+    try:
+        selector = tuple(_label(part) for part in args.agent_selector.split(","))
+    except ValueError as exc:
+        return _fail(f"--agent-selector: {exc}")
+    security = None
+    if args.agent_ca is not None:
+        from .grpc_agents import AgentCredentialsError, ClientSecurity
+
+        security = ClientSecurity(args.agent_ca, args.agent_client_cert, args.agent_client_key,
+                                  args.agent_token_file, args.agent_server_name)
+        try:
+            security.channel_credentials()  # read and check the files now, before anything starts
+            security.metadata()
+        except AgentCredentialsError as exc:
+            return _fail(str(exc))
+    elif args.agent_client_cert or args.agent_client_key or args.agent_token_file:
+        return _fail("--agent-client-cert, --agent-client-key and --agent-token-file need --agent-ca (the CA that "
+                     "signed the agents' server certificate)")
     try:
         connection = Connection.from_environment(args.kubeconfig)
     except (ValueError, OSError) as exc:
@@ -98,11 +148,20 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy, interval_s=args.interval, leader_election=args.leader_election,
         lease_name=args.lease_name, lease_namespace=args.lease_namespace or connection.namespace or "default",
         identity=args.identity or socket.gethostname(), metrics_port=args.metrics_port or None,
-        metrics_addr=args.metrics_addr)
+        metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port)
     log = logging.getLogger("bubbles.operator")
-    log.warning("the node agents do not serve the operator yet (planned): no bubble profile reaches it, so fill "
-                "jobs are validated and queued but not placed")
-    op = Operator(config, connection, InMemoryAgents())
+    if security is None:
+        log.warning("no --agent-ca: the node agents are not called, so no bubble profile reaches the operator and "
+                    "fill jobs are validated and queued but not placed")
+        op = Operator(config, connection, InMemoryAgents())
+    else:
+        from .grpc_agents import GrpcAgents
+
+        holder: list[Operator] = []
+        agents = GrpcAgents(lambda node: holder[0].agent_address(node), security, args.agent_timeout,
+                            args.agent_down_after)
+        op = Operator(config, connection, agents)
+        holder.append(op)
 
     async def main() -> None:
         stop = asyncio.Event()

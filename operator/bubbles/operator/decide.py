@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bubbles.api import FillState, WorkloadKind
+from bubbles.api import FillJobSpec, FillState, WorkloadKind
 from bubbles.cycle import BubbleCycle
 from bubbles.plan import Bubble, FillNode
 from bubbles.resources import (
@@ -88,6 +88,8 @@ class ClusterView:
     stages: Sequence[StageView]
     progress: Mapping[str, JobProgress] = field(default_factory=dict)  # by FillJob uid
     policy: str = "fifo"
+    # Fill Pods that failed, "namespace/name" -> why (the kubelet's reason): their jobs are evicted.
+    failed_pods: Mapping[str, str] = field(default_factory=dict)
 
 
 # -- what it decides ----------------------------------------------------------------------------------------
@@ -107,6 +109,7 @@ class Assignment:
     fill_pod: str  # the fill job's Pod
     attempt: int
     gpu_uuid: str | None = None
+    job: FillJobSpec | None = field(default=None, compare=False)  # what the agent plans and drives
 
 
 @dataclass(frozen=True)
@@ -308,7 +311,7 @@ def reconcile(view: ClusterView) -> Decisions:
             st.status.update(_progress_fields(job, 0, 0.0))
             st.phase(FillJobPhase.QUEUED, "waiting for a bubble it fits", event="Queued")
         if _phase(st.status) in ACTIVE:
-            _track(view, st, job, stages, trainings, busy, now_s)
+            _track(out, view, st, job, stages, trainings, busy, now_s)
         valid[key_of(obj)] = (obj, job, st)
 
     _place(view, out, valid, stages, trainings, busy, now_s)
@@ -334,7 +337,7 @@ def _clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
                             f"stopped; its Pod {a['pod']} is deleted" if a.get("pod") else "deleted"))
 
 
-def _track(view: ClusterView, st: _JobState, job: FillJobResource, stages: Mapping[str, StageView],
+def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResource, stages: Mapping[str, StageView],
            trainings: Mapping[str, PipelineTrainingResource], busy: dict[str, tuple[str, float]],
            now_s: float) -> None:
     """A placed job: follow its progress, or evict it when its stage, Pod or agent is gone."""
@@ -343,13 +346,19 @@ def _track(view: ClusterView, st: _JobState, job: FillJobResource, stages: Mappi
     stage = stages.get(skey)
     uid = job.uid
     prog = view.progress.get(uid)
+    if prog is not None and prog.attempt != int(st.status.get("restarts", 0)):
+        prog = None  # an earlier attempt's run (stopped when this one was placed): not this run's progress
     lost = None
     if stage is None:
         lost = f"training Pod {a.get('trainingPod')} (stage {a.get('stage')} of {a.get('training')}) is gone"
     elif not stage.agent_up:
         lost = f"the bubbles agent on node {stage.node} stopped answering"
+    elif a.get("trainingPodUid") and stage.pod_uid and a["trainingPodUid"] != stage.pod_uid:
+        lost = f"training Pod {stage.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
     elif stage.cycle is None:
         lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
+    elif (failed := view.failed_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
+        lost = f"fill Pod {a.get('pod')} failed: {failed}"
     if prog is not None and prog.state is FillState.STOPPED:
         if prog.reason == "finished" or prog.steps_done >= job.steps:
             st.status.update(_progress_fields(job, max(prog.steps_done, job.steps), prog.flops))
@@ -364,6 +373,12 @@ def _track(view: ClusterView, st: _JobState, job: FillJobResource, stages: Mappi
         _evict(st, job, lost, a)
         return
     assert stage is not None
+    if prog is None:
+        # The agent does not know this run (just placed, or the agent restarted): tell it again. Idempotent on the
+        # agent's side (uid, generation, attempt), so a lost or repeated call costs nothing.
+        out.assign.append(Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage,
+                                     stage.node, stage.pod, stage.device, str(a.get("pod") or ""),
+                                     int(st.status.get("restarts", 0)), stage.gpu_uuid, job.job))
     done = prog.steps_done if prog is not None else int((st.status.get("progress") or {}).get("stepsDone", 0))
     flops = prog.flops if prog is not None else float(st.status.get("recoveredFlops", 0.0))
     st.status.update(_progress_fields(job, done, flops))
@@ -523,7 +538,7 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
     attempt = int(st.status.get("restarts", 0))
     pod = fill_pod_name(job.name, attempt)
     a = Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node,
-                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid)
+                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid, job.job)
     out.assign.append(a)
     out.create_pods.append(fill_pod(job, a))
     if FINALIZER not in (st.meta.get("finalizers") or []):
@@ -532,7 +547,8 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
     counters["placements"] = int(counters.get("placements", 0)) + 1
     st.status["counters"] = counters
     st.status["assignment"] = {"training": stage.training.split("/", 1)[-1], "stage": stage.stage,
-                               "node": stage.node, "device": stage.device, "pod": pod, "trainingPod": stage.pod}
+                               "node": stage.node, "device": stage.device, "pod": pod, "trainingPod": stage.pod,
+                               "trainingPodUid": stage.pod_uid}
     st.status.pop("queuePosition", None)
     _eta(st, job, end_s)
     msg = f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
@@ -544,7 +560,8 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
     """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets."""
     env = [
         {"name": "BUBBLES_FILL_JOB", "value": job.name},
-        {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},
+        {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},  # with the attempt: how the process attaches to the agent
+        {"name": "BUBBLES_FILL_ATTEMPT", "value": str(a.attempt)},
         {"name": "BUBBLES_TRAINING", "value": a.training.split("/", 1)[-1]},
         {"name": "BUBBLES_STAGE", "value": str(a.stage)},
         {"name": "BUBBLES_DEVICE", "value": a.device},
@@ -567,11 +584,17 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     if job.job.command:
-        container["command"] = list(job.job.command)
+        # The SDK attaches the process to the node's agent, then execs the command (same PID: the agent's handle).
+        container["command"] = ["python", "-m", "bubbles.sdk", "--exec", "--", *job.job.command]
     else:
         container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
         if job.job.args:
             container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
+    volumes: list[dict[str, Any]] = [{"name": "bubbles-run", "hostPath": {"path": RUN_DIR, "type": "Directory"}}]
+    if job.checkpoint_path and job.checkpoint_claim:
+        # The job's state outlives its Pod: the next attempt (another node, maybe) restores from it.
+        container["volumeMounts"].append({"name": "checkpoint", "mountPath": job.checkpoint_path})
+        volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": job.checkpoint_claim}})
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
@@ -588,7 +611,7 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             "containers": [container],
-            "volumes": [{"name": "bubbles-run", "hostPath": {"path": RUN_DIR, "type": "Directory"}}],
+            "volumes": volumes,
         },
     }
 

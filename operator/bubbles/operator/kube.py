@@ -128,12 +128,31 @@ def status_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
     return {"status": patch}
 
 
+def _drain(response: Any) -> None:
+    """Read and release a response whose body the operator does not need. (Turning the client's typed models off
+    for these calls matters: deserializing a V1Pod or V1Event costs milliseconds of the operator's one core per
+    write, more than the write itself.)"""
+    response.read()
+    response.release_conn()
+
+
+class FinalizerConflict(RuntimeError):
+    """The object changed between the read and the finalizer patch (nothing written; the next round retries)."""
+
+
+class PodConflict(RuntimeError):
+    """A fill Pod's name is taken by a Pod of another placement (deleted; the next round places again)."""
+
+
 class KubeWriter:
     """Carries out the operator's writes; synchronous (the operator calls it from a worker thread)."""
 
-    def __init__(self, connection: Connection, pool: int = 4) -> None:
+    def __init__(self, connection: Connection, pool: int = 4, request_timeout_s: float | None = None) -> None:
         import kubernetes
 
+        # Each write gives up after this (None: the client's default); with leader election it ends before the
+        # leader's validity does, so a write of a deposed leader cannot land late.
+        self.timeout = request_timeout_s
         self._k = kubernetes
         # The client's own type hints want its model classes; plain dicts are what it sends, so: Any.
         self.api: Any = connection.api_client(pool)
@@ -146,6 +165,12 @@ class KubeWriter:
         with self._lock:
             self.writes[kind] += 1
 
+    def take_counts(self, only: str | None = None, exclude: str | None = None) -> dict[str, int]:
+        """The writes counted since the last take (of kind ``only``, or all but ``exclude``), and forget them."""
+        with self._lock:
+            kinds = [k for k in self.writes if (only is None or k == only) and k != exclude]
+            return {k: self.writes.pop(k) for k in kinds}
+
     def _ok(self, exc: Exception, *codes: int) -> bool:
         return isinstance(exc, self._k.client.ApiException) and exc.status in codes
 
@@ -155,40 +180,64 @@ class KubeWriter:
         self._count(kind)
         try:
             return dict(self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, plural, name, status_patch(before, after)))
+                GROUP, VERSION, namespace, plural, name, status_patch(before, after),
+                _request_timeout=self.timeout))
         except Exception as exc:
             if self._ok(exc, 404):
                 return None
             raise
 
     def set_finalizer(self, plural: str, namespace: str, name: str, present: bool,
-                      finalizers: list[str]) -> dict[str, Any] | None:
-        """Add or remove the operator's finalizer; the object after the patch (None if gone)."""
+                      finalizers: list[str], resource_version: str | None = None) -> dict[str, Any] | None:
+        """Add or remove the operator's finalizer; the object after the patch (None if gone).
+
+        The list is written whole, so the patch carries the ``resourceVersion`` it was computed from: if another
+        controller changed the finalizers meanwhile, the API server answers 409 (``FinalizerConflict``) instead of
+        the patch dropping theirs; the next round computes it again from the fresh object."""
         want = [f for f in finalizers if f != FINALIZER] + ([FINALIZER] if present else [])
+        meta: dict[str, Any] = {"finalizers": want}
+        if resource_version:
+            meta["resourceVersion"] = resource_version
         self._count("finalizer")
         try:
             return dict(self.custom.patch_namespaced_custom_object(
-                GROUP, VERSION, namespace, plural, name, {"metadata": {"finalizers": want}}))
+                GROUP, VERSION, namespace, plural, name, {"metadata": meta}, _request_timeout=self.timeout))
         except Exception as exc:
             if self._ok(exc, 404):
                 return None
+            if self._ok(exc, 409):
+                raise FinalizerConflict(f"{plural} {namespace}/{name} changed while its finalizers were written; "
+                                        "written again next round") from None
             raise
 
     def create_pod(self, manifest: Mapping[str, Any]) -> bool:
-        """True if created, False if a Pod of that name is there already (a retried placement)."""
+        """True if created, False if this very Pod is there already (a retried placement: same FillJob uid, same
+        node). A Pod of that name from another placement (a round whose status write was lost placed the attempt
+        elsewhere) is deleted and ``PodConflict`` raised: the next round places the job again."""
         self._count("pod")
+        meta = manifest["metadata"]
         try:
-            self.core.create_namespaced_pod(manifest["metadata"]["namespace"], dict(manifest))
+            _drain(self.core.create_namespaced_pod(meta["namespace"], dict(manifest), _request_timeout=self.timeout,
+                                                   _preload_content=False))
             return True
         except Exception as exc:
-            if self._ok(exc, 409):
-                return False
-            raise
+            if not self._ok(exc, 409):
+                raise
+        have = self.core.read_namespaced_pod(meta["name"], meta["namespace"], _request_timeout=self.timeout)
+        have_uid = ((have.metadata.annotations or {}) if have.metadata else {}).get("bubbles.dev/fill-job-uid")
+        have_node = have.spec.node_name if have.spec else None
+        want_uid = (meta.get("annotations") or {}).get("bubbles.dev/fill-job-uid")
+        if have_uid == want_uid and have_node == manifest["spec"].get("nodeName"):
+            return False
+        self.delete_pod(meta["namespace"], meta["name"])
+        raise PodConflict(f"Pod {meta['namespace']}/{meta['name']} already existed for another placement (FillJob uid "
+                          f"{have_uid}, node {have_node}); deleted, the job is placed again next round")
 
     def delete_pod(self, namespace: str, name: str) -> None:
         self._count("pod_delete")
         try:
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=5)
+            _drain(self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=5,
+                                                   _request_timeout=self.timeout, _preload_content=False))
         except Exception as exc:
             if not self._ok(exc, 404):
                 raise
@@ -207,7 +256,8 @@ class KubeWriter:
             "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }
         try:
-            self.core.create_namespaced_event(event.namespace, body)
+            _drain(self.core.create_namespaced_event(event.namespace, body, _request_timeout=self.timeout,
+                                                     _preload_content=False))
         except Exception as exc:
             if not self._ok(exc, 404, 403):  # an Event is best effort: losing one stops nothing
                 raise

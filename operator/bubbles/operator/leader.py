@@ -3,7 +3,10 @@
 ``decide_lease`` is the pure rule; ``LeaseElector`` applies it every ``renew_s`` with optimistic concurrency
 (an update carries the resourceVersion it read, so two replicas cannot both win). A leader that cannot
 renew stops acting as soon as its own lease could have expired (``is_leader`` reads the clock), even if it
-cannot reach the API server to learn that another replica took over.
+cannot reach the API server to learn that another replica took over. A replica takes over only a Lease whose
+record it has seen unchanged for the lease's duration by its own clock (no wall clocks compared). The leader's
+writes time out (``KubeWriter``'s request timeout, a fifth of the lease) before its validity ends, so no write of
+a deposed leader lands after another replica may have taken over.
 """
 
 from __future__ import annotations
@@ -25,16 +28,21 @@ def _parse(t: str | None) -> dt.datetime | None:
     return dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
 
 
-def decide_lease(spec: Mapping[str, Any] | None, me: str, now: dt.datetime) -> str:
-    """``"create"`` (no Lease yet), ``"renew"`` (ours), ``"take"`` (another holder's, expired) or ``"wait"``."""
+def decide_lease(spec: Mapping[str, Any] | None, me: str, unchanged_for_s: float) -> str:
+    """``"create"`` (no Lease yet), ``"renew"`` (ours), ``"take"`` (released, or another holder's record has not
+    changed for longer than its duration) or ``"wait"``.
+
+    ``unchanged_for_s`` is how long this replica has seen the same record (resourceVersion), by its own monotonic
+    clock: as client-go's leader election does, expiry never compares another machine's wall clock (``renewTime``)
+    with ours, so clock skew between replicas cannot make two leaders.
+    """
     if spec is None:
         return "create"
     holder = spec.get("holderIdentity")
     if holder == me:
         return "renew"
-    renewed = _parse(spec.get("renewTime")) or _parse(spec.get("acquireTime"))
     duration = int(spec.get("leaseDurationSeconds") or 0)
-    if not holder or renewed is None or renewed + dt.timedelta(seconds=duration) < now:
+    if not holder or unchanged_for_s > duration:
         return "take"
     return "wait"
 
@@ -57,6 +65,7 @@ class LeaseElector:
         self.lease_s, self.renew_s = lease_s, renew_s
         self.clock, self.wall = clock, wall
         self._valid_until = -1.0
+        self._seen: tuple[str, float] | None = None  # (resourceVersion, when first seen by self.clock)
         self.transitions = 0
         self.changed = asyncio.Event()
 
@@ -80,7 +89,13 @@ class LeaseElector:
             if exc.status != 404:
                 raise
             lease, spec = None, None
-        action = decide_lease(spec, self.identity, now)
+        unchanged_for = 0.0
+        if lease is not None:
+            rv = str(lease.metadata.resource_version)
+            if self._seen is None or self._seen[0] != rv:
+                self._seen = (rv, start)
+            unchanged_for = start - self._seen[1]
+        action = decide_lease(spec, self.identity, unchanged_for)
         body = {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_s, "renewTime": _micro(now)}
         try:
             if action == "create":

@@ -30,6 +30,15 @@ class OperatorMetrics:
         self.api_writes = Counter("bubbles_operator_api_writes", "Writes to the Kubernetes API by kind", ["kind"],
                                   registry=r)
         self.leader = Gauge("bubbles_operator_leader", "1 while this replica holds the leader Lease", registry=r)
+        self.completion = Histogram(
+            "bubbles_operator_completion_seconds", "From a FillJob's creation to its success",
+            buckets=(10, 30, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400, 259200), registry=r)
+        self.progress = Gauge("bubbles_operator_fill_job_progress_ratio",
+                              "Share of its steps a placed FillJob has done",
+                              ["namespace", "fill_job", "training", "node"], registry=r)
+        self.eta = Gauge("bubbles_operator_fill_job_eta_timestamp_seconds",
+                         "When a placed FillJob is expected to finish (Unix time)",
+                         ["namespace", "fill_job", "training", "node"], registry=r)
         self._server: Any = None
 
     def observe(self, fill_jobs: Sequence[Mapping[str, Any]]) -> None:
@@ -54,6 +63,24 @@ class OperatorMetrics:
         self.deadline_misses.set(misses)
         for (ns, training), v in flops.items():
             self.recovered_flops.labels(ns, training).set(v)
+        # One series per placed job (the table of running jobs): rebuilt each round, so finished jobs drop out.
+        self.progress.clear()
+        self.eta.clear()
+        for obj in fill_jobs:
+            st = obj.get("status") or {}
+            a = st.get("assignment") or {}
+            if st.get("phase") not in ("Placed", "Running", "Paused") or not a:
+                continue
+            meta = obj.get("metadata") or {}
+            labels = (meta.get("namespace", ""), meta.get("name", ""), a.get("training", ""), a.get("node", ""))
+            done = (st.get("progress") or {}).get("percent")
+            if done is not None:
+                self.progress.labels(*labels).set(float(done) / 100)
+            if st.get("eta"):
+                import datetime as dt
+
+                when = dt.datetime.fromisoformat(str(st["eta"]).replace("Z", "+00:00"))
+                self.eta.labels(*labels).set(when.timestamp())
 
     def serve(self, port: int, addr: str) -> int:
         from prometheus_client import start_http_server

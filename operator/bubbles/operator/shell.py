@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
+import contextlib
 import datetime as dt
 import logging
 import math
@@ -36,7 +36,7 @@ from bubbles.resources import (
 
 from .agents import AgentDirectory
 from .decide import ClusterView, Decisions, StageView, key_of, reconcile
-from .kube import Connection, KubeWriter
+from .kube import Connection, FinalizerConflict, KubeWriter, PodConflict
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
 
@@ -59,6 +59,9 @@ class OperatorConfig:
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    agent_selector: tuple[tuple[str, str], ...] = (("app.kubernetes.io/component", "agent"),
+                                                   ("app.kubernetes.io/name", "bubbles"))
+    agent_port: int = 7070
 
 
 @dataclass
@@ -68,10 +71,13 @@ class Store:
     fill_jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     trainings: dict[str, dict[str, Any]] = field(default_factory=dict)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pods_version: int = 0  # bumped on every Pod event (indexes over the Pods rebuild when it moves)
 
     def put(self, kind: str, obj: Mapping[str, Any], deleted: bool = False) -> None:
         table = getattr(self, kind)
         key = key_of(obj)
+        if kind == "pods":
+            self.pods_version += 1
         if deleted:
             table.pop(key, None)
         else:
@@ -79,7 +85,10 @@ class Store:
             rv_old = int((old or {}).get("metadata", {}).get("resourceVersion") or 0) if old else -1
             rv_new = int((obj.get("metadata") or {}).get("resourceVersion") or 0)
             if old is None or rv_new == 0 or rv_new >= rv_old:  # an older watch event never undoes a write
-                table[key] = copy.deepcopy(dict(obj))
+                # A shallow copy: watch events and write answers are fresh objects, and nothing changes a stored
+                # object in place (the reconcile copies what it changes). A deep copy of every event cost more of
+                # the operator's core than all its decisions at 1,000 FillJobs (benchmarks/operator_scale.py).
+                table[key] = dict(obj)
 
 
 class Operator:
@@ -92,7 +101,8 @@ class Operator:
         self.agents = agents
         self.wall = wall
         self.store = Store()
-        self.writer = KubeWriter(connection, pool=config.write_concurrency)
+        self.writer = KubeWriter(connection, pool=config.write_concurrency,
+                                 request_timeout_s=config.lease_s * 0.2 if config.leader_election else 30.0)
         self._pool = concurrent.futures.ThreadPoolExecutor(config.write_concurrency, "bubbles-writes")
         self.metrics = OperatorMetrics()
         self.wake = asyncio.Event()
@@ -101,10 +111,32 @@ class Operator:
         self.round_s: list[tuple[float, float, float]] = []  # per round: (see, decide, act) seconds, the last 1000
         self.writes_total: Counter[str] = Counter()  # API writes by kind since start
         self.last: Decisions | None = None
+        self._events: asyncio.Task[None] | None = None  # the Events of the last round, being posted
+        self._trainings_parsed: dict[str, tuple[str, PipelineTrainingResource | None]] = {}  # key -> (rv, parsed)
+        self._pod_matches: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {}  # Pod -> (rv, trainings, keys)
+        self._generation: tuple[Any, ...] = ()
+        self._agent_index: dict[str, str] = {}
+        self._agents_version = -1
         self.leader: LeaseElector | None = None
         if config.leader_election:
             self.leader = LeaseElector(self.writer.api, config.lease_namespace, config.lease_name, config.identity,
                                        lease_s=config.lease_s, renew_s=config.renew_s)
+
+    def agent_address(self, node: str) -> str | None:
+        """``podIP:port`` of the running agent Pod (``agent_selector``) on ``node``, from the watched Pods."""
+        if self._agents_version != self.store.pods_version:
+            index: dict[str, str] = {}
+            for pod in self.store.pods.values():
+                meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+                labels = meta.get("labels") or {}
+                if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
+                    continue
+                if all(labels.get(k) == v for k, v in self.config.agent_selector) and spec.get("nodeName"):
+                    ip = str(status["podIP"])
+                    index[str(spec["nodeName"])] = f"[{ip}]:{self.config.agent_port}" if ":" in ip \
+                        else f"{ip}:{self.config.agent_port}"
+            self._agent_index, self._agents_version = index, self.store.pods_version
+        return self._agent_index.get(node)
 
     # -- kopf ------------------------------------------------------------------------------------------------
     def registry(self) -> Any:
@@ -163,6 +195,9 @@ class Operator:
         finally:
             for t in tasks:
                 t.cancel()
+            if self._events is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._events, 10)
             self.metrics.close()
 
     # -- the loop --------------------------------------------------------------------------------------------
@@ -176,6 +211,9 @@ class Operator:
             if self.acting:
                 try:
                     await self.reconcile_once()
+                except (PodConflict, FinalizerConflict) as exc:  # expected under concurrency: retried next round
+                    self.metrics.reconcile_errors.inc()
+                    log.warning("%s", exc)
                 except Exception:
                     self.metrics.reconcile_errors.inc()
                     log.exception("reconcile failed; retrying in %.1f s", self.config.interval_s)
@@ -196,19 +234,50 @@ class Operator:
         now = self.wall()
         trainings = list(self.store.trainings.values())
         selectors: list[tuple[str, PipelineTrainingResource]] = []
+        parsed: dict[str, tuple[str, PipelineTrainingResource | None]] = {}
         for t in trainings:
-            try:
-                selectors.append((key_of(t), PipelineTrainingResource.from_object(t)))
-            except ResourceError:
-                continue
+            tmeta = t.get("metadata") or {}
+            # What selection depends on: the spec (its generation) and the labels; not the status, written often.
+            key = key_of(t)
+            rv = f"{tmeta.get('uid')}/{tmeta.get('generation')}/{sorted((tmeta.get('labels') or {}).items())}"
+            have = self._trainings_parsed.get(key)
+            if have is None or have[0] != rv:
+                try:
+                    have = (rv, PipelineTrainingResource.from_object(t))
+                except ResourceError:
+                    have = (rv, None)
+            parsed[key] = have
+            if have[1] is not None:
+                selectors.append((key, have[1]))
+        self._trainings_parsed = parsed
+        # Which trainings select which Pod, remembered per Pod version and trainings' versions: with a thousand Pods
+        # and a hundred trainings, matching every pair every round would dominate the round.
+        generation = tuple((k, v[0]) for k, v in sorted(parsed.items()))
+        if generation == self._generation:
+            generation = self._generation  # the same object: each Pod's cache entry is checked by identity below
+        self._generation = generation
+        by_ns: dict[str, list[tuple[str, PipelineTrainingResource]]] = {}
+        for tkey, tr in selectors:
+            by_ns.setdefault(tr.namespace, []).append((tkey, tr))
         pods_by_training: dict[str, list[dict[str, Any]]] = {}
-        for pod in list(self.store.pods.values()):
+        matches: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {}
+        for pkey, pod in list(self.store.pods.items()):
             meta = pod.get("metadata") or {}
-            if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") not in ("Running", "Pending"):
-                continue
-            for tkey, tr in selectors:
-                if meta.get("namespace") == tr.namespace and selector_matches(tr.selector, meta.get("labels") or {}):
-                    pods_by_training.setdefault(tkey, []).append(pod)
+            rv = str(meta.get("resourceVersion"))
+            cached = self._pod_matches.get(pkey)
+            if cached is not None and cached[0] == rv and cached[1] is generation:
+                tkeys = cached[2]
+            elif meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") not in ("Running", "Pending") \
+                    or (meta.get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
+                tkeys = ()
+            else:
+                labels = meta.get("labels") or {}
+                tkeys = tuple(tkey for tkey, tr in by_ns.get(str(meta.get("namespace")), ())
+                              if selector_matches(tr.selector, labels))
+            matches[pkey] = (rv, generation, tkeys)
+            for tkey in tkeys:
+                pods_by_training.setdefault(tkey, []).append(pod)
+        self._pod_matches = matches
         nodes = sorted({str((p.get("spec") or {}).get("nodeName")) for ps in pods_by_training.values() for p in ps
                         if (p.get("spec") or {}).get("nodeName")})
         answers = await asyncio.gather(*(self.agents.report(n) for n in nodes))
@@ -239,8 +308,18 @@ class Operator:
                     baseline_iteration_s=sr.baseline_iteration_s if sr else None,
                     bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0,
                     gpu_uuid=sr.gpu_uuid if sr else None))
+        failed: dict[str, str] = {}
+        for key, pod in list(self.store.pods.items()):
+            st = pod.get("status") or {}
+            if st.get("phase") == "Failed" and \
+                    ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
+                states = [c.get("state") or {} for c in st.get("containerStatuses") or ()]
+                why = next((f"{s['terminated'].get('reason', 'Error')} (exit code {s['terminated'].get('exitCode')})"
+                            for s in states if "terminated" in s), st.get("reason") or "the Pod failed")
+                failed[key] = f"{why}{': ' + st['message'] if st.get('message') else ''}"
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
-        return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy)
+        return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
+                           failed)
 
     async def reconcile_once(self) -> Decisions:
         """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""
@@ -299,7 +378,7 @@ class Operator:
                 steps = []
                 if key in d.add_finalizer:
                     steps.append(write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], True,
-                                       list(meta.get("finalizers") or [])))
+                                       list(meta.get("finalizers") or []), meta.get("resourceVersion")))
                 if key in pods:
                     steps.append(write(w.create_pod, pods[key]))
                 if steps:
@@ -325,7 +404,8 @@ class Operator:
                 if key in d.remove_finalizer:
                     current = self.store.fill_jobs.get(key) or obj
                     new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], False,
-                                      list(current["metadata"].get("finalizers") or []))
+                                      list(current["metadata"].get("finalizers") or []),
+                                      current["metadata"].get("resourceVersion"))
                     if new is not None:
                         self.store.put("fill_jobs", new)
 
@@ -345,31 +425,53 @@ class Operator:
                                   obj.get("status") or {}, status, "training_status")
                 self.store.put("trainings", new if new is not None else obj, deleted=new is None)
 
-        async def event(ev: Any) -> None:
-            async with sem:
-                await write(w.post_event, ev, now)
 
-        keys = set(d.fill_job_status) | set(pods) | set(d.add_finalizer) | set(d.remove_finalizer) | set(deleted_pods)
+        keys = set(d.fill_job_status) | set(pods) | set(d.add_finalizer) | set(d.remove_finalizer) | set(deleted_pods) \
+            | set(assignments)
         try:
             results = await asyncio.gather(*(fill_job(k) for k in sorted(keys)),
                                            *(training(k, s) for k, s in d.training_status.items()),
                                            return_exceptions=True)
             lost = [r for r in results if isinstance(r, LeadershipLost)]
             errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, LeadershipLost)]
-            if not lost:
-                await asyncio.gather(*(event(ev) for ev in d.events), return_exceptions=True)
+            if not lost and d.events:
+                # Events are best effort and not on a job's path to Placed: posted beside the next round (at most
+                # one batch in flight: the next round waits for this one before it posts its own).
+                if self._events is not None:
+                    await self._events
+                self._events = asyncio.create_task(self._post_events(list(d.events), now))
             if lost:
                 log.warning("stopped mid-round: this replica no longer holds the lease")
             if errors:
                 raise errors[0]
         finally:
-            for kind, n in w.writes.items():
-                self.metrics.api_writes.labels(kind).inc(n)
-            self.writes_total.update(w.writes)
-            w.writes.clear()
+            self._count_writes(exclude="event")  # the Events' task counts its own
+
+    async def _post_events(self, events: list[Any], now: dt.datetime) -> None:
+        sem = asyncio.Semaphore(self.config.write_concurrency)
+        loop = asyncio.get_running_loop()
+
+        async def post(ev: Any) -> None:
+            async with sem:
+                if self.acting:
+                    await loop.run_in_executor(self._pool, self.writer.post_event, ev, now)
+
+        results = await asyncio.gather(*(post(ev) for ev in events), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            log.warning("%d of %d Event(s) not posted: %s", len(failed), len(events), failed[0])
+        self._count_writes(only="event")
+
+    def _count_writes(self, *, only: str | None = None, exclude: str | None = None) -> None:
+        for kind, n in self.writer.take_counts(only=only, exclude=exclude).items():
+            self.metrics.api_writes.labels(kind).inc(n)
+            self.writes_total[kind] += n
 
     def _observe_placement(self, meta: Mapping[str, Any], before: Mapping[str, Any], status: Mapping[str, Any],
                            now: dt.datetime) -> None:
+        if status.get("phase") == "Succeeded" and before.get("phase") != "Succeeded" and meta.get("creationTimestamp"):
+            began = dt.datetime.fromisoformat(str(meta["creationTimestamp"]).replace("Z", "+00:00"))
+            self.metrics.completion.observe(max(0.0, (now - began).total_seconds()))
         if status.get("phase") == "Placed" and before.get("phase") != "Placed" \
                 and int((status.get("counters") or {}).get("placements", 0)) == 1:
             created = meta.get("creationTimestamp")

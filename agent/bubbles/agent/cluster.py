@@ -1,0 +1,505 @@
+"""The agent in cluster mode: one process per node (a DaemonSet) serving every training on it.
+
+What it does, as thin shells around pure code:
+
+- **Discovers the node's trainings** from the cards their hooks write (``<run_dir>/<training>/stage-<k>/hook.json``:
+  the training Pod, the stage, its GPU). Each training gets the same agent as local mode (``server.Agent`` around
+  the pure ``AgentCore``: bubble signals, planning, watchdog, slowdown guard, isolation), running on its own thread.
+  A card whose Pod changed means the training restarted: the stage's bubbles are forgotten and re-measured before
+  anything runs there again.
+- **Keeps the operator's assignments** (``bubbles.agent.node.NodeBook``: idempotent by uid, attempt and generation).
+- **Admits attaching fill processes**: the operator's fill Pod runs ``python -m bubbles.sdk``, which connects to
+  ``<run_dir>/attach.sock`` and says which FillJob it is and which GPU it sees. Only an assigned job, seeing its
+  assigned GPU, visible to the agent (so the watchdog can SIGKILL it), is admitted; the connection then becomes the
+  job's control channel, exactly as a locally started process's socketpair.
+- **Reports** every stage and every assigned job (``report()``, served over gRPC by ``bubbles.agent.rpc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bubbles import control, paths
+from bubbles.agentapi import AssignmentMessage
+from bubbles.api import FillState
+from bubbles.resources import JobProgress, NodeReport, StageReport
+
+from .config import AgentConfig
+from .launcher import FillProcess, Launcher, LaunchRequest
+from .metrics import NodeMetrics
+from .node import AssignedJob, AttachRefused, Decision, NodeBook
+from .server import Agent
+
+log = logging.getLogger("bubbles.agent.cluster")
+
+HELLO_TIMEOUT_S = 5.0  # an attaching process must say who it is within this
+FORGET_AFTER_S = 3600.0  # cancelled assignments are remembered this long (a late retry is then refused)
+
+
+# -- cards --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Card:
+    """What a training's hook says about one stage (``hook.json``)."""
+
+    training: str
+    stage: int
+    stages: int
+    namespace: str
+    pod: str
+    device: str
+    gpu_uuid: str | None
+    instance: str = ""  # which process wrote it (pid and start time): a restarted training writes a new one
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> Card:
+        """ValueError naming ``where`` and the field when the card is not usable."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: a card must be a JSON object")
+        try:
+            training = paths.check_name("training", d["training"])
+            stage, stages = d["stage"], d["stages"]
+            if not (isinstance(stage, int) and isinstance(stages, int) and 0 <= stage < stages <= 4096):
+                raise ValueError(f"stage {stage!r} of {stages!r} stages is not a stage index")
+            pod, ns, device = d.get("pod"), d.get("namespace", ""), d.get("device", "cpu")
+            if not isinstance(pod, str) or not pod or not isinstance(ns, str) or not isinstance(device, str):
+                raise ValueError("pod (non-empty), namespace and device must be strings")
+            uuid = d.get("gpu_uuid")
+            if uuid is not None and not isinstance(uuid, str):
+                raise ValueError("gpu_uuid must be a string or null")
+        except KeyError as exc:
+            raise ValueError(f"{where}: the card has no {exc.args[0]!r}") from None
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return cls(training, stage, stages, ns, pod, device, uuid, f"{d.get('pid', '')}@{d.get('started_ns', '')}")
+
+
+def read_cards(run_dir: Path) -> tuple[list[Card], list[str]]:
+    """Every card under ``run_dir``, and what is wrong with the ones that cannot be used."""
+    cards, problems = [], []
+    for path in sorted(run_dir.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}")):
+        try:
+            card = Card.parse(json.loads(path.read_text()), str(path))
+        except (OSError, ValueError) as exc:
+            problems.append(str(exc))
+            continue
+        if path.parent != paths.stage_dir(run_dir, card.training, card.stage):
+            problems.append(f"{path}: the card names training {card.training!r} stage {card.stage}, not its directory")
+            continue
+        cards.append(card)
+    return cards, problems
+
+
+# -- attached fill processes --------------------------------------------------------------------------------
+class AttachedProcess(FillProcess):
+    """A fill Pod's process, admitted over the attach socket: signalled through a pidfd (the agent sees its PID:
+    hostPID), its exit seen on that pidfd. Its exit code is not the agent's to collect (not a child): -1."""
+
+    def __init__(self, pid: int, conn: socket.socket, speaks_control: bool) -> None:
+        self.pid = pid
+        self.exit_fd = os.pidfd_open(pid)
+        self.conn = conn
+        self.control = conn if speaks_control else None
+        conn.setblocking(False)
+
+    def send_signal(self, sig: int) -> None:
+        if self.exit_fd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                import signal as _signal
+
+                _signal.pidfd_send_signal(self.exit_fd, sig)
+
+    def poll(self) -> int | None:
+        return self.wait(0.0)
+
+    def wait(self, timeout_s: float) -> int | None:
+        if self.exit_fd < 0:
+            return -1
+        ready, _, _ = select.select([self.exit_fd], [], [], max(0.0, timeout_s))
+        return -1 if ready else None
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.exit_fd >= 0:
+            os.close(self.exit_fd)
+            self.exit_fd = -1
+
+
+class AttachLauncher:
+    """Processes that attached and wait for their job's ``Launch``; ``for_training`` is the launcher a training's agent
+    uses: its ``launch`` hands over the process that attached (already running) instead of starting one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: dict[tuple[str, str], AttachedProcess] = {}  # (training, job name) -> process
+
+    def offer(self, training: str, job: str, proc: AttachedProcess) -> None:
+        with self.lock:
+            self.pending[(training, job)] = proc
+
+    def withdraw(self, training: str, job: str) -> AttachedProcess | None:
+        with self.lock:
+            return self.pending.pop((training, job), None)
+
+    def for_training(self, training: str) -> Launcher:
+        launcher = self
+
+        class _One(Launcher):
+            def launch(self, request: LaunchRequest) -> FillProcess:
+                proc = launcher.withdraw(training, request.spec.name)
+                if proc is None:
+                    raise OSError(f"fill job {request.spec.name!r} has no attached process (its Pod has not "
+                                  "connected, or it exited)")
+                return proc
+
+        return _One()
+
+
+def peer_pid(conn: socket.socket) -> int:
+    """The connecting process's PID as this process sees it (0 when it is in a PID namespace we do not see)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", creds)
+    return int(pid)
+
+
+# -- the node --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How ``bubbles agent --cluster`` runs on a node."""
+
+    node: str
+    template: AgentConfig  # per-training settings (mode, grace, budget, isolation); training/executors are set here
+    gpus: Mapping[str, str] = field(default_factory=dict)  # GPU UUID -> this process's device ("cuda:N")
+    scan_interval_s: float = 1.0
+    hook_silence_s: float = 30.0  # a stage whose hook has been silent this long does not report a hook
+
+    def __post_init__(self) -> None:
+        if not self.node:
+            raise ValueError("the node's name is required (--node, or $NODE_NAME from the downward API)")
+        if not self.scan_interval_s > 0 or not self.hook_silence_s > 0:
+            raise ValueError("scan interval and hook silence must be > 0 seconds")
+
+
+@dataclass(eq=False)
+class _Training:
+    name: str
+    agent: Agent
+    thread: threading.Thread
+    cards: dict[int, Card] = field(default_factory=dict)
+
+
+class NodeAgent:
+    """Every training on this node, the operator's assignments, the attach socket; see the module documentation."""
+
+    def __init__(self, config: ClusterConfig, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self.config = config
+        self.clock = clock
+        self.run_dir = config.template.run_dir
+        self.lock = threading.RLock()
+        self.book = NodeBook(clock)
+        self.launcher = AttachLauncher()
+        self.trainings: dict[str, _Training] = {}
+        self.failures: dict[str, str] = {}  # uid -> why its process could not be queued
+        self.changed = threading.Condition(self.lock)
+        self.version = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        self._problems_seen: set[str] = set()
+        self.metrics = NodeMetrics(self._registries, self._assignment_counts)
+        self.metrics_port: int | None = None
+
+    def _registries(self) -> list[Any]:
+        with self.lock:
+            return [tr.agent.metrics.registry for tr in self.trainings.values()]
+
+    def _assignment_counts(self) -> dict[str, int]:
+        counts = {"waiting": 0, "attached": 0}
+        with self.lock:
+            for have in self.book.jobs.values():
+                if have.cancelled is None:
+                    counts["attached" if have.attached_pid is not None else "waiting"] += 1
+        return counts
+
+    def serve_metrics(self, port: int, addr: str) -> int:
+        """The node's Prometheus endpoint (every training and the node's own metrics); the bound port."""
+        self.metrics_port = self.metrics.serve(port, addr)
+        log.info("metrics on http://%s:%d/metrics", addr, self.metrics_port)
+        return self.metrics_port
+
+    # -- life cycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        paths.make_private_dir(self.run_dir)
+        path = paths.attach_socket(self.run_dir)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        os.chmod(path, 0o600)  # node-local, and only this user's processes (the fill Pods run as it)
+        listener.listen(64)
+        listener.settimeout(0.5)
+        self._listener = listener
+        self.scan()
+        for target, name in ((self._accept_loop, "bubbles-attach"), (self._scan_loop, "bubbles-scan")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("node %s: cluster mode under %s (attach socket %s)", self.config.node, self.run_dir, path)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5.0)
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                paths.attach_socket(self.run_dir).unlink()
+        with self.lock:
+            trainings = list(self.trainings.values())
+        for tr in trainings:
+            tr.agent.request_stop()
+        for tr in trainings:
+            tr.thread.join(10.0)
+        self.metrics.close()
+
+    def _bump(self) -> None:
+        with self.changed:
+            self.version += 1
+            self.changed.notify_all()
+
+    # -- discovery ------------------------------------------------------------------------------------------
+    def _scan_loop(self) -> None:
+        while not self._stop.wait(self.config.scan_interval_s):
+            try:
+                self.scan()
+            except Exception:  # a bug here must not end discovery
+                log.exception("scanning %s failed", self.run_dir)
+
+    def scan(self) -> None:
+        """Read the cards: start an agent for each new training, reset stages whose Pod changed."""
+        cards, problems = read_cards(self.run_dir)
+        for p in problems:
+            if p not in self._problems_seen:
+                self._problems_seen.add(p)
+                log.warning("ignoring a hook card: %s", p)
+        changed = False
+        with self.lock:
+            for card in cards:
+                tr = self.trainings.get(card.training)
+                if tr is None:
+                    tr = self._start_training(card.training, [c for c in cards if c.training == card.training])
+                    changed = True
+                old = tr.cards.get(card.stage)
+                if old == card:
+                    continue
+                if card.stage >= len(tr.agent.executors):
+                    log.error("training %s: stage %d is beyond the %d stages its first card announced; restart "
+                              "the agent to serve it", card.training, card.stage, len(tr.agent.executors))
+                    continue
+                tr.cards[card.stage] = card
+                tr.agent.executors[card.stage].device = self._device(card)
+                changed = True
+                if old is not None and old.pod != card.pod:
+                    tr.agent.reset_stage(card.stage, f"training Pod {old.pod} was replaced by {card.pod}: the "
+                                                     "stage's bubbles are measured again")
+                elif old is not None and old.instance != card.instance:
+                    tr.agent.reset_stage(card.stage, f"the training process of {card.pod} restarted: the stage's "
+                                                     "bubbles are measured again")
+            self.book.forget_before(self.clock() - int(FORGET_AFTER_S * 1e9))
+        if changed:
+            self._bump()
+
+    def _device(self, card: Card) -> str:
+        if card.gpu_uuid and card.gpu_uuid in self.config.gpus:
+            return self.config.gpus[card.gpu_uuid]
+        return card.device if card.device.startswith("cuda") else "cpu"
+
+    def _start_training(self, name: str, cards: list[Card]) -> _Training:
+        stages = max(c.stages for c in cards)
+        by_stage = {c.stage: c for c in cards}
+        devices = tuple(self._device(by_stage[k]) if k in by_stage else "cpu" for k in range(stages))
+        config = dataclasses.replace(self.config.template, training=name, executors=stages, devices=devices,
+                                     metrics=False, ready_file=None)
+        agent = Agent(config, launcher=self.launcher.for_training(name), clock=self.clock)
+        agent.start()
+        thread = threading.Thread(target=agent.run, name=f"bubbles-{name}", daemon=True)
+        thread.start()
+        log.info("training %s: serving %d stage(s) on this node (%s)", name, len(cards),
+                 ", ".join(f"stage {c.stage} in {c.namespace}/{c.pod}" for c in cards))
+        tr = _Training(name, agent, thread)
+        self.trainings[name] = tr
+        return tr
+
+    # -- the operator's side (served over gRPC) ---------------------------------------------------------------
+    def assign(self, msg: AssignmentMessage) -> Decision:
+        """Record an assignment (StaleAssignment if older than the one held); stop a superseded run."""
+        with self.lock:
+            decision = self.book.assign(msg)
+            if decision.stop is not None:
+                self._stop_run(decision.stop, f"superseded: {decision.message}")
+            self.failures.pop(msg.uid, None)
+        log.info("assign: %s", decision.message)
+        self._bump()
+        return decision
+
+    def cancel(self, uid: str, reason: str) -> bool:
+        with self.lock:
+            have = self.book.cancel(uid, reason)
+            if have is not None:
+                self._stop_run(have, f"cancelled: {have.cancelled}")
+        if have is not None:
+            log.info("cancel: %s/%s (%s)", have.message.namespace, have.message.name, have.cancelled)
+            self._bump()
+        return have is not None
+
+    def _stop_run(self, have: AssignedJob, reason: str) -> None:
+        tr = self.trainings.get(have.message.training)
+        pending = self.launcher.withdraw(have.message.training, have.job_name)
+        if pending is not None:
+            pending.close()
+        if tr is not None:
+            tr.agent.cancel(have.job_name, reason)
+
+    def report(self) -> NodeReport:
+        """Every stage with a card, every assignment held (cancelled ones excepted)."""
+        now = self.clock()
+        silence_ns = int(self.config.hook_silence_s * 1e9)
+        stages: list[StageReport] = []
+        jobs: list[JobProgress] = []
+        with self.lock:
+            for tr in self.trainings.values():
+                with tr.agent.lock:
+                    core = tr.agent.core
+                    ledger = core.ledgers["harvest"]
+                    baseline = core.guard.baseline_s if core.guard is not None else None
+                    for k, card in sorted(tr.cards.items()):
+                        ex = core.executors[k]
+                        heard = ex.last_message_ns is not None and now - ex.last_message_ns <= silence_ns
+                        totals = ledger.totals(k) if k in ledger.stages() else None
+                        stages.append(StageReport(
+                            card.namespace, tr.name, card.pod, k, ex.device,
+                            ex.cycle.to_dict() if ex.cycle is not None else None, heard, ex.last_iteration_s,
+                            baseline, totals.bubble_s if totals else 0.0, totals.filled_s if totals else 0.0,
+                            card.gpu_uuid))
+            for uid, have in self.book.jobs.items():
+                if have.cancelled is not None:
+                    continue
+                jobs.append(self._progress(uid, have))
+        return NodeReport(self.config.node, tuple(stages), tuple(jobs))
+
+    def _progress(self, uid: str, have: AssignedJob) -> JobProgress:
+        attempt = have.message.attempt
+        if uid in self.failures:
+            return JobProgress(uid, FillState.STOPPED, reason=self.failures[uid], attempt=attempt)
+        tr = self.trainings.get(have.message.training)
+        record = None
+        if tr is not None:
+            with tr.agent.lock:
+                record = next((j for j in reversed(tr.agent.jobs) if j.name == have.job_name), None)
+                if record is not None:
+                    return JobProgress(uid, record.state, record.steps, record.flops, record.reason,
+                                       int(record.reason.startswith("killed")), attempt)
+        return JobProgress(uid, FillState.SUBMITTED, reason=f"waiting for Pod {have.message.fill_pod} to attach",
+                           attempt=attempt)
+
+    # -- attaching fill processes --------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            threading.Thread(target=self._welcome, args=(conn,), name="bubbles-hello", daemon=True).start()
+
+    def _welcome(self, conn: socket.socket) -> None:
+        """Read one hello, admit or refuse; never raises (a bad client costs one connection)."""
+        try:
+            self.attach(conn)
+        except Exception:
+            log.exception("attaching a fill process failed")
+            conn.close()
+
+    def attach(self, conn: socket.socket) -> AssignedJob | None:
+        """Admit the process on ``conn`` (it is then the job's control channel) or refuse it with the reason."""
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            line = _read_line(conn)
+            hello = control.parse_hello(line)
+            pid = peer_pid(conn)
+        except (OSError, control.ControlError) as exc:
+            _refuse(conn, f"bad hello: {exc}")
+            self.metrics.refused.inc()
+            return None
+        uid, attempt = hello["uid"], hello["attempt"]
+        with self.lock:
+            have = self.book.jobs.get(uid)
+            try:
+                if have is not None and have.cancelled is None and have.message.attempt != attempt:
+                    raise AttachRefused(f"this Pod runs attempt {attempt} of fill job {have.message.name}, but "
+                                        f"attempt {have.message.attempt} is the one assigned")
+                have = self.book.attach(uid, pid, hello.get("gpu"))
+                msg = have.message
+                tr = self.trainings.get(msg.training)
+                if tr is None or msg.stage not in tr.cards:
+                    raise AttachRefused(f"stage {msg.stage} of training {msg.training} has no hook on this node "
+                                        "(no card): is the training Pod running with the bubbles hook?")
+                sock = paths.fill_socket(self.run_dir, msg.training, msg.stage, have.job_name)
+                # The welcome goes first, on the blocking socket: the agent's commands (init) follow it on the
+                # same stream once the job is launched, from the non-blocking socket AttachedProcess makes of it.
+                conn.sendall(control.encode("welcome", job=have.job_name, socket=str(sock), stage=msg.stage))
+                proc = AttachedProcess(pid, conn, speaks_control=msg.spec.iterative)
+            except (AttachRefused, OSError) as exc:
+                if have is not None and have.attached_pid == pid:
+                    self.book.detached(uid)
+                _refuse(conn, str(exc))
+                self.metrics.refused.inc()
+                log.warning("refused a fill process (pid %d, uid %s): %s", pid, uid, exc)
+                return None
+            spec = dataclasses.replace(msg.spec, name=have.job_name, stage=msg.stage)
+            self.launcher.offer(msg.training, have.job_name, proc)
+            try:
+                tr.agent.submit(spec)
+            except ValueError as exc:
+                self.launcher.withdraw(msg.training, have.job_name)
+                proc.close()
+                self.failures[uid] = f"not admitted: {exc}"
+                log.error("fill job %s/%s not admitted: %s", msg.namespace, msg.name, exc)
+        log.info("fill job %s/%s attempt %d attached (pid %d) to stage %d of %s", msg.namespace, msg.name,
+                 attempt, pid, msg.stage, msg.training)
+        self._bump()
+        return have
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    buf = bytearray()
+    while b"\n" not in buf:
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise OSError("the process hung up before saying hello")
+        buf += chunk
+        if len(buf) > control.MAX_LINE_BYTES:
+            raise OSError("hello is too long")
+    return bytes(buf[: buf.index(b"\n")])
+
+
+def _refuse(conn: socket.socket, reason: str) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall(control.encode("refused", reason=reason))
+    conn.close()

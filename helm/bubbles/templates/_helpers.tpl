@@ -1,0 +1,63 @@
+{{/* The release's base name: the release name, or release-chart when the release name does not contain it. */}}
+{{- define "bubbles.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bubbles.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of one component: include "bubbles.selector" (list . "agent") */}}
+{{- define "bubbles.selector" -}}
+{{- $ctx := index . 0 -}}
+app.kubernetes.io/name: {{ $ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ $ctx.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{/* An image of the chart: include "bubbles.image" (list . "operator") */}}
+{{- define "bubbles.image" -}}
+{{- $ctx := index . 0 -}}
+{{- printf "%s/bubbles-%s:%s" $ctx.Values.image.registry (index . 1) (default $ctx.Chart.AppVersion $ctx.Values.image.tag) -}}
+{{- end -}}
+
+{{- define "bubbles.operatorServiceAccount" -}}{{ include "bubbles.fullname" . }}-operator{{- end -}}
+{{- define "bubbles.agentServiceAccount" -}}{{ include "bubbles.fullname" . }}-agent{{- end -}}
+{{- define "bubbles.agentSecret" -}}{{ include "bubbles.fullname" . }}-agent-tls{{- end -}}
+{{- define "bubbles.operatorSecret" -}}{{ include "bubbles.fullname" . }}-operator-tls{{- end -}}
+
+{{/* Whether to render ServiceMonitors: the switch, or (auto) the Prometheus Operator's API on the cluster. */}}
+{{- define "bubbles.serviceMonitors" -}}
+{{- $on := .Values.metrics.serviceMonitor.enabled -}}
+{{- if or (eq (toString $on) "true") (and (eq (toString $on) "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor")) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Contradictory values: fail with what to change. */}}
+{{- define "bubbles.validate" -}}
+{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.leaderElection) -}}
+{{- fail (printf "operator.replicas is %d but operator.leaderElection is false: replicas would all act at once. Set operator.leaderElection=true, or operator.replicas=1." (int .Values.operator.replicas)) -}}
+{{- end -}}
+{{- if and (eq .Values.agent.isolation "mps") (eq (int .Values.agent.runAsUser) 0) -}}
+{{- fail "agent.isolation=mps with agent.runAsUser=0: an MPS server serves one UID, and the trainings and fill Pods do not run as root. Set agent.runAsUser (and runAsGroup) to the UID your trainings run as." -}}
+{{- end -}}
+{{- if and .Values.agent.allowUnisolated (eq .Values.agent.isolation "none") -}}
+{{- fail "agent.allowUnisolated=true with agent.isolation=none says the same thing twice and hides a mistake: choose isolation contexts or mps, or leave allowUnisolated false." -}}
+{{- end -}}
+{{- $ports := list (int .Values.agent.port) (int .Values.agent.healthPort) (int .Values.agent.metricsPort) -}}
+{{- if ne (len (uniq $ports)) 3 -}}
+{{- fail (printf "agent.port, agent.healthPort and agent.metricsPort must differ (got %v)" $ports) -}}
+{{- end -}}
+{{- if and (eq .Values.grpc.tls "certManager") (not (.Capabilities.APIVersions.Has "cert-manager.io/v1")) (not .Values.grpc.certManager.skipApiCheck) -}}
+{{- fail "grpc.tls=certManager but the cert-manager.io/v1 API is not on this cluster: install cert-manager, or use grpc.tls=generate (set grpc.certManager.skipApiCheck=true to render anyway)." -}}
+{{- end -}}
+{{- end -}}

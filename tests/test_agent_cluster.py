@@ -1,0 +1,324 @@
+"""The agent in cluster mode on one node, for real: hook cards, bubble datagrams, fill processes that attach over the
+node-local socket (``python -m bubbles.sdk`` as a fill Pod runs it), assignments and cancellations as the gRPC
+service passes them on. Only Kubernetes is absent: the test plays the operator and the training's hook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_agent import TRAINING, Hook, cycle, wait_for
+
+from bubbles import control, paths, wire
+from bubbles.agent.cluster import Card, ClusterConfig, NodeAgent, read_cards
+from bubbles.agent.config import AgentConfig
+from bubbles.agent.isolation import IsolationConfig
+from bubbles.agent.node import NodeBook, Outcome, StaleAssignment
+from bubbles.agentapi import AssignmentMessage
+from bubbles.api import FillState, IsolationMode, parse_spec
+from bubbles.resources import JobProgress
+
+NODE = "node-a"
+ENTRY = "bubbles.fill_examples.spin:SpinJob"
+
+
+def write_card(run_dir: Path, stage: int = 0, pod: str = "llama-0", stages: int = 1, **extra: Any) -> Path:
+    path = paths.hook_card(run_dir, TRAINING, stage)
+    paths.make_private_dir(path.parent)
+    card = {"training": TRAINING, "stage": stage, "stages": stages, "namespace": "ml", "pod": pod, "device": "cpu",
+            "gpu_uuid": None, "pid": 1, **extra}
+    path.write_text(json.dumps(card))
+    return path
+
+
+def assignment(uid: str = "uid-1", attempt: int = 0, generation: int = 1, gpu_uuid: str | None = None,
+               name: str = "fj") -> AssignmentMessage:
+    spec = parse_spec({"name": name, "entry": ENTRY, "memory": "16Mi", "step_time": "1ms",
+                       "args": {"step_us": 200}})
+    return AssignmentMessage(uid, generation, attempt, "ml", name, TRAINING, 0, "llama-0", "cpu",
+                             f"fj-{name}-a{attempt}", spec, gpu_uuid)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[NodeAgent]:
+    run_dir = tmp_path / "run"
+    template = AgentConfig(run_dir=run_dir, training="placeholder",
+                           isolation=IsolationConfig(mode=IsolationMode.NONE))
+    n = NodeAgent(ClusterConfig(NODE, template, scan_interval_s=0.05))
+    n.start()
+    yield n
+    n.stop()
+
+
+def fill_process(run_dir: Path, uid: str, attempt: int = 0, **env: str) -> subprocess.Popen[str]:
+    """What the operator's fill Pod runs: the SDK, told its FillJob by environment, attaching to the agent."""
+    full = {**os.environ, paths.RUN_DIR_ENV: str(run_dir), control.UID_ENV: uid, control.ATTEMPT_ENV: str(attempt),
+            control.ARGS_ENV: json.dumps({"step_us": 200}), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "bubbles.sdk", "--entry", ENTRY], env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def job(node: NodeAgent, uid: str) -> JobProgress | None:
+    return next((j for j in node.report().jobs if j.uid == uid), None)
+
+
+# -- the pure bookkeeping ------------------------------------------------------------------------------------
+def test_assignments_are_idempotent_by_uid_attempt_and_generation() -> None:
+    book = NodeBook(lambda: 0)
+    assert book.assign(assignment()).outcome is Outcome.ACCEPTED
+    assert book.assign(assignment()).outcome is Outcome.ALREADY_ASSIGNED  # a retried call changes nothing
+    newer = book.assign(assignment(attempt=1))
+    assert newer.outcome is Outcome.SUPERSEDED and newer.stop is not None and newer.stop.message.attempt == 0
+    with pytest.raises(StaleAssignment, match="older than attempt 1"):
+        book.assign(assignment(attempt=0, generation=5))
+    assert book.cancel("uid-1", "deleted") is not None and book.cancel("uid-1", "again") is None
+    with pytest.raises(StaleAssignment, match="cancelled"):
+        book.assign(assignment(attempt=1))  # a late retry of a cancelled run does not bring it back
+    assert book.assign(assignment(attempt=2)).outcome is Outcome.ACCEPTED
+
+
+def test_attach_admits_only_the_assigned_process_on_its_gpu() -> None:
+    book = NodeBook(lambda: 0)
+    with pytest.raises(ValueError, match="no fill job with uid nope is assigned"):
+        book.attach("nope", 100, None)
+    book.assign(assignment(gpu_uuid="GPU-aaaa"))
+    with pytest.raises(ValueError, match="sees GPU-bbbb"):
+        book.attach("uid-1", 100, "GPU-bbbb")
+    with pytest.raises(ValueError, match="hostPID"):
+        book.attach("uid-1", 0, "GPU-aaaa")
+    assert book.attach("uid-1", 100, "GPU-aaaa").attached_pid == 100
+    with pytest.raises(ValueError, match="already has a process attached"):
+        book.attach("uid-1", 101, "GPU-aaaa")
+
+
+def test_cards_that_cannot_be_used_are_reported_not_fatal(tmp_path: Path) -> None:
+    write_card(tmp_path, stage=0)
+    bad = paths.hook_card(tmp_path, "other", 0)
+    paths.make_private_dir(bad.parent)
+    bad.write_text("{not json")
+    wrong = paths.hook_card(tmp_path, "third", 1)
+    paths.make_private_dir(wrong.parent)
+    wrong.write_text(json.dumps({"training": "third", "stage": 0, "stages": 2, "pod": "p"}))
+    cards, problems = read_cards(tmp_path)
+    assert [c.training for c in cards] == [TRAINING]
+    assert len(problems) == 2 and any("not its directory" in p for p in problems)
+    with pytest.raises(ValueError, match="stage 3 of 2 stages"):
+        Card.parse({"training": "t", "stage": 3, "stages": 2, "pod": "p"}, "x")
+
+
+# -- the node, for real ----------------------------------------------------------------------------------------
+def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancelled(node: NodeAgent) -> None:
+    run_dir = node.run_dir
+    write_card(run_dir)
+    node.scan()
+    (stage,) = node.report().stages
+    assert (stage.namespace, stage.training, stage.pod, stage.stage, stage.cycle) == ("ml", TRAINING, "llama-0", 0,
+                                                                                       None)
+    assert stage.hook_reporting is False
+    hook = Hook(run_dir)
+    try:
+        hook.send(wire.encode_profile(0, cycle(slots=((0.02, 1 << 30),))), agent_only=True)
+        wait_for(lambda: node.report().stages[0].cycle is not None, what="the stage's profile")
+        assert node.report().stages[0].hook_reporting is True
+        assert node.assign(assignment()).outcome is Outcome.ACCEPTED
+        assert job(node, "uid-1") == JobProgress("uid-1", FillState.SUBMITTED,
+                                                 reason="waiting for Pod fj-fj-a0 to attach")
+        proc = fill_process(run_dir, "uid-1")
+        try:
+            wait_for(lambda: hook.fill_armed("fj-a0"), timeout_s=30, what="the attached fill job to arm")
+            for _ in range(20):
+                hook.bubble(0.02)
+            progress = wait_for(lambda: (j := job(node, "uid-1")) and j.steps_done > 0 and j, what="steps")
+            assert progress.state in (FillState.PAUSED, FillState.RUNNING) and progress.attempt == 0
+            assert node.report().stages[0].filled_s > 0
+            assert node.cancel("uid-1", "the FillJob was deleted") is True
+            assert proc.wait(timeout=15) is not None
+            assert job(node, "uid-1") is None  # cancelled: no longer reported
+            with node.trainings[TRAINING].agent.lock:
+                (record,) = node.trainings[TRAINING].agent.jobs
+            assert record.state is FillState.STOPPED and "the FillJob was deleted" in record.reason
+        finally:
+            proc.kill()
+            proc.communicate()
+    finally:
+        hook.close()
+
+
+def test_processes_the_operator_did_not_assign_are_refused_with_the_reason(node: NodeAgent) -> None:
+    write_card(node.run_dir)
+    node.scan()
+    stray = fill_process(node.run_dir, "uid-unknown")
+    _, err = stray.communicate(timeout=60)
+    assert stray.returncode == 3 and "no fill job with uid uid-unknown is assigned to this node" in err
+    node.assign(assignment(attempt=1))
+    old = fill_process(node.run_dir, "uid-1", attempt=0)  # the Pod of an earlier attempt, still around
+    _, err = old.communicate(timeout=60)
+    assert old.returncode == 3 and "attempt 0" in err and "attempt 1 is the one assigned" in err
+    # A process that claims a GPU other than the one assigned (the runtime did not expose the right one):
+    node.assign(assignment(uid="uid-gpu", gpu_uuid="GPU-1111", name="gpu-job"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(paths.attach_socket(node.run_dir)))
+        s.sendall(control.encode("hello", uid="uid-gpu", attempt=0, gpu="GPU-2222"))
+        reply = control.parse_reply(s.makefile("rb").readline())
+    assert reply.type == "refused" and "sees GPU-2222" in reply["reason"]
+    # Garbage instead of a hello costs one connection, nothing else.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(paths.attach_socket(node.run_dir)))
+        s.sendall(b'{"type": "hello", "uid": 7}\n')
+        reply = control.parse_reply(s.makefile("rb").readline())
+    assert reply.type == "refused" and "bad hello" in reply["reason"]
+    assert job(node, "uid-1") is not None and job(node, "uid-gpu") is not None  # the assignments are untouched
+
+
+def test_a_replaced_training_pod_invalidates_the_stage_until_it_is_profiled_again(node: NodeAgent) -> None:
+    write_card(node.run_dir)
+    node.scan()
+    hook = Hook(node.run_dir)
+    try:
+        hook.send(wire.encode_profile(0, cycle()), agent_only=True)
+        wait_for(lambda: node.report().stages[0].cycle is not None, what="the profile")
+        write_card(node.run_dir, pod="llama-0-new")
+        node.scan()
+        (stage,) = node.report().stages
+        assert stage.pod == "llama-0-new" and stage.cycle is None and not stage.hook_reporting
+        hook.send(wire.encode_profile(0, cycle()), agent_only=True)
+        wait_for(lambda: node.report().stages[0].cycle is not None, what="the new profile")
+        # The same Pod name, a new process (a container restart, or a StatefulSet's replacement): measured again.
+        write_card(node.run_dir, pod="llama-0-new", pid=2, started_ns=5)
+        node.scan()
+        assert node.report().stages[0].cycle is None
+        node.scan()  # an unchanged card changes nothing
+        hook.send(wire.encode_profile(0, cycle()), agent_only=True)
+        wait_for(lambda: node.report().stages[0].cycle is not None, what="the profile of the new process")
+    finally:
+        hook.close()
+
+
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("State:"))
+
+
+def test_a_plain_command_attaches_through_the_sdk_and_is_frozen_outside_bubbles(node: NodeAgent) -> None:
+    run_dir = node.run_dir
+    write_card(run_dir)
+    node.scan()
+    hook = Hook(run_dir)
+    program = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"]
+    spec = parse_spec({"name": "plain", "interface": "imperative", "command": program, "memory": "16Mi",
+                       "step_time": "1ms"})
+    node.assign(AssignmentMessage("uid-plain", 1, 0, "ml", "plain", TRAINING, 0, "llama-0", "cpu", "fj-plain-a0",
+                                  spec))
+    env = {**os.environ, paths.RUN_DIR_ENV: str(run_dir), control.UID_ENV: "uid-plain", control.ATTEMPT_ENV: "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "bubbles.sdk", "--exec", "--", *program], env=env, text=True,
+                            stderr=subprocess.PIPE)
+    try:
+        hook.send(wire.encode_profile(0, cycle(slots=((0.02, 1 << 30),))), agent_only=True)
+        # Launched (the same PID, now the command) and frozen until its stage's first bubble.
+        wait_for(lambda: (j := job(node, "uid-plain")) and j.state is FillState.PAUSED, timeout_s=30,
+                 what="the plain command to be paused")
+        assert node.book.jobs["uid-plain"].attached_pid == proc.pid
+        wait_for(lambda: proc_state(proc.pid) == "T", what="SIGSTOP")
+        hook.send(wire.encode_bubble_start(0, 0, 1, time.monotonic_ns(), time.monotonic_ns() + 50_000_000))
+        wait_for(lambda: proc_state(proc.pid) != "T", what="SIGCONT at the bubble's start")
+        hook.send(wire.encode_bubble_end(0, 0, 1, time.monotonic_ns()))
+        wait_for(lambda: proc_state(proc.pid) == "T", what="SIGSTOP at the bubble's end")
+        assert node.cancel("uid-plain", "deleted")
+        assert proc.wait(timeout=15) is not None  # SIGCONT then SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+        hook.close()
+
+
+def test_exec_without_a_command_or_outside_a_fill_pod_says_what_is_missing(tmp_path: Path) -> None:
+    for args, env, message in ((["--exec"], {control.UID_ENV: "u"}, "--exec needs a command"),
+                               (["--exec", "--", "true"], {}, control.UID_ENV)):
+        clean = {k: v for k, v in os.environ.items() if k != control.UID_ENV}
+        result = subprocess.run([sys.executable, "-m", "bubbles.sdk", *args], env={**clean, **env},
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr
+
+
+def test_one_metrics_endpoint_for_the_node_merges_every_training(node: NodeAgent) -> None:
+    write_card(node.run_dir)
+    other = paths.hook_card(node.run_dir, "other", 0)
+    paths.make_private_dir(other.parent)
+    other.write_text(json.dumps({"training": "other", "stage": 0, "stages": 1, "namespace": "ml", "pod": "o-0",
+                                 "device": "cpu", "gpu_uuid": None}))
+    node.scan()
+    assert sorted(node.trainings) == ["other", TRAINING]
+    node.assign(assignment())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # one refused attach
+        s.connect(str(paths.attach_socket(node.run_dir)))
+        s.sendall(control.encode("hello", uid="nobody", attempt=0))
+        assert control.parse_reply(s.makefile("rb").readline()).type == "refused"
+    port = node.serve_metrics(0, "127.0.0.1")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    type_lines = [line for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(type_lines) == len(set(type_lines))  # each family once, as the exposition format requires
+    for training in ("other", TRAINING):
+        assert f'bubbles_fill_share{{training="{training}"}} 1.0' in text
+    assert 'bubbles_fill_assignments{state="waiting"} 1.0' in text
+    assert "bubbles_attach_refused_total 1.0" in text
+
+
+class StandInNvml:
+    """The pynvml functions discover_gpus calls, over a list of UUIDs (NVML answers bytes in older bindings)."""
+
+    def __init__(self, uuids: list[str | bytes], fail_init: bool = False) -> None:
+        self.uuids = uuids
+        self.fail_init = fail_init
+        self.shut = False
+
+    def nvmlInit(self) -> None:
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str | bytes:
+        return self.uuids[handle]
+
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+
+def test_gpus_are_found_by_uuid_through_nvml_and_none_without_it() -> None:
+    from bubbles.agent.gpus import discover_gpus
+
+    nvml = StandInNvml(["GPU-aaaa", b"GPU-bbbb"])
+    assert discover_gpus(nvml) == {"GPU-aaaa": "cuda:0", "GPU-bbbb": "cuda:1"} and nvml.shut
+    assert discover_gpus(StandInNvml([], fail_init=True)) == {}
+    # The real bindings on this machine: no driver, so nothing found, and no error.
+    assert discover_gpus() == {} or all(d.startswith("cuda:") for d in discover_gpus().values())
+
+
+def test_a_card_naming_a_known_gpu_gets_the_agents_own_device_for_it(tmp_path: Path) -> None:
+    template = AgentConfig(run_dir=tmp_path / "run", training="placeholder",
+                           isolation=IsolationConfig(mode=IsolationMode.NONE))
+    n = NodeAgent(ClusterConfig(NODE, template, gpus={"GPU-5": "cuda:3"}))
+    n.start()
+    try:
+        # The training sees its GPU as cuda:0 in its container; on the node, NVML's index 3 is that GPU.
+        write_card(n.run_dir, device="cuda:0", gpu_uuid="GPU-5")
+        n.scan()
+        (stage,) = n.report().stages
+        assert (stage.device, stage.gpu_uuid) == ("cuda:3", "GPU-5")
+    finally:
+        n.stop()

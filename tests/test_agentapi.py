@@ -1,0 +1,89 @@
+"""The node agent's API: the committed stubs are what tools/gen-proto.sh makes of the .proto, the messages carry every
+field of the core types they stand for, values survive the round trip, and bad messages are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import filecmp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bubbles import agentapi
+from bubbles.agentapi.v1alpha1 import agent_pb2 as pb
+from bubbles.api import FillInterface, FillJobSpec, FillNode, FillState, WorkloadKind
+from bubbles.resources import JobProgress, NodeReport, StageReport
+
+ROOT = Path(__file__).resolve().parent.parent
+STUBS = ROOT / "core" / "bubbles" / "agentapi" / "v1alpha1"
+
+
+def test_the_committed_stubs_are_generated_from_the_proto(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
+    subprocess.run([str(ROOT / "tools" / "gen-proto.sh"), str(tmp_path)], check=True, env=env, cwd=ROOT, timeout=120)
+    fresh = tmp_path / "bubbles" / "agentapi" / "v1alpha1"
+    names = sorted(p.name for p in fresh.iterdir())
+    assert names == ["agent_pb2.py", "agent_pb2.pyi", "agent_pb2_grpc.py"]
+    stale = [n for n in names if not filecmp.cmp(fresh / n, STUBS / n, shallow=False)]
+    assert not stale, f"{stale} differ from the .proto: run tools/gen-proto.sh and commit the result"
+
+
+def _fields(message: type) -> set[str]:
+    return {f.name.removesuffix("_json") for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("core", "message", "extra"), [
+    (StageReport, pb.StageReport, set()),
+    (JobProgress, pb.JobProgress, set()),
+    (NodeReport, pb.NodeReport, set()),
+    (FillJobSpec, pb.FillJobSpec, set()),
+    (FillNode, pb.FillNode, set()),
+])
+def test_each_message_carries_exactly_the_fields_of_its_core_type(core: type, message: type, extra: set[str]) -> None:
+    assert {f.name for f in dataclasses.fields(core)} == _fields(message) - extra
+
+
+def test_reports_and_specs_survive_the_round_trip() -> None:
+    cycle = {"training": "t", "stage": 1, "slots": []}
+    report = NodeReport("node-a", (
+        StageReport("ml", "t", "p-1", 1, "cuda:0", cycle, True, 0.2, 0.19, 12.5, 6.25, "GPU-1"),
+        StageReport("ml", "t", "p-2", 2, "cpu"),
+    ), (JobProgress("u1", FillState.RUNNING, 10, 1e9, "", 1, 3), JobProgress("u2", FillState.STOPPED, reason="x")))
+    back = agentapi.report_from_pb(pb.NodeReport.FromString(agentapi.report_to_pb(report).SerializeToString()))
+    assert back == report
+    specs = [
+        FillJobSpec("a", FillInterface.ITERATIVE, "m:C", None, {"k": [1, 2]}, 100, 1 << 20, 0.002, (), 2,
+                    WorkloadKind.BATCH_INFERENCE),
+        FillJobSpec("b", FillInterface.IMPERATIVE, None, ("run", "--fast"), {}, None, 0, None,
+                    (FillNode(0.001, 5), FillNode(0.002, 6)), None, None),
+    ]
+    for spec in specs:
+        assert agentapi.spec_from_pb(agentapi.spec_to_pb(spec)) == spec
+
+
+@pytest.mark.parametrize(("message", "error"), [
+    (pb.FillJobSpec(name="x", interface="iterative"), "neither entry nor command"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", args_json="[1]"), "JSON object"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", args_json="{"), "not JSON"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", memory_bytes=-1), "memory_bytes"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", steps=0), "steps"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", step_time_s=0.0), "step_time_s"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", kind="painting"), "kind"),
+])
+def test_a_bad_spec_is_refused_with_the_field(message: pb.FillJobSpec, error: str) -> None:
+    with pytest.raises(agentapi.ApiError, match=error):
+        agentapi.spec_from_pb(message)
+
+
+def test_a_bad_report_is_refused_with_the_field() -> None:
+    with pytest.raises(agentapi.ApiError, match="state"):
+        agentapi.report_from_pb(pb.NodeReport(node="n", jobs=[pb.JobProgress(uid="u", state="DANCING")]))
+    with pytest.raises(agentapi.ApiError, match="no uid"):
+        agentapi.report_from_pb(pb.NodeReport(node="n", jobs=[pb.JobProgress(state="RUNNING")]))
+    with pytest.raises(agentapi.ApiError, match="cycle_json"):
+        agentapi.report_from_pb(pb.NodeReport(node="n", stages=[pb.StageReport(training="t", cycle_json="{x")]))
+    with pytest.raises(agentapi.ApiError, match="stages count from 0"):
+        agentapi.report_from_pb(pb.NodeReport(node="n", stages=[pb.StageReport(training="t", stage=-1)]))

@@ -1,0 +1,88 @@
+"""The Grafana dashboard: generated from code (tools/dashboard.py, Grafana's own SDK) and committed, shipped in the
+chart's ConfigMap unchanged, and every query naming only metrics the exporters really define."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from bubbles.agent.core import IsolationTotals, JobTotals, Snapshot, StageTotals
+from bubbles.agent.metrics import AgentMetrics, NodeMetrics, names
+from bubbles.operator.metrics import OperatorMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "helm" / "bubbles" / "dashboards" / "bubbles.json"
+
+
+def exported_names() -> set[str]:
+    """Every sample name the agent (cluster mode) and the operator export, each metric given a value."""
+    snap = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01)],
+                    [JobTotals(0, "cuda:0", "harvest", "fj", 10, 1e12)], [(0, "cuda:0", "RUNNING")],
+                    IsolationTotals("mps", "ready", 0, 0), baseline_s=0.1, budget=0.01)
+    agent = AgentMetrics("t", lambda: snap)
+    agent.kill(0, "cuda:0", "fj")
+    agent.rejected(0, "datagram")
+    agent.iteration(0, 0.1)
+    node = NodeMetrics(lambda: [agent.registry], lambda: {"waiting": 1})
+    node.refused.inc()
+    op = OperatorMetrics()
+    op.observe([{"metadata": {"namespace": "ml", "name": "fj"},
+                 "status": {"phase": "Running", "assignment": {"training": "t", "node": "n"},
+                            "progress": {"percent": 40.0}, "eta": "2026-11-23T10:00:00Z", "recoveredFlops": 1.0}}])
+    op.placement_latency.observe(1.0)
+    op.completion.observe(100.0)
+    op.reconcile_errors.inc()
+    op.api_writes.labels("pod").inc()
+    text = (generate_latest(node.registry) + generate_latest(op.registry)).decode()
+    return names(text.splitlines())
+
+
+def queries() -> list[str]:
+    d = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+
+
+def test_the_committed_dashboard_is_what_the_generator_makes() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "dashboard.py"), "--check"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_query_uses_only_metric_names_the_code_exports() -> None:
+    exported = exported_names()
+    used = {m for expr in queries() for m in re.findall(r"\bbubbles_[a-z_]+\b", expr)}
+    assert used, "the dashboard queries no bubbles metric"
+    assert used <= exported, f"not exported by any bubbles component: {sorted(used - exported)}"
+    # and the headline panels are there
+    assert any("bubbles_recovered_flops_total" in q for q in queries())
+    assert any("bubbles_guard_baseline_seconds" in q and "bubbles_slowdown_budget" in q
+               for q in (" ".join(queries()),))
+
+
+def test_the_dashboard_has_a_stable_uid_and_a_datasource_variable() -> None:
+    d = json.loads(DASHBOARD.read_text())
+    assert d["uid"] == "bubbles-harvest"
+    (var,) = [v for v in d["templating"]["list"] if v["type"] == "datasource"]
+    assert var["name"] == "datasource" and var["query"] == "prometheus"
+    for p in d["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+def test_the_chart_ships_the_dashboard_unchanged() -> None:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra) renders the chart")
+    import yaml
+
+    out = helm.Chart.load(str(ROOT / "helm" / "bubbles")).render({}, name="b", namespace="x", is_install=True)
+    cm = yaml.safe_load(out["bubbles/templates/dashboard.yaml"])
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["bubbles.json"]) == json.loads(DASHBOARD.read_text())
+    off = helm.Chart.load(str(ROOT / "helm" / "bubbles")).render({"dashboard": {"enabled": False}}, name="b",
+                                                                 namespace="x", is_install=True)
+    assert not off["bubbles/templates/dashboard.yaml"].strip()

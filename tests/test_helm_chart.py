@@ -1,0 +1,261 @@
+"""The Helm chart, rendered by the real Helm engine (Helm's Go SDK, ``helm-python-sdk``; a dev dependency only):
+lint, renders for the main combinations of values, bad values refused with the chart's message, the chart's
+flags accepted by the real command-line parsers, its generated credentials working on a real gRPC channel, and its
+manifests created on a real kube-apiserver where its operator is granted exactly bubbles.operator.rbac.RULES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import filecmp
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra) renders the chart")
+
+from bubbles.operator.rbac import RULES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "bubbles"
+NS = "chart-system"
+RELEASE = "chart"
+
+
+def render(values: dict[str, Any] | None = None, namespace: str = NS, name: str = RELEASE) -> list[dict[str, Any]]:
+    out = helm.Chart.load(str(CHART)).render(values or {}, name=name, namespace=namespace, is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def notes(values: dict[str, Any] | None = None) -> str:
+    out = helm.Chart.load(str(CHART)).render(values or {}, name=RELEASE, namespace=NS, is_install=True)
+    return next(v for k, v in out.items() if k.endswith("NOTES.txt"))
+
+
+def one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    return doc
+
+
+def container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return one(docs, kind)["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+
+
+def test_the_chart_lints_clean_and_its_crds_are_the_generated_ones() -> None:
+    result = helm.lint(str(CHART), {}, namespace=NS, strict=True)
+    assert result["errors"] == [] and all(m["severity"] <= 1 for m in result["messages"]), result
+    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+    assert chart_crds == sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    drifted = [n for n in chart_crds if not filecmp.cmp(CHART / "crds" / n, ROOT / "crds" / n, shallow=False)]
+    assert not drifted, f"helm/bubbles/crds/{drifted} differ from crds/: copy crds/*.yaml into the chart"
+
+
+def test_the_default_install_renders_what_a_cluster_needs_and_grants_exactly_the_operators_rules() -> None:
+    docs = render()
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Deployment", "PriorityClass",
+                     "Role", "RoleBinding", "Secret", "Service", "ServiceAccount"]
+    for d in docs:
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "PriorityClass"):
+            assert d["metadata"]["namespace"] == NS, d["metadata"]
+    granted = {(g, r, v) for d in docs if d["kind"] in ("ClusterRole", "Role") for rule in d["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    wanted = {(g, r, v) for rule in RULES for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == wanted
+    assert one(docs, "Role")["metadata"]["namespace"] == NS  # Leases only in the release namespace
+    agent = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert agent["hostPID"] is True and "hostIPC" not in agent and agent["automountServiceAccountToken"] is False
+    assert agent["securityContext"]["runAsNonRoot"] is True
+    c = agent["containers"][0]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    terms = agent["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [t["matchExpressions"][0]["key"] for t in terms] == ["nvidia.com/gpu.present",
+                                                                 "feature.node.kubernetes.io/pci-10de.present"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in agent["tolerations"]
+    labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    op_args = container(docs, "Deployment")["args"]
+    selector = next(a for a in op_args if a.startswith("--agent-selector=")).split("=", 1)[1]
+    for pair in selector.split(","):  # the operator finds the agents by exactly the labels their Pods carry
+        key, value = pair.split("=")
+        assert labels[key] == value
+    assert "--all-namespaces" in op_args and "--leader-election" in op_args
+
+
+def parse_operator(args: list[str]) -> argparse.Namespace:
+    from bubbles.operator.cli import add_arguments
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(p)
+    assert args[0] == "operator"
+    return p.parse_args([a.replace("$(POD_NAME)", "pod-0") for a in args[1:]])
+
+
+def parse_agent(args: list[str]) -> argparse.Namespace:
+    from bubbles.agent.cli import add_arguments
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(p)
+    assert args[0] == "agent"
+    return p.parse_args(args[1:])
+
+
+@pytest.mark.parametrize("values", [{}, {"agent": {"isolation": "mps"}, "grpc": {"token": True}},
+                                    {"operator": {"replicas": 3, "watchNamespaces": ["ml", "research"]}}])
+def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str, Any], tmp_path: Path) -> None:
+    from bubbles.agent.config import load_settings
+
+    docs = render(values)
+    op = parse_operator(container(docs, "Deployment")["args"])
+    # The mounted files, here: the agent checks that they exist before it starts.
+    args = []
+    for a in container(docs, "DaemonSet")["args"]:
+        if "=/etc/bubbles/" in a:
+            flag, path = a.split("=", 1)
+            local = tmp_path / Path(path).name
+            local.write_text("x")
+            a = f"{flag}={local}"
+        args.append(a)
+    ag = parse_agent(args)
+    settings = load_settings(vars(ag) | {"node": "node-1"}, environ={})
+    assert settings.cluster is not None and settings.config.metrics
+    assert settings.config.isolation.mode == values.get("agent", {}).get("isolation", "contexts")
+    assert (settings.cluster.token_file is not None) == bool(values.get("grpc", {}).get("token"))
+    if values.get("operator", {}).get("watchNamespaces"):
+        assert op.namespace == ["ml", "research", NS]  # the agents' namespace is watched too
+    assert str(op.agent_port) == settings.cluster.listen.rsplit(":", 1)[1]
+
+
+def test_mps_gets_host_ipc_shared_memory_and_the_pipe_directory() -> None:
+    docs = render({"agent": {"isolation": "mps", "mps": {"shmSize": "2Gi"}}})
+    spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert spec["hostIPC"] is True
+    shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert any(m["mountPath"] == "/dev/shm" for m in spec["containers"][0]["volumeMounts"])
+    assert "--mps-pipe-dir=/tmp/nvidia-mps" in spec["containers"][0]["args"]
+
+
+def test_service_monitors_follow_the_switch_and_a_custom_namespace_is_used_throughout() -> None:
+    assert not [d for d in render() if d["kind"] == "ServiceMonitor"]  # auto, and no Prometheus Operator API here
+    docs = render({"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}}, namespace="obs")
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 2 and all(m["metadata"]["labels"]["release"] == "prom" for m in monitors)
+    assert all(m["metadata"]["namespace"] == "obs" for m in monitors)
+    assert "ServiceMonitors created" in notes({"metrics": {"serviceMonitor": {"enabled": True}}})
+    assert "no ServiceMonitor" in notes()
+
+
+def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> None:
+    docs = render({"grpc": {"tls": "certManager", "certManager": {"skipApiCheck": True}}})
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    certs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
+    assert set(certs) == {"chart-bubbles-grpc-ca", "chart-bubbles-agent-tls", "chart-bubbles-operator-tls"}
+    assert certs["chart-bubbles-agent-tls"]["spec"]["dnsNames"] == ["bubbles-agent"]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"operator": {"replicas": 2, "leaderElection": False}}, "Set operator.leaderElection=true"),
+    ({"agent": {"isolation": "mps", "runAsUser": 0}}, "Set agent.runAsUser"),
+    ({"agent": {"isolation": "none", "allowUnisolated": True}}, "choose isolation contexts or mps"),
+    ({"agent": {"healthPort": 7070}}, "must differ"),
+    ({"grpc": {"tls": "certManager"}}, "install cert-manager, or use grpc.tls=generate"),
+    ({"agent": {"isolation": "magic"}}, "/agent/isolation"),
+    ({"agent": {"port": 0}}, "/agent/port"),
+    ({"operator": {"replicas": "two"}}, "/operator/replicas"),
+    ({"agent": {"slowdownBudget": 5}}, "/agent/slowdownBudget"),
+    ({"agnet": {}}, "agnet"),
+])
+def test_contradictory_or_malformed_values_are_refused_with_what_to_change(values: dict[str, Any],
+                                                                          message: str) -> None:
+    with pytest.raises(helm.HelmError) as info:
+        render(values)
+    assert message in str(info.value)
+
+
+def secret_files(docs: list[dict[str, Any]], suffix: str, d: Path) -> dict[str, Path]:
+    data = one(docs, "Secret", suffix)["data"]
+    d.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for key, value in data.items():
+        (d / key).write_bytes(base64.b64decode(value))
+        out[key] = d / key
+    return out
+
+
+def test_the_generated_credentials_work_on_a_real_grpc_channel(tmp_path: Path) -> None:
+    from bubbles.agent.cluster import ClusterConfig, NodeAgent
+    from bubbles.agent.config import AgentConfig
+    from bubbles.agent.rpc import ServerSecurity, serve
+    from bubbles.operator.grpc_agents import ClientSecurity, GrpcAgents
+
+    docs = render({"grpc": {"token": True}})
+    agent = secret_files(docs, "-agent-tls", tmp_path / "agent")
+    operator = secret_files(docs, "-operator-tls", tmp_path / "operator")
+    assert agent["ca.crt"].read_bytes() == operator["ca.crt"].read_bytes()
+    node = NodeAgent(ClusterConfig("n1", AgentConfig(run_dir=tmp_path / "run", training="x")))
+    node.start()
+    server = serve(node, "127.0.0.1:0", ServerSecurity(agent["tls.crt"], agent["tls.key"], agent["ca.crt"],
+                                                        agent["token"]))
+
+    async def call() -> Any:
+        agents = GrpcAgents({"n1": f"127.0.0.1:{server.port}"}.get,
+                            ClientSecurity(operator["ca.crt"], operator["tls.crt"], operator["tls.key"],
+                                           agent["token"], server_name="bubbles-agent"))
+        try:
+            return await agents.report("n1")
+        finally:
+            await agents.close()
+
+    try:
+        report = asyncio.run(call())
+        assert report is not None and report.node == "n1"
+    finally:
+        server.stop()
+        node.stop()
+
+
+@pytest.mark.kube
+def test_the_rendered_chart_installs_on_a_real_api_server_with_exactly_its_rbac(kube: Any) -> None:
+    docs = render({"operator": {"replicas": 2}})
+    kube.kubectl("create", "namespace", NS, check=False)
+    manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    kube.kubectl("apply", "--dry-run=server", "-f", "-", input_text=manifest)
+    kube.kubectl("create", "-f", "-", input_text=manifest)
+    who = f"--as=system:serviceaccount:{NS}:{RELEASE}-bubbles-operator"
+
+    def can(verb: str, resource: str, namespace: str = "ml") -> bool:
+        resource, _, sub = resource.partition("/")
+        extra = [f"--subresource={sub}"] if sub else []
+        proc = kube.kubectl("auth", "can-i", verb, resource, *extra, "-n", namespace, who, check=False)
+        return proc.stdout.strip() == "yes"
+
+    for rule in RULES:
+        group = rule["apiGroups"][0]
+        for resource in rule["resources"]:
+            base, _, sub = resource.partition("/")
+            full = (f"{base}.{group}" if group else base) + (f"/{sub}" if sub else "")
+            ns = NS if base == "leases" else "ml"
+            for verb in rule["verbs"]:
+                assert can(verb, full, ns), f"{verb} {full} in {ns} should be allowed"
+    for verb, resource, ns in (("get", "leases.coordination.k8s.io", "ml"), ("get", "secrets", NS),
+                               ("list", "secrets", "ml"), ("delete", "filljobs.bubbles.dev", "ml"),
+                               ("patch", "pods", "ml"), ("create", "deployments.apps", NS),
+                               ("patch", "pipelinetrainings.bubbles.dev", "ml")):
+        assert not can(verb, resource, ns), f"{verb} {resource} in {ns} must not be granted"
+    agent_sa = f"--as=system:serviceaccount:{NS}:{RELEASE}-bubbles-agent"
+    for verb, resource in (("get", "pods"), ("list", "filljobs.bubbles.dev"), ("get", "secrets")):
+        proc = kube.kubectl("auth", "can-i", verb, resource, "-n", NS, agent_sa, check=False)
+        assert proc.stdout.strip() == "no"  # the agent needs no API access at all
+    got = json.loads(kube.kubectl("get", "deploy,ds", "-n", NS, "-o", "json").stdout)["items"]
+    assert sorted(d["kind"] for d in got) == ["DaemonSet", "Deployment"]
