@@ -27,9 +27,10 @@ lint: setup
 # The real-API-server tier needs kube-apiserver, etcd and kubectl: found or built (once, cached) by the tools
 # script. If that fails the tier is skipped with a message saying why; the rest of the suite still runs.
 # The image tier builds the operator image with buildah on a Debian base made by tools/image-base.sh (cached).
+# The dashboard's queries run on Debian's Prometheus (tools/prometheus-from-debian.sh).
 test: lint
 	KUBEBUILDER_ASSETS="$$(tools/kube-from-debian.sh || true)" BUBBLES_IMAGE_BASE="$$(tools/image-base.sh || true)" \
-	  $(BIN)/python -m pytest
+	  BUBBLES_PROMETHEUS="$$(tools/prometheus-from-debian.sh || true)" $(BIN)/python -m pytest
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py --out out/bench

@@ -358,3 +358,15 @@ def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: Start
     assert private == h.run_dir / TRAINING / "no-mps" and private.is_dir() and not list(private.iterdir())
     assert h.job("cmd")["isolation"] == "contexts"
     assert any(e["kind"] == "isolation" and e["message"].startswith("ready: ") for e in stats["events"])
+
+
+def test_a_fill_job_whose_socket_path_would_be_too_long_is_stopped_with_the_reason(start_agent: StartAgent) -> None:
+    # The run directory fits the agent's own sockets, but this job's (fill-<name>.sock) would not fit sun_path:
+    # the job is stopped before it starts, saying what to shorten, and the agent and its other jobs go on.
+    long_name = "j" * 63
+    h = start_agent([spec(long_name, "test_agent_jobs:BusyJob"), spec("ok", "test_agent_jobs:BusyJob")])
+    assert paths.socket_path_problem(paths.fill_socket(h.run_dir, TRAINING, 0, long_name)) is not None
+    Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+    j = h.wait_state(long_name, "STOPPED")
+    assert "use a shorter run directory" in j["reason"] and "not started" in j["reason"]
+    h.wait_state("ok", "PAUSED", "RUNNING")

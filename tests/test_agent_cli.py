@@ -241,3 +241,10 @@ def test_cli_reports_the_isolation_in_its_stats(tmp_path: Path, mode: str) -> No
     assert iso["mode"] == "mps" and iso["state"] == "ready" and iso["daemon"]["owned"]
     assert (pipe / "commands.log").read_text().splitlines()[-1] == "quit"
     assert not (pipe / "control").exists()
+
+
+def test_a_run_dir_too_deep_for_unix_sockets_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    r = _agent("--run-dir", str(deep), "--training", "t")
+    assert r.returncode == 2, r.stderr
+    assert "longer than the 107 a Unix socket allows: use a shorter run directory (--run-dir" in r.stderr, r.stderr

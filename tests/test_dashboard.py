@@ -86,3 +86,14 @@ def test_the_chart_ships_the_dashboard_unchanged() -> None:
     off = helm.Chart.load(str(ROOT / "helm" / "bubbles")).render({"dashboard": {"enabled": False}}, name="b",
                                                                  namespace="x", is_install=True)
     assert not off["bubbles/templates/dashboard.yaml"].strip()
+
+
+def test_a_fill_job_that_was_never_killed_exports_zero_kills_not_no_data() -> None:
+    # The "Guard share and kills" panel sums rate(bubbles_fill_kills_total): with no series at all it shows "No data".
+    snap = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01)],
+                    [JobTotals(0, "cuda:0", "harvest", "fj", 10, 1e12)], [(0, "cuda:0", "RUNNING")],
+                    None, baseline_s=0.1, budget=0.01)
+    agent = AgentMetrics("t", lambda: snap)
+    generate_latest(agent.registry)  # the first scrape sees the job
+    body = generate_latest(agent.registry).decode()
+    assert 'bubbles_fill_kills_total{device="cuda:0",fill_job="fj",stage="0",training="t"} 0.0' in body

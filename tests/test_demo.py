@@ -27,6 +27,7 @@ OVERLAP_TOLERANCE_MS = 4.0
     (["--slowdown-budget", "2"], "fraction in (0, 1)"),
     (["--microbatches", "0"], "--microbatches 0"),
     (["--grace-ms", "-5"], "--grace-ms"),
+    (["--metrics-port", "70000"], "--metrics-port 70000: give a TCP port"),
 ])
 def test_bad_flags_are_rejected_with_what_to_do(flags: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,13 +8,7 @@ agent behind its gRPC service, and a fill process that attaches to it.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,17 +16,11 @@ from typing import Any
 
 import pytest
 from kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
+from local_node import LocalNode
 from operator_thread import OperatorThread
-from pki import Pki
 
-from bubbles import paths, wire
-from bubbles.agent.cluster import ClusterConfig, NodeAgent
-from bubbles.agent.config import AgentConfig
-from bubbles.agent.isolation import IsolationConfig
-from bubbles.agent.rpc import ServerSecurity, serve
-from bubbles.api import IsolationMode
 from bubbles.operator.agents import InMemoryAgents
-from bubbles.operator.grpc_agents import ClientSecurity, GrpcAgents
+from bubbles.operator.grpc_agents import GrpcAgents
 from bubbles.operator.kube import Connection, FinalizerConflict, KubeWriter
 from bubbles.operator.leader import LeaseElector
 from bubbles.operator.rbac import RULES, cluster_role, cluster_role_binding
@@ -265,45 +253,10 @@ def test_a_fill_job_runs_to_the_end_through_a_real_node_agent(cluster: ApiServer
                                                          "labels": {"app": training}},
          "spec": {"nodeName": node_name, "automountServiceAccountToken": False,
                   "containers": [{"name": "train", "image": "train:1"}]}}]}))
-    pki = Pki.make(tmp_path / "pki")
-    run_dir = tmp_path / "run"
-    node = NodeAgent(ClusterConfig(node_name, AgentConfig(run_dir=run_dir, training="placeholder",
-                                                          isolation=IsolationConfig(mode=IsolationMode.NONE)),
-                                   scan_interval_s=0.1))
-    node.start()
-    server = serve(node, "127.0.0.1:0", ServerSecurity(pki.server.cert, pki.server.key, pki.ca.cert))
-    card = paths.hook_card(run_dir, training, 0)
-    paths.make_private_dir(card.parent)
-    card.write_text(json.dumps({"training": training, "stage": 0, "stages": 2, "namespace": NS, "pod": f"{training}-0",
-                                "device": "cpu", "gpu_uuid": None}))
-    hook = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    stop = threading.Event()
-
-    def signal_bubbles() -> None:  # the training's hook: a 10 ms bubble in every 100 ms iteration
-        seq = 0
-        while not stop.is_set():
-            seq += 1
-            start = time.monotonic_ns()
-            targets = sorted(card.parent.glob("*.sock"))
-            for data in (wire.encode_bubble_start(0, 0, seq, start, start + 10_000_000),):
-                for p in targets:
-                    with contextlib.suppress(OSError):
-                        hook.sendto(data, str(p))
-            stop.wait(0.010)
-            for p in targets:
-                with contextlib.suppress(OSError):
-                    hook.sendto(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()), str(p))
-            stop.wait(0.090)
-
-    node.scan()
-    hook.sendto(wire.encode_profile(0, {**CYCLE, "training": training}), str(card.parent / "agent.sock"))
-    bubbles = threading.Thread(target=signal_bubbles, daemon=True)
-    bubbles.start()
-    address = f"127.0.0.1:{server.port}"
-    agents = GrpcAgents({node_name: address}.get, ClientSecurity(pki.ca.cert, pki.client.cert, pki.client.key))
+    node = LocalNode(node_name, NS, training, f"{training}-0", tmp_path)
+    agents = GrpcAgents({node_name: node.address}.get, node.client_security)
     conn = Connection(cluster.url, token=OPERATOR_TOKEN, ca_path=cluster.ca_path, namespace=OPERATOR_NAMESPACE)
     op = OperatorThread(Operator(OperatorConfig(interval_s=0.3, lease_namespace=OPERATOR_NAMESPACE), conn, agents))
-    proc: subprocess.Popen[str] | None = None
     try:
         cluster.kubectl("create", "-f", "-", input_text=json.dumps({
             "apiVersion": "bubbles.dev/v1alpha1", "kind": "FillJob", "metadata": {"name": "spin", "namespace": NS},
@@ -313,15 +266,11 @@ def test_a_fill_job_runs_to_the_end_through_a_real_node_agent(cluster: ApiServer
         until("Placed", lambda: phase(cluster, "spin") in ("Placed", "Running"))
         fj = get(cluster, "fj", "spin")
         assert fj is not None and fj["status"]["assignment"]["training"] == training
-        until("the agent holds the assignment", lambda: any(j.message.name == "spin" for j in node.book.jobs.values()))
+        until("the agent holds the assignment",
+              lambda: any(j.message.name == "spin" for j in node.node.book.jobs.values()))
         pod = get(cluster, "pod", "fj-spin-a0")
         assert pod is not None and pod["spec"]["nodeName"] == node_name
-        (container,) = pod["spec"]["containers"]
-        env = {e["name"]: e["value"] for e in container["env"]}
-        env["BUBBLES_RUN_DIR"] = str(run_dir)  # the hostPath the Pod would mount, here
-        command = [sys.executable if c == "python" else c for c in container["command"]]
-        proc = subprocess.Popen(command, env={**os.environ, **env}, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        proc = node.start_pod(cluster, "fj-spin-a0")
         until("Running", lambda: phase(cluster, "spin") == "Running", timeout_s=60)
         until("Succeeded", lambda: phase(cluster, "spin") == "Succeeded", timeout_s=120)
         assert proc.wait(timeout=30) == 0
@@ -331,14 +280,6 @@ def test_a_fill_job_runs_to_the_end_through_a_real_node_agent(cluster: ApiServer
         story = [e["reason"] for e in events if e["involvedObject"]["name"] == "spin"]
         assert story[0] == "Placed" and "Running" in story and story[-1] == "Succeeded"
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-        if proc is not None:
-            proc.communicate()
         op.close()
-        stop.set()
-        bubbles.join(5)
-        hook.close()
-        server.stop()
-        node.stop()
+        node.close()
         cluster.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false", check=False)

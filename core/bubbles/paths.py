@@ -70,6 +70,19 @@ def fill_socket(run_dir: Path | str, training: str, stage: int, job: str) -> Pat
     return stage_dir(run_dir, training, stage) / f"{FILL_SOCKET_PREFIX}{check_name('fill job', job)}{SOCKET_SUFFIX}"
 
 
+# sun_path holds 108 bytes on Linux, the terminating NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def socket_path_problem(path: Path | str) -> str | None:
+    """Why ``path`` cannot be bound as a Unix socket (too long for ``sun_path``), with what to do; else None."""
+    n = len(os.fsencode(str(path)))
+    if n <= MAX_SOCKET_PATH_BYTES:
+        return None
+    return (f"socket path {path} is {n} bytes, longer than the {MAX_SOCKET_PATH_BYTES} a Unix socket allows: use a "
+            f"shorter run directory (--run-dir or BUBBLES_RUN_DIR), training name or fill-job name")
+
+
 def make_private_dir(path: Path) -> Path:
     """Create ``path`` (and parents) readable only by this user; tighten it if it already exists."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)

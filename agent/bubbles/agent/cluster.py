@@ -243,6 +243,8 @@ class NodeAgent:
     def start(self) -> None:
         paths.make_private_dir(self.run_dir)
         path = paths.attach_socket(self.run_dir)
+        if (problem := paths.socket_path_problem(path)) is not None:
+            raise OSError(problem)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -701,6 +701,11 @@ class AgentCore:
                 nodes = (FillNode(1e-9, job.spec.memory_bytes),)
             if not self._plan(ex, job, nodes, steps=None if job.planned_with_step else 1):
                 continue
+            problem = paths.socket_path_problem(self._fill_socket(job))
+            if problem is not None:
+                log.error("stage %d: fill job %r not started: %s", ex.index, job.name, problem)
+                self._set_state(job, FillState.STOPPED, f"not started: {problem}")
+                continue
             ex.active = job
             self._actions.append(Launch(job, ex.device, ex.core, self._fill_socket(job),
                                         isolated=self.isolation_raw.state == IsolationState.READY))

@@ -27,9 +27,11 @@ ISOLATION_STATES = IsolationState.labels()
 
 
 class _HarvestCollector(Collector):
-    def __init__(self, training: str, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, training: str, snapshot: Callable[[], Snapshot],
+                 seen_job: Callable[[int, str, str], object] = lambda stage, device, job: None) -> None:
         self.training = training
         self.snapshot = snapshot
+        self.seen_job = seen_job
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
@@ -52,6 +54,7 @@ class _HarvestCollector(Collector):
         for j in snap.jobs:
             lv = [self.training, str(j.stage), j.device, j.mode, j.job]
             steps.add_metric(lv, j.steps)
+            self.seen_job(j.stage, j.device, j.job)
             flops.add_metric(lv, j.flops)
         jobs = GaugeMetricFamily("bubbles_fill_jobs", "Fill jobs by life-cycle state",
                                  labels=["training", "stage", "device", "state"])
@@ -110,7 +113,10 @@ class AgentMetrics:
         self.share_gauge = Gauge("bubbles_fill_share", "Share of each bubble the slowdown guard gives fill work",
                            ["training"], registry=r)
         self.share_gauge.labels(training).set(1.0)
-        r.register(_HarvestCollector(training, snapshot))
+        # Every fill job's kill counter exists from its first scrape, at 0: "no kills" is a 0 on the dashboard,
+        # not "No data" (a labelled counter is otherwise born only at its first increment).
+        r.register(_HarvestCollector(training, snapshot,
+                                     lambda stage, device, job: self.kills.labels(training, str(stage), device, job)))
         self._server: Any = None
 
     # The core's MetricsSink: what is counted rather than derived from the core's state.

@@ -163,6 +163,8 @@ class Agent:
         """Bind the executors' sockets, serve metrics, write the ready file."""
         for ex in self.core.executors:
             path = paths.agent_socket(self.config.run_dir, self.config.training, ex.index)
+            if (problem := paths.socket_path_problem(path)) is not None:
+                raise OSError(problem)
             paths.make_private_dir(path.parent)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from bubbles import paths
 from bubbles.api import FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, format_phases
 from bubbles.orchestrate.processes import (
@@ -54,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long after a bubble ends a fill step may run before it is killed (default 50)")
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--timeline", type=Path, help="write a PNG Gantt chart of a few harvesting iterations here")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve the agent's Prometheus metrics on 127.0.0.1:PORT while the demo runs, for a "
+                        "Prometheus of your own to scrape (default 0: a free port, printed at start)")
     p.add_argument("--workdir", type=Path,
                    help="keep the run's files (agent stats, per-rank records, logs) here instead of a "
                         "temporary directory")
@@ -74,6 +79,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         errors.append("--hidden must be >= 8, --layers >= --stages, --micro-batch-size >= 1")
     if not 0 < args.slowdown_budget < 1:
         errors.append(f"--slowdown-budget {args.slowdown_budget}: give a fraction in (0, 1), e.g. 0.01 for 1%")
+    if not 0 <= args.metrics_port <= 65535:
+        errors.append(f"--metrics-port {args.metrics_port}: give a TCP port (1-65535), or 0 for a free one")
     if args.grace_ms <= 0:
         errors.append(f"--grace-ms {args.grace_ms}: must be > 0")
     for flag in ("report", "timeline"):
@@ -110,21 +117,36 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_in(args: argparse.Namespace, work: Path) -> int:
+    run_dir, ranks_dir = work / "run", work / "ranks"
+    specs = fill_job_specs(args.stages)
+    if any(paths.socket_path_problem(paths.fill_socket(run_dir, TRAINING, s["stage"], s["name"])) for s in specs):
+        # A deep --workdir would make the fill jobs' sockets longer than a Unix socket path may be: keep the
+        # sockets in a short private directory instead (removed at the end), the rest of the files in --workdir.
+        short = Path(tempfile.mkdtemp(prefix="bubbles-run-"))
+        print(f"  --workdir is too deep for Unix socket paths: sockets in {short}", flush=True)
+        try:
+            return _run_with(args, work, short, ranks_dir, specs)
+        finally:
+            shutil.rmtree(short, ignore_errors=True)
+    return _run_with(args, work, run_dir, ranks_dir, specs)
+
+
+def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Path,
+              specs: list[dict[str, Any]]) -> int:
     from bubbles.demo.report import build_report, format_summary
     from bubbles.demo.timeline import draw_timeline
 
-    run_dir, ranks_dir = work / "run", work / "ranks"
     ranks_dir.mkdir(parents=True, exist_ok=True)
     # A kept --workdir may hold a previous run's files: none of them may stand in for this run's.
     for stale in [*ranks_dir.glob("rank-*.json"), work / "agent-stats.json", work / "agent.ready", work / "start"]:
         stale.unlink(missing_ok=True)
     spec_paths = []
-    for spec in fill_job_specs(args.stages):
+    for spec in specs:
         path = work / f"{spec['name']}.json"
         path.write_text(json.dumps(spec))
         spec_paths.append(path)
     stats_path, ready_path, start_path = work / "agent-stats.json", work / "agent.ready", work / "start"
-    metrics_port = free_port()
+    metrics_port = args.metrics_port or free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     agent_cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
                  "--executors", str(args.stages), "--mode", FillMode.OFF.label, "--stats", str(stats_path),
@@ -150,7 +172,7 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
             print(f"bubbles demo: error: the agent did not start; its log:\n{tail(work / 'agent.log')}",
                   file=sys.stderr)
             return 1
-        print("  agent ready; starting the training", flush=True)
+        print(f"  agent ready (metrics: http://127.0.0.1:{metrics_port}/metrics); starting the training", flush=True)
         train_log = work / "train.log"
         starter = threading.Thread(target=_start_when_fill_jobs_ready,
                                    args=(metrics_port, args.stages, start_path, agent), daemon=True)
