@@ -295,3 +295,20 @@ def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt()
     bad = fill_job("bad", checkpoint={"path": "state", "claimName": "Not_A_Name"})
     step([bad], [stage(1, pod="llama-1")])
     assert bad["status"]["phase"] == "Failed" and "checkpoint" in cond(bad, "Admitted")["message"]
+
+
+def test_a_stages_scheduler_class_follows_its_cycle_and_its_trainings_share_and_reserve() -> None:
+    """The class is memoized per stage; an edited share or reserve, or a newly reported cycle, must show at once."""
+    from bubbles.operator.decide import executor_class
+    from bubbles.resources import PipelineTrainingResource
+
+    s = stage(0)
+    half = PipelineTrainingResource.from_object(training(maxFillShare=0.5))
+    quarter = PipelineTrainingResource.from_object(training(maxFillShare=0.25, memoryReserve="512Mi"))
+    a = executor_class(s, half)
+    assert a.bubbles[0].duration_s == 0.005 and a.bubbles[0].free_bytes == 1024 * MIB
+    assert executor_class(s, half) is a  # unchanged: the same class
+    b = executor_class(s, quarter)
+    assert b.bubbles[0].duration_s == 0.0025 and b.bubbles[0].free_bytes == 512 * MIB
+    longer = replace(s, cycle=cycle(0, bubble_s=0.040))  # the agent reported a new cycle for the same stage
+    assert executor_class(longer, quarter).bubbles[0].duration_s == 0.010

@@ -204,13 +204,26 @@ def _policy(name: str) -> Any:
     return get_policy(name)
 
 
+# stage key -> (cycle, share, reserve, stage number, class): a stage's class is rebuilt only when its cycle object or
+# its training's share or reserve changes (the shell hands the same cycle object over while the report is unchanged).
+_CLASSES: dict[str, tuple[Any, float, int, int, ExecutorClass]] = {}
+
+
 def executor_class(stage: StageView, training: PipelineTrainingResource) -> ExecutorClass:
     """The scheduler's view of one stage: its bubbles cut to the training's share and memory reserve."""
     assert stage.cycle is not None
+    have = _CLASSES.get(stage.key)
+    if have is not None and have[0] is stage.cycle and have[1] == training.max_fill_share \
+            and have[2] == training.memory_reserve_bytes and have[3] == stage.stage:
+        return have[4]
     bubbles = tuple(Bubble(s.duration_s * training.max_fill_share,
                            max(0, s.free_bytes - training.memory_reserve_bytes),
                            f"{stage.training} stage {stage.stage} slot {s.slot}") for s in stage.cycle.slots)
-    return ExecutorClass(stage.key, bubbles, stage.cycle.iteration_s, 1)
+    cls = ExecutorClass(stage.key, bubbles, stage.cycle.iteration_s, 1)
+    if len(_CLASSES) > 100_000:
+        _CLASSES.clear()
+    _CLASSES[stage.key] = (stage.cycle, training.max_fill_share, training.memory_reserve_bytes, stage.stage, cls)
+    return cls
 
 
 def _status(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -625,11 +638,14 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         if _phase(st.status) in ACTIVE:
             tk = f"{j.namespace}/{(st.status.get('assignment') or {}).get('training')}"
             placed_on[tk] = placed_on.get(tk, 0) + 1
+    by_training: dict[str, list[StageView]] = {}
+    for s in stages.values():
+        by_training.setdefault(s.training, []).append(s)
     for tkey, tr in trainings.items():
         obj = by_key[tkey]
         before = _status(obj)
         status = dict(before)
-        mine = [s for s in stages.values() if s.training == tkey]
+        mine = by_training.get(tkey, [])
         status["pods"] = len({s.pod for s in mine})
         status["stages"] = [{
             **({"stage": s.stage} if s.stage >= 0 else {}),  # unknown until the Pod's hook reports

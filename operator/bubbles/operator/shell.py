@@ -57,6 +57,7 @@ class OperatorConfig:
     renew_s: float = 5.0
     write_concurrency: int = 16  # API writes in flight at once
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
+    metrics_interval_s: float = 1.0  # the per-job gauges are recomputed at most this often (scrapes are far rarer)
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     agent_selector: tuple[tuple[str, str], ...] = (("app.kubernetes.io/component", "agent"),
@@ -116,6 +117,9 @@ class Operator:
         self._pod_matches: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {}  # Pod -> (rv, trainings, keys)
         self._generation: tuple[Any, ...] = ()
         self._agent_index: dict[str, str] = {}
+        self._cycles: dict[str, tuple[Any, BubbleCycle | None]] = {}  # stage key -> (reported dict, parsed)
+        self._report_index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], Any]]] = {}  # node -> by Pod
+        self._observed = -math.inf  # when the per-job gauges were last recomputed
         self._agents_version = -1
         self.leader: LeaseElector | None = None
         if config.leader_election:
@@ -287,20 +291,37 @@ class Operator:
         for rep in reports.values():
             for j in rep.jobs if rep else ():
                 progress[j.uid] = j
+        index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], Any]]] = {}
+        for node, rep in reports.items():
+            if rep is not None:
+                ix = self._report_index.get(node)
+                if ix is None or ix[0] is not rep:
+                    ix = (rep, {})
+                    for s in rep.stages:
+                        ix[1].setdefault((s.namespace, s.training, s.pod), s)
+                index[node] = ix
+        self._report_index = index
+        cycles: dict[str, tuple[Any, BubbleCycle | None]] = {}
         for tkey, pods in pods_by_training.items():
             ns, name = tkey.split("/", 1)
             for pod in pods:
                 meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
                 node = str(spec.get("nodeName") or "")
                 rep = reports.get(node)
-                sr = next((s for s in (rep.stages if rep else ()) if s.namespace == ns and s.training == name
-                           and s.pod == meta.get("name")), None)
+                sr = index[node][1].get((ns, name, str(meta.get("name")))) if rep is not None else None
                 cycle = None
                 if sr is not None and sr.cycle is not None:
-                    try:
-                        cycle = BubbleCycle.from_dict(sr.cycle)
-                    except ValueError:
-                        cycle = None
+                    # Parsed once per reported cycle: the same object each round lets decisions memoize per stage.
+                    ckey = f"{tkey}/{meta.get('name')}"
+                    had = self._cycles.get(ckey)
+                    if had is not None and (had[0] is sr.cycle or had[0] == sr.cycle):
+                        cycle = had[1]
+                    else:
+                        try:
+                            cycle = BubbleCycle.from_dict(sr.cycle)
+                        except ValueError:
+                            cycle = None
+                    cycles[ckey] = (sr.cycle, cycle)
                 stages.append(StageView(
                     tkey, sr.stage if sr else -1, str(meta.get("name")), str(meta.get("uid", "")), node,
                     sr.device if sr else "", cycle if node else None, agent_up=rep is not None,
@@ -308,6 +329,7 @@ class Operator:
                     baseline_iteration_s=sr.baseline_iteration_s if sr else None,
                     bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0,
                     gpu_uuid=sr.gpu_uuid if sr else None))
+        self._cycles = cycles
         failed: dict[str, str] = {}
         for key, pod in list(self.store.pods.items()):
             st = pod.get("status") or {}
@@ -333,7 +355,9 @@ class Operator:
         self.rounds += 1
         self.last = d
         self.metrics.reconciles.inc()
-        self.metrics.observe(list(self.store.fill_jobs.values()))
+        if time.monotonic() - self._observed >= self.config.metrics_interval_s:
+            self._observed = time.monotonic()
+            self.metrics.observe(list(self.store.fill_jobs.values()))
         if d.create_pods or d.fill_job_status:
             log.debug("round %d: %d status(es), %d Pod(s) in %.1f ms", self.rounds, len(d.fill_job_status),
                       len(d.create_pods), (time.perf_counter() - t0) * 1e3)
