@@ -28,6 +28,9 @@ lint: setup
 # script. If that fails the tier is skipped with a message saying why; the rest of the suite still runs.
 # The image tier builds the operator image with buildah on a Debian base made by tools/image-base.sh (cached).
 # The dashboard's queries run on Debian's Prometheus (tools/prometheus-from-debian.sh).
+# The cluster tier (tests/test_cluster.py) brings up a real single-node cluster with tools/node-from-debian.sh (kubelet,
+# containerd, runc from Debian's packages; binaries cached like the API server's), builds the three images, installs the
+# chart and runs a DeepSpeed training and FillJobs as Pods; it takes the node down again at the end.
 test: lint
 	KUBEBUILDER_ASSETS="$$(tools/kube-from-debian.sh || true)" BUBBLES_IMAGE_BASE="$$(tools/image-base.sh || true)" \
 	  BUBBLES_PROMETHEUS="$$(tools/prometheus-from-debian.sh || true)" $(BIN)/python -m pytest

@@ -11,6 +11,10 @@ import asyncio
 import base64
 import filecmp
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +263,56 @@ def test_the_rendered_chart_installs_on_a_real_api_server_with_exactly_its_rbac(
         assert proc.stdout.strip() == "no"  # the agent needs no API access at all
     got = json.loads(kube.kubectl("get", "deploy,ds", "-n", NS, "-o", "json").stdout)["items"]
     assert sorted(d["kind"] for d in got) == ["DaemonSet", "Deployment"]
+
+
+def test_every_port_names_its_protocol_for_server_side_apply_on_kubernetes_1_20() -> None:
+    """Helm 4 installs with server-side apply; a 1.20 API server refuses ports without `protocol` (a list keyed on
+    it, with no default there). Found by the cluster tier's `helm install`."""
+    missing = []
+    for doc in render({"metrics": {"serviceMonitor": {"enabled": True}}}):
+        spec = doc.get("spec") or {}
+        pod = ((spec.get("template") or {}).get("spec")) or {}
+        for c in [*pod.get("initContainers", []), *pod.get("containers", [])]:
+            missing += [f"{doc['kind']} {c['name']} {p}" for p in c.get("ports", []) if "protocol" not in p]
+        if doc["kind"] == "Service":
+            missing += [f"Service {doc['metadata']['name']} {p}" for p in spec.get("ports", []) if "protocol" not in p]
+    assert not missing, missing
+
+
+def test_the_node_run_directory_is_at_run_bubbles_in_every_pod_and_the_operator_mounts_the_host_path() -> None:
+    """The agent hands fill processes absolute socket paths: they must mean the same file in the agent's Pod as in
+    the fill Pod (and the training's), so every Pod mounts agent.runDir at /run/bubbles. Found by the cluster tier:
+    with the agent mounting it at agent.runDir, a fill Pod failed with FileNotFoundError binding its socket."""
+    docs = render({"agent": {"runDir": "/var/lib/bubbles/run", "runAsUser": 1000, "runAsGroup": 1000}})
+    ds = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (run,) = [v for v in ds["volumes"] if v["name"] == "run"]
+    assert run["hostPath"]["path"] == "/var/lib/bubbles/run"
+    for c in [*ds["initContainers"], *ds["containers"]]:
+        assert {"name": "run", "mountPath": "/run/bubbles"} in c["volumeMounts"], c["name"]
+    assert parse_agent(container(docs, "DaemonSet")["args"]).run_dir == Path("/run/bubbles")
+    op = parse_operator(container(docs, "Deployment")["args"])
+    assert (op.node_run_dir, op.fill_uid, op.fill_gid) == ("/var/lib/bubbles/run", 1000, 1000)
+
+
+@pytest.mark.skipif(not shutil.which("setpriv") or os.geteuid() != 0, reason="needs root and util-linux's setpriv")
+def test_the_run_dir_init_container_works_with_only_its_capability_and_again_after_a_restart(tmp_path: Path) -> None:
+    """The init container's own command, as root with CAP_CHOWN only (its securityContext): it gives the kubelet's
+    root-owned directory to the agent's user, and succeeds again when the agent Pod is replaced (the directory is
+    the agent's by then: the cluster tier found the second start failing with EPERM)."""
+    docs = render({"agent": {"runAsUser": 1000, "runAsGroup": 1000}})
+    (init,) = one(docs, "DaemonSet")["spec"]["template"]["spec"]["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    argv = [sys.executable, *init["command"][1:]]
+    argv[argv.index("/run/bubbles")] = str(d)
+    only_chown = ["setpriv", "--inh-caps=-all", "--bounding-set=-all,+chown", "--"]
+    r = subprocess.run([*only_chown, *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    st = d.stat()
+    assert (st.st_uid, st.st_gid) == (1000, 1000) and st.st_mode & 0o777 == 0o755
+    d.chmod(0o700)  # what the agent does once it runs: the directory is private to it
+    r = subprocess.run([*only_chown, *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"a replaced agent Pod's init container failed: {r.stderr}"
+    st = d.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, 0o700)

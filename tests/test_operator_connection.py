@@ -98,6 +98,8 @@ def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Pat
         (["--agent-ca", "/no/such/ca.crt", "--agent-token-file", "/no/t"], "cannot read the agent TLS files"),
         (["--agent-ca", "/no/such/ca.crt"], "a client certificate (--agent-client-cert/-key) or a token"),
         (["--agent-ca", "/no/ca", "--agent-client-cert", "/no/c"], "go together"),
+        (["--node-run-dir", "run/bubbles"], "the node's run directory must be an absolute path"),
+        (["--fill-uid", "-3"], "fill Pods' user id must be >= 0, got -3"),
     ],
 )
 def test_bad_operator_flags_exit_2_with_the_fix(flags: list[str], needle: str,

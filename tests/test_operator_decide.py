@@ -11,9 +11,11 @@ import datetime as dt
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from bubbles.api import FillState
 from bubbles.cycle import BubbleCycle
-from bubbles.operator.decide import ClusterView, Decisions, JobProgress, StageView, reconcile
+from bubbles.operator.decide import ClusterView, Decisions, FillPodSettings, JobProgress, StageView, reconcile
 
 NOW = dt.datetime(2026, 11, 23, 8, 0, tzinfo=dt.UTC)
 MIB = 2**20
@@ -28,8 +30,9 @@ def cycle(stage: int = 0, bubble_s: float = 0.010, free: int = 1024 * MIB, itera
 
 
 def stage(k: int = 0, pod: str = "llama-0", node: str = "node-a", **kw: Any) -> StageView:
-    fields: dict[str, Any] = {"cycle": cycle(k), "hook_reporting": True}
-    fields.update(kw)
+    fields: dict[str, Any] = {"hook_reporting": True, **kw}
+    if "cycle" not in fields:
+        fields["cycle"] = cycle(k)
     return StageView("ml/llama", k, pod, f"uid-{pod}", node, "cuda:0", **fields)
 
 
@@ -49,10 +52,11 @@ def fill_job(name: str = "fj", created: str = "2026-11-23T07:00:00Z", **spec: An
 
 def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[dict[str, Any]] | None = None,
          progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW,
-         failed_pods: dict[str, str] | None = None) -> Decisions:
+         failed_pods: dict[str, str] | None = None, fill_pods: FillPodSettings | None = None) -> Decisions:
     """One reconcile; the decided statuses are written into the objects (the API server's part)."""
     trainings = trainings if trainings is not None else [training()]
-    d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}, failed_pods=failed_pods or {}))
+    d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}, failed_pods=failed_pods or {},
+                              fill_pods=fill_pods or FillPodSettings()))
     for obj in jobs:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
         if key in d.fill_job_status:
@@ -101,6 +105,27 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     d = step([fill_job("on-gpu")], [stage(1, pod="llama-1", gpu_uuid="GPU-1234")])
     env = {e["name"]: e["value"] for e in d.create_pods[0]["spec"]["containers"][0]["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1234" and env["BUBBLES_DEVICE"] == "cuda:0"
+
+
+def test_fill_pods_mount_the_agents_run_dir_and_run_as_its_user() -> None:
+    (pod,) = step([fill_job()], [stage()]).create_pods
+    assert pod["spec"]["volumes"][0]["hostPath"]["path"] == "/run/bubbles" and "securityContext" not in pod["spec"]
+    # The chart's agent.runDir and agent.runAsUser: the sockets live there and are private to that user.
+    settings = FillPodSettings("/var/lib/bubbles/run", run_as_user=1000, run_as_group=2000)
+    (pod,) = step([fill_job("other")], [stage()], fill_pods=settings).create_pods
+    assert pod["spec"]["volumes"][0]["hostPath"] == {"path": "/var/lib/bubbles/run", "type": "Directory"}
+    assert pod["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/run/bubbles"  # where the SDK looks
+    assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"node_run_dir": "run/bubbles"}, "must be an absolute path"),
+    ({"run_as_user": -1}, "user id must be >= 0"),
+    ({"run_as_group": -5}, "group id must be >= 0"),
+])
+def test_fill_pod_settings_refuse_what_no_node_has(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        FillPodSettings(**kwargs)
 
 
 def test_a_placed_job_is_never_placed_twice_even_by_a_restarted_operator() -> None:
@@ -154,6 +179,16 @@ def test_a_lost_training_pod_requeues_the_job_and_the_restart_limit_fails_it() -
     assert "stopped answering" in job["status"]["message"] and d.create_pods == []
 
 
+def test_a_stage_its_restarted_agent_does_not_report_says_so_not_that_the_pod_is_gone() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    # A restarted agent: the training Pod is there (stage -1: no card read yet), the job's stage is not reported.
+    step([job], [stage(-1, cycle=None, hook_reporting=False)])
+    msg = cond(job, "Evicted")["message"]
+    assert "no longer reports stage 0 of llama" in msg and "llama-0 still runs" in msg and "is gone" not in msg
+    assert job["status"]["restarts"] == 1
+
+
 def test_a_restarted_training_pod_is_re_profiled_before_it_gets_work_again() -> None:
     job = fill_job()
     step([job], [stage()])
@@ -192,6 +227,7 @@ def test_training_status_says_whether_the_hook_reports_and_what_harvesting_costs
     step([], [stage(hook_reporting=False, cycle=None)], [t])
     hook = cond(t, "HookReporting")
     assert hook["status"] == "False" and "attach the hook" in hook["message"] and t["status"]["pods"] == 1
+    assert "at /run/bubbles" in hook["message"]  # the other half of what a silent Pod usually lacks
     step([], [stage(iteration_s=0.103, baseline_iteration_s=0.100, bubble_s=10.0, filled_s=7.0)], [t])
     st = t["status"]
     assert st["bubbleRatio"] == 0.1 and st["slowdown"] == 0.03 and st["shareFilled"] == 0.7

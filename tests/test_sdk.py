@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -506,3 +507,61 @@ def test_an_unreadable_checkpoint_means_starting_over_with_a_warning(tmp_path: P
     (tmp_path / "state.bin").mkdir()  # a directory where the state file should be
     assert CheckpointStore(tmp_path).restore(Counter()) is False
     assert "starting over" in capsys.readouterr().err
+
+
+class BrokenAtCreate(IterativeFillJob):
+    def create(self) -> None:
+        open("/no/such/dataset.bin", "rb")  # noqa: SIM115
+
+    def step(self) -> None:
+        raise AssertionError("never reached")
+
+
+def test_a_failing_job_tells_the_agent_what_failed_and_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent logs the message and the operator puts it in the FillJob's Events: by the time someone reads it, the
+    fill Pod and its log may be gone, so the message says where the error was raised."""
+    ours, theirs = socket.socketpair()
+    monkeypatch.setenv(control.CONTROL_FD_ENV, str(theirs.fileno()))
+    monkeypatch.setenv(control.JOB_ENV, "broken")
+    with pytest.raises(FileNotFoundError):
+        run_fill_process(["--entry", "test_sdk:BrokenAtCreate"])
+    ours.settimeout(5)
+    events = [json.loads(line) for line in ours.recv(65536).decode().splitlines() if line]
+    (err,) = [e for e in events if e.get("type") == "error"]
+    assert err["message"].startswith("FileNotFoundError: [Errno 2] No such file or directory: '/no/such/dataset.bin'")
+    assert f"(at {__file__}:" in err["message"] and "in create)" in err["message"]
+    ours.close()
+
+
+def test_attaching_reads_the_welcome_only_and_leaves_the_agents_next_commands_on_the_channel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent may send its first command (init) right behind the welcome, in the same segment: the SDK must not
+    swallow it with the welcome (the cluster tier saw fill Pods fail with 'reply line is not JSON (Extra data)')."""
+    import threading
+
+    from bubbles import paths
+    from bubbles.sdk import attach_to_agent
+
+    monkeypatch.setenv(paths.RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(control.UID_ENV, "uid-1")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(paths.attach_socket(tmp_path)))
+    server.listen(1)
+
+    def agent() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)  # the hello
+            conn.sendall(control.encode("welcome", job="j-a0", socket=str(tmp_path / "f.sock"), stage=0)
+                         + control.encode("init"))
+            conn.recv(1)  # until the client closes
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    sock, welcome = attach_to_agent("cpu", timeout_s=10)
+    assert welcome.type == "welcome" and welcome["job"] == "j-a0"
+    sock.settimeout(10)
+    assert control.parse_command(sock.recv(4096)).type == "init"  # still there for the control channel
+    sock.close()
+    t.join(10)
+    server.close()

@@ -31,14 +31,18 @@ ATTACH_SOCKET_NAME = "attach.sock"
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 
 
-def default_run_dir() -> Path:
-    """``$BUBBLES_RUN_DIR``, else ``/run/bubbles`` when writable, else a per-user directory in /tmp."""
+def default_run_dir(mounted: Path = Path("/run/bubbles")) -> Path:
+    """``$BUBBLES_RUN_DIR``; else ``/run/bubbles`` when this user can use it, or create it; else a per-user
+    directory in /tmp.
+
+    In a Pod ``/run/bubbles`` is the node's run directory mounted there (a hostPath the agent owns): ``/run`` itself
+    is root's, so the directory counts when it is writable, not only when ``/run`` is."""
     env = os.environ.get(RUN_DIR_ENV)
     if env:
         return Path(env)
-    run = Path("/run")
-    if os.access(run, os.W_OK):
-        return run / "bubbles"
+    run = mounted
+    if os.access(run, os.W_OK | os.X_OK) or (not os.path.lexists(run) and os.access(run.parent, os.W_OK)):
+        return run
     return Path(f"/tmp/bubbles-{os.getuid()}")
 
 

@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -604,9 +605,11 @@ def attach_to_agent(device: str, timeout_s: float = 30.0) -> tuple[socket.socket
             raise OSError(f"cannot reach the node's bubbles agent at {path} ({exc.strerror or exc}): is the agent "
                           f"running on this node, and is its run directory mounted at {path.parent}?") from None
         sock.sendall(control.encode("hello", **hello))
+        # One line and not a byte more: the agent's first commands (init) may follow its welcome on the same stream
+        # at once, and they are the control channel's to read. A byte at a time, once per process.
         reply = bytearray()
         while not reply.endswith(b"\n"):
-            chunk = sock.recv(4096)
+            chunk = sock.recv(1)
             if not chunk:
                 raise OSError("the node's bubbles agent closed the connection without answering")
             reply += chunk
@@ -732,12 +735,23 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         runtime._disarm()
     except Exception as exc:  # report the failure to the agent, then exit non-zero
         try:
-            runtime._emit("error", message=f"{type(exc).__name__}: {exc}")
+            runtime._emit("error", message=_describe(exc))
             runtime._flush()
         except _Stop:
             pass
         raise
     return 0
+
+
+def _describe(exc: BaseException) -> str:
+    """What the agent logs and the FillJob's Events show: the error and where it was raised (the fill Pod, and its
+    log, may be gone by the time someone reads it)."""
+    text = f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    if tb:
+        where = tb[-1]
+        text += f" (at {where.filename}:{where.lineno} in {where.name})"
+    return text
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-file", type=Path, default=None,
                    help="after profiling, wait until this file exists before the first phase")
     p.add_argument("--start-timeout-s", type=float, default=120.0, help="how long to wait for --start-file")
+    p.add_argument("--stop-file", type=Path, default=None,
+                   help="end the run early, after the iteration in which rank 0 sees this file (every rank stops "
+                        "at the same iteration); the record holds the iterations run")
     p.add_argument("--trace", action="store_true", help="record per-instruction timings (Gantt chart)")
     p.add_argument("--schedule", choices=("train", "inference"), default="train")
     p.add_argument("--timing", choices=("auto", "host", "cuda", "host-events"), default="auto",
@@ -209,14 +212,33 @@ def main(argv: list[str] | None = None) -> int:
             and not wait_for_file(args.start_file, None, args.start_timeout_s)):
         print(f"[bubbles] warning: {args.start_file} did not appear within {args.start_timeout_s:.0f} s; "
               "starting anyway", flush=True)
+    stop = torch.zeros(1, dtype=torch.int32)
+
+    def stopping() -> bool:
+        """Whether rank 0 saw --stop-file: one tiny all-reduce between iterations, outside train_batch (the hook
+        does not see it)."""
+        if args.stop_file is None:
+            return False
+        stop[0] = 1 if rank == 0 and args.stop_file.exists() else 0
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        return bool(stop[0])
+
+    stopped = False
     for mode, n in phases:
+        if stopped:
+            break
         dist.barrier()
         if inst is not None:
             inst.set_fill_mode(mode)
-        for _ in range(n):
+        done = 0
+        while done < n and not stopped:
             step()
             phase_of.append(mode.label)
-        report(mode.label, n)
+            done += 1
+            stopped = stopping()
+        report(mode.label, done)
+    if stopped and rank == 0:
+        print(f"[bubbles] {args.stop_file} seen: stopped after {len(losses)} iterations", flush=True)
     dist.barrier()
 
     schedule_name = "TrainSchedule" if args.schedule == "train" else "InferenceSchedule"

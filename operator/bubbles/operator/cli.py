@@ -80,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     agents.add_argument("--agent-down-after", type=float, default=10.0, metavar="SECONDS",
                         help="an agent that has not answered for this long is down: its fill jobs are requeued "
                              "(default 10)")
+    fill = parser.add_argument_group("fill Pods (what they share with the node agents)")
+    fill.add_argument("--node-run-dir", default="/run/bubbles", metavar="PATH",
+                      help="the agents' run directory on the nodes, mounted into every fill Pod (default /run/bubbles; "
+                           "the chart passes agent.runDir)")
+    fill.add_argument("--fill-uid", type=int, default=None, metavar="UID",
+                      help="run fill Pods as this user: the agents' UID (their sockets are private to it; the chart "
+                           "passes agent.runAsUser). Default: the image's user")
+    fill.add_argument("--fill-gid", type=int, default=None, metavar="GID", help="and this group (agent.runAsGroup)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default INFO)")
 
@@ -139,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
     elif args.agent_client_cert or args.agent_client_key or args.agent_token_file:
         return _fail("--agent-client-cert, --agent-client-key and --agent-token-file need --agent-ca (the CA that "
                      "signed the agents' server certificate)")
+    from .decide import FillPodSettings
+
+    try:
+        fill_pods = FillPodSettings(args.node_run_dir, args.fill_uid, args.fill_gid)
+    except ValueError as exc:
+        return _fail(f"--node-run-dir/--fill-uid/--fill-gid: {exc}")
     try:
         connection = Connection.from_environment(args.kubeconfig)
     except (ValueError, OSError) as exc:
@@ -148,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy, interval_s=args.interval, leader_election=args.leader_election,
         lease_name=args.lease_name, lease_namespace=args.lease_namespace or connection.namespace or "default",
         identity=args.identity or socket.gethostname(), metrics_port=args.metrics_port or None,
-        metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port)
+        metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port, fill_pods=fill_pods)
     log = logging.getLogger("bubbles.operator")
     if security is None:
         log.warning("no --agent-ca: the node agents are not called, so no bubble profile reaches the operator and "

@@ -90,6 +90,23 @@ class ClusterView:
     policy: str = "fifo"
     # Fill Pods that failed, "namespace/name" -> why (the kubelet's reason): their jobs are evicted.
     failed_pods: Mapping[str, str] = field(default_factory=dict)
+    fill_pods: FillPodSettings = field(default_factory=lambda: FillPodSettings())
+
+
+@dataclass(frozen=True)
+class FillPodSettings:
+    """What every fill Pod shares with its node's agent: set where the agent's DaemonSet is (the chart)."""
+
+    node_run_dir: str = RUN_DIR  # the agent's run directory on the node (a hostPath), mounted at RUN_DIR in the Pod
+    run_as_user: int | None = None  # the UID the agent runs as: its sockets are private to it
+    run_as_group: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.node_run_dir.startswith("/"):
+            raise ValueError(f"the node's run directory must be an absolute path, got {self.node_run_dir!r}")
+        for what, v in (("user", self.run_as_user), ("group", self.run_as_group)):
+            if v is not None and v < 0:
+                raise ValueError(f"fill Pods' {what} id must be >= 0, got {v}")
 
 
 # -- what it decides ----------------------------------------------------------------------------------------
@@ -363,7 +380,14 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         prog = None  # an earlier attempt's run (stopped when this one was placed): not this run's progress
     lost = None
     if stage is None:
-        lost = f"training Pod {a.get('trainingPod')} (stage {a.get('stage')} of {a.get('training')}) is gone"
+        tkey, tpod = f"{job.namespace}/{a.get('training')}", a.get("trainingPod")
+        if any(s.pod == tpod and s.training == tkey for s in view.stages):
+            # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes)
+            # or the hook went silent.
+            lost = (f"the bubbles agent on node {a.get('node')} no longer reports stage {a.get('stage')} of "
+                    f"{a.get('training')} (training Pod {tpod} still runs: the agent restarted, or the hook is silent)")
+        else:
+            lost = f"training Pod {tpod} (stage {a.get('stage')} of {a.get('training')}) is gone"
     elif not stage.agent_up:
         lost = f"the bubbles agent on node {stage.node} stopped answering"
     elif a.get("trainingPodUid") and stage.pod_uid and a["trainingPodUid"] != stage.pod_uid:
@@ -538,7 +562,7 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
     for req_id, (_obj, job, st) in requests.items():
         if req_id in placed:
             cls_name, end_s = placed[req_id]
-            _assign(out, st, job, by_name[cls_name], end_s)
+            _assign(out, st, job, by_name[cls_name], end_s, view.fill_pods)
             continue
         position += 1
         st.status["queuePosition"] = position
@@ -547,13 +571,14 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
         st.phase(FillJobPhase.QUEUED, "waiting: every bubble it fits is in use")
 
 
-def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageView, end_s: float) -> None:
+def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageView, end_s: float,
+            settings: FillPodSettings) -> None:
     attempt = int(st.status.get("restarts", 0))
     pod = fill_pod_name(job.name, attempt)
     a = Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node,
                    stage.pod, stage.device, pod, attempt, stage.gpu_uuid, job.job)
     out.assign.append(a)
-    out.create_pods.append(fill_pod(job, a))
+    out.create_pods.append(fill_pod(job, a, settings))
     if FINALIZER not in (st.meta.get("finalizers") or []):
         out.add_finalizer.append(key_of(st.obj))
     counters = dict(st.status.get("counters") or {})
@@ -569,8 +594,10 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
     st.phase(FillJobPhase.PLACED, msg, event="Placed")
 
 
-def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
-    """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets."""
+def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | None = None) -> dict[str, Any]:
+    """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets (the
+    node's run directory at RUN_DIR, as the agent's UID)."""
+    settings = settings or FillPodSettings()
     env = [
         {"name": "BUBBLES_FILL_JOB", "value": job.name},
         {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},  # with the attempt: how the process attaches to the agent
@@ -603,7 +630,8 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
         container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
         if job.job.args:
             container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
-    volumes: list[dict[str, Any]] = [{"name": "bubbles-run", "hostPath": {"path": RUN_DIR, "type": "Directory"}}]
+    volumes: list[dict[str, Any]] = [{"name": "bubbles-run",
+                                      "hostPath": {"path": settings.node_run_dir, "type": "Directory"}}]
     if job.checkpoint_path and job.checkpoint_claim:
         # The job's state outlives its Pod: the next attempt (another node, maybe) restores from it.
         container["volumeMounts"].append({"name": "checkpoint", "mountPath": job.checkpoint_path})
@@ -623,6 +651,9 @@ def fill_pod(job: FillJobResource, a: Assignment) -> dict[str, Any]:
             "nodeName": a.node,  # the training's node: the bubbles are its GPU's
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
+            **({"securityContext": {k: v for k, v in (("runAsUser", settings.run_as_user),
+                                                      ("runAsGroup", settings.run_as_group)) if v is not None}}
+               if settings.run_as_user is not None or settings.run_as_group is not None else {}),
             "containers": [container],
             "volumes": volumes,
         },
@@ -664,7 +695,8 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         elif silent:
             conds = set_condition(conds, Condition(
                 "HookReporting", "False", "NoHook", f"no bubble signals from {', '.join(sorted(silent))}: attach the "
-                "hook (bubbles.hook.instrument(engine)) and set BUBBLES_TRAINING to this PipelineTraining's name",
+                "hook (bubbles.hook.instrument(engine)), set BUBBLES_TRAINING to this PipelineTraining's name and "
+                "mount the node's bubbles run directory (the chart's agent.runDir) at /run/bubbles",
                 observed_generation=gen), view.now)
         else:
             conds = set_condition(conds, Condition("HookReporting", "True", "Reporting",

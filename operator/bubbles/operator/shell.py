@@ -35,7 +35,7 @@ from bubbles.resources import (
 )
 
 from .agents import AgentDirectory
-from .decide import ClusterView, Decisions, StageView, key_of, reconcile
+from .decide import ClusterView, Decisions, FillPodSettings, StageView, key_of, reconcile
 from .kube import Connection, FinalizerConflict, KubeWriter, PodConflict
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
@@ -63,6 +63,7 @@ class OperatorConfig:
     agent_selector: tuple[tuple[str, str], ...] = (("app.kubernetes.io/component", "agent"),
                                                    ("app.kubernetes.io/name", "bubbles"))
     agent_port: int = 7070
+    fill_pods: FillPodSettings = field(default_factory=FillPodSettings)
 
 
 @dataclass
@@ -341,7 +342,7 @@ class Operator:
                 failed[key] = f"{why}{': ' + st['message'] if st.get('message') else ''}"
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
-                           failed)
+                           failed, self.config.fill_pods)
 
     async def reconcile_once(self) -> Decisions:
         """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""

@@ -1,0 +1,148 @@
+"""A real single-node Kubernetes cluster for the ``cluster`` tier: started and stopped by tools/node-from-debian.sh
+(kubelet, containerd and runc from Debian's packages), with the project's images built by images/build.sh on
+local bases (tools/image-base.sh) and imported into the node. Nothing here plays a part: the kubelet runs the Pods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "node-from-debian.sh"
+T = TypeVar("T")
+
+
+class ClusterUnavailable(Exception):
+    """The tier cannot run here (the message says why and what to do)."""
+
+
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+         input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, input=input_text,
+                          cwd=ROOT)
+
+
+def tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+class RealNode:
+    """The node and its API server, driven as a user would: kubectl with the admin's kubeconfig."""
+
+    def __init__(self, state: Path, kubeconfig: Path, up_s: float) -> None:
+        self.state, self.kubeconfig, self.up_s = state, kubeconfig, up_s
+        config = subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig), "config", "view", "-o",
+                                 "jsonpath={.clusters[0].cluster.server}"], capture_output=True, text=True,
+                                check=True).stdout
+        host_port = config.removeprefix("https://")
+        self.api_host, _, port = host_port.rpartition(":")
+        self.api_port = int(port)
+        self.name = os.environ.get("BUBBLES_NODE_NAME", "bubbles-node")
+
+    @classmethod
+    def up(cls, state: Path) -> RealNode:
+        if os.geteuid() != 0:
+            raise ClusterUnavailable("needs root (containerd, the kubelet and their mounts)")
+        if not shutil.which("apt-get") and not shutil.which("containerd"):
+            raise ClusterUnavailable("no containerd and no apt-get to install it")
+        env = {**os.environ, "BUBBLES_NODE_DIR": str(state)}
+        t0 = time.monotonic()
+        result = _run([str(TOOL), "up"], timeout=2400, env=env)
+        if result.returncode != 0:
+            _run([str(TOOL), "down"], timeout=300, env=env)
+            raise ClusterUnavailable(f"tools/node-from-debian.sh up failed:\n{tail(result.stderr)}")
+        return cls(state, Path(result.stdout.strip().splitlines()[-1]), time.monotonic() - t0)
+
+    def down(self) -> subprocess.CompletedProcess[str]:
+        return _run([str(TOOL), "down"], timeout=300, env={**os.environ, "BUBBLES_NODE_DIR": str(self.state)})
+
+    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True,
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        result = _run(["kubectl", "--kubeconfig", str(self.kubeconfig), *args], timeout=timeout,
+                      input_text=input_text)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr.strip()}")
+        return result
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, *objects: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input_text=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                "items": list(objects)}))
+
+    def import_images(self, *images: str) -> None:
+        result = _run([str(TOOL), "import", *images], timeout=900,
+                      env={**os.environ, "BUBBLES_NODE_DIR": str(self.state)})
+        if result.returncode != 0:
+            raise AssertionError(f"importing {images} failed: {tail(result.stderr)}")
+
+    def dump(self) -> str:
+        """What a person debugging a red run wants first: the cluster's objects, Events, the bubbles Pods' logs
+        and the node's daemons."""
+        out = []
+        for args in (["get", "nodes,pods,daemonsets,deployments", "-A", "-o", "wide"],
+                     ["get", "pipelinetrainings,filljobs", "-A", "-o", "wide"],
+                     ["get", "filljobs", "-A", "-o", "yaml"],
+                     ["get", "events", "-A", "--sort-by", ".lastTimestamp"]):
+            r = self.kubectl(*args, check=False, timeout=30)
+            out.append(f"$ kubectl {' '.join(args)}\n{r.stdout}{r.stderr}")
+        pods = self.kubectl("get", "pods", "-A", "-o", "json", check=False, timeout=30)
+        try:
+            items = json.loads(pods.stdout)["items"]
+        except (ValueError, KeyError):
+            items = []
+        for pod in items:
+            meta = pod["metadata"]
+            for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+                r = self.kubectl("logs", "-n", meta["namespace"], meta["name"], "-c", c["name"], "--tail", "60",
+                                 check=False, timeout=30)
+                out.append(f"$ kubectl logs -n {meta['namespace']} {meta['name']} -c {c['name']}\n"
+                           f"{r.stdout}{r.stderr}")
+        r = _run([str(TOOL), "logs", "kubelet", "containerd"], timeout=30,
+                 env={**os.environ, "BUBBLES_NODE_DIR": str(self.state)})
+        out.append(r.stdout)
+        return "\n".join(out)
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 1.0) -> T:
+    """Poll ``probe`` until it returns something other than None/False; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            value = probe()
+        except AssertionError as exc:  # a kubectl that failed: say it if time runs out
+            value, last = None, exc
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" ({last})" if last else ""))
+        time.sleep(interval)
+
+
+def build_images(tag: str) -> dict[str, str]:
+    """The operator and agent images on the Debian base, the fill-job image on a framework base (torch and
+    DeepSpeed: what a user's PyTorch image brings), each from its own Dockerfile with images/build.sh."""
+    env = {**os.environ, "STORAGE_DRIVER": os.environ.get("STORAGE_DRIVER", "vfs"), "OFFLINE": "1"}
+    bases = {}
+    for kind, args in (("plain", []), ("torch", ["--torch"])):
+        r = _run([str(ROOT / "tools" / "image-base.sh"), *args], timeout=1800, env=env)
+        if r.returncode != 0:
+            raise ClusterUnavailable(f"tools/image-base.sh {' '.join(args)} failed:\n{tail(r.stderr)}")
+        bases[kind] = r.stdout.strip().splitlines()[-1]
+    images = {}
+    for what, base in (("operator", bases["plain"]), ("agent", bases["plain"]), ("fill-job", bases["torch"])):
+        image = f"localhost/bubbles-{what}:{tag}"
+        r = _run([str(ROOT / "images" / "build.sh"), what, image], timeout=1800, env={**env, "BASE": base})
+        if r.returncode != 0:
+            raise AssertionError(f"images/build.sh {what} failed:\n{tail(r.stdout)}\n{tail(r.stderr)}")
+        images[what] = image
+    return images
