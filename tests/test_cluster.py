@@ -146,6 +146,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         else:
             result = node.down()
             assert result.returncode == 0, result.stderr
+            # The machine as it was: no mounts of the node's, no bridge, no state directory left behind.
+            mounts = [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(state) in line]
+            assert not mounts and not state.exists(), mounts
+            assert not Path("/sys/class/net/bubbles-br0").exists(), "the node's bridge is still there"
 
 
 def test_helm_install_brings_up_the_operator_and_an_agent_on_the_gpu_node(cluster: Cluster) -> None:

@@ -52,11 +52,12 @@ def fill_job(name: str = "fj", created: str = "2026-11-23T07:00:00Z", **spec: An
 
 def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[dict[str, Any]] | None = None,
          progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW,
-         failed_pods: dict[str, str] | None = None, fill_pods: FillPodSettings | None = None) -> Decisions:
+         failed_pods: dict[str, str] | None = None, fill_pods: FillPodSettings | None = None,
+         ended_pods: dict[str, str] | None = None) -> Decisions:
     """One reconcile; the decided statuses are written into the objects (the API server's part)."""
     trainings = trainings if trainings is not None else [training()]
     d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}, failed_pods=failed_pods or {},
-                              fill_pods=fill_pods or FillPodSettings()))
+                              ended_pods=ended_pods or {}, fill_pods=fill_pods or FillPodSettings()))
     for obj in jobs:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
         if key in d.fill_job_status:
@@ -187,6 +188,30 @@ def test_a_stage_its_restarted_agent_does_not_report_says_so_not_that_the_pod_is
     msg = cond(job, "Evicted")["message"]
     assert "no longer reports stage 0 of llama" in msg and "llama-0 still runs" in msg and "is gone" not in msg
     assert job["status"]["restarts"] == 1
+
+
+def test_a_fill_pod_that_ended_while_its_restarted_agent_knows_no_run_is_requeued() -> None:
+    """The node's agent restarted: the fill process left with the old agent's channel (exit 0), the new agent only
+    has the operator's repeated assignment, waiting for a process that will never attach (seen on a real node)."""
+    job = fill_job()
+    step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 10, 1e9, attempt=0)})
+    ended = {"ml/fj-fj-a0": "Completed (exit code 0)"}
+    d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.SUBMITTED, attempt=0)},
+             ended_pods=ended)
+    assert job["status"]["restarts"] == 1 and "holds no run of the job" in cond(job, "Evicted")["message"]
+    assert ("ml", "fj-fj-a0") in d.delete_pods
+    # The normal end is not mistaken for it: the agent reports the run STOPPED (finished) before the Pod ends.
+    done = fill_job("done")
+    step([done], [stage()])
+    step([done], [stage()], progress={"uid-done": JobProgress("uid-done", FillState.STOPPED, 1000, 1e13, "finished")},
+         ended_pods={"ml/fj-done-a0": "Completed (exit code 0)"})
+    assert done["status"]["phase"] == "Succeeded"
+    # While the agent still runs the process, an ended Pod is not acted on either (the agent says what happened).
+    run = fill_job("run")
+    step([run], [stage()])
+    step([run], [stage()], progress={"uid-run": JobProgress("uid-run", FillState.RUNNING, 5, 1e9)},
+         ended_pods={"ml/fj-run-a0": "Completed (exit code 0)"})
+    assert run["status"]["phase"] == "Running" and run["status"]["restarts"] == 0
 
 
 def test_a_restarted_training_pod_is_re_profiled_before_it_gets_work_again() -> None:

@@ -90,6 +90,9 @@ class ClusterView:
     policy: str = "fifo"
     # Fill Pods that failed, "namespace/name" -> why (the kubelet's reason): their jobs are evicted.
     failed_pods: Mapping[str, str] = field(default_factory=dict)
+    # Fill Pods whose process exited 0, "namespace/name" -> what the kubelet says: a job whose agent holds no process
+    # for it then has lost its run (its agent restarted and the process left with the old one's channel).
+    ended_pods: Mapping[str, str] = field(default_factory=dict)
     fill_pods: FillPodSettings = field(default_factory=lambda: FillPodSettings())
 
 
@@ -396,6 +399,12 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
     elif (failed := view.failed_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
         lost = f"fill Pod {a.get('pod')} failed: {failed}"
+    elif (prog is None or prog.state is FillState.SUBMITTED) and \
+            (ended := view.ended_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
+        # A finished run is reported as STOPPED by the agent before its process exits; an agent that knows no
+        # process for the job while its Pod has ended lost the run (it restarted).
+        lost = (f"fill Pod {a.get('pod')} ended ({ended}) but the agent on {a.get('node')} holds no run of the job "
+                "(the agent restarted?)")
     if prog is not None and prog.state is FillState.STOPPED:
         if prog.reason == "finished" or prog.steps_done >= job.steps:
             st.status.update(_progress_fields(job, max(prog.steps_done, job.steps), prog.flops))

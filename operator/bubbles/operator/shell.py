@@ -332,17 +332,20 @@ class Operator:
                     gpu_uuid=sr.gpu_uuid if sr else None))
         self._cycles = cycles
         failed: dict[str, str] = {}
+        ended: dict[str, str] = {}
         for key, pod in list(self.store.pods.items()):
             st = pod.get("status") or {}
-            if st.get("phase") == "Failed" and \
+            phase = st.get("phase")
+            if phase in ("Failed", "Succeeded") and \
                     ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
                 states = [c.get("state") or {} for c in st.get("containerStatuses") or ()]
                 why = next((f"{s['terminated'].get('reason', 'Error')} (exit code {s['terminated'].get('exitCode')})"
-                            for s in states if "terminated" in s), st.get("reason") or "the Pod failed")
-                failed[key] = f"{why}{': ' + st['message'] if st.get('message') else ''}"
+                            for s in states if "terminated" in s), st.get("reason") or f"the Pod {phase.lower()}")
+                (failed if phase == "Failed" else ended)[key] = \
+                    f"{why}{': ' + st['message'] if st.get('message') else ''}"
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
-                           failed, self.config.fill_pods)
+                           failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods)
 
     async def reconcile_once(self) -> Decisions:
         """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""
