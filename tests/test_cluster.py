@@ -38,6 +38,64 @@ class Cluster:
     def __init__(self, node: RealNode, images: dict[str, str], run_dir: Path, out_dir: Path) -> None:
         self.node, self.images, self.run_dir, self.out_dir = node, images, run_dir, out_dir
         self.timeline: dict[str, float] = {}
+        self.prometheus: Any = None  # a real Prometheus scraping the bubbles Pods, from helm install on
+        self.scraped_from = 0.0
+
+
+def start_prometheus(node: RealNode, work: Path) -> Any:
+    """Debian's Prometheus on the host, scraping every bubbles Pod's container port named `metrics`. Debian builds
+    it without Kubernetes service discovery, so a thread here does discovery's part: every 2 s it lists the Pods
+    from the API server into a file_sd file (Prometheus re-reads it), following replaced Pods (the fault tests
+    delete the agent and the operator)."""
+    import threading
+
+    from test_dashboard_prometheus import Prometheus, find_prometheus
+
+    binary, why = find_prometheus()
+    if binary is None:
+        return why
+    work.mkdir(parents=True, exist_ok=True)
+    targets = work / "targets.json"
+
+    def discover() -> None:
+        pods = node.get("pods", "-n", SYSTEM, "-l", "app.kubernetes.io/name=bubbles")["items"]
+        groups = []
+        for pod in pods:
+            ip, meta = pod["status"].get("podIP"), pod["metadata"]
+            if not ip or pod["status"].get("phase") != "Running":
+                continue
+            for c in pod["spec"]["containers"]:
+                for port in c.get("ports", []):
+                    if port.get("name") == "metrics":
+                        labels = meta.get("labels") or {}
+                        groups.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": {
+                            "job": f"bubbles-{labels.get('app.kubernetes.io/component', 'unknown')}",
+                            "node": pod["spec"].get("nodeName", ""), "pod": meta["name"]}})
+        tmp = targets.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(targets)
+
+    discover()
+    prom = Prometheus(binary, work, {}, [{"job_name": "bubbles-pods", "file_sd_configs": [
+        {"files": [str(targets)], "refresh_interval": "2s"}]}])
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(2.0):
+            with contextlib.suppress(Exception):  # the API server busy for a moment: the next round
+                discover()
+
+    thread = threading.Thread(target=loop, name="bubbles-discovery", daemon=True)
+    thread.start()
+    close = prom.close
+
+    def close_all() -> None:
+        stop.set()
+        thread.join(10)
+        close()
+
+    prom.close = close_all
+    return prom
 
 
 @contextlib.contextmanager
@@ -121,6 +179,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         node = RealNode.up(state)
     except ClusterUnavailable as exc:
         pytest.skip(f"CLUSTER TIER SKIPPED: {exc}")
+    c: Cluster | None = None
     try:
         images = build_images("cluster")
         import subprocess
@@ -139,8 +198,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             config.install(helm.Chart.load(str(ROOT / "helm" / "bubbles")), RELEASE, chart_values(node, run_dir),
                            namespace=SYSTEM, create_namespace=True, timeout=300, wait="watcher")
             c.timeline["helm install (wait for Ready)"] = time.monotonic() - t0
+            c.scraped_from = time.time()
+            c.prometheus = start_prometheus(node, state / "prometheus")
         yield c
     finally:
+        if c is not None and c.prometheus is not None and not isinstance(c.prometheus, str):
+            c.prometheus.close()
         if os.environ.get("BUBBLES_NODE_KEEP") == "1":  # to look around after a run: tools/node-from-debian.sh down
             print(f"BUBBLES_NODE_KEEP=1: the node stays up (kubectl --kubeconfig {node.kubeconfig})")
         else:
@@ -372,3 +435,36 @@ def test_the_trainings_loss_is_bit_identical_to_a_run_without_bubbles_and_its_sl
             assert harvest["losses"][:n] == reference["losses"], f"rank {rank}: the losses differ"
             assert harvest["stats"]["bubbles_signalled"] > 0 and not harvest["stats"]["disabled"]
         print(json.dumps({"timeline": cluster.timeline, "harvest_iterations": len(harvest["losses"])}, indent=1))
+
+
+def test_a_real_prometheus_scrapes_the_pods_and_every_dashboard_query_has_data(cluster: Cluster) -> None:
+    """Last: the whole run's metrics, from the Pods the chart made (replaced ones included), through every query of
+    the committed dashboard."""
+    import sys
+
+    if isinstance(cluster.prometheus, str):
+        pytest.skip(f"PROMETHEUS TIER SKIPPED: {cluster.prometheus}")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import dashboard_preview
+    from test_dashboard_prometheus import RATE_INTERVAL, SCRAPE_S
+
+    prom = cluster.prometheus
+    with explained(cluster):
+        def both_up() -> dict[str, str] | None:
+            h: dict[str, str] = prom.targets_up()
+            return h if sum(v == "up" for v in h.values()) >= 2 else None
+
+        health = wait_for("Prometheus to scrape the operator and the agent", both_up, 60)
+        dashboard = json.loads((ROOT / "helm" / "bubbles" / "dashboards" / "bubbles.json").read_text())
+        end = time.time()
+        empty = []
+        for _panel, _target, expr in dashboard_preview.panel_queries(dashboard, RATE_INTERVAL):
+            series = dashboard_preview.query_range(prom.url, expr, cluster.scraped_from, end, SCRAPE_S)
+            if not any(s.points for s in series):
+                empty.append(expr)
+        assert not empty, f"dashboard queries with no data over the run: {empty} (targets: {health})"
+        flops = dashboard_preview.query_range(
+            prom.url, f'sum by (node) (rate(bubbles_recovered_flops_total{{mode="harvest"}}[{RATE_INTERVAL}]))',
+            cluster.scraped_from, end, SCRAPE_S)
+        assert any(v > 0 for s in flops for _, v in s.points), [(s.labels, s.points[-3:]) for s in flops]
+        assert {s.labels.get("node") for s in flops} == {cluster.node.name}, [s.labels for s in flops]

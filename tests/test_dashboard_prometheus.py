@@ -51,14 +51,16 @@ def find_prometheus() -> tuple[str | None, str]:
 
 
 class Prometheus:
-    def __init__(self, binary: str, work: Path, targets: dict[str, list[tuple[str, dict[str, str]]]]) -> None:
+    def __init__(self, binary: str, work: Path, targets: dict[str, list[tuple[str, dict[str, str]]]],
+                 scrape_configs: list[dict[str, object]] = ()) -> None:  # type: ignore[assignment]
+        """Scrape ``targets`` (job -> [(host:port, labels)]) and any further ``scrape_configs`` every second."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {"global": {"scrape_interval": f"{int(SCRAPE_S * 1000)}ms",
                              "scrape_timeout": f"{int(SCRAPE_S * 1000)}ms"},
                   "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t], "labels": labels}
                                                                           for t, labels in ts]}
-                                     for job, ts in targets.items()]}
+                                     for job, ts in targets.items()] + list(scrape_configs)}
         (work / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self.log = (work / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
