@@ -363,14 +363,7 @@ def test_deleting_the_agent_pod_mid_fill_requeues_or_resumes_and_the_training_go
                                                                                       trainings: Trainings) -> None:
     node = cluster.node
     with explained(cluster):
-        node.apply(fill_job("agent-fault", 3000))
-        wait_phase(node, "agent-fault", {"Running"}, 300)
-        old = pod_of(node, "agent")["metadata"]["name"]
-        node.kubectl("delete", "pod", "-n", SYSTEM, old, "--wait=false")
-        wait_for("the DaemonSet's new agent Pod", lambda: (
-            p if (p := pod_of_or_none(node, "agent")) and p["metadata"]["name"] != old
-            and all(c.get("ready") for c in p["status"].get("containerStatuses", [])) else None), 180)
-        obj = wait_phase(node, "agent-fault", {"Succeeded", "Failed"}, 600)
+        obj = run_through_a_replaced_pod(node, "agent-fault", "agent")
         assert obj["status"]["phase"] == "Succeeded", obj["status"]
         assert obj["status"]["progress"]["stepsDone"] == 3000
         training_untouched(node)
@@ -383,17 +376,23 @@ def pod_of_or_none(node: RealNode, component: str) -> dict[str, Any] | None:
         return None
 
 
+def run_through_a_replaced_pod(node: RealNode, job: str, component: str) -> dict[str, Any]:
+    """A 3,000-step FillJob, and once it runs the bubbles Pod of ``component`` deleted: wait for its controller's
+    replacement to be Ready, then for the job to end. Returns the FillJob."""
+    node.apply(fill_job(job, 3000))
+    wait_phase(node, job, {"Running"}, 300)
+    old = pod_of(node, component)["metadata"]["name"]
+    node.kubectl("delete", "pod", "-n", SYSTEM, old, "--wait=false")
+    wait_for(f"a new {component} Pod", lambda: (
+        p if (p := pod_of_or_none(node, component)) and p["metadata"]["name"] != old
+        and all(c.get("ready") for c in p["status"].get("containerStatuses", [])) else None), 180)
+    return wait_phase(node, job, {"Succeeded", "Failed"}, 600)
+
+
 def test_a_new_operator_pod_picks_up_without_running_anything_twice(cluster: Cluster, trainings: Trainings) -> None:
     node = cluster.node
     with explained(cluster):
-        node.apply(fill_job("operator-fault", 3000))
-        wait_phase(node, "operator-fault", {"Running"}, 300)
-        old = pod_of(node, "operator")["metadata"]["name"]
-        node.kubectl("delete", "pod", "-n", SYSTEM, old, "--wait=false")
-        wait_for("the Deployment's new operator Pod", lambda: (
-            p if (p := pod_of_or_none(node, "operator")) and p["metadata"]["name"] != old
-            and all(c.get("ready") for c in p["status"].get("containerStatuses", [])) else None), 180)
-        obj = wait_phase(node, "operator-fault", {"Succeeded", "Failed"}, 600)
+        obj = run_through_a_replaced_pod(node, "operator-fault", "operator")
         assert obj["status"]["phase"] == "Succeeded", obj["status"]
         assert obj["status"]["counters"]["placements"] == 1 and obj["status"]["restarts"] == 0, obj["status"]
         fill_pods = [p["metadata"]["name"] for p in node.get("pods", "-n", NS)["items"]

@@ -179,6 +179,9 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"operator": {"replicas": "two"}}, "/operator/replicas"),
     ({"agent": {"slowdownBudget": 5}}, "/agent/slowdownBudget"),
     ({"agnet": {}}, "agnet"),
+    ({"operator": {"extraEnv": [{"value": "x"}]}}, "/operator/extraEnv/0"),
+    ({"agent": {"extraEnv": {"A": "b"}}}, "/agent/extraEnv"),
+    ({"agent": {"runDir": "run/bubbles"}}, "/agent/runDir"),
 ])
 def test_contradictory_or_malformed_values_are_refused_with_what_to_change(values: dict[str, Any],
                                                                           message: str) -> None:

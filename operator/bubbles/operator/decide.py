@@ -639,6 +639,8 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
         if job.job.args:
             container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
+    security = {k: v for k, v in (("runAsUser", settings.run_as_user), ("runAsGroup", settings.run_as_group))
+                if v is not None}
     volumes: list[dict[str, Any]] = [{"name": "bubbles-run",
                                       "hostPath": {"path": settings.node_run_dir, "type": "Directory"}}]
     if job.checkpoint_path and job.checkpoint_claim:
@@ -660,9 +662,7 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
             "nodeName": a.node,  # the training's node: the bubbles are its GPU's
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
-            **({"securityContext": {k: v for k, v in (("runAsUser", settings.run_as_user),
-                                                      ("runAsGroup", settings.run_as_group)) if v is not None}}
-               if settings.run_as_user is not None or settings.run_as_group is not None else {}),
+            **({"securityContext": security} if security else {}),
             "containers": [container],
             "volumes": volumes,
         },
