@@ -5,6 +5,7 @@ service passes them on. Only Kubernetes is absent: the test plays the operator a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 from test_agent import TRAINING, Hook, cycle, wait_for
 
 from bubbles import control, paths, wire
@@ -152,6 +154,20 @@ def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancell
             proc.communicate()
     finally:
         hook.close()
+
+
+def test_the_trainings_limits_from_an_assignment_reach_its_guard_before_and_after_it_starts(
+        node: NodeAgent) -> None:
+    limited = dataclasses.replace(assignment(), slowdown_budget=0.2, max_fill_share=0.5)
+    node.assign(limited)  # before the training's hook has written its card
+    write_card(node.run_dir)
+    node.scan()
+    core = node.trainings[TRAINING].agent.core
+    assert (core.config.guard.budget, core.config.guard.max_share, core.share) == (0.2, 0.5, 0.5)
+    node.assign(dataclasses.replace(limited, uid="uid-2", slowdown_budget=0.05, max_fill_share=None))
+    assert (core.config.guard.budget, core.config.guard.max_share) == (0.05, 0.5)  # None: unchanged
+    text = generate_latest(node.trainings[TRAINING].agent.metrics.registry).decode()
+    assert f'bubbles_slowdown_budget{{training="{TRAINING}"}} 0.05' in text
 
 
 def test_processes_the_operator_did_not_assign_are_refused_with_the_reason(node: NodeAgent) -> None:

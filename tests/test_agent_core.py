@@ -273,3 +273,21 @@ def test_submissions_that_cannot_run_are_refused_with_the_fix() -> None:
     gpu = AgentCore(CoreConfig(run_dir=Path("/r"), training="t", executors=(("cuda:0", None),)), Clock())
     with pytest.raises(ValueError, match="declares no memory limit"):
         gpu.submit(parse_spec({"name": "g", "entry": "a:B"}))
+
+
+def test_a_trainings_own_limits_cap_the_share_and_set_the_guards_budget() -> None:
+    guard = GuardConfig(budget=0.01, window=3, refresh_every=0)
+    core, clock, sink = make_core(guard=guard)
+    job = armed(core)
+    core.take_actions()
+    assert core.set_guard_limits(0.25, 0.5, "PipelineTraining ml/t") is True
+    assert core.share == 0.5 and ("share", 0.5) in sink.calls
+    assert Send(job, "share", {"share": 0.5}) in core.take_actions()
+    assert core.snapshot().budget == 0.25 and core.status().budget == 0.25
+    assert core.set_guard_limits(0.25, 0.5, "PipelineTraining ml/t") is False  # told again each round: no change
+    for _ in range(12):  # 20% slower than the profiled 50 ms: within a 25% budget, so the share stays
+        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, 60 * MS))
+    assert core.guard is not None and core.guard.config.budget == 0.25 and core.share == 0.5
+    assert any(e["kind"] == "guard" and "slowdown budget 25.00%" in e["message"] for e in core.events)
+    core.set_guard_limits(None, 0.0, "PipelineTraining ml/t")  # maxFillShare: 0 turns harvesting off
+    assert core.share == 0.0 and Send(job, "share", {"share": 0.0}) in core.take_actions()

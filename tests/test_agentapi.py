@@ -87,3 +87,29 @@ def test_a_bad_report_is_refused_with_the_field() -> None:
         agentapi.report_from_pb(pb.NodeReport(node="n", stages=[pb.StageReport(training="t", cycle_json="{x")]))
     with pytest.raises(agentapi.ApiError, match="stages count from 0"):
         agentapi.report_from_pb(pb.NodeReport(node="n", stages=[pb.StageReport(training="t", stage=-1)]))
+
+
+def _assign_request(**limits: float) -> pb.AssignRequest:
+    spec = pb.FillJobSpec(name="x", interface="iterative", entry="m:C")
+    return pb.AssignRequest(uid="u", training="t", fill_pod="p", spec=spec, **limits)
+
+
+def test_an_assignment_carries_the_trainings_guard_limits_or_none() -> None:
+    spec = FillJobSpec("a", FillInterface.ITERATIVE, "m:C", None, {}, 10, 0, None, (), None, None)
+    with_limits = agentapi.AssignmentMessage("u", 2, 1, "ml", "fj", "t", 0, "p", "cpu", "fp", spec, None, 0.02, 0.5)
+    without = dataclasses.replace(with_limits, slowdown_budget=None, max_fill_share=None)
+    for msg in (with_limits, without):
+        wire = agentapi.assignment_to_pb(msg).SerializeToString()
+        assert agentapi.assignment_from_pb(pb.AssignRequest.FromString(wire)) == msg
+
+
+@pytest.mark.parametrize(("limits", "error"), [
+    ({"slowdown_budget": 0.0}, "slowdown_budget is 0.0; it must be in \\(0, 1\\)"),
+    ({"slowdown_budget": 1.5}, "spec.slowdownBudget"),
+    ({"slowdown_budget": float("nan")}, "slowdown_budget is nan"),
+    ({"max_fill_share": -0.5}, "max_fill_share is -0.5; it must be in \\[0, 1\\]"),
+    ({"max_fill_share": 1.01}, "spec.maxFillShare"),
+])
+def test_guard_limits_out_of_range_are_refused_with_the_field(limits: dict[str, float], error: str) -> None:
+    with pytest.raises(agentapi.ApiError, match=error):
+        agentapi.assignment_from_pb(_assign_request(**limits))

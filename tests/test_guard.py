@@ -146,7 +146,7 @@ def test_slowdown_held_none_before_two_windows() -> None:
         ({"increase": 0.0}, "increase"),
         ({"decrease": 1.0}, "decrease must be in"),
         ({"min_share": 0.5, "initial_share": 0.2}, "min_share <= initial_share"),
-        ({"max_share": 0.0, "initial_share": 0.0}, "max_share > 0"),
+        ({"min_share": -0.1}, "0 <= min_share"),
         ({"max_share": 1.5}, "max_share"),
         ({"refresh_every": -1}, "refresh_every"),
         ({"refresh_window": 1}, "refresh_window must be an integer >= 2"),

@@ -212,6 +212,7 @@ class NodeAgent:
         self.launcher = AttachLauncher()
         self.trainings: dict[str, _Training] = {}
         self.failures: dict[str, str] = {}  # uid -> why its process could not be queued
+        self.limits: dict[str, tuple[float | None, float | None, str]] = {}  # training -> its guard's limits
         self.changed = threading.Condition(self.lock)
         self.version = 0
         self._stop = threading.Event()
@@ -336,6 +337,8 @@ class NodeAgent:
                                      metrics=False, ready_file=None)
         agent = Agent(config, launcher=self.launcher.for_training(name), clock=self.clock)
         agent.start()
+        if name in self.limits:
+            agent.set_guard_limits(*self.limits[name])
         thread = threading.Thread(target=agent.run, name=f"bubbles-{name}", daemon=True)
         thread.start()
         log.info("training %s: serving %d stage(s) on this node (%s)", name, len(cards),
@@ -352,6 +355,11 @@ class NodeAgent:
             if decision.stop is not None:
                 self._stop_run(decision.stop, f"superseded: {decision.message}")
             self.failures.pop(msg.uid, None)
+            if msg.slowdown_budget is not None or msg.max_fill_share is not None:
+                limits = (msg.slowdown_budget, msg.max_fill_share, f"PipelineTraining {msg.namespace}/{msg.training}")
+                self.limits[msg.training] = limits
+                if (tr := self.trainings.get(msg.training)) is not None:
+                    tr.agent.set_guard_limits(*limits)
         log.info("assign: %s", decision.message)
         self._bump()
         return decision

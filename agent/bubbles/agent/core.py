@@ -369,6 +369,34 @@ class AgentCore:
                 return True
         return False
 
+    def set_guard_limits(self, budget: float | None, max_share: float | None, source: str) -> bool:
+        """Apply a training's own slowdown budget and largest fill share (None keeps the agent's); True if changed.
+
+        ValueError (from ``GuardConfig``) if they are out of range; nothing changes then.
+        """
+        g = self.config.guard
+        budget = g.budget if budget is None else budget
+        max_share = g.max_share if max_share is None else max_share
+        if (budget, max_share) == (g.budget, g.max_share):
+            return False
+        new = replace(g, budget=budget, max_share=max_share, initial_share=min(g.initial_share, max_share),
+                      min_share=min(g.min_share, max_share))
+        self.config = replace(self.config, guard=new)
+        if self.guard is not None:
+            self.guard.retune(new)
+        self._event(self.guard_stage or 0, "", "guard",
+                    f"limits from {source}: slowdown budget {budget:.2%}, largest fill share {max_share:.2f}")
+        log.info("slowdown guard: limits from %s: budget %.2f%%, largest fill share %.2f", source, budget * 100,
+                 max_share)
+        share = min(self.share, max_share) if self.guard is not None else new.initial_share
+        if share != self.share:
+            self.share = share
+            self.sink.share(self.share)
+            for e in self.executors:
+                if e.active is not None and e.active.armed is not None:
+                    self._send(e.active, "share", share=self.share)
+        return True
+
     def reset_stage(self, stage: int, reason: str) -> None:
         """The process behind ``stage`` changed (its training Pod restarted): forget its bubble cycle, so nothing is
         admitted there until the new hook has profiled it, and stop the fill job that ran in the old bubbles."""

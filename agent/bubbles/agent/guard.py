@@ -54,9 +54,9 @@ class GuardConfig:
                 f"got {self.decrease!r}"
             )
         lo, hi, init = number("min_share"), number("max_share"), number("initial_share")
-        if not (0 <= lo <= init <= hi <= 1 and hi > 0):
+        if not 0 <= lo <= init <= hi <= 1:  # max_share 0: no fill work at all (a training's maxFillShare: 0)
             raise ValueError(
-                "GuardConfig needs 0 <= min_share <= initial_share <= max_share <= 1 and max_share > 0, "
+                "GuardConfig needs 0 <= min_share <= initial_share <= max_share <= 1, "
                 f"got min_share={lo}, initial_share={init}, max_share={hi}"
             )
         integer("refresh_every", 0)
@@ -93,6 +93,11 @@ class SlowdownGuard:
         self._phase = _Phase.HARVEST
         self._window: list[float] = []
         self._refresh: list[float] = []  # iterations seen in the current refresh, transition included
+
+    def retune(self, config: GuardConfig) -> None:
+        """Take new limits (budget, shares) from now on; the baseline and history stay, the share is clamped."""
+        self.config = config
+        self.share = min(config.max_share, max(config.min_share, self.share))
 
     @property
     def fill_paused(self) -> bool:

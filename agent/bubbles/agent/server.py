@@ -135,6 +135,12 @@ class Agent:
             self._execute()
             return found
 
+    def set_guard_limits(self, budget: float | None, max_share: float | None, source: str) -> None:
+        """The training's own slowdown budget and largest fill share (``AgentCore.set_guard_limits``)."""
+        with self.lock:
+            self.core.set_guard_limits(budget, max_share, source)
+            self._execute()
+
     def reset_stage(self, stage: int, reason: str) -> None:
         """The stage's training process changed: re-profile before admitting anything there."""
         with self.lock:

@@ -41,6 +41,10 @@ class AssignmentMessage:
     fill_pod: str
     spec: FillJobSpec
     gpu_uuid: str | None = None
+    # The PipelineTraining's limits for the slowdown guard; None leaves the training's as they are (at first the
+    # agent's own --slowdown-budget and a share of 1).
+    slowdown_budget: float | None = None
+    max_fill_share: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -86,9 +90,14 @@ def spec_to_pb(s: FillJobSpec) -> pb.FillJobSpec:
 
 
 def assignment_to_pb(a: AssignmentMessage) -> pb.AssignRequest:
-    return pb.AssignRequest(uid=a.uid, generation=a.generation, attempt=a.attempt, namespace=a.namespace,
-                            name=a.name, training=a.training, stage=a.stage, pod=a.pod, device=a.device,
-                            gpu_uuid=a.gpu_uuid or "", fill_pod=a.fill_pod, spec=spec_to_pb(a.spec))
+    msg = pb.AssignRequest(uid=a.uid, generation=a.generation, attempt=a.attempt, namespace=a.namespace,
+                           name=a.name, training=a.training, stage=a.stage, pod=a.pod, device=a.device,
+                           gpu_uuid=a.gpu_uuid or "", fill_pod=a.fill_pod, spec=spec_to_pb(a.spec))
+    if a.slowdown_budget is not None:
+        msg.slowdown_budget = a.slowdown_budget
+    if a.max_fill_share is not None:
+        msg.max_fill_share = a.max_fill_share
+    return msg
 
 
 # -- protobuf -> core (validating: the other side may run another version, or be something else) --------------
@@ -162,5 +171,13 @@ def assignment_from_pb(m: pb.AssignRequest) -> AssignmentMessage:
         raise ApiError(f"Assign for {m.uid}: training and fill_pod are required")
     if not m.HasField("spec"):
         raise ApiError(f"Assign for {m.uid} carries no spec")
+    budget = m.slowdown_budget if m.HasField("slowdown_budget") else None
+    if budget is not None and not 0 < budget < 1:  # NaN fails too
+        raise ApiError(f"Assign for {m.uid}: slowdown_budget is {budget}; it must be in (0, 1), e.g. 0.01 for 1% "
+                       "(the PipelineTraining's spec.slowdownBudget)")
+    share = m.max_fill_share if m.HasField("max_fill_share") else None
+    if share is not None and not 0 <= share <= 1:
+        raise ApiError(f"Assign for {m.uid}: max_fill_share is {share}; it must be in [0, 1] "
+                       "(the PipelineTraining's spec.maxFillShare)")
     return AssignmentMessage(m.uid, m.generation, m.attempt, m.namespace, m.name, m.training, m.stage, m.pod,
-                             m.device, m.fill_pod, spec_from_pb(m.spec), m.gpu_uuid or None)
+                             m.device, m.fill_pod, spec_from_pb(m.spec), m.gpu_uuid or None, budget, share)

@@ -130,6 +130,8 @@ class Assignment:
     attempt: int
     gpu_uuid: str | None = None
     job: FillJobSpec | None = field(default=None, compare=False)  # what the agent plans and drives
+    slowdown_budget: float | None = None  # the PipelineTraining's limits, for the agent's slowdown guard
+    max_fill_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -424,7 +426,8 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         # agent's side (uid, generation, attempt), so a lost or repeated call costs nothing.
         out.assign.append(Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage,
                                      stage.node, stage.pod, stage.device, str(a.get("pod") or ""),
-                                     int(st.status.get("restarts", 0)), stage.gpu_uuid, job.job))
+                                     int(st.status.get("restarts", 0)), stage.gpu_uuid, job.job,
+                                     **_limits(trainings.get(stage.training))))
     done = prog.steps_done if prog is not None else int((st.status.get("progress") or {}).get("stepsDone", 0))
     flops = prog.flops if prog is not None else float(st.status.get("recoveredFlops", 0.0))
     st.status.update(_progress_fields(job, done, flops))
@@ -571,7 +574,8 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
     for req_id, (_obj, job, st) in requests.items():
         if req_id in placed:
             cls_name, end_s = placed[req_id]
-            _assign(out, st, job, by_name[cls_name], end_s, view.fill_pods)
+            stage = by_name[cls_name]
+            _assign(out, st, job, stage, end_s, view.fill_pods, trainings.get(stage.training))
             continue
         position += 1
         st.status["queuePosition"] = position
@@ -580,12 +584,19 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
         st.phase(FillJobPhase.QUEUED, "waiting: every bubble it fits is in use")
 
 
+def _limits(training: PipelineTrainingResource | None) -> dict[str, float | None]:
+    """The training's slowdown budget and largest fill share, which the agent's guard on its node applies."""
+    if training is None:
+        return {"slowdown_budget": None, "max_fill_share": None}
+    return {"slowdown_budget": training.slowdown_budget, "max_fill_share": training.max_fill_share}
+
+
 def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageView, end_s: float,
-            settings: FillPodSettings) -> None:
+            settings: FillPodSettings, training: PipelineTrainingResource | None) -> None:
     attempt = int(st.status.get("restarts", 0))
     pod = fill_pod_name(job.name, attempt)
     a = Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node,
-                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid, job.job)
+                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid, job.job, **_limits(training))
     out.assign.append(a)
     out.create_pods.append(fill_pod(job, a, settings))
     if FINALIZER not in (st.meta.get("finalizers") or []):
