@@ -384,6 +384,7 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
     if prog is not None and prog.attempt != int(st.status.get("restarts", 0)):
         prog = None  # an earlier attempt's run (stopped when this one was placed): not this run's progress
     lost = None
+    ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
     if stage is None:
         tkey, tpod = f"{job.namespace}/{a.get('training')}", a.get("trainingPod")
         if any(s.pod == tpod and s.training == tkey for s in view.stages):
@@ -401,12 +402,14 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
     elif (failed := view.failed_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
         lost = f"fill Pod {a.get('pod')} failed: {failed}"
+        ended_itself = True
     elif (prog is None or prog.state is FillState.SUBMITTED) and \
             (ended := view.ended_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
         # A finished run is reported as STOPPED by the agent before its process exits; an agent that knows no
         # process for the job while its Pod has ended lost the run (it restarted).
         lost = (f"fill Pod {a.get('pod')} ended ({ended}) but the agent on {a.get('node')} holds no run of the job "
                 "(the agent restarted?)")
+        ended_itself = True
     if prog is not None and prog.state is FillState.STOPPED:
         if prog.reason == "finished" or prog.steps_done >= job.steps:
             st.status.update(_progress_fields(job, max(prog.steps_done, job.steps), prog.flops))
@@ -417,8 +420,9 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
                      event="Succeeded")
             return
         lost = f"the fill process stopped: {prog.reason}"
+        ended_itself = True
     if lost is not None:
-        _evict(st, job, lost, a)
+        _evict(st, job, lost, a, keep_pod=ended_itself)
         return
     assert stage is not None
     if prog is None:
@@ -446,12 +450,17 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
                  f"{stage.node}", event="Running")
 
 
-def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any]) -> None:
+def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], *, keep_pod: bool = False) -> None:
+    """Take the job off its stage: requeue it, or fail it past its restart limit. Its Pod is deleted unless
+    ``keep_pod`` (it ended on its own: kept, like a Job's failed Pods, for ``kubectl logs``; it holds nothing, and
+    goes with the FillJob, its owner)."""
     restarts = int(st.status.get("restarts", 0)) + 1
     counters = dict(st.status.get("counters") or {})
     counters["evictions"] = int(counters.get("evictions", 0)) + 1
     st.status["counters"] = counters
-    if a.get("pod"):
+    if a.get("pod") and keep_pod:
+        why = f"{why} (its Pod {a['pod']} is kept for its logs)"
+    elif a.get("pod"):
         st.out.delete_pods.append((job.namespace, str(a["pod"])))
     if a.get("node"):
         st.out.cancel.append((str(a["node"]), job.uid))
