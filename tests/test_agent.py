@@ -277,16 +277,20 @@ def test_fill_modes_switch_naive_off_harvest(start_agent: StartAgent) -> None:
 
 
 def test_slowdown_guard_cuts_the_share_sent_to_jobs(start_agent: StartAgent) -> None:
-    guard = GuardConfig(budget=0.01, window=2, refresh_every=0)
+    guard = GuardConfig(budget=0.01, refresh_every=0)
     h = start_agent([spec("busy", "test_agent_jobs:BusyJob", step_time="1ms")], guard=guard)
     hook = Hook(h.run_dir)
     hook.send(wire.encode_profile(0, cycle(iteration_s=0.05)))
     h.wait_state("busy", "PAUSED")
-    for i in range(4):  # 20% slower than the profiled 50 ms: over budget twice
-        hook.send(wire.encode_iteration(0, i, time.monotonic_ns(), 60_000_000))
-    stats = wait_for(lambda: (s := h.agent.stats())["guard"]["share"] < 0.5 and s, what="share cut")
-    assert stats["guard"]["baseline_s"] == pytest.approx(0.05)
-    assert [round(x[1], 3) for x in stats["guard"]["history"]] == [0.5, 0.25]
+    for i in range(8 + 6 * 6):  # 20% slower than the profiled 50 ms while fill work runs: a slow window, a probe
+        with h.agent.lock:
+            paused = h.agent.core.fill_paused
+        hook.send(wire.encode_iteration(0, i, time.monotonic_ns(), 50_000_000 if paused else 60_000_000))
+        wait_for(lambda n=i + 1: (g := h.agent.core.guard) is not None and g.iterations == n,
+                 what=f"iteration {i} at the guard")
+    stats = wait_for(lambda: (s := h.agent.stats())["guard"]["share"] < 1 and s, what="share cut")
+    assert stats["guard"]["share"] == 0.5 and stats["guard"]["baseline_s"] == pytest.approx(0.05)
+    assert [round(x[1], 3) for x in stats["guard"]["history"]] == [1.0, 0.5]
     assert stats["guard"]["slowdown_held"] == pytest.approx(0.2)
 
 

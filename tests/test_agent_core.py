@@ -238,17 +238,24 @@ def test_unisolated_running_needs_the_users_consent() -> None:
     assert job.isolation == "unisolated"
 
 
-def test_the_guard_lowers_the_share_of_armed_jobs_when_the_training_slows() -> None:
-    guard = GuardConfig(budget=0.01, window=3, refresh_every=0, min_share=0.1)
+def test_the_guard_lowers_the_share_of_armed_jobs_when_fill_work_slows_the_training() -> None:
+    guard = GuardConfig(budget=0.01, refresh_every=0, min_share=0.1)
     core, clock, sink = make_core(guard=guard)
     job = armed(core)
     core.take_actions()
-    for _ in range(12):  # 20% slower than the profiled 50 ms iteration
-        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, 60 * MS))
-    shares = [a.fields["share"] for a in core.take_actions()
-              if isinstance(a, Send) and a.type == "share" and a.job is job]
-    assert shares and shares[-1] < 1.0 and core.share == shares[-1]
-    assert ("share", shares[-1]) in sink.calls and ("iteration", 0, pytest.approx(0.06)) in sink.calls
+    sent: list[Any] = []
+    pauses = 0
+    for _ in range(8 + 6 * 6):  # a slow window, then the probe's six pairs with and without fill work
+        fill = 0.0 if core.fill_paused else core.share
+        pauses += core.fill_paused
+        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, int(50 * MS * (1 + 0.2 * fill))))
+        sent += core.take_actions()
+    shares = [a.fields["share"] for a in sent if isinstance(a, Send) and a.type == "share" and a.job is job]
+    assert shares == [0.5] and core.share == 0.5 and pauses == 18  # three OFF iterations per pair
+    assert Send(job, "disarm") in sent  # the probe's OFF blocks run no fill work
+    assert ("share", 0.5) in sink.calls and ("iteration", 0, pytest.approx(0.06)) in sink.calls
+    assert [e["message"].split(":")[0] for e in core.events if e["kind"] == "guard"] == [
+        "slowdown +20.00% over the 1.00% budget", "probe cut"]
 
 
 def test_shutdown_cancels_queued_jobs_and_stops_running_ones() -> None:
@@ -276,7 +283,7 @@ def test_submissions_that_cannot_run_are_refused_with_the_fix() -> None:
 
 
 def test_a_trainings_own_limits_cap_the_share_and_set_the_guards_budget() -> None:
-    guard = GuardConfig(budget=0.01, window=3, refresh_every=0)
+    guard = GuardConfig(budget=0.01, refresh_every=0)
     core, clock, sink = make_core(guard=guard)
     job = armed(core)
     core.take_actions()

@@ -189,7 +189,9 @@ class GuardStatus:
     stage: int | None  # the stage whose iterations it watches (the lowest reporting one)
     baseline_s: float | None
     slowdown_held: float | None  # the slowdown measured at the share it holds
-    history: tuple[tuple[int, float, float | None], ...] = ()  # (window, share, slowdown or None)
+    history: tuple[tuple[int, float, float | None], ...] = ()  # (iteration, share, slowdown or None)
+    phase: str = "harvest"  # harvest (watching) | probe (with and without fill work, paired) | refresh
+    probes: tuple[tuple[str, int], ...] = ()  # probes by outcome: cut, clear, undecided
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,8 @@ class AgentStatus:
     def to_dict(self) -> dict[str, Any]:
         return {
             "training": self.training, "budget": self.budget, "grace_ms": self.grace_ms,
-            "guard": {**asdict(self.guard), "history": [list(h) for h in self.guard.history]},
+            "guard": {**asdict(self.guard), "history": [list(h) for h in self.guard.history],
+                      "probes": dict(self.guard.probes)},
             "modes": {mode: asdict(totals) for mode, totals in self.modes.items()},
             "isolation": self.isolation.to_dict(), "isolation_losses": self.isolation_losses,
             "executors": [{**asdict(e), "mode": e.mode.label} for e in self.executors],

@@ -594,10 +594,10 @@ class AgentCore:
             for e in self.executors:
                 if e.active is not None and e.active.armed is not None:
                     self._send(e.active, "share", share=self.share)
+        if decision.event is not None:
+            self._event(ex.index, "", "guard", decision.event)
         if decision.fill_paused != self.fill_paused:
             self.fill_paused = decision.fill_paused
-            self._event(ex.index, "", "guard", "baseline refresh: fill paused" if self.fill_paused
-                        else "baseline refreshed: fill resumed")
             for e in self.executors:
                 if e.active is not None:
                     self._apply_mode(e, e.active)
@@ -849,7 +849,8 @@ class AgentCore:
                                      t.overrun_p99_ms, t.max_overrun_ms)
         g = self.guard
         guard = GuardStatus(self.share, self.guard_stage, g.baseline_s if g else None,
-                            g.slowdown_held() if g else None, tuple(g.history) if g else ())
+                            g.slowdown_held() if g else None, tuple(g.history) if g else (),
+                            g.phase if g else "harvest", tuple(g.probes.items()) if g else ())
         return AgentStatus(
             training=self.config.training, budget=self.config.guard.budget, grace_ms=self.config.grace_s * 1e3,
             guard=guard, modes=modes, isolation=self.isolation_status, isolation_losses=self.isolation_losses,
