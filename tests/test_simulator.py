@@ -25,7 +25,7 @@ from bubbles.simulator import (
     summarize,
 )
 from bubbles.simulator.profiles import parse_profiles
-from bubbles.simulator.trace import TraceError, TraceJob, write_trace
+from bubbles.simulator.trace import TRACE_MODEL_PATH, TraceError, TraceJob, load_trace_model, write_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "alibaba-excerpt.csv"
 PROFILES = load_profiles()
@@ -272,6 +272,7 @@ def test_cli_bad_flags_say_what_to_do(argv: list[str], message: str, capsys) -> 
 
 
 def test_cli_bad_config_and_missing_trace(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default plot lands here
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"stages": 4, "micro_batches": 8}))
     assert bubbles_main(["simulate", "--config", str(cfg), "--alibaba", str(FIXTURE)]) == 2
@@ -281,8 +282,54 @@ def test_cli_bad_config_and_missing_trace(tmp_path: Path, capsys, monkeypatch: p
     assert "cannot be parsed" in capsys.readouterr().err
     cfg.write_text(json.dumps({"stages": 4, "microbatches": 4, "gpus": 8, "hours": 0.5}))
     assert bubbles_main(["simulate", "--config", str(cfg), "--alibaba", str(FIXTURE), "--jobs", "10"]) == 0
-    monkeypatch.delenv("BUBBLES_ALIBABA_TRACE", raising=False)
-    assert bubbles_main(["simulate", "--config", str(cfg)]) == 2
-    assert "pass --trace CSV, or --alibaba PATH" in capsys.readouterr().err
+    assert bubbles_main(["simulate", "--config", str(cfg), "--alibaba", str(FIXTURE), "--trace", "x.csv"]) == 2
+    assert "give --trace or --alibaba, not both" in capsys.readouterr().err
     assert bubbles_main(["simulate", "--config", str(cfg), "--trace", str(tmp_path / "none.csv")]) == 2
     assert "cannot read trace" in capsys.readouterr().err
+
+
+def test_with_no_arguments_it_runs_on_the_packaged_trace_model_plots_and_says_what_to_change(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BUBBLES_ALIBABA_TRACE", raising=False)
+    assert bubbles_main(["simulate", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "fill jobs: 2000 generated from a model of the Alibaba GPU trace 2023" in out
+    assert "bubble ratio 65.2%" in out and "What changes what: --stages" in out
+    assert "the load, not the bubbles, limits what is recovered" in out  # 2,000 jobs leave 8,192 GPUs mostly idle
+    assert (tmp_path / "bubbles-simulate.png").read_bytes()[:4] == b"\x89PNG"
+    assert bubbles_main(["simulate", "--quiet", "--no-plot", "--jobs", "10", "--gpus", "16", "--stages", "4"]) == 0
+
+
+def test_the_packaged_trace_model_reproduces_the_trace_it_was_fitted_to(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    model = load_trace_model()
+    assert model.source["kept"] == 2180 and model.source["candidates"] == 2613  # docs/simulator.md's filter counts
+    # The fitting tool on the excerpt: the model samples what the excerpt holds (medians within 15%).
+    out = tmp_path / "model.json"
+    subprocess.run([sys.executable, str(Path(__file__).parent.parent / "tools" / "fit-trace-model.py"),
+                    str(FIXTURE), "--out", str(out)], check=True, capture_output=True)
+    fitted = load_trace_model(out)
+    kept, _ = read_alibaba(FIXTURE)
+    real = sorted(t.gpu_hours for t in kept if t.gpu_hours > 0)
+    sampled = sorted(t.gpu_hours for t in fitted.tasks(4000, seed=1))
+    assert sampled[len(sampled) // 2] == pytest.approx(real[len(real) // 2], rel=0.15)
+    arrivals = sorted(t.arrival_s for t in kept)
+    span = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+    synthetic = fitted.tasks(4000, seed=1)
+    assert (synthetic[-1].arrival_s - synthetic[0].arrival_s) / 3999 == pytest.approx(span, rel=0.15)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{", "is not a trace model"),
+    (json.dumps({"gap_s_quantiles": [1, 0], "gpu_hours_quantiles": [0, 1]}), "non-decreasing"),
+    (json.dumps({"gpu_hours_quantiles": [0, 1]}), "regenerate it with tools/fit-trace-model.py"),
+])
+def test_a_broken_trace_model_says_how_to_regenerate_it(tmp_path: Path, text: str, message: str) -> None:
+    bad = tmp_path / "m.json"
+    bad.write_text(text)
+    with pytest.raises(TraceError, match=message):
+        load_trace_model(bad)
+    assert TRACE_MODEL_PATH.exists()

@@ -1,8 +1,9 @@
 """`bubbles simulate`: how much would bubble harvesting recover on a cluster? (event-driven simulator)
 
 The main job comes from flags or a config file (JSON or YAML with the same names), the fill jobs
-from a trace CSV (--trace) or generated from the Alibaba GPU trace (--alibaba) as PipeFill section
-5.3 does; one simulation runs per --policy.
+from a trace CSV (--trace), generated from the Alibaba GPU trace (--alibaba) as PipeFill section
+5.3 does, or, with neither, generated the same way from a model of that trace packaged with bubbles
+(``simulator/data/alibaba2023_trace_model.json``); one simulation runs per --policy.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 ALIBABA_ENV = "BUBBLES_ALIBABA_TRACE"
+DEFAULT_PLOT = Path("bubbles-simulate.png")
+FLAGS_HINT = (
+    "What changes what: --stages, --microbatches, --schedule, --fwd-ms, --bwd-ms (the training's pipeline and so its "
+    "bubbles); --gpus (cluster size); --free-gib, --fill-fraction (what each bubble offers); --jobs, --hours, --seed, "
+    "--deadline-share (the fill-job load); --policy, repeated to compare; --alibaba PATH (the real trace) or --trace "
+    "CSV (your own jobs); --report FILE (JSON). `bubbles simulate --help` lists them all."
+)
 CONFIG_KEYS = {
     "stages": int,
     "microbatches": int,
@@ -67,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument(
         "--alibaba",
         type=Path,
-        help=f"Alibaba GPU trace pod list to generate jobs from (default ${ALIBABA_ENV})",
+        help=f"Alibaba GPU trace pod list to generate jobs from (default ${ALIBABA_ENV}; with neither this nor "
+        "--trace, a model of that trace packaged with bubbles)",
     )
     f.add_argument("--jobs", type=int, default=2000, help="jobs to generate over --hours (default 2000)")
     f.add_argument("--seed", type=int, default=0, help="random seed of the generator (default 0)")
@@ -94,8 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--plot",
         type=Path,
-        help="write a PNG here: recovered utilization vs cluster size (one policy) or JCT per policy",
+        default=DEFAULT_PLOT,
+        help="write a PNG here: recovered utilization vs cluster size (one policy) or JCT per policy "
+        f"(default {DEFAULT_PLOT})",
     )
+    o.add_argument("--no-plot", action="store_true", help="write no plot")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -182,11 +194,8 @@ def validate(args: argparse.Namespace, cfg: dict[str, Any]) -> list[str]:
         errs.append(f"--jobs {args.jobs}: generate at least 1 job")
     if not 0 <= args.deadline_share <= 1:
         errs.append(f"--deadline-share {args.deadline_share}: must be in [0, 1]")
-    if args.trace is None and _alibaba_path(args) is None:
-        errs.append(
-            f"no fill jobs: pass --trace CSV, or --alibaba PATH (or set ${ALIBABA_ENV}) pointing at "
-            "openb_pod_list_default.csv from github.com/alibaba/clusterdata (cluster-trace-gpu-v2023/csv)"
-        )
+    if args.trace is not None and args.alibaba is not None:
+        errs.append("give --trace or --alibaba, not both")
     return errs
 
 
@@ -237,7 +246,14 @@ def run(args: argparse.Namespace) -> int:
     from bubbles.simulator.mainjob import MainJob
     from bubbles.simulator.profiles import load_profiles
     from bubbles.simulator.report import comparison, format_summary, summarize
-    from bubbles.simulator.trace import TraceError, generate_trace, read_alibaba, read_trace, write_trace
+    from bubbles.simulator.trace import (
+        TraceError,
+        generate_trace,
+        load_trace_model,
+        read_alibaba,
+        read_trace,
+        write_trace,
+    )
 
     policies = args.policy or ["sjf"]
     try:
@@ -265,12 +281,17 @@ def run(args: argparse.Namespace) -> int:
             trace = read_trace(args.trace, profiles)
         else:
             path = _alibaba_path(args)
-            assert path is not None
-            tasks, stats = read_alibaba(path)
-            print(
-                f"Alibaba trace: {stats.candidates} GPU tasks not latency-sensitive, "
-                f"{stats.share_kept:.1%} under {stats.cap_gpu_hours:g} GPU-hour (PipeFill: 81.6%)"
-            )
+            if path is not None:
+                tasks, stats = read_alibaba(path)
+                print(
+                    f"Alibaba trace: {stats.candidates} GPU tasks not latency-sensitive, "
+                    f"{stats.share_kept:.1%} under {stats.cap_gpu_hours:g} GPU-hour (PipeFill: 81.6%)"
+                )
+            else:
+                model = load_trace_model()
+                tasks = model.tasks(max(2 * args.jobs, 2000), seed=args.seed)
+                print(f"fill jobs: {args.jobs} generated from {model.describe()}; --alibaba PATH uses the real "
+                      "trace, --trace CSV your own jobs")
             trace = generate_trace(
                 tasks,
                 profiles,
@@ -293,9 +314,15 @@ def run(args: argparse.Namespace) -> int:
         res = simulate(main, jobs, name, hours=hours, progress=_progress(name) if show else None)
         summaries.append(summarize(res))
     print(format_summary(summaries))
+    for summ in summaries:
+        j = summ["jobs"]
+        if summ["bubble_time_filled_share"] < 0.5 and j["unfinished"] <= 0.1 * max(1, j["submitted"]):
+            print(f"{summ['policy']}: the fill jobs kept {summ['bubble_time_filled_share']:.1%} of bubble time busy "
+                  f"and {j['completed']} of {j['submitted']} finished: the load, not the bubbles, limits what is "
+                  "recovered; more fill jobs (--jobs) would recover more")
 
     report = comparison(summaries)
-    if args.plot is not None:
+    if not args.no_plot:
         from bubbles.simulator.plot import plot_jct, plot_sweep
 
         if len(summaries) > 1:
@@ -318,4 +345,5 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=2))
         print(f"report: {args.report}")
+    print(FLAGS_HINT)
     return 0

@@ -16,6 +16,8 @@ model's best isolated throughput on one GPU.
 from __future__ import annotations
 
 import csv
+import itertools
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +42,9 @@ MODEL_MIX: tuple[tuple[str, int, float], ...] = (
     ("xlm-roberta-xl", 2_800_000_000, 0.10),
 )
 TRAINING_MAX_PARAMS = 700_000_000
+
+
+TRACE_MODEL_PATH = Path(__file__).resolve().parent / "data" / "alibaba2023_trace_model.json"
 
 
 class TraceError(ValueError):
@@ -134,6 +139,57 @@ def read_alibaba(path: str | Path, cap_gpu_hours: float = 1.0) -> tuple[list[Ali
         median_gpu_hours=float(np.median(sizes)) if sizes else 0.0,
     )
     return kept, stats
+
+
+@dataclass(frozen=True)
+class TraceModel:
+    """The packaged stand-in for the Alibaba trace: quantiles of the kept tasks' inter-arrival gaps and sizes.
+
+    Fitted by ``tools/fit-trace-model.py``; ``source`` says to what. Gaps and sizes are sampled independently (the real
+    trace pairs them per task), by inverse transform with linear interpolation between the quantiles.
+    """
+
+    gap_s_quantiles: tuple[float, ...]
+    gpu_hours_quantiles: tuple[float, ...]
+    source: Mapping[str, object]
+
+    def tasks(self, n: int, seed: int = 0) -> list[AlibabaTask]:
+        """``n`` synthetic tasks, as ``read_alibaba`` returns kept tasks."""
+        if n < 2:
+            raise ValueError(f"n must be >= 2, got {n}")
+        rng = np.random.default_rng(seed)
+        grid = np.linspace(0, 1, len(self.gap_s_quantiles))
+        gaps = np.interp(rng.random(n), grid, self.gap_s_quantiles)
+        grid = np.linspace(0, 1, len(self.gpu_hours_quantiles))
+        sizes = np.interp(rng.random(n), grid, self.gpu_hours_quantiles)
+        arrivals = np.cumsum(gaps)
+        return [AlibabaTask(f"model-{i:05d}", float(a), float(h)) for i, (a, h) in enumerate(zip(arrivals, sizes,
+                                                                                                   strict=True))]
+
+    def describe(self) -> str:
+        s = self.source
+        return (f"a model of the Alibaba GPU trace 2023 packaged with bubbles (quantiles of {s.get('kept')} tasks' "
+                f"arrival gaps and sizes, {s.get('share_kept', 0):.1%} of its {s.get('candidates')} "
+                "non-latency-sensitive GPU tasks, up to 1 GPU-hour)")
+
+
+def load_trace_model(path: str | Path = TRACE_MODEL_PATH) -> TraceModel:
+    """Read a trace model file; TraceError saying what is wrong."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+        gaps = tuple(float(v) for v in doc["gap_s_quantiles"])
+        sizes = tuple(float(v) for v in doc["gpu_hours_quantiles"])
+        source = dict(doc.get("source") or {})
+    except OSError as e:
+        raise TraceError(f"cannot read the trace model {p}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise TraceError(f"{p} is not a trace model ({e!r}); regenerate it with tools/fit-trace-model.py") from None
+    for name, q in (("gap_s_quantiles", gaps), ("gpu_hours_quantiles", sizes)):
+        if len(q) < 2 or any(b < a for a, b in itertools.pairwise(q)) or q[0] < 0:
+            raise TraceError(f"{p}: {name} must be at least 2 non-negative, non-decreasing values; "
+                             "regenerate it with tools/fit-trace-model.py")
+    return TraceModel(gaps, sizes, source)
 
 
 def generate_trace(
