@@ -97,6 +97,20 @@ def test_harvest_does_fill_work_and_baseline_does_none(demo_run: dict[str, Any])
 
 
 @pytest.mark.deepspeed
+def test_every_harvesting_bubble_millisecond_is_accounted_for(demo_run: dict[str, Any]) -> None:
+    r = demo_run["report"]
+    d, harvest = r["breakdown"]["all"], r["modes"]["harvest"]
+    parts = ("filled", "guard", "no_job", "latency", "too_short", "past_prediction")
+    assert sum(d[k] for k in parts) == pytest.approx(d["bubble_s"], rel=1e-6)
+    # The same bubbles and steps the agent's ledger totals: the filled time agrees (a step in no recorded bubble's
+    # start range is the only difference) and nothing is left unexplained.
+    assert d["bubble_s"] == pytest.approx(harvest["bubble_s"], rel=1e-6)
+    assert d["filled"] == pytest.approx(harvest["filled_s"], rel=0.05, abs=1e-3)
+    assert d["filled"] > 0 and set(r["breakdown"]["by_stage"]) == {"0", "1"}
+    assert "where the harvesting bubbles' time went: filled" in demo_run["stdout"]
+
+
+@pytest.mark.deepspeed
 def test_harvesting_costs_the_training_less_than_naive_colocation(demo_run: dict[str, Any]) -> None:
     modes = demo_run["report"]["modes"]
     assert modes["harvest"]["slowdown"] < modes["naive"]["slowdown"]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubbles.agent.ledger import HarvestLedger, LedgerTotals, StepRecord
+from bubbles.agent.ledger import BREAKDOWN, HarvestLedger, LedgerTotals, StepRecord, bubble_breakdown
 from bubbles.stats import percentile
 
 MS = 1_000_000  # ns
@@ -150,3 +150,51 @@ def test_order_independent_and_conserving(
     inside = sum(1 for s, a, b in steps for t in range(a, b) if (s, t) in covered)
     assert first.filled_s == pytest.approx(inside / 1000)
     assert first.overruns == sum(1 for s, a, b in steps if any((s, t) not in covered for t in range(a, b)))
+
+
+# -- where the bubble time went ---------------------------------------------------------------------------------
+MS_NS = 1_000_000
+
+
+def bubble(start_ms: float = 0, end_ms: float = 10, predicted_ms: float = 8, share: float = 1.0,
+           paused: bool = False, job: str = "fj", step_ms: float = 2.0, stage: int = 0) -> dict[str, object]:
+    return {"stage": stage, "start_ns": int(start_ms * MS_NS), "end_ns": int(end_ms * MS_NS),
+            "predicted_end_ns": int(predicted_ms * MS_NS), "share": share, "guard_paused": paused, "job": job,
+            "step_s": step_ms / 1e3}
+
+
+def steps(*spans: tuple[float, float], stage: int = 0) -> list[dict[str, object]]:
+    return [{"stage": stage, "start_ns": int(a * MS_NS), "end_ns": int(b * MS_NS)} for a, b in spans]
+
+
+def ms(d: dict[str, float]) -> dict[str, float]:
+    return {k: round(v * 1e3, 6) for k, v in d.items() if v}
+
+
+def test_every_bubble_millisecond_is_accounted_for_once() -> None:
+    # Steps from 1 to 7 ms of a 10 ms bubble predicted to end at 8: 1 ms before the first step, a 1 ms tail too short
+    # for a 2 ms step, 2 ms past the prediction.
+    d = bubble_breakdown([bubble()], steps((1, 3), (3, 5), (5, 7)))
+    assert ms(d) == {"filled": 6, "latency": 1, "too_short": 1, "past_prediction": 2, "bubble_s": 10}
+    # The guard's share of 0.5 leaves steps the first 4 ms of the predicted 8: 4 ms withheld.
+    d = bubble_breakdown([bubble(share=0.5)], steps((1, 3)))
+    assert ms(d) == {"filled": 2, "latency": 1, "too_short": 1, "guard": 4, "past_prediction": 2, "bubble_s": 10}
+    # A gap between steps is latency too; a tail that could have held another step is not "too short".
+    d = bubble_breakdown([bubble(predicted_ms=10)], steps((0.5, 2.5), (3, 5)))
+    assert ms(d) == {"filled": 4, "latency": 6, "bubble_s": 10}
+
+
+def test_paused_unarmed_short_and_missed_bubbles_and_overruns() -> None:
+    records = [bubble(0, 10, paused=True), bubble(20, 30, job=""), bubble(40, 41, predicted_ms=41),
+               bubble(50, 60, predicted_ms=60), bubble(70, 80, predicted_ms=80)]
+    d = bubble_breakdown(records, steps((75, 83), (85, 86)))  # the last step is in no bubble: not counted here
+    assert ms(d) == {"guard": 10, "no_job": 10, "too_short": 1, "latency": 10 + 5, "filled": 5, "overrun_s": 3,
+                     "bubble_s": 41}
+    parts = sum(v for k, v in d.items() if k not in ("bubble_s", "overrun_s"))
+    assert parts == pytest.approx(d["bubble_s"])
+    assert [k for k, _ in BREAKDOWN] == ["filled", "guard", "no_job", "latency", "too_short", "past_prediction"]
+
+
+def test_steps_count_only_in_their_own_stages_bubbles() -> None:
+    d = bubble_breakdown([bubble(stage=0), bubble(stage=1, predicted_ms=10)], steps((1, 3), stage=1))
+    assert d["filled"] == pytest.approx(0.002) and d["bubble_s"] == pytest.approx(0.020)

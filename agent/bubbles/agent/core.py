@@ -176,6 +176,9 @@ class ExecutorState:
     queue: deque[JobRecord] = field(default_factory=deque)
     active: JobRecord | None = None
     open_bubbles: dict[int, wire.BubbleStart] = field(default_factory=dict)
+    # What the agent offered each open bubble, for the accounting of where its time went (ledger.bubble_breakdown):
+    # seq -> (guard paused, share, armed harvesting job or "", its step time in seconds or 0).
+    bubble_context: dict[int, tuple[bool, float, str, float]] = field(default_factory=dict)
     last_message_ns: int | None = None  # when the stage's hook was last heard from (a valid datagram)
     last_iteration_s: float | None = None  # the latest iteration time the stage's hook reported
 
@@ -403,6 +406,7 @@ class AgentCore:
         ex = self.executors[stage]
         ex.cycle = None
         ex.open_bubbles.clear()
+        ex.bubble_context.clear()
         ex.last_message_ns = None
         if stage == self.guard_stage:
             self.guard = None
@@ -527,19 +531,26 @@ class AgentCore:
         if isinstance(msg, wire.BubbleStart):
             ex.open_bubbles[msg.seq] = msg
             if len(ex.open_bubbles) > MAX_OPEN_BUBBLES:  # ENDs lost: forget the oldest
-                ex.open_bubbles.pop(next(iter(ex.open_bubbles)))
+                ex.bubble_context.pop(ex.open_bubbles.pop(next(iter(ex.open_bubbles))).seq, None)
             job = ex.active
+            armed = job is not None and job.armed is FillMode.HARVEST and job.state is not FillState.STOPPED
+            ex.bubble_context[msg.seq] = (self.fill_paused, self.share, job.name if armed and job else "",
+                                          (job.step_s or 0.0) if armed and job else 0.0)
             if (job is not None and job.launched and not job.iterative and ex.mode is FillMode.HARVEST
                     and not self.fill_paused and job.state is FillState.PAUSED):
                 self._signal(job, signal.SIGCONT)
                 self._set_state(job, FillState.RUNNING)
         elif isinstance(msg, wire.BubbleEnd):
             start = ex.open_bubbles.pop(msg.seq, None)
+            context = ex.bubble_context.pop(msg.seq, (False, self.share, "", 0.0))
             if start is not None and msg.end_ns >= start.start_ns:
                 self.ledgers[ex.mode.label].add_bubble(ex.index, start.start_ns, msg.end_ns)
                 if len(self.bubbles) < MAX_BUBBLE_RECORDS:
+                    paused, share, armed_job, step_s = context
                     self.bubbles.append({"stage": ex.index, "slot": msg.slot, "start_ns": start.start_ns,
-                                         "end_ns": msg.end_ns, "mode": ex.mode.label})
+                                         "end_ns": msg.end_ns, "mode": ex.mode.label,
+                                         "predicted_end_ns": start.predicted_end_ns, "guard_paused": paused,
+                                         "share": share, "job": armed_job, "step_s": step_s})
             job = ex.active
             if job is None or ex.mode is not FillMode.HARVEST or job.state is FillState.STOPPED:
                 return
@@ -572,6 +583,7 @@ class AgentCore:
             self._event(ex.index, "", "mode", msg.mode.label)
             ex.mode = msg.mode
             ex.open_bubbles.clear()
+            ex.bubble_context.clear()
             if ex.active is not None:
                 self._apply_mode(ex, ex.active)
 

@@ -9,10 +9,11 @@ conversion to seconds.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 from bubbles.stats import percentile
 
@@ -155,3 +156,85 @@ def _check_interval(stage: int, start_ns: int, end_ns: int) -> None:
         raise ValueError(f"stage must be >= 0, got {stage}")
     if end_ns < start_ns:
         raise ValueError(f"interval ends before it starts ({start_ns} > {end_ns}): swap the timestamps")
+
+
+# -- where the bubble time went ---------------------------------------------------------------------------------
+BREAKDOWN = (
+    ("filled", "filled by fill steps"),
+    ("guard", "withheld by the slowdown guard (probes' and refreshes' pauses, the share it cut)"),
+    ("no_job", "no fill job armed on the stage"),
+    ("latency", "signal and resume latency (before the first step, between steps)"),
+    ("too_short", "too short for a step (a bubble, or the tail after the last step)"),
+    ("past_prediction", "past the predicted end (steps start only before the slot's 10th-percentile length)"),
+)
+
+
+def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Split the bubbles' time into where it went (``BREAKDOWN``'s keys, seconds; they sum to ``bubble_s``), and the
+    fill-step time that ran past its bubble's end (``overrun_s``: not bubble time, the training waited for it).
+
+    ``bubbles`` are the agent's bubble records (``stage``, ``start_ns``, ``end_ns``, ``predicted_end_ns``,
+    ``guard_paused``, ``share``, ``job``, ``step_s``; the agent's ``status().bubbles``), ``steps`` its step records
+    (``stage``, ``start_ns``, ``end_ns``); pass one mode's of each. A step belongs to the bubble it started in. Pure.
+    """
+    by_stage: dict[int, list[tuple[int, int]]] = {}
+    for st in steps:
+        by_stage.setdefault(int(st["stage"]), []).append((int(st["start_ns"]), int(st["end_ns"])))
+    for v in by_stage.values():
+        v.sort()
+    starts = {k: [a for a, _ in v] for k, v in by_stage.items()}
+    out = dict.fromkeys((k for k, _ in BREAKDOWN), 0)
+    bubble_ns = overrun_ns = 0
+    for b in bubbles:
+        s, e = int(b["start_ns"]), int(b["end_ns"])
+        if e <= s:
+            continue
+        bubble_ns += e - s
+        stage = int(b["stage"])
+        lo, hi = bisect_left(starts.get(stage, []), s), bisect_left(starts.get(stage, []), e)
+        mine = _merge(by_stage.get(stage, [])[lo:hi])
+        filled = sum(min(b_, e) - a for a, b_ in mine)
+        overrun_ns += sum(max(0, b_ - e) for _, b_ in by_stage.get(stage, [])[lo:hi])
+        out["filled"] += filled
+        if b.get("guard_paused"):
+            out["guard"] += e - s - filled
+            continue
+        if not b.get("job"):
+            out["no_job"] += e - s - filled
+            continue
+        predicted = int(b.get("predicted_end_ns") or e)
+        p = min(max(predicted, s), e)  # steps start only before the predicted end
+        u = s + int(float(b.get("share", 1.0)) * (max(predicted, s) - s))  # ... and within the guard's share of it
+        step_ns = int(float(b.get("step_s") or 0.0) * 1e9)
+        cursor = s
+        for k, (a, b_) in enumerate([*mine, (e, e)]):
+            if a > cursor:  # an uncovered segment [cursor, a)
+                where = "none" if not mine else "tail" if k == len(mine) else "before"
+                _attribute(out, cursor, a, usable_end=min(u, p), u=u, p=p, where=where, step_ns=step_ns)
+            cursor = max(cursor, min(b_, e))
+    return {**{k: v / _NS_PER_S for k, v in out.items()}, "bubble_s": bubble_ns / _NS_PER_S,
+            "overrun_s": overrun_ns / _NS_PER_S}
+
+
+def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for a, b in intervals:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _attribute(out: dict[str, int], a: int, b: int, *, usable_end: int, u: int, p: int, where: str,
+               step_ns: int) -> None:
+    """Give the uncovered segment [a, b) of a bubble to its categories. Before ``usable_end`` it is latency (before or
+    between steps; a bubble with no step whose usable part could hold one) or too short (no step could fit in what
+    was left); between the share's end ``u`` and the predicted end ``p`` the guard's; after ``p`` past the
+    prediction."""
+    before = max(0, min(b, usable_end) - a)
+    if before:
+        short = where != "before" and usable_end - a < step_ns
+        out["too_short" if short else "latency"] += before
+    out["guard"] += max(0, min(b, p) - max(a, u))
+    out["past_prediction"] += max(0, b - max(a, p))

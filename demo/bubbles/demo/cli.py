@@ -42,11 +42,12 @@ DEMO_FREE_BYTES = 4 << 30
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages, 2-4 (default 2)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
-    p.add_argument("--iterations", type=int, default=12,
-                   help="training iterations per mode and repetition (default 12; the first 2 of each "
+    p.add_argument("--iterations", type=int, default=8,
+                   help="training iterations per mode and round (default 8; the first 2 of each "
                         "phase are not counted while the switch settles)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="how many times the baseline/naive/harvest sequence repeats (default 2)")
+    p.add_argument("--repeats", type=int, default=6,
+                   help="rounds of baseline/naive/harvest (default 6: the fewest that give each figure a 95%% "
+                        "interval over rounds)")
     p.add_argument("--hidden", type=int, default=1024, help="width of the training's layers (default 1024)")
     p.add_argument("--layers", type=int, default=8, help="layers of the training model (default 8)")
     p.add_argument("--micro-batch-size", type=int, default=16, help="samples per micro-batch (default 16)")

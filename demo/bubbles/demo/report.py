@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown
 from bubbles.api import FillMode
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
-from bubbles.orchestrate.phases import iteration_times_by_mode
-from bubbles.stats import percentile
+from bubbles.orchestrate.phases import iteration_times_by_mode, iterations_by_round
+from bubbles.stats import median_interval, percentile
 
 # The report's name of each fill mode (its key in ``modes``): OFF is the baseline the other two are compared with.
 MODE_NAMES = {FillMode.OFF: "baseline", FillMode.NAIVE: "naive", FillMode.HARVEST: "harvest"}
+NOISY_SPREAD = 0.10  # a baseline that moves more than this within or between rounds: the machine was noisy
 FILL_FIELDS = ("fill_steps", "fill_flops", "bubble_s", "filled_s", "overruns", "overrun_s", "overrun_p99_ms",
                "max_overrun_ms")
 
@@ -54,7 +56,11 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
         entry["filled_share"] = (entry["filled_s"] / entry["bubble_s"]) if entry["bubble_s"] else 0.0
         modes[name] = entry
     guard = (agent_stats or {}).get("guard", {})
+    figures = round_figures(ranks[0], agent_stats, settle)
     return {
+        "rounds": figures,
+        "over_rounds": over_rounds(figures),
+        "breakdown": harvest_breakdown(agent_stats),
         "stages": stages,
         "microbatches": microbatches,
         "iterations": len(ranks[0]["iteration_s"]),
@@ -67,10 +73,97 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
             "share": guard.get("share"),
             "slowdown_held": guard.get("slowdown_held"),
             "baseline_s": guard.get("baseline_s"),
+            "probes": guard.get("probes", {}),
         },
         "jobs": (agent_stats or {}).get("jobs", []),
         "losses_identical_across_stages": len({tuple(r["losses"]) for r in ranks}) == 1,
     }
+
+
+def round_figures(rank0: Mapping[str, Any], agent_stats: Mapping[str, Any] | None,
+                  settle: int) -> list[dict[str, float]]:
+    """Each round's figures, measured against that round's own baseline: ``baseline_s`` (its median iteration),
+    ``baseline_spread`` (p90 / p10 - 1 of those iterations), ``naive_slowdown``, ``harvest_slowdown`` and
+    ``harvest_filled_share`` (from the agent's records of the round's harvesting iterations)."""
+    times: Sequence[float] = rank0["iteration_s"]
+    ends: Sequence[int] | None = rank0.get("iteration_end_ns")
+    label = FillMode.HARVEST.label
+    bubbles = [b for b in (agent_stats or {}).get("bubbles", []) if b.get("mode") == label]
+    steps = [st for st in (agent_stats or {}).get("steps", []) if st.get("mode") == label]
+    out = []
+    for r in iterations_by_round(rank0, settle):
+        base_times = [times[i] for i in r.get(FillMode.OFF, [])]
+        if not base_times:
+            continue
+        base = percentile(base_times, 50)
+        fig = {"baseline_s": base, "baseline_spread": percentile(base_times, 90) / percentile(base_times, 10) - 1}
+        for mode in (FillMode.NAIVE, FillMode.HARVEST):
+            idx = r.get(mode, [])
+            if idx:
+                fig[f"{MODE_NAMES[mode]}_slowdown"] = percentile([times[i] for i in idx], 50) / base - 1
+        idx = r.get(FillMode.HARVEST, [])
+        if idx and ends and len(ends) == len(times):
+            t0, t1 = ends[idx[0]] - int(times[idx[0]] * 1e9), ends[idx[-1]]
+            d = bubble_breakdown([b for b in bubbles if t0 <= b["start_ns"] < t1],
+                                 [st for st in steps if t0 <= st["start_ns"] < t1])
+            if d["bubble_s"]:
+                fig["harvest_filled_share"] = d["filled"] / d["bubble_s"]
+        out.append(fig)
+    return out
+
+
+def over_rounds(figures: Sequence[Mapping[str, float]], confidence: float = 0.95) -> dict[str, Any]:
+    """Each figure's median over the rounds with a distribution-free ``confidence`` interval (None with fewer than 6
+    rounds), a verdict on the harvesting slowdown, and whether the machine was noisy."""
+    out: dict[str, Any] = {"rounds": len(figures)}
+    for key in ("baseline_s", "naive_slowdown", "harvest_slowdown", "harvest_filled_share"):
+        xs = [f[key] for f in figures if f.get(key) is not None]
+        out[key] = {"median": percentile(xs, 50) if xs else None,
+                    "interval": median_interval(xs, confidence) if xs else None, "rounds": len(xs)}
+    h = out["harvest_slowdown"]
+    if h["median"] is None:
+        verdict = "no harvesting rounds"
+    elif h["interval"] is None:
+        verdict = f"inconclusive: {h['rounds']} rounds are too few for a 95% interval (6 or more: --repeats)"
+    elif h["interval"][0] > 0:
+        verdict = "slower: the whole interval is above 0"
+    elif h["interval"][1] < 0:
+        verdict = ("inconclusive: every harvesting round ran faster than its baseline, which fill work cannot "
+                   "cause: the machine drifted between phases")
+    else:
+        verdict = "no measurable slowdown: the interval includes 0"
+    out["harvest_verdict"] = verdict
+    spreads = [f["baseline_spread"] for f in figures]
+    bases = [f["baseline_s"] for f in figures]
+    within = percentile(spreads, 50) if spreads else 0.0
+    between = max(bases) / min(bases) - 1 if bases else 0.0
+    out["noise"] = {"baseline_spread_within_rounds": within, "baseline_spread_between_rounds": between,
+                    "noisy": within > NOISY_SPREAD or between > NOISY_SPREAD}
+    return out
+
+
+def harvest_breakdown(agent_stats: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Where the harvesting bubbles' time went (``ledger.bubble_breakdown``), in all and per stage."""
+    label = FillMode.HARVEST.label
+    bubbles = [b for b in (agent_stats or {}).get("bubbles", []) if b.get("mode") == label]
+    steps = [st for st in (agent_stats or {}).get("steps", []) if st.get("mode") == label]
+    stages = sorted({int(b["stage"]) for b in bubbles})
+    return {"all": bubble_breakdown(bubbles, steps),
+            "by_stage": {str(k): bubble_breakdown([b for b in bubbles if int(b["stage"]) == k],
+                                                  [st for st in steps if int(st["stage"]) == k]) for k in stages}}
+
+
+def format_breakdown(d: Mapping[str, float]) -> str:
+    """``filled 38.0%, withheld by the guard 4.1%, ...`` of the bubble time; the overrun after it."""
+    total = d.get("bubble_s") or 0.0
+    if not total:
+        return "no harvesting bubbles recorded"
+    short = {"filled": "filled", "guard": "withheld by the guard", "no_job": "no job armed",
+             "latency": "signal/resume latency", "too_short": "too short for a step",
+             "past_prediction": "past the predicted end"}
+    parts = [f"{short[k]} {d[k] / total:.1%}" for k, _ in BREAKDOWN if d.get(k)]
+    return (f"{', '.join(parts)} of {total * 1e3:.0f} ms; fill steps overran their bubbles by "
+            f"{d.get('overrun_s', 0.0) * 1e3:.1f} ms in all")
 
 
 def format_summary(report: Mapping[str, Any]) -> str:
@@ -98,12 +191,49 @@ def format_summary(report: Mapping[str, Any]) -> str:
         lines += ["", f"slowdown guard: budget {g['budget'] * 100:.1f}%, settled share "
                   f"{(g.get('share') or 0) * 100:.0f}% of each bubble, slowdown held "
                   + ("-" if held is None else f"{held * 100:+.1f}%")]
+    if report.get("over_rounds", {}).get("rounds"):
+        lines += ["", *format_rounds(report["over_rounds"])]
+    if report.get("breakdown", {}).get("all", {}).get("bubble_s"):
+        lines.append("where the harvesting bubbles' time went: " + format_breakdown(report["breakdown"]["all"]))
     naive, harvest = report["modes"][MODE_NAMES[FillMode.NAIVE]], report["modes"][MODE_NAMES[FillMode.HARVEST]]
     if naive["slowdown"] is not None and harvest["slowdown"] is not None:
         lines.append(f"harvesting vs naive co-location: training slowdown {harvest['slowdown'] * 100:+.1f}% "
                      f"vs {naive['slowdown'] * 100:+.1f}%, fill steps {harvest['fill_steps']} vs "
                      f"{naive['fill_steps']}")
     return "\n".join(lines)
+
+
+def format_rounds(o: Mapping[str, Any]) -> list[str]:
+    """The over-rounds figures as lines: median, 95% interval, verdict, noise."""
+    def fmt(v: float, unit: str) -> str:
+        return {"ms": f"{v * 1e3:.1f} ms", "signed": f"{v * 100:+.1f}%", "share": f"{v * 100:.1f}%"}[unit]
+
+    def figure(key: str, unit: str = "signed") -> str:
+        f = o[key]
+        if f["median"] is None:
+            return "-"
+        interval = (f" (95% interval {fmt(f['interval'][0], unit)} to {fmt(f['interval'][1], unit)})"
+                    if f["interval"] else " (no 95% interval: fewer than 6 rounds)")
+        return fmt(f["median"], unit) + interval
+
+    h = o["harvest_slowdown"]
+    slow = figure("harvest_slowdown")
+    if h["median"] is not None and h["median"] < 0 and "inconclusive" not in o["harvest_verdict"]:
+        slow = "none measurable; " + slow  # a negative median the interval does not support is not a speed-up
+    lines = [f"over {o['rounds']} rounds (each mode against its own round's baseline; median and 95% interval):",
+             f"  baseline iteration {figure('baseline_s', 'ms')}",
+             f"  naive co-location slows the training {figure('naive_slowdown')}",
+             f"  harvesting slows the training {slow}: {o['harvest_verdict']}",
+             f"  harvesting fills {figure('harvest_filled_share', 'share')} of the bubble time"]
+    n, naive = o["noise"], o["naive_slowdown"]["median"]
+    if naive and h["median"] is not None and naive > 0:
+        lines.append(f"  harvesting costs the training {max(h['median'], 0) / naive:.0%} of what naive co-location "
+                     "costs it")
+    if n["noisy"]:
+        lines.append(f"  the machine was noisy: the baseline moved {n['baseline_spread_within_rounds']:.0%} within "
+                     f"and {n['baseline_spread_between_rounds']:.0%} between rounds (over "
+                     f"{NOISY_SPREAD:.0%}): these figures are less certain than their intervals say")
+    return lines
 
 
 def _median(xs: Sequence[float]) -> float | None:

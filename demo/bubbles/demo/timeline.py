@@ -49,7 +49,8 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
     def ms(t: float) -> float:
         return (t - t0) / 1e6
 
-    fig, ax = plt.subplots(figsize=(12, 1.1 + 0.9 * len(ranks)), dpi=130)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 1.4 + 0.9 * len(ranks)), dpi=130,
+                                 gridspec_kw={"width_ratios": [4, 1.2]})
     steps = (agent_stats or {}).get("steps", [])
     for row, rank in enumerate(ranks):
         y = len(ranks) - 1 - row
@@ -82,8 +83,45 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12), ncol=4,
               frameon=False)
     ax.grid(axis="x", alpha=0.3)
+    _draw_breakdown(bx, ranks, agent_stats)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+BREAKDOWN_COLORS = {"filled": FILL_COLOR, "guard": "#8e6bbf", "no_job": "#bdbdbd", "latency": "#e07b39",
+                    "too_short": BUBBLE_COLOR, "past_prediction": "#7fb3d5"}
+
+
+def _draw_breakdown(ax: Any, ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, Any] | None) -> None:
+    """Beside the timeline: one bar per stage, its harvesting bubble time split by where it went."""
+    from matplotlib.patches import Patch
+
+    from bubbles.agent.ledger import BREAKDOWN
+    from bubbles.demo.report import harvest_breakdown
+
+    by_stage = harvest_breakdown(agent_stats)["by_stage"]
+    for row, rank in enumerate(ranks):
+        y = len(ranks) - 1 - row
+        d = by_stage.get(str(rank["stage"]), {})
+        total = d.get("bubble_s") or 0.0
+        left = 0.0
+        for key, _ in BREAKDOWN:
+            share = d.get(key, 0.0) / total if total else 0.0
+            ax.barh(y + 0.5, share * 100, left=left, height=0.6, color=BREAKDOWN_COLORS[key])
+            if share >= 0.08:
+                ax.text(left + share * 50, y + 0.5, f"{share:.0%}", ha="center", va="center", fontsize=7)
+            left += share * 100
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, len(ranks))
+    ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))])
+    ax.set_yticklabels([f"stage {r['stage']}" for r in ranks])
+    ax.set_xlabel("% of all harvesting bubble time")
+    ax.set_title("where the bubble time went (whole run)", fontsize=9)
+    labels = {"filled": "filled", "guard": "guard", "no_job": "no job", "latency": "latency",
+              "too_short": "too short", "past_prediction": "past prediction"}
+    ax.legend(handles=[Patch(color=BREAKDOWN_COLORS[k], label=labels[k]) for k, _ in BREAKDOWN],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12), ncol=3, frameon=False,
+              fontsize=7)

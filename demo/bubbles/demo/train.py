@@ -11,7 +11,8 @@ bubbles hook at all, for that comparison. The run is: the hook's warm-up and pro
 ranks meet in a barrier and switch the listeners' fill mode.
 
 Each rank writes ``DIR/rank-<global rank>.json``: stage, stages, microbatches, rank, schedule, losses
-(``float.hex`` per iteration), iteration_s, phase (per iteration), cycle (``BubbleCycle.to_dict`` of the
+(``float.hex`` per iteration), iteration_s, iteration_end_ns (``time.monotonic_ns()`` at each iteration's end), phase
+(per iteration), cycle (``BubbleCycle.to_dict`` of the
 schedule in use, or null), cycles (by schedule name), trace (with ``--trace``: ``[iteration,
 instruction, start_ns, end_ns, slot or -1]``), stats (the hook's counters) and the flags.
 
@@ -187,12 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     data = batches(args.seed, args.micro_batch_size, args.hidden)
     losses: list[str] = []
     iteration_s: list[float] = []
+    iteration_end_ns: list[int] = []
     phase_of: list[str] = []
 
     def step() -> None:
         t0 = time.perf_counter()
         loss = engine.train_batch(data) if args.schedule == "train" else engine.eval_batch(data)
         iteration_s.append(time.perf_counter() - t0)
+        iteration_end_ns.append(time.monotonic_ns())  # the agent's clock: its records of the same time compare
         losses.append(float(loss.item()).hex())
 
     def report(phase: str, n: int) -> None:
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": schedule_name,
         "losses": losses,
         "iteration_s": iteration_s,
+        "iteration_end_ns": iteration_end_ns,
         "phase": phase_of,
         "cycle": None,
         "cycles": {},

@@ -59,3 +59,28 @@ def iteration_times_by_mode(rank: Mapping[str, Any], settle: int) -> dict[FillMo
         mode = FillMode.parse(phase, f"phase of iteration {i} (other than {PROFILE_PHASE!r})")
         times.setdefault(mode, []).append(float(t))
     return times
+
+
+def iterations_by_round(rank: Mapping[str, Any], settle: int) -> list[dict[FillMode, list[int]]]:
+    """The indices of one rank's measured iterations, by round and mode: a round is one pass over the modes (a mode
+    seen again starts the next round), each phase's first ``settle`` iterations dropped as in
+    ``iteration_times_by_mode``."""
+    rounds: list[dict[FillMode, list[int]]] = []
+    phases: Sequence[str] = rank["phase"]
+    run_start = 0
+    current: dict[FillMode, list[int]] = {}
+    for i, phase in enumerate(phases):
+        if i == 0 or phases[i - 1] != phase:
+            run_start = i
+            if phase != PROFILE_PHASE:
+                mode = FillMode.parse(phase, f"phase of iteration {i} (other than {PROFILE_PHASE!r})")
+                if mode in current:
+                    rounds.append(current)
+                    current = {}
+                current[mode] = []
+        if phase == PROFILE_PHASE or i - run_start < settle:
+            continue
+        current[FillMode.parse(phase, f"phase of iteration {i}")].append(i)
+    if current:
+        rounds.append(current)
+    return rounds
