@@ -298,3 +298,27 @@ def test_a_trainings_own_limits_cap_the_share_and_set_the_guards_budget() -> Non
     assert any(e["kind"] == "guard" and "slowdown budget 25.00%" in e["message"] for e in core.events)
     core.set_guard_limits(None, 0.0, "PipelineTraining ml/t")  # maxFillShare: 0 turns harvesting off
     assert core.share == 0.0 and Send(job, "share", {"share": 0.0}) in core.take_actions()
+
+
+def test_the_guard_skips_the_iterations_after_a_mode_switch_and_takes_its_baseline_from_off_mode() -> None:
+    core, clock, _ = make_core(guard=GuardConfig(refresh_every=0, refresh_window=3))
+    armed(core)
+    core.take_actions()
+
+    def iteration(ms: float) -> None:
+        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, int(ms * MS)))
+
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.OFF))
+    for ms in (500, 500, 40, 42, 41):  # the first two after the switch may still hold fill work: not measured
+        iteration(ms)
+    assert core.guard is not None and core.guard.baseline_s == pytest.approx(0.0415)  # median of the last 2
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))
+    for _ in range(10):
+        iteration(400)  # naive co-location is not the guard's to judge
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.HARVEST))
+    iteration(400)
+    iteration(400)  # naive work still draining after the switch: unseen
+    assert core.guard.iterations == 0
+    for _ in range(8):
+        iteration(41)
+    assert core.guard.iterations == 8 and core.guard.phase == "harvest" and core.share == 1.0

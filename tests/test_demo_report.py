@@ -111,3 +111,22 @@ def test_the_filled_share_per_round_comes_from_the_agents_records_of_that_round(
     o = over_rounds(figs)
     assert o["harvest_filled_share"]["median"] == pytest.approx(0.35)
     assert o["harvest_filled_share"]["interval"] == pytest.approx((0.1, 0.6))
+
+
+def test_other_processes_taking_the_cpu_make_the_report_say_the_machine_was_noisy() -> None:
+    from bubbles.demo.report import build_report, machine_load
+
+    load = machine_load(busy_s=90.0, own_cpu_s=50.0, wall_s=50.0, cpus=2)
+    assert load["other_cpu_share"] == pytest.approx(0.4)
+    assert machine_load(busy_s=10.0, own_cpu_s=12.0, wall_s=10.0, cpus=2)["other_cpu_share"] == 0.0
+
+    def steady(_rnd: int, mode: FillMode, _rng: random.Random) -> float:
+        return 0.1 * (1.8 if mode is FillMode.NAIVE else 1.0)
+
+    r = rank(6, 6, steady)
+    r.update(stage=0, stages=2, microbatches=8, losses=["0x1p+0"], cycle=None)
+    quiet = build_report([r], None, machine=machine_load(52.0, 50.0, 50.0, 2))
+    assert quiet["over_rounds"]["noise"]["noisy"] is False and "noisy" not in format_summary(quiet)
+    busy = build_report([r], None, machine=load)
+    assert busy["over_rounds"]["noise"]["noisy"] is True
+    assert "other processes took 40% of its CPU time" in format_summary(busy)

@@ -253,3 +253,18 @@ def test_invalid_durations(bad: float) -> None:
     guard = SlowdownGuard(1.0)
     with pytest.raises(ValueError, match="iteration_s must be a finite number of seconds > 0"):
         guard.observe(bad)
+
+
+def test_iterations_without_any_fill_work_keep_the_baseline_current_but_not_during_a_probe() -> None:
+    guard = SlowdownGuard(1.0, GuardConfig(refresh_window=4, refresh_every=0))
+    for t in (1.2, 1.3, 1.1, 1.2):
+        guard.observe_unfilled(t)
+    assert guard.baseline_s == pytest.approx(1.2)  # the last refresh_window - 1 = 3
+    drive(guard, 8, lambda _i, _s: 1.21)  # 1% over the new baseline: no probe
+    assert guard.phase == "harvest"
+    drive(guard, 8, lambda _i, _s: 1.5)
+    assert guard.phase == "probe"
+    guard.observe_unfilled(5.0)
+    assert guard.baseline_s == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="iteration_s"):
+        guard.observe_unfilled(-1.0)

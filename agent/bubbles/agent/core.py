@@ -54,6 +54,8 @@ log = logging.getLogger("bubbles.agent")
 
 MAX_STEP_RECORDS = 200_000
 MAX_BUBBLE_RECORDS = 200_000
+# Iterations after a fill-mode change the slowdown guard does not see: fill work of the old mode may still run.
+MODE_SETTLE_ITERATIONS = 2
 MAX_EVENTS = 10_000
 MAX_OPEN_BUBBLES = 256
 MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
@@ -181,6 +183,7 @@ class ExecutorState:
     bubble_context: dict[int, tuple[bool, float, str, float]] = field(default_factory=dict)
     last_message_ns: int | None = None  # when the stage's hook was last heard from (a valid datagram)
     last_iteration_s: float | None = None  # the latest iteration time the stage's hook reported
+    since_mode_change: int = MODE_SETTLE_ITERATIONS  # iterations reported since the fill mode last changed
 
 
 @dataclass(frozen=True)
@@ -582,6 +585,7 @@ class AgentCore:
             log.info("stage %d: fill mode %s -> %s", ex.index, ex.mode.label, msg.mode.label)
             self._event(ex.index, "", "mode", msg.mode.label)
             ex.mode = msg.mode
+            ex.since_mode_change = 0
             ex.open_bubbles.clear()
             ex.bubble_context.clear()
             if ex.active is not None:
@@ -591,12 +595,20 @@ class AgentCore:
         if self.guard_stage is None or ex.index < self.guard_stage:
             self.guard_stage = ex.index
             self.guard = None
-        if ex.index != self.guard_stage or ex.mode is not FillMode.HARVEST or msg.duration_ns <= 0:
+        ex.since_mode_change += 1
+        if ex.index != self.guard_stage or msg.duration_ns <= 0:
+            return
+        if ex.since_mode_change <= MODE_SETTLE_ITERATIONS:
+            return  # a mode switch reaches the fill processes asynchronously: not this mode's iterations yet
+        if ex.mode is FillMode.NAIVE:
             return
         if self.guard is None:
             if ex.cycle is None or ex.cycle.iteration_s <= 0:
                 return
             self.guard = SlowdownGuard(ex.cycle.iteration_s, self.config.guard)
+        if ex.mode is FillMode.OFF:  # no fill work at all: a baseline measurement for free
+            self.guard.observe_unfilled(msg.duration_ns / 1e9)
+            return
         decision = self.guard.observe(msg.duration_ns / 1e9)
         if decision.slowdown is not None:
             log.info("slowdown guard: %s", decision.reason)

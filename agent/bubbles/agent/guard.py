@@ -158,6 +158,7 @@ class SlowdownGuard:
         self._arms: dict[bool, list[float]] = {}  # measured iterations of the current pair, by arm (True: ON)
         self._diffs: list[float] = []  # the probe's paired differences
         self._off: list[float] = []  # every measured OFF iteration of the probe
+        self._unfilled: list[float] = []  # the latest iterations run with the fill mode off (observe_unfilled)
 
     @property
     def fill_paused(self) -> bool:
@@ -188,6 +189,17 @@ class SlowdownGuard:
         if self._phase is _Phase.PROBE:
             return self._observe_probe(index, iteration_s)
         return self._observe_harvest(index, iteration_s)
+
+    def observe_unfilled(self, iteration_s: float) -> None:
+        """An iteration that ran with no fill work at all for reasons of its own (the fill mode was off): while
+        watching, the last ``refresh_window - 1`` of them are the baseline, as a refresh would measure it."""
+        iteration_s = _check_duration("iteration_s", iteration_s)
+        if self._phase is not _Phase.HARVEST:
+            return
+        self._unfilled.append(iteration_s)
+        del self._unfilled[:-(self.config.refresh_window - 1)]
+        self.baseline_s = statistics.median(self._unfilled)
+        self._window.clear()  # a window must not straddle a stretch without fill work
 
     def slowdown_held(self) -> float | None:
         """Median slowdown over the measurements after the first decision (None before any)."""

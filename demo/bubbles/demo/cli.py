@@ -134,10 +134,11 @@ def _run_in(args: argparse.Namespace, work: Path) -> int:
 
 def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Path,
               specs: list[dict[str, Any]]) -> int:
-    from bubbles.demo.report import build_report, format_summary
+    from bubbles.demo.report import build_report, format_summary, machine_load
     from bubbles.demo.timeline import draw_timeline
 
     ranks_dir.mkdir(parents=True, exist_ok=True)
+    load_start = _cpu_snapshot()
     # A kept --workdir may hold a previous run's files: none of them may stand in for this run's.
     for stale in [*ranks_dir.glob("rank-*.json"), work / "agent-stats.json", work / "agent.ready", work / "start"]:
         stale.unlink(missing_ok=True)
@@ -196,7 +197,12 @@ def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Pa
     if stats is None:
         print(f"bubbles demo: warning: the agent wrote no stats; its log:\n{tail(work / 'agent.log')}",
               file=sys.stderr)
-    report = build_report(ranks, stats)
+    load_end = _cpu_snapshot()
+    machine = None
+    if load_start is not None and load_end is not None:
+        machine = machine_load(load_end[0] - load_start[0], load_end[1] - load_start[1], load_end[2] - load_start[2],
+                               os.cpu_count() or 1)
+    report = build_report(ranks, stats, machine=machine)
     print()
     print(format_summary(report))
     if args.report:
@@ -211,6 +217,24 @@ def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Pa
     return 0
 
 
+
+
+def _cpu_snapshot() -> tuple[float, float, float] | None:
+    """(CPU seconds the whole machine was busy, CPU seconds of this process's finished children, monotonic time);
+    None where /proc/stat is not there. Children count once waited for: the training, the agent and, through the
+    agent, the fill processes."""
+    import resource
+    import time
+
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return busy, r.ru_utime + r.ru_stime + me.ru_utime + me.ru_stime, time.monotonic()
 
 
 def _start_when_fill_jobs_ready(port: int, jobs: int, start_path: Path, agent: subprocess.Popen[Any],

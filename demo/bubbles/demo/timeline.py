@@ -92,7 +92,7 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
 
 
 BREAKDOWN_COLORS = {"filled": FILL_COLOR, "guard": "#8e6bbf", "no_job": "#bdbdbd", "latency": "#e07b39",
-                    "too_short": BUBBLE_COLOR, "past_prediction": "#7fb3d5"}
+                    "too_short": "#9e9e5e", "past_prediction": "#7fb3d5"}
 
 
 def _draw_breakdown(ax: Any, ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, Any] | None) -> None:
