@@ -245,7 +245,7 @@ def format_rounds(o: Mapping[str, Any]) -> list[str]:
         busy = f", other processes took {other:.0%} of its CPU time" if other is not None else ""
         lines.append(f"  the machine was noisy: the baseline moved {n['baseline_spread_within_rounds']:.0%} within and "
                      f"{n['baseline_spread_between_rounds']:.0%} between rounds{busy}: these figures are less certain "
-                     "than their intervals say, and the guard may hold fill work back")
+                     "than their intervals say")
     return lines
 
 
