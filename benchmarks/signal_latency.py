@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bubbles import paths, wire
+from bubbles import control, paths, wire
 from bubbles.api import FillMode
 from bubbles.cycle import BubbleCycle, BubbleSlot
 from bubbles.hook import Listeners
@@ -36,7 +36,7 @@ TRAINING = "bench"
 BUBBLE_MS = 2.0
 
 
-def bubble_start_latencies_us(signals: int, gap_s: float, work: Path) -> list[float]:
+def bubble_start_latencies_us(signals: int, gap_s: float, work: Path, spin_us: float = 0.0) -> list[float]:
     run_dir = work / "run"
     spec = work / "spin.json"
     spec.write_text(json.dumps({"name": "spin", "entry": "bubbles.fill_examples.spin:SpinJob",
@@ -46,7 +46,8 @@ def bubble_start_latencies_us(signals: int, gap_s: float, work: Path) -> list[fl
         [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
          "--executors", "1", "--fill-job", str(spec), "--mode", FillMode.HARVEST.label, "--stats", str(stats),
          "--ready-file", str(ready), "--no-pin-cores", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, control.SPIN_US_ENV: str(spin_us)})
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -128,33 +129,57 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--signals", type=int, default=3000, help="bubbles to signal (default 3000)")
     p.add_argument("--gap-ms", type=float, default=1.0, help="time between a bubble's end and the next start")
+    p.add_argument("--spin-us", type=float, default=500.0,
+                   help="also measure with the fill runtime busy-polling this long either side of the predicted "
+                        "bubble start ($BUBBLES_SPIN_US; default 500; 0 skips it)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     if args.signals < 100 or args.gap_ms < 0:
         p.error("--signals must be >= 100 and --gap-ms >= 0")
+    if not 0 <= args.spin_us <= 10_000:
+        p.error("--spin-us must be in [0, 10000]")
     with tempfile.TemporaryDirectory(prefix="bubbles-bench-") as tmp:
         lat = bubble_start_latencies_us(args.signals, args.gap_ms / 1e3, Path(tmp))
+    spun: list[float] = []
+    if args.spin_us:
+        with tempfile.TemporaryDirectory(prefix="bubbles-bench-") as tmp:
+            spun = bubble_start_latencies_us(args.signals, args.gap_ms / 1e3, Path(tmp), args.spin_us)
     ref = grpc_round_trips_us(count=min(args.signals, 2000))
     floor = wakeup_floor_us(min(args.signals, 2000), (BUBBLE_MS / 1e3) + args.gap_ms / 1e3)
+
+    def summary(xs: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(xs), "p99": percentile(xs, 99), "max": max(xs)}
+
     result = {
         "machine": f"{os.cpu_count()} cores, {os.uname().machine}, Python {sys.version.split()[0]}",
         "date": time.strftime("%Y-%m-%d"),
         "signals": args.signals, "bubbles_with_a_step": len(lat),
-        "bubble_start_us": {"median": statistics.median(lat), "p99": percentile(lat, 99), "max": max(lat)},
+        "bubble_start_us": summary(lat),
         "grpc_round_trip_us": {"median": statistics.median(ref), "p99": percentile(ref, 99)},
         "python_wakeup_floor_us": {"median": statistics.median(floor), "p99": percentile(floor, 99)},
     }
     result["ratio_median"] = result["grpc_round_trip_us"]["median"] / result["bubble_start_us"]["median"]
     result["ratio_p99"] = result["grpc_round_trip_us"]["p99"] / result["bubble_start_us"]["p99"]
+    if spun:
+        result["spin_us"] = args.spin_us
+        result["bubble_start_spinning_us"] = summary(spun)
+        result["bubbles_with_a_step_spinning"] = len(spun)
+        result["ratio_p99_spinning"] = result["grpc_round_trip_us"]["p99"] / result["bubble_start_spinning_us"]["p99"]
     print("| path | median (us) | p99 (us) |\n| --- | ---: | ---: |")
-    print(f"| bubble start: hook send -> fill step start | {result['bubble_start_us']['median']:.1f} | "
+    print(f"| bubble start: hook send -> fill step start, blocking wait | {result['bubble_start_us']['median']:.1f} | "
           f"{result['bubble_start_us']['p99']:.1f} |")
+    if spun:
+        sp = result["bubble_start_spinning_us"]
+        print(f"| bubble start, busy-poll +-{args.spin_us:g} us around the predicted start | {sp['median']:.1f} | "
+              f"{sp['p99']:.1f} |")
     print(f"| reference: gRPC unary round trip, localhost | {result['grpc_round_trip_us']['median']:.1f} | "
           f"{result['grpc_round_trip_us']['p99']:.1f} |")
     print(f"| floor: bare Python process woken by a Unix datagram | "
           f"{result['python_wakeup_floor_us']['median']:.1f} | {result['python_wakeup_floor_us']['p99']:.1f} |")
     print(f"\n{len(lat)} of {args.signals} bubbles started a step; gRPC is {result['ratio_median']:.0f}x slower "
-          f"at the median, {result['ratio_p99']:.0f}x at p99")
+          f"at the median, {result['ratio_p99']:.0f}x at p99" + (
+              f"; busy-polling: {len(spun)} bubbles, gRPC {result['ratio_p99_spinning']:.0f}x slower at p99"
+              if spun else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

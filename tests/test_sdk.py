@@ -16,6 +16,7 @@ from test_agent_jobs import BusyJob
 
 from bubbles import control, wire
 from bubbles.agent.ledger import HarvestLedger
+from bubbles.api import FillMode
 from bubbles.sdk import (
     INIT_PROFILE_STEPS,
     PROFILE_MARGIN,
@@ -23,12 +24,14 @@ from bubbles.sdk import (
     DeviceSync,
     FillRuntime,
     IterativeFillJob,
+    StartPredictor,
     StepResult,
     apply_process_limits,
     cuda_device_index,
     device_sync_for,
     load_entry,
     run_fill_process,
+    spin_window_ns,
 )
 
 
@@ -565,3 +568,75 @@ def test_attaching_reads_the_welcome_only_and_leaves_the_agents_next_commands_on
     sock.close()
     t.join(10)
     server.close()
+
+
+# -- busy-polling around the predicted bubble start ------------------------------------------------------------
+def test_the_next_start_is_each_slots_last_start_plus_its_period() -> None:
+    p = StartPredictor()
+    assert p.next_start(0, 0) is None
+    p.started(0, 1_000)
+    assert p.next_start(1_000, 0) is None  # one start of a slot: no period yet
+    p.started(0, 4_000)
+    p.started(1, 2_500)
+    p.started(1, 5_500)
+    assert p.next_start(5_600, 100) == 7_000  # slot 0: 4,000 + 3,000; slot 1: 8,500
+    assert p.next_start(7_050, 100) == 7_000  # within the slack after it: still that start
+    assert p.next_start(7_200, 100) == 8_500
+    assert p.next_start(13_200, 100) == 14_500  # slot 1 missed 8,500 and 11,500: projected forward
+    p.started(0, 3_000)  # out of order (an old datagram): no negative period, the last period stays
+    assert p.next_start(3_100, 0) == 6_000
+
+
+@pytest.mark.parametrize(("text", "ns"), [("", 0), ("0", 0), ("150", 150_000), (" 2.5 ", 2_500)])
+def test_the_spin_window_comes_from_the_environment_in_microseconds(text: str, ns: int) -> None:
+    assert spin_window_ns(text) == ns
+
+
+@pytest.mark.parametrize("text", ["fast", "-1", "20000", "nan"])
+def test_a_bad_spin_window_says_what_to_give(text: str) -> None:
+    with pytest.raises(ValueError, match="give microseconds from 0"):
+        spin_window_ns(text)
+
+
+def test_the_fast_signal_decoder_agrees_with_decode_on_every_input() -> None:
+    good = [wire.encode_bubble_start(1, 2, 3, 10, 20), wire.encode_bubble_end(1, 2, 3, 30)]
+    for data in good:
+        fast, msg = wire.decode_signal(data), wire.decode(data)
+        assert fast is not None and fast[2] == msg.seq
+        assert fast[3] == (msg.start_ns if isinstance(msg, wire.BubbleStart) else msg.end_ns)
+    start_before_end = bytearray(wire.encode_bubble_start(1, 2, 3, 10, 20))
+    start_before_end[20:28] = (5).to_bytes(8, "little")  # predicted end before the start
+    others = [wire.encode_iteration(0, 1, 2, 3), wire.encode_fill_mode(0, FillMode.OFF), b"BB" + bytes(26), b"x" * 28,
+              bytes(start_before_end)]
+    for data in others:
+        assert wire.decode_signal(data) is None  # decode handles (or rejects) these
+    with pytest.raises(wire.WireError):
+        wire.decode(bytes(start_before_end))
+
+
+def test_a_spinning_runtime_catches_a_predicted_bubble_and_still_obeys_commands(tmp_path: Path) -> None:
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, BusyJob(step_ms=0.2), step_s=0.0005) as (ch, rt):
+        rt.spin_ns = 2_000_000  # 2 ms either side: the test's sleeps are not precise
+        ch.send("init")
+        ch.wait("state", state="PAUSED")
+        ch.send("arm", mode="harvest", share=1.0)
+        wait_for_socket(path)
+        sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        period = 0.010
+        t0 = time.monotonic_ns()
+        for seq in range(1, 9):  # a bubble every 10 ms on slot 0
+            start = t0 + int(seq * period * 1e9)
+            while time.monotonic_ns() < start:
+                time.sleep(0.0002)
+            sig.sendto(wire.encode_bubble_start(0, 0, seq, start, start + 3_000_000), str(path))
+            time.sleep(0.003)
+            sig.sendto(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()), str(path))
+        ch.wait_count(8, "state", state="PAUSED", timeout_s=5)
+        steps = [e for e in ch.events if e.type == "step"]
+        assert {e["bubble_seq"] for e in steps} >= set(range(3, 9))  # every bubble once a period is known
+        assert rt.predictor.next_start(time.monotonic_ns(), 2_000_000) is not None
+        assert rt.spin_caught >= 4  # most starts after the second were read while spinning, not woken from poll
+        ch.send("disarm")  # commands still reach a runtime that spins
+        ch.wait("state", state="PAUSED")
+        ch.send("stop")

@@ -36,6 +36,7 @@ CORE_ENV = "BUBBLES_CPU_CORE"  # CPU core to pin to (absent: no pinning)
 MAX_STEPS_ENV = "BUBBLES_MAX_STEPS"  # stop after this many steps (the spec's `steps`)
 # Set by the operator in a fill Pod: the process attaches to the node's agent instead of inheriting a channel.
 UID_ENV = "BUBBLES_FILL_JOB_UID"  # the FillJob's metadata.uid
+SPIN_US_ENV = "BUBBLES_SPIN_US"  # busy-poll this long either side of a predicted bubble start (0 or absent: never)
 ATTEMPT_ENV = "BUBBLES_FILL_ATTEMPT"  # its status.restarts when placed
 ARGS_ENV = "BUBBLES_FILL_ARGS"  # the job's keyword arguments (a JSON object), when not given as --args
 CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job's state across attempts

@@ -117,6 +117,23 @@ def encode_profile(stage: int, cycle: dict[str, Any]) -> bytes:
     return data
 
 
+_START_END = (int(Kind.BUBBLE_START), int(Kind.BUBBLE_END))
+
+
+def decode_signal(data: bytes) -> tuple[int, int, int, int, int] | None:
+    """The fill runtime's fast path for the two messages it waits on: ``(kind, slot, seq, t_ns, predicted_end_ns)``
+    of a valid BUBBLE_START or BUBBLE_END, as plain integers (no message object on the wake-up path); None for
+    anything else, which ``decode`` then handles (and rejects, if invalid), so both agree on every input."""
+    if len(data) != SIGNAL_BYTES:
+        return None
+    magic, version, kind, _stage, slot, seq, t1, t2 = _BUBBLE.unpack(data)
+    if magic != MAGIC or version != VERSION or kind not in _START_END or t1 < 0 or t2 < 0:
+        return None
+    if kind == Kind.BUBBLE_START and t2 < t1:
+        return None
+    return kind, slot, seq, t1, t2
+
+
 def decode(data: bytes) -> Message:
     """Parse one datagram; raise ``WireError`` saying what is wrong with it."""
     if not isinstance(data, bytes | bytearray | memoryview):

@@ -23,7 +23,7 @@ import contextlib
 import importlib
 import json
 import os
-import selectors
+import select
 import signal
 import socket
 import sys
@@ -240,6 +240,32 @@ class _Stop(Exception):
     pass
 
 
+class StartPredictor:
+    """When the next bubble should start: each slot recurs once per iteration, so its next start is its last start
+    plus the time between its last two. Pure (times are given); the runtime busy-polls around the prediction."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, int | None]] = {}  # slot -> (last start, period or None)
+
+    def started(self, slot: int, start_ns: int) -> None:
+        prev = self._last.get(slot)
+        period = start_ns - prev[0] if prev is not None and start_ns > prev[0] else None
+        self._last[slot] = (start_ns, period if period is not None else (prev[1] if prev else None))
+
+    def next_start(self, now_ns: int, slack_ns: int) -> int | None:
+        """The earliest predicted start not more than ``slack_ns`` in the past; None without a prediction."""
+        best = None
+        for last, period in self._last.values():
+            if not period:
+                continue
+            nxt = last + period
+            if nxt < now_ns - slack_ns:  # missed (a skipped iteration): project forward
+                nxt += ((now_ns - slack_ns - nxt) // period + 1) * period
+            if best is None or nxt < best:
+                best = nxt
+        return best
+
+
 class FillRuntime:
     """Runs one iterative fill job in this process under the agent's commands (see module doc)."""
 
@@ -268,6 +294,13 @@ class FillRuntime:
         self._bound_path: str | None = None
         self._bubble: _Bubble | None = None
         self._initialized = False
+        # Busy-poll window either side of a predicted bubble start ($BUBBLES_SPIN_US): a wake-up from a blocking
+        # poll costs tens of microseconds at the tail; spinning costs a CPU core for the window. Off by default:
+        # worth it only where the fill process has a core of its own (a GPU node), never where it shares the
+        # training's (the CPU demo).
+        self.spin_ns = 0
+        self.predictor = StartPredictor()
+        self.spin_caught = 0  # bubble starts read while busy-polling, not woken from the blocking poll
 
     # -- channel ---------------------------------------------------------------------------------
     def _emit(self, type_: str, **fields: Any) -> None:
@@ -380,14 +413,52 @@ class FillRuntime:
                 data = sig.recv(wire.MAX_DATAGRAM_BYTES + 1)
             except BlockingIOError:
                 return
+            fast = wire.decode_signal(data)  # the wake-up path: no message object, no exception
+            if fast is not None:
+                kind, _slot, seq, t1, t2 = fast
+                if kind == wire.Kind.BUBBLE_START:
+                    self._bubble = _Bubble(seq, t1, t2)
+                    self.predictor.started(_slot, t1)
+                elif self._bubble is not None and self._bubble.seq == seq:
+                    self._bubble.ended = True
+                continue
             try:
                 msg = wire.decode(data)
             except wire.WireError:
                 continue  # garbage on our socket: ignore it
             if isinstance(msg, wire.BubbleStart):
                 self._bubble = _Bubble(msg.seq, msg.start_ns, msg.predicted_end_ns)
+                self.predictor.started(msg.slot, msg.start_ns)
             elif isinstance(msg, wire.BubbleEnd) and self._bubble is not None and self._bubble.seq == msg.seq:
                 self._bubble.ended = True
+
+    def _spin_for_start(self) -> bool:
+        """Busy-poll the signal socket from ``spin_ns`` before the predicted next start to ``spin_ns`` after it;
+        True once a bubble is open. Returns at once (False) when no start is predicted within the window."""
+        sig = self._sig
+        if not self.spin_ns or sig is None:
+            return False
+        now = time.monotonic_ns()
+        nxt = self.predictor.next_start(now, self.spin_ns)
+        if nxt is None or nxt - self.spin_ns > now:
+            return False
+        until = nxt + self.spin_ns
+        while time.monotonic_ns() < until:
+            self._drain_signals()
+            if self._bubble is not None and not self._bubble.ended:
+                self.spin_caught += 1
+                return True
+        return False
+
+    def _poll_timeout_ms(self) -> int:
+        """How long the blocking poll may sleep: until the spin window of the predicted next start, or forever."""
+        if not self.spin_ns or self._sig is None:
+            return -1
+        now = time.monotonic_ns()
+        nxt = self.predictor.next_start(now, self.spin_ns)
+        if nxt is None:
+            return -1
+        return max(0, (nxt - self.spin_ns - now) // 1_000_000)
 
     # -- stepping --------------------------------------------------------------------------------
     def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None) -> float:
@@ -493,9 +564,12 @@ class FillRuntime:
     def serve(self) -> None:
         """Serve commands until stopped; return normally when the agent says stop or goes away."""
         self.ctrl.setblocking(False)
-        sel = selectors.DefaultSelector()
-        sel.register(self.ctrl, selectors.EVENT_READ)
+        # A poll object, not selectors: a bubble's start waits on this call, and the plain one costs less Python.
+        poller = select.poll()
+        ctrl_fd = self.ctrl.fileno()
+        poller.register(ctrl_fd, select.POLLIN)
         registered: socket.socket | None = None
+        registered_fd = -1
         try:
             while True:
                 if self.mode is FillMode.NAIVE:
@@ -503,13 +577,18 @@ class FillRuntime:
                     continue
                 if self._sig is not registered:
                     if registered is not None:
-                        sel.unregister(registered)
+                        with contextlib.suppress(KeyError):
+                            poller.unregister(registered_fd)  # by number: _disarm may have closed the socket
                     if self._sig is not None:
-                        sel.register(self._sig, selectors.EVENT_READ)
+                        registered_fd = self._sig.fileno()
+                        poller.register(registered_fd, select.POLLIN)
                     registered = self._sig
-                ready = sel.select()
+                if self.mode is FillMode.HARVEST and self._spin_for_start():
+                    self._harvest_bubble()
+                    continue
+                ready = poller.poll(self._poll_timeout_ms())
                 # Most wake-ups are bubble signals: poll the control channel only when it has data.
-                if any(key.fileobj is self.ctrl for key, _ in ready):
+                if any(fd == ctrl_fd for fd, _ in ready):
                     self._poll_control()
                 self._drain_signals()
                 if self._bubble is not None and not self._bubble.ended and self.mode is FillMode.HARVEST:
@@ -520,11 +599,21 @@ class FillRuntime:
             self._disarm()
             with contextlib.suppress(_Stop):
                 self._flush()
-            sel.close()
 
 
 def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop()
+
+
+def spin_window_ns(text: str) -> int:
+    """``$BUBBLES_SPIN_US``: microseconds, 0 to 10,000; empty means 0 (no busy-polling)."""
+    try:
+        us = float(text.strip() or 0)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us <= 10_000:
+        raise ValueError(f"${control.SPIN_US_ENV}={text!r}: give microseconds from 0 (off) to 10000, e.g. 150")
+    return int(us * 1000)
 
 
 def _memory_limit(text: str) -> int | None:
@@ -711,12 +800,18 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         ctrl = socket.socket(fileno=int(fd_text))
     step_text = os.environ.get(control.STEP_S_ENV)
     max_steps_text = os.environ.get(control.MAX_STEPS_ENV)
+    try:
+        spin_ns = spin_window_ns(os.environ.get(control.SPIN_US_ENV, ""))
+    except ValueError as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 2
     job = cls(**kwargs)
     assert isinstance(job, IterativeFillJob)
     runtime = FillRuntime(job, ctrl, name=name, socket_path=socket_path,
                           step_s=float(step_text) if step_text else None,
                           max_steps=int(max_steps_text) if max_steps_text else None,
                           device=device, memory_bytes=memory)
+    runtime.spin_ns = spin_ns
     # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
     signal.signal(signal.SIGTERM, _raise_stop)
     state = CheckpointStore.from_environment()
