@@ -413,23 +413,16 @@ class FillRuntime:
                 data = sig.recv(wire.MAX_DATAGRAM_BYTES + 1)
             except BlockingIOError:
                 return
-            fast = wire.decode_signal(data)  # the wake-up path: no message object, no exception
-            if fast is not None:
-                kind, _slot, seq, t1, t2 = fast
-                if kind == wire.Kind.BUBBLE_START:
-                    self._bubble = _Bubble(seq, t1, t2)
-                    self.predictor.started(_slot, t1)
-                elif self._bubble is not None and self._bubble.seq == seq:
-                    self._bubble.ended = True
+            # The wake-up path: no message object, no exception. Anything else on this socket (a profile, an
+            # iteration, garbage) is not the runtime's business: decode_signal gives None for it.
+            fast = wire.decode_signal(data)
+            if fast is None:
                 continue
-            try:
-                msg = wire.decode(data)
-            except wire.WireError:
-                continue  # garbage on our socket: ignore it
-            if isinstance(msg, wire.BubbleStart):
-                self._bubble = _Bubble(msg.seq, msg.start_ns, msg.predicted_end_ns)
-                self.predictor.started(msg.slot, msg.start_ns)
-            elif isinstance(msg, wire.BubbleEnd) and self._bubble is not None and self._bubble.seq == msg.seq:
+            kind, slot, seq, t1, t2 = fast
+            if kind == wire.Kind.BUBBLE_START:
+                self._bubble = _Bubble(seq, t1, t2)
+                self.predictor.started(slot, t1)
+            elif self._bubble is not None and self._bubble.seq == seq:
                 self._bubble.ended = True
 
     def _spin_for_start(self) -> bool:
