@@ -26,13 +26,15 @@ MIB = 1 << 20
 class FakeCuda:
     """The part of ``torch.cuda`` the probe uses, for one or more devices, logging every call in order.
 
-    ``empty_cache()`` releases the cached-but-unused blocks (``cached``) back to the device, as the real
-    caching allocator does, so a reading taken before it would see less free memory than one after.
+    The training's allocator holds ``allocated`` bytes of live tensors and ``cached`` bytes of blocks it keeps for
+    later (``memory_reserved`` is their sum; ``max_memory_reserved`` is ``peak_reserved``). ``empty_cache()``
+    would hand the cached blocks back to the device, as the real one does: the probe must never call it.
     """
 
     def __init__(self, *, total: int = 80 * GIB, free: int = 40 * GIB, allocated: int = 20 * GIB,
                  peak: int = 30 * GIB, cached: int = 0, devices: int = 1, current: int = 0) -> None:
-        self.total, self.free, self.allocated, self.peak, self.cached = total, free, allocated, peak, cached
+        self.total, self.free, self.allocated, self.cached = total, free, allocated, cached
+        self.peak_reserved = peak
         self.devices, self.current = devices, current
         self.calls: list[tuple[str, Any]] = []
         self.fail: str | None = None  # name of a call that raises, like a driver error
@@ -64,15 +66,19 @@ class FakeCuda:
         self._call("memory_allocated", device)
         return self.allocated
 
-    def max_memory_allocated(self, device: int) -> int:
-        self._call("max_memory_allocated", device)
-        return self.peak
+    def memory_reserved(self, device: int) -> int:
+        self._call("memory_reserved", device)
+        return self.allocated + self.cached
+
+    def max_memory_reserved(self, device: int) -> int:
+        self._call("max_memory_reserved", device)
+        return self.peak_reserved
 
 
 def test_free_for_fill_is_device_free_minus_the_trainings_peak_headroom_minus_the_margin() -> None:
     cuda = FakeCuda(free=40 * GIB, allocated=20 * GIB, peak=30 * GIB)
     probe = CudaAllocatorProbe(margin_bytes=MIB, cuda=cuda)
-    # The training will grow back by peak - allocated = 10 GiB later in the iteration: that is not for fill.
+    # The training's allocator will reserve peak - reserved = 10 GiB again later in the iteration: not for fill.
     assert probe.sample() == MemorySample(free_bytes=30 * GIB - MIB, allocated_bytes=20 * GIB)
     assert probe.free_bytes() == 30 * GIB - MIB
     cuda.allocated = 30 * GIB  # at the training's peak: all of the device's free memory minus the margin
@@ -80,12 +86,17 @@ def test_free_for_fill_is_device_free_minus_the_trainings_peak_headroom_minus_th
     assert probe.sample() == MemorySample(30 * GIB - MIB, 30 * GIB)
 
 
-def test_cached_blocks_are_released_before_the_readings() -> None:
-    cuda = FakeCuda(free=10 * GIB, cached=6 * GIB, allocated=20 * GIB, peak=20 * GIB)
+def test_the_trainings_cache_is_never_emptied_nor_given_to_fill_work() -> None:
+    # 6 GiB the training cached but does not use right now: it allocates them again at its next peak.
+    cuda = FakeCuda(free=10 * GIB, cached=6 * GIB, allocated=20 * GIB, peak=26 * GIB)
     probe = CudaAllocatorProbe(margin_bytes=0, cuda=cuda)
-    assert probe.sample().free_bytes == 16 * GIB  # the 6 GiB the training cached but did not use count
+    assert probe.sample().free_bytes == 10 * GIB
     names = [name for name, _ in cuda.calls]
-    assert names == ["empty_cache", "mem_get_info", "memory_allocated", "max_memory_allocated"]
+    assert "empty_cache" not in names and cuda.cached == 6 * GIB
+    assert names == ["mem_get_info", "memory_allocated", "memory_reserved", "max_memory_reserved"]
+    # After its peak the allocator returned nothing, so reserved == peak: the headroom is 0, not peak - allocated.
+    cuda.allocated, cuda.cached = 12 * GIB, 14 * GIB
+    assert probe.sample() == MemorySample(10 * GIB, 12 * GIB)
 
 
 def test_free_memory_floors_at_zero_and_the_default_margin_applies() -> None:
@@ -97,7 +108,7 @@ def test_free_memory_floors_at_zero_and_the_default_margin_applies() -> None:
     assert default.free_bytes() == 4 * GIB - DEFAULT_MARGIN_BYTES
 
 
-@pytest.mark.parametrize("failing", ["empty_cache", "mem_get_info", "memory_allocated", "max_memory_allocated"])
+@pytest.mark.parametrize("failing", ["mem_get_info", "memory_allocated", "memory_reserved", "max_memory_reserved"])
 def test_a_failing_reading_answers_unknown_and_never_raises(failing: str) -> None:
     cuda = FakeCuda()
     probe = CudaAllocatorProbe(margin_bytes=0, cuda=cuda)
@@ -109,7 +120,7 @@ def test_a_failing_reading_answers_unknown_and_never_raises(failing: str) -> Non
 def test_a_garbage_reading_answers_unknown() -> None:
     cuda = FakeCuda()
     probe = CudaAllocatorProbe(cuda=cuda)
-    cuda.peak = None  # type: ignore[assignment]
+    cuda.peak_reserved = None  # type: ignore[assignment]
     assert probe.sample() == MemorySample(0, 0)
 
 
@@ -119,7 +130,7 @@ def test_the_device_is_read_from_an_index_a_string_or_the_current_device(device:
     probe = CudaAllocatorProbe(device, cuda=cuda)
     probe.sample()
     assert probe.index == index
-    assert {arg for name, arg in cuda.calls if name != "empty_cache"} == {index}
+    assert {arg for _name, arg in cuda.calls} == {index}
 
 
 def test_a_torch_device_is_accepted() -> None:

@@ -317,9 +317,18 @@ def test_naive_steps_wait_for_their_device_work_too(tmp_path: Path) -> None:
 class FakeCuda:
     """The part of ``torch.cuda`` the SDK uses, for devices of ``total`` bytes; logs the calls."""
 
-    def __init__(self, *, total: int = 80 << 30, devices: int = 2, available: bool = True) -> None:
+    def __init__(self, *, total: int = 80 << 30, devices: int = 2, available: bool = True,
+                 visible: int | None = None) -> None:
         self.total, self.devices, self.available = total, devices, available
+        self.visible = total if visible is None else visible  # what cudaMemGetInfo reports (an MPS limit: less)
         self.calls: list[tuple[Any, ...]] = []
+
+    def set_device(self, index: int) -> None:
+        self.calls.append(("set_device", index))
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        self.calls.append(("mem_get_info", index))
+        return self.visible // 2, self.visible
 
     def is_available(self) -> bool:
         return self.available
@@ -397,10 +406,20 @@ def test_the_real_cuda_sync_on_this_cpu_machine_fails_at_init_with_a_reason(tmp_
 def test_memory_limit_becomes_the_devices_fraction_on_its_index() -> None:
     cuda = FakeCuda(total=80 << 30)
     assert apply_process_limits("cuda:1", 20 << 30, cuda=cuda) == 0.25
-    assert cuda.calls == [("get_device_properties", 1), ("set_per_process_memory_fraction", 0.25, 1)]
+    assert cuda.calls == [("set_device", 1), ("mem_get_info", 1), ("set_per_process_memory_fraction", 0.25, 1)]
     import torch
 
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_under_an_mps_memory_limit_the_fraction_is_of_what_the_process_sees() -> None:
+    # An 80 GiB device, an MPS pinned limit of 8 GiB for this client: torch multiplies the fraction by the 8 GiB
+    # cudaMemGetInfo reports, so a 4 GiB cap is 0.5 of it (0.05 of the physical 80 GiB would cap at 0.4 GiB).
+    cuda = FakeCuda(total=80 << 30, visible=8 << 30)
+    assert apply_process_limits("cuda:0", 4 << 30, cuda=cuda) == 0.5
+    assert cuda.calls[-1] == ("set_per_process_memory_fraction", 0.5, 0)
+    assert ("get_device_properties", 0) not in cuda.calls
 
 
 @pytest.mark.usefixtures("keep_torch_threads")
@@ -417,7 +436,8 @@ def test_a_limit_above_the_device_caps_at_the_whole_device_with_a_warning(capsys
 def test_no_limit_or_a_cpu_device_caps_nothing(device: str, memory: int | None) -> None:
     cuda = FakeCuda()
     assert apply_process_limits(device, memory, cuda=cuda) is None
-    assert cuda.calls == []
+    # A GPU fill process still makes its device the current one, so nothing lands on device 0 by default.
+    assert cuda.calls == ([("set_device", 0)] if device.startswith("cuda") else [])
 
 
 @pytest.mark.usefixtures("keep_torch_threads")

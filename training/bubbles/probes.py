@@ -85,30 +85,30 @@ class StaticMemoryProbe(MemoryProbe):
 class CudaAllocatorProbe(MemoryProbe):
     """Free memory for fill work on one CUDA device, read from the training process's caching allocator.
 
-    ``sample()`` first calls ``empty_cache()``, so blocks the training has cached but does not use count
-    as free (PipeFill 4.2); then it reads
+    ``sample()`` reads, and changes nothing (it never empties the training's cache: blocks the training cached are
+    the ones it allocates again at its next peak, and emptying them on its thread would also stall it):
 
     - ``mem_get_info(device)``: the device's free bytes, seen by the driver (other processes' memory,
       fill jobs already resident included, counts as used);
-    - ``memory_allocated(device)``: the training's live tensors now;
-    - ``max_memory_allocated(device)``: the training's peak so far (the hook samples after warm-up
-      iterations, so the peak of a whole iteration is in it).
+    - ``memory_reserved(device)``: what the training's allocator holds now, its live tensors and its cache;
+    - ``max_memory_reserved(device)``: the most it has held (the hook samples after warm-up iterations, so
+      the peak of a whole iteration is in it);
+    - ``memory_allocated(device)``: the training's live tensors now (reported, not used in the answer).
 
     and answers::
 
-        free_for_fill = max(0, device_free - (training_peak - training_allocated_now) - margin_bytes)
+        free_for_fill = max(0, device_free - (training_peak_reserved - training_reserved_now) - margin_bytes)
 
     A fill job's memory stays allocated after its bubble ends (its model and optimizer state live on the
-    device between bubbles), so it must not take the headroom the training needs to reach its own peak
-    later in the iteration; ``margin_bytes`` covers what the peak does not show (allocator
-    fragmentation, cuDNN/cuBLAS workspaces, a longer sequence in a later batch).
+    device between bubbles), so it must not take what the training's allocator will reserve again to reach its
+    own peak later in the iteration; ``margin_bytes`` covers what the peak does not show (cuDNN/cuBLAS
+    workspaces, a longer sequence in a later batch).
 
-    ``empty_cache()`` synchronizes and costs time, which is why the hook samples only while profiling.
     Any failure of a reading answers 0 ("unknown": the planner gives that bubble no memory); the probe
     never raises into the training.
 
     ``cuda`` is a ``torch.cuda``-like object (``is_available``, ``device_count``, ``current_device``,
-    ``empty_cache``, ``mem_get_info``, ``memory_allocated``, ``max_memory_allocated``); by default the
+    ``mem_get_info``, ``memory_allocated``, ``memory_reserved``, ``max_memory_reserved``); by default the
     real ``torch.cuda``. Tests inject a stand-in with readings they choose.
     """
 
@@ -131,15 +131,15 @@ class CudaAllocatorProbe(MemoryProbe):
     def sample(self) -> MemorySample:
         cuda, index = self._cuda, self.index
         try:
-            cuda.empty_cache()
             device_free, _total = cuda.mem_get_info(index)
             device_free = int(device_free)
             allocated = int(cuda.memory_allocated(index))
-            peak = int(cuda.max_memory_allocated(index))
+            reserved = int(cuda.memory_reserved(index))
+            peak = int(cuda.max_memory_reserved(index))
         except Exception:  # a probe never breaks the training: unknown is a safe answer
             return MemorySample(0, 0)
         allocated = max(0, allocated)
-        headroom = max(0, peak - allocated)  # what the training will allocate again before its peak
+        headroom = max(0, peak - reserved)  # what the training's allocator will reserve again before its peak
         return MemorySample(max(0, device_free - headroom - self.margin_bytes), allocated)
 
     def free_bytes(self) -> int:

@@ -193,14 +193,16 @@ def device_sync_for(device: str, cuda: Any = None) -> DeviceSync:
 
 
 def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None) -> float | None:
-    """One thread per fill process; cap the CUDA caching allocator at the agent's memory limit.
+    """One thread per fill process; on ``cuda:N`` make N the current device and cap the CUDA caching allocator at
+    the agent's memory limit.
 
     Returns the fraction of the device's memory given to ``set_per_process_memory_fraction``, or None
     when nothing was capped: a CPU device (host memory has no per-process cap short of cgroups, which the
     agent does not manage on one machine, and the OS already isolates processes' memory) or no limit
-    (``memory_bytes`` 0 or None). A limit above the device's memory caps at the whole device (1.0) with a
-    warning on stderr. The cap covers the caching allocator only, not the CUDA context (about 0.5 GiB);
-    hard limits are the isolation's job (MPS, see docs/gpu.md). ``cuda`` replaces ``torch.cuda`` in tests.
+    (``memory_bytes`` 0 or None). The fraction is of the memory the process sees (``mem_get_info``'s total: under
+    MPS with a pinned memory limit, that limit), the total torch applies it to. A limit above it caps at the whole
+    of it (1.0) with a warning on stderr. The cap covers the caching allocator only, not the CUDA context (about
+    0.5 GiB); hard limits are the isolation's job (MPS, see docs/gpu.md). ``cuda`` replaces ``torch.cuda`` in tests.
     """
     index = cuda_device_index(device)
     if memory_bytes is not None and (not isinstance(memory_bytes, int) or isinstance(memory_bytes, bool)
@@ -212,10 +214,17 @@ def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None
 
         # A fill job shares its core with a pipeline stage: more threads would only contend for it.
         torch.set_num_threads(1)
-    if index is None or not memory_bytes:
+    if index is None:
         return None
     cuda = _cuda_module(cuda, device, index)
-    total = int(cuda.get_device_properties(index).total_memory)
+    # The job's own tensors name their device, but anything that uses the current one (a default-device tensor, a
+    # library's handles, the context torch creates on first use) would otherwise land on device 0: the training's.
+    cuda.set_device(index)
+    if not memory_bytes:
+        return None
+    # torch applies the fraction to the total the process sees (cudaMemGetInfo), which under an MPS pinned memory
+    # limit is that limit, not the device's physical memory: compute it against the same total.
+    total = int(cuda.mem_get_info(index)[1])
     fraction = memory_bytes / total
     if fraction > 1.0:
         print(f"bubbles.sdk: memory limit {memory_bytes} bytes exceeds {device}'s {total} bytes; capping at "
