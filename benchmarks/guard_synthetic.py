@@ -58,6 +58,8 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=2000)
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise per iteration, +-this share")
     args = p.parse_args()
+    if args.seeds < 1 or args.iterations < 100 or not 0 <= args.noise < 1:
+        p.error("--seeds must be >= 1, --iterations >= 100 and --noise in [0, 1), e.g. 0.05")
     print(f"{args.seeds} seeds x {args.iterations} iterations, noise +-{args.noise:.0%}, budget 1%\n")
     print("| scenario | iterations without fill work | seeds with a cut | first cut (median, max) | mean share "
           "| probes: cut / clear / undecided |")

@@ -322,6 +322,21 @@ def test_the_packaged_trace_model_reproduces_the_trace_it_was_fitted_to(tmp_path
     assert (synthetic[-1].arrival_s - synthetic[0].arrival_s) / 3999 == pytest.approx(span, rel=0.15)
 
 
+def test_the_fitting_tool_refuses_a_file_that_is_not_the_trace(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    tool = Path(__file__).parent.parent / "tools" / "fit-trace-model.py"
+    out = tmp_path / "model.json"
+    for text, message in (("a,b\n1,2\n", "not an Alibaba GPU trace pod list"),
+                          (FIXTURE.read_text().splitlines()[0] + "\n", "a model needs at least 2")):
+        bad = tmp_path / "pods.csv"
+        bad.write_text(text)
+        proc = subprocess.run([sys.executable, str(tool), str(bad), "--out", str(out)], capture_output=True,
+                              text=True)
+        assert proc.returncode == 2 and message in proc.stderr and not out.exists()
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("{", "is not a trace model"),
     (json.dumps({"gap_s_quantiles": [1, 0], "gpu_hours_quantiles": [0, 1]}), "non-decreasing"),

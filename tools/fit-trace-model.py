@@ -21,7 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "core"), str(ROOT / "operator")]
 
-from bubbles.simulator.trace import TRACE_MODEL_PATH, read_alibaba  # noqa: E402
+from bubbles.simulator.trace import TRACE_MODEL_PATH, TraceError, read_alibaba  # noqa: E402
 
 QUANTILES = 101  # 0%, 1%, ..., 100%
 
@@ -31,7 +31,15 @@ def main() -> int:
     p.add_argument("pods", type=Path, help="openb_pod_list_default.csv of cluster-trace-gpu-v2023")
     p.add_argument("--out", type=Path, default=TRACE_MODEL_PATH, help=f"default {TRACE_MODEL_PATH}")
     args = p.parse_args()
-    tasks, stats = read_alibaba(args.pods)
+    try:
+        tasks, stats = read_alibaba(args.pods)
+    except TraceError as exc:
+        print(f"fit-trace-model: {exc}", file=sys.stderr)
+        return 2
+    if len(tasks) < 2:
+        print(f"fit-trace-model: {args.pods} leaves {len(tasks)} task(s) after the filter; a model needs at least "
+              "2: pass the full openb_pod_list_default.csv", file=sys.stderr)
+        return 2
     kept = sorted(tasks, key=lambda t: t.arrival_s)
     arrivals = np.array([t.arrival_s for t in kept])
     gaps = np.diff(arrivals)

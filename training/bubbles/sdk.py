@@ -430,7 +430,8 @@ class FillRuntime:
             kind, slot, seq, t1, t2 = fast
             if kind == wire.Kind.BUBBLE_START:
                 self._bubble = _Bubble(seq, t1, t2)
-                self.predictor.started(slot, t1)
+                if self.spin_ns:  # only busy-polling needs the prediction: nothing more on the default path
+                    self.predictor.started(slot, t1)
             elif self._bubble is not None and self._bubble.seq == seq:
                 self._bubble.ended = True
 

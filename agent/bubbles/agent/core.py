@@ -166,6 +166,18 @@ class JobRecord:
                          self.isolation, self.resubmission)
 
 
+@dataclass(frozen=True)
+class OpenBubble:
+    """A bubble between its START and END, with what the agent offered it: the accounting of where its time went
+    (``ledger.bubble_breakdown``) needs the guard's pause and share, and the armed harvesting job and step time."""
+
+    start: wire.BubbleStart
+    guard_paused: bool
+    share: float
+    job: str  # the armed harvesting job, or ""
+    step_s: float  # its step time, or 0
+
+
 @dataclass(eq=False)
 class ExecutorState:
     """One executor (a pipeline stage's accelerator on this node) as the core sees it."""
@@ -177,10 +189,7 @@ class ExecutorState:
     cycle: BubbleCycle | None = None
     queue: deque[JobRecord] = field(default_factory=deque)
     active: JobRecord | None = None
-    open_bubbles: dict[int, wire.BubbleStart] = field(default_factory=dict)
-    # What the agent offered each open bubble, for the accounting of where its time went (ledger.bubble_breakdown):
-    # seq -> (guard paused, share, armed harvesting job or "", its step time in seconds or 0).
-    bubble_context: dict[int, tuple[bool, float, str, float]] = field(default_factory=dict)
+    open_bubbles: dict[int, OpenBubble] = field(default_factory=dict)  # by seq
     last_message_ns: int | None = None  # when the stage's hook was last heard from (a valid datagram)
     last_iteration_s: float | None = None  # the latest iteration time the stage's hook reported
     since_mode_change: int = MODE_SETTLE_ITERATIONS  # iterations reported since the fill mode last changed
@@ -394,14 +403,18 @@ class AgentCore:
                     f"limits from {source}: slowdown budget {budget:.2%}, largest fill share {max_share:.2f}")
         log.info("slowdown guard: limits from %s: budget %.2f%%, largest fill share %.2f", source, budget * 100,
                  max_share)
-        share = min(self.share, max_share) if self.guard is not None else new.initial_share
-        if share != self.share:
-            self.share = share
-            self.sink.share(self.share)
-            for e in self.executors:
-                if e.active is not None and e.active.armed is not None:
-                    self._send(e.active, "share", share=self.share)
+        self._set_share(min(self.share, max_share) if self.guard is not None else new.initial_share)
         return True
+
+    def _set_share(self, share: float) -> None:
+        """A new share of each bubble for fill work: exported, and sent to every armed job."""
+        if share == self.share:
+            return
+        self.share = share
+        self.sink.share(share)
+        for e in self.executors:
+            if e.active is not None and e.active.armed is not None:
+                self._send(e.active, "share", share=share)
 
     def reset_stage(self, stage: int, reason: str) -> None:
         """The process behind ``stage`` changed (its training Pod restarted): forget its bubble cycle, so nothing is
@@ -409,7 +422,6 @@ class AgentCore:
         ex = self.executors[stage]
         ex.cycle = None
         ex.open_bubbles.clear()
-        ex.bubble_context.clear()
         ex.last_message_ns = None
         if stage == self.guard_stage:
             self.guard = None
@@ -532,28 +544,27 @@ class AgentCore:
 
     def _on_message(self, ex: ExecutorState, msg: wire.Message) -> None:
         if isinstance(msg, wire.BubbleStart):
-            ex.open_bubbles[msg.seq] = msg
-            if len(ex.open_bubbles) > MAX_OPEN_BUBBLES:  # ENDs lost: forget the oldest
-                ex.bubble_context.pop(ex.open_bubbles.pop(next(iter(ex.open_bubbles))).seq, None)
             job = ex.active
-            armed = job is not None and job.armed is FillMode.HARVEST and job.state is not FillState.STOPPED
-            ex.bubble_context[msg.seq] = (self.fill_paused, self.share, job.name if armed and job else "",
-                                          (job.step_s or 0.0) if armed and job else 0.0)
+            armed = job if job is not None and job.armed is FillMode.HARVEST and job.state is not FillState.STOPPED \
+                else None
+            ex.open_bubbles[msg.seq] = OpenBubble(msg, self.fill_paused, self.share, armed.name if armed else "",
+                                                  (armed.step_s or 0.0) if armed else 0.0)
+            if len(ex.open_bubbles) > MAX_OPEN_BUBBLES:  # ENDs lost: forget the oldest
+                ex.open_bubbles.pop(next(iter(ex.open_bubbles)))
             if (job is not None and job.launched and not job.iterative and ex.mode is FillMode.HARVEST
                     and not self.fill_paused and job.state is FillState.PAUSED):
                 self._signal(job, signal.SIGCONT)
                 self._set_state(job, FillState.RUNNING)
         elif isinstance(msg, wire.BubbleEnd):
-            start = ex.open_bubbles.pop(msg.seq, None)
-            context = ex.bubble_context.pop(msg.seq, (False, self.share, "", 0.0))
-            if start is not None and msg.end_ns >= start.start_ns:
-                self.ledgers[ex.mode.label].add_bubble(ex.index, start.start_ns, msg.end_ns)
+            ob = ex.open_bubbles.pop(msg.seq, None)
+            if ob is not None and msg.end_ns >= ob.start.start_ns:
+                self.ledgers[ex.mode.label].add_bubble(ex.index, ob.start.start_ns, msg.end_ns)
                 if len(self.bubbles) < MAX_BUBBLE_RECORDS:
-                    paused, share, armed_job, step_s = context
-                    self.bubbles.append({"stage": ex.index, "slot": msg.slot, "start_ns": start.start_ns,
+                    self.bubbles.append({"stage": ex.index, "slot": msg.slot, "start_ns": ob.start.start_ns,
                                          "end_ns": msg.end_ns, "mode": ex.mode.label,
-                                         "predicted_end_ns": start.predicted_end_ns, "guard_paused": paused,
-                                         "share": share, "job": armed_job, "step_s": step_s})
+                                         "predicted_end_ns": ob.start.predicted_end_ns,
+                                         "guard_paused": ob.guard_paused, "share": ob.share, "job": ob.job,
+                                         "step_s": ob.step_s})
             job = ex.active
             if job is None or ex.mode is not FillMode.HARVEST or job.state is FillState.STOPPED:
                 return
@@ -587,7 +598,6 @@ class AgentCore:
             ex.mode = msg.mode
             ex.since_mode_change = 0
             ex.open_bubbles.clear()
-            ex.bubble_context.clear()
             if ex.active is not None:
                 self._apply_mode(ex, ex.active)
 
@@ -612,12 +622,7 @@ class AgentCore:
         decision = self.guard.observe(msg.duration_ns / 1e9)
         if decision.slowdown is not None:
             log.info("slowdown guard: %s", decision.reason)
-        if decision.share != self.share:
-            self.share = decision.share
-            self.sink.share(self.share)
-            for e in self.executors:
-                if e.active is not None and e.active.armed is not None:
-                    self._send(e.active, "share", share=self.share)
+        self._set_share(decision.share)
         if decision.event is not None:
             self._event(ex.index, "", "guard", decision.event)
         if decision.fill_paused != self.fill_paused:

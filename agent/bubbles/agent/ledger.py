@@ -210,7 +210,7 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
         for k, (a, b_) in enumerate([*mine, (e, e)]):
             if a > cursor:  # an uncovered segment [cursor, a)
                 where = "none" if not mine else "tail" if k == len(mine) else "before"
-                _attribute(out, cursor, a, usable_end=min(u, p), u=u, p=p, where=where, step_ns=step_ns)
+                _attribute(out, cursor, a, u=u, p=p, where=where, step_ns=step_ns)
             cursor = max(cursor, min(b_, e))
     return {**{k: v / _NS_PER_S for k, v in out.items()}, "bubble_s": bubble_ns / _NS_PER_S,
             "overrun_s": overrun_ns / _NS_PER_S}
@@ -226,12 +226,12 @@ def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def _attribute(out: dict[str, int], a: int, b: int, *, usable_end: int, u: int, p: int, where: str,
-               step_ns: int) -> None:
-    """Give the uncovered segment [a, b) of a bubble to its categories. Before ``usable_end`` it is latency (before or
-    between steps; a bubble with no step whose usable part could hold one) or too short (no step could fit in what
-    was left); between the share's end ``u`` and the predicted end ``p`` the guard's; after ``p`` past the
-    prediction."""
+def _attribute(out: dict[str, int], a: int, b: int, *, u: int, p: int, where: str, step_ns: int) -> None:
+    """Give the uncovered segment [a, b) of a bubble to its categories. Before the usable end (the earlier of the
+    share's end ``u`` and the predicted end ``p``) it is latency (before or between steps; a bubble with no step
+    whose usable part could hold one) or too short (no step could fit in what was left); between ``u`` and ``p``
+    the guard's; after ``p`` past the prediction."""
+    usable_end = min(u, p)
     before = max(0, min(b, usable_end) - a)
     if before:
         short = where != "before" and usable_end - a < step_ns

@@ -210,7 +210,7 @@ def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Pa
         args.report.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nreport: {args.report}")
     if args.timeline:
-        if draw_timeline(ranks, stats, args.timeline):
+        if draw_timeline(ranks, stats, args.timeline, breakdown=report["breakdown"]["by_stage"]):
             print(f"timeline: {args.timeline}")
         else:
             print("timeline: no traced harvesting iterations to draw", file=sys.stderr)

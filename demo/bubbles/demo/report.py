@@ -91,6 +91,13 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
     }
 
 
+def _harvest_records(agent_stats: Mapping[str, Any] | None) -> tuple[list[Any], list[Any]]:
+    """The agent's bubble and step records of harvest mode."""
+    label = FillMode.HARVEST.label
+    return ([b for b in (agent_stats or {}).get("bubbles", []) if b.get("mode") == label],
+            [st for st in (agent_stats or {}).get("steps", []) if st.get("mode") == label])
+
+
 def round_figures(rank0: Mapping[str, Any], agent_stats: Mapping[str, Any] | None,
                   settle: int) -> list[dict[str, float]]:
     """Each round's figures, measured against that round's own baseline: ``baseline_s`` (its median iteration),
@@ -98,9 +105,7 @@ def round_figures(rank0: Mapping[str, Any], agent_stats: Mapping[str, Any] | Non
     ``harvest_filled_share`` (from the agent's records of the round's harvesting iterations)."""
     times: Sequence[float] = rank0["iteration_s"]
     ends: Sequence[int] | None = rank0.get("iteration_end_ns")
-    label = FillMode.HARVEST.label
-    bubbles = [b for b in (agent_stats or {}).get("bubbles", []) if b.get("mode") == label]
-    steps = [st for st in (agent_stats or {}).get("steps", []) if st.get("mode") == label]
+    bubbles, steps = _harvest_records(agent_stats)
     out = []
     for r in iterations_by_round(rank0, settle):
         base_times = [times[i] for i in r.get(FillMode.OFF, [])]
@@ -155,9 +160,7 @@ def over_rounds(figures: Sequence[Mapping[str, float]], confidence: float = 0.95
 
 def harvest_breakdown(agent_stats: Mapping[str, Any] | None) -> dict[str, Any]:
     """Where the harvesting bubbles' time went (``ledger.bubble_breakdown``), in all and per stage."""
-    label = FillMode.HARVEST.label
-    bubbles = [b for b in (agent_stats or {}).get("bubbles", []) if b.get("mode") == label]
-    steps = [st for st in (agent_stats or {}).get("steps", []) if st.get("mode") == label]
+    bubbles, steps = _harvest_records(agent_stats)
     stages = sorted({int(b["stage"]) for b in bubbles})
     return {"all": bubble_breakdown(bubbles, steps),
             "by_stage": {str(k): bubble_breakdown([b for b in bubbles if int(b["stage"]) == k],

@@ -30,8 +30,11 @@ def choose_window(rank0: Mapping[str, Any], mode: FillMode, iterations: int) -> 
 
 
 def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, Any] | None, path: Path, *,
-                  mode: FillMode = FillMode.HARVEST, iterations: int = 3, title: str | None = None) -> bool:
-    """Write the PNG; return False (and write nothing) when the ranks carry no trace of ``mode``."""
+                  mode: FillMode = FillMode.HARVEST, iterations: int = 3, title: str | None = None,
+                  breakdown: Mapping[str, Mapping[str, float]] | None = None) -> bool:
+    """Write the PNG; return False (and write nothing) when the ranks carry no trace of ``mode``. ``breakdown``:
+    the report's per-stage breakdown (``report["breakdown"]["by_stage"]``), computed from ``agent_stats`` if not
+    given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,7 +86,11 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12), ncol=4,
               frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    _draw_breakdown(bx, ranks, agent_stats)
+    if breakdown is None:
+        from bubbles.demo.report import harvest_breakdown
+
+        breakdown = harvest_breakdown(agent_stats)["by_stage"]
+    _draw_breakdown(bx, ranks, breakdown)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -95,14 +102,12 @@ BREAKDOWN_COLORS = {"filled": FILL_COLOR, "guard": "#8e6bbf", "no_job": "#bdbdbd
                     "too_short": "#9e9e5e", "past_prediction": "#7fb3d5"}
 
 
-def _draw_breakdown(ax: Any, ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, Any] | None) -> None:
+def _draw_breakdown(ax: Any, ranks: Sequence[Mapping[str, Any]], by_stage: Mapping[str, Mapping[str, float]]) -> None:
     """Beside the timeline: one bar per stage, its harvesting bubble time split by where it went."""
     from matplotlib.patches import Patch
 
     from bubbles.agent.ledger import BREAKDOWN
-    from bubbles.demo.report import harvest_breakdown
 
-    by_stage = harvest_breakdown(agent_stats)["by_stage"]
     for row, rank in enumerate(ranks):
         y = len(ranks) - 1 - row
         d = by_stage.get(str(rank["stage"]), {})
