@@ -660,3 +660,38 @@ def test_a_spinning_runtime_catches_a_predicted_bubble_and_still_obeys_commands(
         ch.send("disarm")  # commands still reach a runtime that spins
         ch.wait("state", state="PAUSED")
         ch.send("stop")
+
+
+class SleepStepJob(BusyJob):
+    """Steps that sleep (release the GIL), so the test's thread keeps its timing while the runtime's runs."""
+
+    def step(self) -> StepResult:
+        time.sleep(self.step_ns / 1e9)
+        return StepResult(flops=self.flops, samples=1)
+
+
+def test_a_bubble_that_opens_while_the_last_step_of_the_previous_one_runs_is_harvested(tmp_path: Path) -> None:
+    """Back-to-back bubbles (a stage's last bubble of one iteration, then its first of the next): the previous
+    bubble's last step outlives it, and the next one's START is read together with the END. The runtime must
+    harvest the bubble already open, not go back to sleep until that bubble's END arrives."""
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, SleepStepJob(step_ms=6.0), step_s=0.006) as (ch, _rt):
+        ch.send("init")
+        ch.wait("state", state="PAUSED")
+        ch.send("arm", mode="harvest", share=1.0)
+        wait_for_socket(path)
+        sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        t0 = time.monotonic_ns()
+        sig.sendto(wire.encode_bubble_start(0, 1, 1, t0, t0 + 30_000_000), str(path))
+        ch.wait("step_begin", bubble_seq=1)
+        time.sleep(0.002)  # ends 2 ms into its first 6 ms step
+        t1 = time.monotonic_ns()
+        sig.sendto(wire.encode_bubble_end(0, 1, 1, t1), str(path))
+        sig.sendto(wire.encode_bubble_start(0, 0, 2, t1, t1 + 40_000_000), str(path))
+        time.sleep(0.040)
+        sig.sendto(wire.encode_bubble_end(0, 0, 2, time.monotonic_ns()), str(path))
+        ch.wait_count(2, "state", state="PAUSED", timeout_s=5)
+        by_bubble = [e["bubble_seq"] for e in ch.events if e.type == "step"]
+        assert by_bubble.count(1) == 1  # the first bubble's one step, cut short by its END
+        assert by_bubble.count(2) >= 2, f"the bubble opened mid-step was slept through: steps {by_bubble}"
+        ch.send("stop")

@@ -435,6 +435,9 @@ class FillRuntime:
             elif self._bubble is not None and self._bubble.seq == seq:
                 self._bubble.ended = True
 
+    def _open_bubble(self) -> bool:
+        return self._bubble is not None and not self._bubble.ended
+
     def _spin_for_start(self) -> bool:
         """Busy-poll the signal socket from ``spin_ns`` before the predicted next start to ``spin_ns`` after it;
         True once a bubble is open. Returns at once (False) when no start is predicted within the window."""
@@ -448,7 +451,7 @@ class FillRuntime:
         until = nxt + self.spin_ns
         while time.monotonic_ns() < until:
             self._drain_signals()
-            if self._bubble is not None and not self._bubble.ended:
+            if self._open_bubble():
                 self.spin_caught += 1
                 return True
         return False
@@ -586,6 +589,12 @@ class FillRuntime:
                         registered_fd = self._sig.fileno()
                         poller.register(registered_fd, select.POLLIN)
                     registered = self._sig
+                if self.mode is FillMode.HARVEST and self._open_bubble():
+                    # A bubble that opened while the last pass ran (its final step outlived its own bubble
+                    # and the next one's START was read with the END): its signal is already drained, so
+                    # polling now would sleep through it to its END.
+                    self._harvest_bubble()
+                    continue
                 if self.mode is FillMode.HARVEST and self._spin_for_start():
                     self._harvest_bubble()
                     continue
@@ -594,7 +603,7 @@ class FillRuntime:
                 if any(fd == ctrl_fd for fd, _ in ready):
                     self._poll_control()
                 self._drain_signals()
-                if self._bubble is not None and not self._bubble.ended and self.mode is FillMode.HARVEST:
+                if self._open_bubble() and self.mode is FillMode.HARVEST:
                     self._harvest_bubble()
         except _Stop:
             pass
