@@ -476,3 +476,40 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
         assert eng2.train_batch() == 1.5  # the training goes on
     assert "could not write its card" in caplog.text
     inst2.detach()
+
+
+def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_naive_iterations(sockdir: Path) -> None:
+    """A profile of a few iterations is noisy and goes stale: with host timing, each signalled bubble's predicted
+    length follows its last RECENT_ITERATIONS lengths (recomputed every REPREDICT_EVERY iterations). Iterations
+    under naive co-location are not the training's own bubbles and do not count."""
+    from bubbles.hook import RECENT_ITERATIONS, REPREDICT_EVERY
+
+    run_dir, training = sockdir, "t-follow"
+    sdir = paths.make_private_dir(paths.stage_dir(run_dir, training, 0))
+    eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+    inst = instrument(eng, training=training, run_dir=run_dir, memory_probe=StaticMemoryProbe(0),
+                      warmup_iterations=0, profile_iterations=3)
+    agent = bind(sdir / "agent.sock")
+    for _ in range(3):
+        eng.train_batch()
+    assert inst.cycle is not None
+
+    def predicted_ms() -> list[float]:
+        drain(agent)
+        eng.train_batch()
+        starts = [m for m in drain(agent) if isinstance(m, wire.BubbleStart)]
+        assert starts
+        return [(m.predicted_end_ns - m.start_ns) / 1e6 for m in starts]
+
+    assert max(predicted_ms()) < 4  # profiled at 1 ms waits
+    inst.set_fill_mode(wire.FillMode.NAIVE)
+    eng.wait_s = 0.010
+    for _ in range(RECENT_ITERATIONS):
+        eng.train_batch()
+    assert max(predicted_ms()) < 4, "naive co-location's bubbles moved the prediction"
+    inst.set_fill_mode(wire.FillMode.HARVEST)
+    for _ in range(RECENT_ITERATIONS + REPREDICT_EVERY):
+        eng.train_batch()
+    assert min(predicted_ms()) >= 9  # every bubble now lasts 10 ms, and the prediction says so
+    inst.detach()
+    agent.close()

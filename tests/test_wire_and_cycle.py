@@ -117,3 +117,23 @@ def test_robust_stats_ignore_one_slow_sample() -> None:
     assert med == 1.0 and p10 == 1.0 and p90 > 1.0
     with pytest.raises(ValueError):
         robust_stats([])
+
+
+def test_recent_lengths_predict_the_smaller_of_p10_and_median_of_the_last_window() -> None:
+    from bubbles.cycle import RecentLengths, predicted_length
+
+    r = RecentLengths({7: [100, 100, 100]}, window=4)
+    assert r.predicted_ns(7) == 100
+    for v in (500, 500, 500, 500):
+        r.add(7, v)
+    assert r.predicted_ns(7) == 500  # the seeds left the window
+    r.add(7, 50)
+    assert r.predicted_ns(7) == int(predicted_length([500, 500, 500, 50]))
+    assert predicted_length([50, 500, 500, 500]) < 500  # p10 below the median: the lower tail decides
+    r.add(99, 1)  # a position it was not seeded with is ignored
+    with pytest.raises(KeyError):
+        r.predicted_ns(99)
+    with pytest.raises(ValueError, match="seed"):
+        RecentLengths({1: []})
+    with pytest.raises(ValueError, match="window"):
+        RecentLengths({1: [1]}, window=0)

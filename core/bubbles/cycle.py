@@ -119,6 +119,40 @@ def robust_stats(samples: Sequence[float]) -> tuple[float, float, float]:
     return percentile(samples, 50), percentile(samples, 10), percentile(samples, 90)
 
 
+def predicted_length(lengths: Sequence[float]) -> float:
+    """A bubble's predicted length from its measured ones: the smaller of their 10th percentile and median. Not
+    the median: a fill step must end before the training needs the core/GPU again, and a median is overrun by
+    half of all bubbles."""
+    _med, p10, _p90 = robust_stats(lengths)
+    return min(p10, _med)
+
+
+class RecentLengths:
+    """Each signalled bubble's predicted length, kept current from its recent lengths. Pure.
+
+    A profile of a few iterations at the start is a noisy and, as the training and the machine change, stale
+    estimate: seeded with the profiled lengths, this keeps each position's last ``window`` lengths (``add``), and
+    ``predicted_ns`` applies ``predicted_length`` to them.
+    """
+
+    def __init__(self, seeds: dict[int, Sequence[int]], window: int = 32) -> None:
+        if window < 1 or any(not v for v in seeds.values()):
+            raise ValueError("RecentLengths needs window >= 1 and at least one seed length per position")
+        self.window = window
+        self._lengths = {pos: list(v)[-window:] for pos, v in seeds.items()}
+
+    def add(self, position: int, length_ns: int) -> None:
+        kept = self._lengths.get(position)
+        if kept is None:
+            return
+        kept.append(length_ns)
+        if len(kept) > self.window:
+            del kept[0]
+
+    def predicted_ns(self, position: int) -> int:
+        return int(predicted_length(self._lengths[position]))
+
+
 def _slot_from_dict(i: int, s: Any) -> BubbleSlot:
     if not isinstance(s, dict):
         raise ValueError(f"slots[{i}] must be an object")

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles import paths, wire
-from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
+from bubbles.cycle import BubbleCycle, BubbleSlot, RecentLengths, robust_stats
 from bubbles.gpu_timing import DeviceEvent, EventTimer, cuda_event_factory
 from bubbles.probes import MemoryProbe, default_probe, gpu_uuid
 
@@ -54,6 +54,8 @@ log = logging.getLogger("bubbles.hook")
 LOSS_BROADCAST = "LossBroadcast"
 WAIT_INSTRUCTIONS = frozenset({"RecvActivation", "RecvGrad"})
 TRACE_ITERATIONS = 256  # iterations of per-instruction trace kept when trace=True (a ring)
+RECENT_ITERATIONS = 32  # host timing: predicted bubble lengths follow the last this many iterations' lengths ...
+REPREDICT_EVERY = 4  # ... recomputed every this many iterations
 TIMINGS = ("auto", "host", "cuda")
 _GONE_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.EPROTOTYPE,
                           errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR})
@@ -255,7 +257,8 @@ class _ScheduleProfile:
         self.free: dict[int, int] = {}  # position -> min free bytes sampled there
         self.allocated: dict[int, int] = {}  # position -> max bytes the training held there
         self.cycle: BubbleCycle | None = None
-        self.signal_map: dict[int, tuple[int, int]] = {}  # position -> (slot, median_ns)
+        self.signal_map: dict[int, tuple[int, int]] = {}  # position -> (slot, predicted length ns)
+        self.recent: RecentLengths | None = None  # host timing: each signalled bubble's recent lengths
 
 
 class _Hot:
@@ -676,6 +679,8 @@ class Instrumentation:
                         self._add_sample(prof, records, (t1 - t0) / 1e9)
             else:
                 self._listeners.send(wire.encode_iteration(self.stage, it, t0, t1 - t0))
+                if prof.recent is not None and self.fill_mode is not wire.FillMode.NAIVE:
+                    self._follow_lengths(prof, records)
             new = self._refresh_listeners()
             if new:
                 self._greet(new)
@@ -724,14 +729,32 @@ class Instrumentation:
                             allocated_bytes=[prof.allocated.get(c.position, 0) for c in prof.candidates],
                             iteration_s=prof.iter_s, min_bubble_s=self.min_bubble_s)
         prof.cycle = cycle
-        # The predicted end is the slot's 10th-percentile length, not its median: a fill step must end
-        # before the training needs the core/GPU again, and a median is overrun by half of all bubbles.
+        # The predicted end: see predicted_length (the slot's p10 and median are the profile's).
         prof.signal_map = {s.position: (s.slot, int(min(s.p10_s, s.duration_s) * 1e9)) for s in cycle.slots}
+        if self._timer is None:  # host stamps time every wait: the prediction can follow the bubbles' lengths
+            column = {c.position: j for j, c in enumerate(prof.candidates)}
+            prof.recent = RecentLengths({s.position: [int(row[column[s.position]] * 1e9) for row in prof.durations]
+                                         for s in cycle.slots}, window=RECENT_ITERATIONS)
         self.cycles[prof.name] = cycle
         log.info("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms", self.stage, prof.name,
                  len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s)
         self._refresh_listeners()
         self._send_profile(cycle)
+
+    @staticmethod
+    def _follow_lengths(prof: _ScheduleProfile, records: Sequence[tuple[int, int, int]]) -> None:
+        """Host timing, after profiling: add this iteration's bubble lengths; every REPREDICT_EVERY iterations,
+        predict from them. Naive co-location's iterations (the demo's A/B mode) are not the training's bubbles
+        and are left out. A few microseconds per iteration on the training's thread."""
+        recent = prof.recent
+        assert recent is not None
+        n = len(records)
+        for pos in prof.signal_map:
+            if pos < n:
+                _code, a, b = records[pos]
+                recent.add(pos, b - a)
+        if prof.seen % REPREDICT_EVERY == 0:
+            prof.signal_map = {pos: (slot, recent.predicted_ns(pos)) for pos, (slot, _) in prof.signal_map.items()}
 
     def _refresh_listeners(self) -> list[str]:
         return self._listeners.refresh()
