@@ -86,3 +86,19 @@ def test_line_buffer_splits_joins_and_cuts_overlong_lines() -> None:
         control.parse_event(out[0])
     # the rest of the overlong line is discarded; the next line parses
     assert list(buf.feed(b"yyy\n" + control.encode("finished"))) == [b'{"type":"finished"}']
+
+
+@pytest.mark.parametrize("line", [
+    '{"type": "profile", "step_s": 0.001, "sizes": [[0, 0.001]]}',
+    '{"type": "profile", "step_s": 0.001, "sizes": [[2, 0.001], [1, 0.002]]}',
+    '{"type": "profile", "step_s": 0.001, "sizes": [[1, 0]]}',
+    '{"type": "profile", "step_s": 0.001, "sizes": [[1]]}',
+    '{"type": "profile", "step_s": 0.001, "sizes": [[true, 0.001]]}',
+    '{"type": "profile", "step_s": 0.001, "sizes": "1,2"}',
+    '{"type": "step", "start_ns": 1, "end_ns": 2, "flops": 1.0, "size": 0}',
+])
+def test_bad_step_sizes_in_events_are_refused_with_a_reason(line: str) -> None:
+    with pytest.raises(control.ControlError, match="size"):
+        control.parse_event(line)
+    ok = control.parse_event('{"type": "profile", "step_s": 0.001, "sizes": [[1, 0.001], [4, 0.003]]}')
+    assert ok["sizes"] == [[1, 0.001], [4, 0.003]]

@@ -25,8 +25,10 @@ from bubbles.sdk import (
     FillRuntime,
     IterativeFillJob,
     StartPredictor,
+    StepGates,
     StepResult,
     apply_process_limits,
+    check_step_sizes,
     cuda_device_index,
     device_sync_for,
     load_entry,
@@ -113,6 +115,8 @@ def test_runtime_profiles_at_init_then_gates_steps_by_the_program_directed_limit
     step_s = ch.wait("profile")["step_s"]
     assert 1e-3 * 1.2 <= step_s < 0.010
     assert not [e for e in ch.events if e.type == "step"]
+    # This test checks the profiled gate: no learning from in-bubble steps (fewer than min_samples run here).
+    rt.gates = StepGates([(None, step_s)], window=32, min_samples=32)
     ch.sock.sendall(b"not a command\n")
     assert "rejected command" in ch.wait("error")["message"]
     ch.send("arm", mode="harvest", share=1.0)
@@ -695,3 +699,102 @@ def test_a_bubble_that_opens_while_the_last_step_of_the_previous_one_runs_is_har
         assert by_bubble.count(1) == 1  # the first bubble's one step, cut short by its END
         assert by_bubble.count(2) >= 2, f"the bubble opened mid-step was slept through: steps {by_bubble}"
         ch.send("stop")
+
+
+def test_step_gates_start_from_the_profile_then_follow_in_bubble_steps_first_steps_apart() -> None:
+    g = StepGates([(1, 0.001), (4, 0.003)], window=10, min_samples=4)
+    assert g.fitting(2_000_000, first=True) == [1] and g.fitting(3_000_000, first=False) == [1, 4]
+    assert g.fitting(999_999, first=False) == []
+    for _ in range(3):
+        g.observe(4, True, 5_000_000)  # first steps pay for cold caches
+    assert g.gate_ns(4, True) == 3_000_000  # fewer than min_samples: still the profile's
+    g.observe(4, True, 5_000_000)
+    assert g.gate_ns(4, True) == 5_000_000 and g.gate_ns(4, False) == 3_000_000  # later steps kept apart
+    assert g.fitting(4_000_000, first=True) == [1] and g.fitting(4_000_000, first=False) == [1, 4]
+    for _ in range(10):
+        g.observe(4, True, 2_000_000)  # the window forgets
+    assert g.gate_ns(4, True) == 2_000_000
+    assert g.first_steps_s() == [(1, 0.001), (4, 0.002)]
+    for bad in ({"profiled": []}, {"profiled": [(None, 0.001)], "window": 0},
+                {"profiled": [(None, 0.001)], "min_samples": 0}):
+        with pytest.raises(ValueError, match="StepGates"):
+            StepGates(**bad)  # type: ignore[arg-type]
+
+
+class SizedJob(BusyJob):
+    """Steps of 1 or 4 units; a unit sleeps 1 ms (so the test's thread keeps its timing)."""
+
+    step_sizes = (4, 1)  # any order: the runtime sorts them
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes_run: list[int] = []
+
+    def step(self, size: int) -> StepResult:  # type: ignore[override]
+        time.sleep(size * 0.001)
+        self.sizes_run.append(size)
+        return StepResult(flops=size * 1e6, samples=size)
+
+
+def test_a_job_with_step_sizes_runs_the_largest_that_fits_and_fills_the_tail_with_smaller_ones(
+        tmp_path: Path) -> None:
+    path = tmp_path / "fill-busy.sock"
+    job = SizedJob()
+    with serving(path, job) as (ch, _rt):
+        ch.send("init")
+        prof = ch.wait("profile")
+        sizes = dict(prof["sizes"])
+        assert set(sizes) == {1, 4} and 0.001 <= sizes[1] < sizes[4] and prof["step_s"] == sizes[1]
+        assert set(job.sizes_run) == {1, 4}  # both were timed at init
+        ch.send("arm", mode="harvest", share=1.0)
+        wait_for_socket(path)
+        sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        job.sizes_run.clear()
+        start = time.monotonic_ns()
+        length_ns = int((sizes[4] * 2 + sizes[1] * 1.5) * 1e9)  # two whole steps, then room for a small one
+        sig.sendto(wire.encode_bubble_start(0, 0, 1, start, start + length_ns), str(path))
+        time.sleep(length_ns / 1e9 + 0.005)
+        sig.sendto(wire.encode_bubble_end(0, 0, 1, time.monotonic_ns()), str(path))
+        ch.wait_count(2, "state", state="PAUSED", timeout_s=5)
+        steps = [e for e in ch.events if e.type == "step"]
+        assert [e["size"] for e in steps] == job.sizes_run
+        assert job.sizes_run[0] == 4 and job.sizes_run[-1] == 1, job.sizes_run  # big first, the tail small
+        for e in steps:  # every step was gated by its own size's time
+            assert e["start_ns"] + sizes[e["size"]] * 1e9 <= start + length_ns + 1
+        ch.send("stop")
+
+
+@pytest.mark.parametrize("sizes", [[0], [2, 2], ["4"], [True], 3, [1.5]])
+def test_bad_step_sizes_stop_the_job_at_init_saying_what_they_must_be(sizes: Any) -> None:
+    with pytest.raises(ValueError, match="step_sizes must"):
+        check_step_sizes(sizes)
+    assert check_step_sizes([8, 2]) == (2, 8) and check_step_sizes(()) == ()
+
+
+@pytest.mark.parametrize("kwargs", [{"step_sizes": [0]}, {"step_sizes": [5]}, {"step_sizes": "all"}])
+def test_the_example_jobs_refuse_step_sizes_outside_their_batch(kwargs: dict[str, Any]) -> None:
+    from bubbles.fill_examples.image_classification import ImageClassification
+
+    with pytest.raises(ValueError, match="from 1 to batch_size"):
+        ImageClassification(batch_size=4, **kwargs)
+    assert ImageClassification(batch_size=4).step_sizes == (1, 2, 4)
+    assert ImageClassification(batch_size=4, step_sizes=[]).step_sizes == ()
+
+
+def test_example_part_batches_count_their_own_flops_and_their_share_of_the_work(keep_torch_threads: None) -> None:
+    import torch
+
+    from bubbles.fill_examples.batch_inference import BatchInference
+
+    torch.set_num_threads(1)
+    job = BatchInference(batch_size=8, steps=2)  # two whole batches of work
+    job.create()
+    job.init()  # counts sizes 2, 4 and 8: 14 samples, more than one batch
+    assert job.step_sizes == (2, 4, 8)
+    flops = job.flops_by_size
+    assert flops[2] < flops[4] < flops[8] and flops[8] == pytest.approx(4 * flops[2], rel=0.05)
+    assert not job.is_finished()
+    r = job.step(2)
+    assert r.samples == 2 and r.flops == flops[2] and job.is_finished()  # 16 samples = 2 batches
+    with pytest.raises(ValueError, match="between 1 and the batch size"):
+        job.step(9)

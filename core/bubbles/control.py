@@ -71,8 +71,11 @@ EVENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         # Of the step's time, how long the runtime waited for its queued device work (CUDA synchronize);
         # informational: the step's end already includes it. Absent from runtimes before issue 3.
         "sync_ns": ((int,), False),
+        "size": ((int,), False),  # the step's size, for a job with step_sizes
     },
-    "profile": {"step_s": (_NUM, True)},
+    # step_s: the time the agent plans with (a job with step sizes: its smallest); sizes: [[size, step_s], ...]
+    # of such a job, smallest first
+    "profile": {"step_s": (_NUM, True), "sizes": ((list,), False)},
     "finished": {},
     "error": {"message": ((str,), True)},
 }
@@ -133,9 +136,25 @@ def parse_event(line: bytes | str) -> ControlMessage:
                            f"({msg['end_ns'] - msg['start_ns']} ns), got {msg['sync_ns']!r}")
     if msg.type == "step" and "mode" in msg.fields:
         parse_mode(msg["mode"], "step.mode")
+    if msg.type == "step" and msg.get("size", 1) < 1:
+        raise ControlError(f"step.size must be >= 1, got {msg['size']!r}")
     if msg.type == "profile" and not msg["step_s"] > 0:
         raise ControlError(f"profile.step_s must be > 0, got {msg['step_s']!r}")
+    if msg.type == "profile" and "sizes" in msg.fields:
+        _check_sizes(msg["sizes"])
     return msg
+
+
+def _check_sizes(sizes: list[Any]) -> None:
+    """profile.sizes: [[size, step_s], ...], sizes >= 1 and increasing, times > 0 and finite."""
+    last = 0
+    for pair in sizes:
+        ok = isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and \
+            not isinstance(pair[0], bool) and isinstance(pair[1], int | float) and not isinstance(pair[1], bool)
+        if not ok or pair[0] <= last or not 0 < pair[1] < math.inf:
+            raise ControlError(f"profile.sizes must be [[size, step_s], ...] with sizes increasing from 1 and "
+                               f"step times > 0, got {sizes!r}")
+        last = pair[0]
 
 
 def parse_hello(line: bytes | str) -> ControlMessage:

@@ -39,6 +39,7 @@ from bubbles.api import FillMode
 from bubbles.control import cuda_device_index
 from bubbles.cycle import robust_stats
 from bubbles.probes import gpu_uuid
+from bubbles.stats import percentile
 
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
@@ -61,7 +62,15 @@ class IterativeFillJob:
     Life cycle: ``create()`` when the process starts (data and model in host memory), ``init()``
     once the agent says so (move to the accelerator), then ``step()`` repeatedly inside bubbles
     until ``is_finished()``. ``checkpoint()``/``restore()`` are optional.
+
+    Steps of several sizes (PipeFill's per-bubble choice of fill-job configuration): a job that sets
+    ``step_sizes`` (after ``init()`` at the latest) to the sizes its step can take, in its own units (samples,
+    tokens), is called as ``step(size)``. The runtime times every size during initialization and, in each
+    bubble, runs the largest size that fits what is left of it: big steps where a bubble is long, small ones
+    in short bubbles and in a long one's tail. Without ``step_sizes`` the runtime calls ``step()``.
     """
+
+    step_sizes: Sequence[int] = ()
 
     def create(self) -> None:
         """Load the context into host memory."""
@@ -70,7 +79,8 @@ class IterativeFillJob:
         """Move the context to the accelerator."""
 
     def step(self) -> StepResult | float | None:
-        """Run one step; return a StepResult, or a float (its FLOPs), or None."""
+        """Run one step; return a StepResult, or a float (its FLOPs), or None. With ``step_sizes``, the runtime
+        calls ``step(size)`` instead, ``size`` one of them."""
         raise NotImplementedError
 
     def is_finished(self) -> bool:
@@ -235,6 +245,61 @@ def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None
     return fraction
 
 
+def check_step_sizes(sizes: Any) -> tuple[int, ...]:
+    """A job's ``step_sizes``, smallest first; ValueError saying what they must be."""
+    try:
+        values = list(sizes)
+    except TypeError:
+        values = None
+    if values is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"step_sizes must be a list of positive integers (the sizes step(size) accepts), got "
+                         f"{sizes!r}; leave it empty for a job whose step() takes no size")
+    if len(set(values)) != len(values):
+        raise ValueError(f"step_sizes must not repeat a size, got {values}")
+    return tuple(sorted(values))
+
+
+class StepGates:
+    """How long a step of each size may be expected to take where it would run, kept current. Pure.
+
+    Starts from the sizes' gates timed at init (FreeRide's profile, outside bubbles); once ``min_samples`` steps of
+    a size have run at a place (a bubble's first step, or a later one), its gate there is the 90th percentile of
+    its last ``window`` durations there. A bubble's first step pays for what the training evicted from the
+    caches while it computed (about +1 ms a step on the CPU demo, seen 2026-11-23), so it is tracked apart; a
+    gate from outside bubbles would let first steps overrun. ``size`` None: a job whose step takes no size.
+    """
+
+    def __init__(self, profiled: Sequence[tuple[int | None, float]], *, window: int = 32,
+                 min_samples: int = 8) -> None:
+        if not profiled or window < 1 or not 1 <= min_samples <= window:
+            raise ValueError("StepGates needs profiled gates, window >= 1 and 1 <= min_samples <= window")
+        self.sizes = [size for size, _ in profiled]  # smallest first
+        self._profiled = {size: int(t * 1e9) for size, t in profiled}
+        self._seen: dict[tuple[int | None, bool], list[int]] = {}
+        self._gate: dict[tuple[int | None, bool], int] = {}
+        self.window = window
+        self.min_samples = min_samples
+
+    def gate_ns(self, size: int | None, first: bool) -> int:
+        return self._gate.get((size, first), self._profiled[size])
+
+    def observe(self, size: int | None, first: bool, duration_ns: int) -> None:
+        seen = self._seen.setdefault((size, first), [])
+        seen.append(duration_ns)
+        if len(seen) > self.window:
+            del seen[0]
+        if len(seen) >= self.min_samples:
+            self._gate[(size, first)] = int(percentile(seen, 90))
+
+    def first_steps_s(self) -> list[tuple[int | None, float]]:
+        """Each size's gate for a bubble's first step, in seconds: what a bubble must offer to be used at all."""
+        return [(size, self.gate_ns(size, True) / 1e9) for size in self.sizes]
+
+    def fitting(self, left_ns: int, first: bool) -> list[int | None]:
+        """The sizes whose gate fits in ``left_ns``, smallest first (run the last); empty when none does."""
+        return [size for size in self.sizes if self.gate_ns(size, first) <= left_ns]
+
+
 class _Bubble:
     __slots__ = ("ended", "predicted_end_ns", "seq", "start_ns")
 
@@ -295,6 +360,11 @@ class FillRuntime:
         # it is made at init, where the job first touches its accelerator and a failure is reported.
         self.device_sync: DeviceSync | None = device_sync
         self.mode: FillMode = FillMode.OFF  # OFF: disarmed; armed in HARVEST or NAIVE
+        # Sized steps (the job's step_sizes, read at init): (size, gating seconds), smallest first; the gate
+        # of the smallest is step_s, the step time the agent plans with. Empty: step() takes no size.
+        self.sized: list[tuple[int, float]] = []
+        self.gates: StepGates | None = None  # from the profile (or the given step time), then from bubbles
+        self._reported_s: float | None = None  # the step time the agent was last told (``profile``)
         self.share = 1.0
         self.steps = 0
         self._lines = control.LineBuffer()
@@ -357,11 +427,18 @@ class FillRuntime:
                     self.device_sync = device_sync_for(self.device)
                 self.job.init()
                 self._initialized = True
-                if self.step_s is None:
+                sizes = check_step_sizes(self.job.step_sizes)
+                if sizes:
+                    self._profile_sizes(sizes)
+                elif self.step_s is None:
                     self.step_s = self._profile_step_time()
+                if self.sized:
+                    self.gates = StepGates(self.sized)
+                elif self.step_s is not None:
+                    self.gates = StepGates([(None, self.step_s)])
             self._emit("state", state="PAUSED")
             if self.step_s is not None:
-                self._emit("profile", step_s=self.step_s)
+                self._report_step_time(self.step_s, self.sized)
             self._flush()
             self._check_finished()  # a job that finished while it was being profiled
         elif cmd.type == "arm":
@@ -387,6 +464,10 @@ class FillRuntime:
                 self._flush()
         elif cmd.type == "share":
             self.share = float(cmd["share"])
+
+    def _report_step_time(self, step_s: float, sized: Sequence[tuple[int | None, float]]) -> None:
+        self._reported_s = step_s
+        self._emit("profile", step_s=step_s, **({"sizes": [[n, t] for n, t in sized]} if self.sized else {}))
 
     def _bind(self) -> None:
         if not self.socket_path:
@@ -467,21 +548,23 @@ class FillRuntime:
         return max(0, (nxt - self.spin_ns - now) // 1_000_000)
 
     # -- stepping --------------------------------------------------------------------------------
-    def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None) -> float:
+    def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None,
+                  size: int | None = None) -> float:
         """Run one step and wait for its device work, report it; return its duration in seconds.
 
         ``start`` is when the gate decided to run it (reported as the step's start, so the record
         shows exactly the program-directed check: ``start + step_s <= usable end``). The reported end
         is after the device synchronize: on a GPU that is when the fill job stops occupying it, so the
         agent's overrun (step end - bubble end) measures how long fill work outlived the bubble.
-        ``sync_ns`` is the part of the step spent waiting for queued device work.
+        ``sync_ns`` is the part of the step spent waiting for queued device work. ``size``: the step's size
+        for a job with ``step_sizes`` (None: ``step()`` without one).
         """
         if start is None:
             start = time.monotonic_ns()
         if announce:
             self._emit("step_begin", t_ns=start, bubble_seq=bubble_seq)
             self._flush()
-        result = self.job.step()
+        result = self.job.step() if size is None else self.job.step(size)  # type: ignore[call-arg]
         sync_start = time.monotonic_ns()
         self._synchronize()
         end = time.monotonic_ns()
@@ -495,7 +578,7 @@ class FillRuntime:
         self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
                    bubble_seq=bubble_seq, signal_ns=signal_ns,
                    mode=(FillMode.HARVEST if self.mode is FillMode.OFF else self.mode).label,
-                   sync_ns=end - sync_start)
+                   sync_ns=end - sync_start, **({} if size is None else {"size": size}))
         return (end - start) / 1e9
 
     def _synchronize(self) -> None:
@@ -503,7 +586,7 @@ class FillRuntime:
             raise RuntimeError("a step ran before init(): no device to synchronize")
         self.device_sync.synchronize()
 
-    def _profile_step_time(self) -> float | None:
+    def _profile_step_time(self, size: int | None = None) -> float | None:
         """FreeRide's side-task profiler: time a few steps during initialization, before the job is offered
         any bubble, so the program-directed limit holds from the first bubble on. These steps run once,
         outside bubbles, like process start-up and ``init()``; they are not counted as fill work. Each
@@ -514,11 +597,29 @@ class FillRuntime:
             if self.job.is_finished():
                 break
             t0 = time.monotonic_ns()
-            self.job.step()
+            if size is None:
+                self.job.step()
+            else:
+                self.job.step(size)  # type: ignore[call-arg]
             self._synchronize()
             samples.append((time.monotonic_ns() - t0) / 1e9)
         samples = samples[INIT_PROFILE_WARMUP:]
         return robust_stats(samples)[2] * PROFILE_MARGIN if samples else None
+
+    def _profile_sizes(self, sizes: tuple[int, ...]) -> None:
+        """Time every step size. A gate never shrinks with the size (a larger step is not gated as shorter
+        than a smaller one: timing noise); a given step time is the largest size's floor (what the job's
+        author said a full step takes is respected where it is more than was measured)."""
+        sized: list[tuple[int, float]] = []
+        for size in sizes:
+            t = self._profile_step_time(size)
+            if t is None:  # finished while being profiled
+                break
+            if size == sizes[-1] and self.step_s is not None:
+                t = max(t, self.step_s)
+            sized.append((size, max(t, sized[-1][1]) if sized else t))
+        self.sized = sized
+        self.step_s = sized[0][1] if sized else self.step_s
 
     def _check_finished(self) -> None:
         if self.job.is_finished() or (self.max_steps is not None and self.steps >= self.max_steps):
@@ -532,23 +633,34 @@ class FillRuntime:
         assert b is not None
         usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
         ran = 0
+        gates = self.gates
         while self.mode is FillMode.HARVEST and self._bubble is b and not b.ended:
             now = time.monotonic_ns()
             # The program-directed limit; without a step time (none given, none measured) nothing is run.
-            if self.step_s is None or now + int(self.step_s * 1e9) > usable_end:
+            fits = gates.fitting(usable_end - now, ran == 0) if gates is not None else []
+            if not fits:
                 break
+            size = fits[-1]
             if ran == 0:
                 self._emit("state", state="RUNNING")
             # Only a bubble's first step is announced (flushed with RUNNING): the agent's watchdog needs to
             # know a step of this bubble began; later step records travel together at the pass's end, so
             # the agent is not woken once per step while the training may need the core back.
-            self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now)
+            took_s = self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now, size=size)
+            assert gates is not None
+            gates.observe(size, ran == 0, int(took_s * 1e9))
             ran += 1
             self._check_finished()
             self._drain_signals()
             self._poll_control()
         if ran:
             self._emit("state", state="PAUSED")
+            assert gates is not None
+            first = gates.first_steps_s()
+            # The agent plans, and accounts bubbles too short to use, with the smallest step's time: tell it
+            # when what a bubble's first step takes has moved away from what it was told (by more than 20%).
+            if self._reported_s and abs(first[0][1] - self._reported_s) > 0.2 * self._reported_s:
+                self._report_step_time(first[0][1], first)
             self._flush()
         if self._bubble is b:
             self._bubble = None  # one pass per bubble: a bubble too short now stays too short
@@ -557,8 +669,9 @@ class FillRuntime:
         """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location
         does the same work per step as harvesting and the two compare fairly."""
         last_flush = time.monotonic_ns()
+        largest = self.sized[-1][0] if self.sized else None
         while self.mode is FillMode.NAIVE:
-            self._run_step(-1, 0, announce=False)
+            self._run_step(-1, 0, announce=False, size=largest)
             self._check_finished()
             now = time.monotonic_ns()
             if len(self._out) >= _NAIVE_FLUSH_STEPS or now - last_flush > _NAIVE_FLUSH_NS:

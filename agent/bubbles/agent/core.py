@@ -667,7 +667,9 @@ class AgentCore:
                 self._apply_mode(ex, job)
         elif ev.type == "profile":
             job.step_s = float(ev["step_s"])
-            self._event(job.stage, job.name, "profile", f"step time {job.step_s * 1e3:.3f} ms")
+            sizes = ev.get("sizes") or []
+            detail = f" (by step size: {', '.join(f'{n}: {t * 1e3:.3f} ms' for n, t in sizes)})" if sizes else ""
+            self._event(job.stage, job.name, "profile", f"step time {job.step_s * 1e3:.3f} ms{detail}")
             if not job.planned_with_step and ex.cycle is not None and job.state is not FillState.STOPPED:
                 job.planned_with_step = True
                 self._plan(ex, job, (FillNode(job.step_s, job.spec.memory_bytes),))

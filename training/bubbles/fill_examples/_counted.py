@@ -18,19 +18,41 @@ def check_dtype(dtype: Any) -> str:
     return str(dtype)
 
 
-class FlopCountedJob(IterativeFillJob):
-    """An iterative job whose ``_work()`` has fixed shapes, so one counted step gives every step's FLOPs.
+def default_step_sizes(batch_size: int) -> tuple[int, ...]:
+    """A quarter, a half and the whole batch (fewer when the batch is small): the sizes the runtime chooses
+    from in each bubble (see ``IterativeFillJob.step_sizes``)."""
+    return tuple(sorted({max(1, batch_size // 4), max(1, batch_size // 2), batch_size}))
 
-    Subclasses set ``batch_size``, ``max_steps`` and ``dtype`` and implement ``_work()``; ``init()`` should
-    move the job to ``self.target_device()`` and end with ``self._count_first_step()`` (outside the bubbles:
-    see the package doc).
+
+def check_step_sizes(step_sizes: Any, batch_size: int) -> tuple[int, ...]:
+    """The example jobs' ``step_sizes`` argument: None for ``default_step_sizes``, ``[]`` for whole batches only,
+    or sizes from 1 to ``batch_size``; ValueError saying so otherwise."""
+    if step_sizes is None:
+        return default_step_sizes(batch_size)
+    if not isinstance(step_sizes, list | tuple) or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= batch_size for n in step_sizes):
+        raise ValueError(f"step_sizes must be a list of sizes from 1 to batch_size ({batch_size}), got "
+                         f"{step_sizes!r}; [] runs whole batches only, omit it for a quarter, a half and a whole")
+    return tuple(sorted(set(step_sizes)))
+
+
+class FlopCountedJob(IterativeFillJob):
+    """An iterative job whose ``_work(size)`` has fixed shapes for each size, so one counted step of a size gives
+    every later step's FLOPs of that size.
+
+    Subclasses set ``batch_size``, ``max_steps``, ``dtype`` and ``step_sizes`` (``check_step_sizes``) and
+    implement ``_work(size)`` (``size`` rows of the batch); ``init()`` should move the job to
+    ``self.target_device()`` and end with ``self._count_first_step()`` (outside the bubbles: see the package doc).
+    ``max_steps`` counts whole batches of work: a step of half a batch is half of one.
     """
 
     batch_size: int
     max_steps: int | None
     dtype: str = "float32"
     steps_done: int = 0
-    step_flops: float | None = None
+    samples_done: int = 0
+    step_flops: float | None = None  # a whole batch's
+    flops_by_size: dict[int, float]
 
     def target_device(self) -> str:
         """The device the agent assigned this fill process (``$BUBBLES_DEVICE``; ``"cpu"`` when run alone).
@@ -45,26 +67,43 @@ class FlopCountedJob(IterativeFillJob):
 
         return getattr(torch, self.dtype)
 
-    def _work(self) -> None:
+    def _work(self, size: int) -> None:
         raise NotImplementedError
 
     def _count_first_step(self) -> None:
-        """Run the first step under FlopCounterMode (warm-up and FLOP count in one)."""
+        """Run each size's first step under FlopCounterMode (warm-up and FLOP count in one)."""
+        for size in (*self.step_sizes, self.batch_size):
+            self._count(size)
+
+    def _count(self, size: int) -> float:
         from torch.utils.flop_counter import FlopCounterMode
 
-        with FlopCounterMode(display=False) as counter:
-            self._work()
-        self.step_flops = float(counter.get_total_flops())
-        self.steps_done += 1
+        if not hasattr(self, "flops_by_size"):
+            self.flops_by_size = {}
+        if size not in self.flops_by_size:
+            with FlopCounterMode(display=False) as counter:
+                self._work(size)
+            self.flops_by_size[size] = float(counter.get_total_flops())
+            self._done(size)
+        if size == self.batch_size:
+            self.step_flops = self.flops_by_size[size]
+        return self.flops_by_size[size]
 
-    def step(self) -> StepResult:
-        if self.step_flops is None:  # init() was skipped (e.g. a direct call): count now
-            self._count_first_step()
+    def _done(self, size: int) -> None:
+        self.steps_done += 1
+        self.samples_done += size
+
+    def step(self, size: int | None = None) -> StepResult:
+        n = self.batch_size if size is None else size
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"step size {n} is not between 1 and the batch size {self.batch_size}")
+        flops = self.flops_by_size.get(n) if hasattr(self, "flops_by_size") else None
+        if flops is None:  # init() was skipped (e.g. a direct call), or a size not declared: count now
+            flops = self._count(n)
         else:
-            self._work()
-            self.steps_done += 1
-        assert self.step_flops is not None
-        return StepResult(flops=self.step_flops, samples=self.batch_size)
+            self._work(n)
+            self._done(n)
+        return StepResult(flops=flops, samples=n)
 
     def is_finished(self) -> bool:
-        return self.max_steps is not None and self.steps_done >= self.max_steps
+        return self.max_steps is not None and self.samples_done >= self.max_steps * self.batch_size

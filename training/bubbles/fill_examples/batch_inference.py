@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.fill_examples._counted import FlopCountedJob, check_dtype
+from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, check_step_sizes
 
 
 class BatchInference(FlopCountedJob):
@@ -17,13 +17,16 @@ class BatchInference(FlopCountedJob):
 
     ``batch_size``, ``seq_len``, ``width`` (model dimension), ``layers``, ``heads`` and ``ffn`` (feed-forward
     width; default 2 x width) set the step time; ``dtype`` the precision (``"float32"`` or ``"bfloat16"``);
-    ``steps`` (optional) makes the job finish after that many batches (a finite inference job). The job runs
-    on the device the agent assigned (``bubbles.sdk.assigned_device()``).
+    ``steps`` (optional) makes the job finish after that many batches (a finite inference job); ``step_sizes``
+    the part-batches a step may classify where a whole one does not fit (default a quarter, a half and the
+    whole batch; ``[]``: whole batches only). The job runs on the device the agent assigned
+    (``bubbles.sdk.assigned_device()``).
     """
 
     def __init__(self, batch_size: int = 16, seq_len: int = 16, width: int = 64, layers: int = 1,
                  vocab: int = 1000, classes: int = 10, steps: int | None = None, seed: int = 0,
-                 heads: int = 4, ffn: int | None = None, dtype: str = "float32") -> None:
+                 heads: int = 4, ffn: int | None = None, dtype: str = "float32",
+                 step_sizes: list[int] | None = None) -> None:
         if min(batch_size, seq_len, width, layers, heads, vocab) < 1 or width % heads:
             raise ValueError("batch_size, seq_len, layers, heads and vocab must be >= 1 and width a positive "
                              f"multiple of heads ({heads}), got width {width}")
@@ -40,6 +43,7 @@ class BatchInference(FlopCountedJob):
         self.max_steps = steps
         self.seed = seed
         self.dtype = check_dtype(dtype)
+        self.step_sizes = check_step_sizes(step_sizes, batch_size)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.predictions = 0
@@ -79,10 +83,10 @@ class BatchInference(FlopCountedJob):
             self.tokens = self.tokens.to(device)
         self._count_first_step()  # outside the bubbles: see the package doc
 
-    def _work(self) -> None:
+    def _work(self, size: int) -> None:
         import torch
 
         with torch.no_grad():
-            x = self.embed(self.tokens[self.steps_done % self.tokens.shape[0]])
+            x = self.embed(self.tokens[self.steps_done % self.tokens.shape[0]][:size])
             logits = self.head(self.encoder(x).mean(dim=1))
             self.predictions += int(logits.argmax(dim=1).numel())

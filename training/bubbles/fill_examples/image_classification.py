@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.fill_examples._counted import FlopCountedJob, check_dtype
+from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, check_step_sizes
 
 ARCHS = ("small", "resnet")
 
@@ -20,11 +20,14 @@ class ImageClassification(FlopCountedJob):
 
     ``arch``, ``batch_size`` and ``width`` (channels of the first convolution) set the step time; ``dtype``
     the precision (``"float32"`` or ``"bfloat16"``); ``steps`` (optional) makes the job finish after that many
-    steps. The job runs on the device the agent assigned (``bubbles.sdk.assigned_device()``).
+    batches; ``step_sizes`` the part-batches a step may train on where a whole one does not fit (default a
+    quarter, a half and the whole batch; ``[]``: whole batches only). The job runs on the device the agent
+    assigned (``bubbles.sdk.assigned_device()``).
     """
 
     def __init__(self, batch_size: int = 4, width: int = 8, classes: int = 10, steps: int | None = None,
-                 seed: int = 0, arch: str = "small", dtype: str = "float32") -> None:
+                 seed: int = 0, arch: str = "small", dtype: str = "float32",
+                 step_sizes: list[int] | None = None) -> None:
         if batch_size < 1 or width < 1 or classes < 2:
             raise ValueError("batch_size and width must be >= 1 and classes >= 2")
         if arch not in ARCHS:
@@ -37,6 +40,7 @@ class ImageClassification(FlopCountedJob):
         self.seed = seed
         self.arch = arch
         self.dtype = check_dtype(dtype)
+        self.step_sizes = check_step_sizes(step_sizes, batch_size)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.last_loss = float("nan")
@@ -73,7 +77,7 @@ class ImageClassification(FlopCountedJob):
             self.labels = self.labels.to(device)
         self._count_first_step()  # outside the bubbles: see the package doc
 
-    def _work(self) -> None:
+    def _work(self, size: int) -> None:
         import torch
 
         # On CPU the ResNet preset runs without oneDNN: torch 2.13.0's oneDNN kernel for the backward pass of a
@@ -82,7 +86,7 @@ class ImageClassification(FlopCountedJob):
         with torch.backends.mkldnn.flags(enabled=not (self.channels_last and self.device == "cpu")):
             i = self.steps_done % len(self.images)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(self.model(self.images[i]).float(), self.labels[i])
+            loss = self.loss_fn(self.model(self.images[i][:size]).float(), self.labels[i][:size])
             loss.backward()  # counted: training FLOPs are forward + backward
             self.optimizer.step()
             self.last_loss = float(loss.detach())
@@ -94,7 +98,7 @@ class ImageClassification(FlopCountedJob):
 
         buf = io.BytesIO()
         state: dict[str, Any] = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                                 "steps": self.steps_done}
+                                 "steps": self.steps_done, "samples": self.samples_done}
         torch.save(state, buf)
         return buf.getvalue()
 
@@ -107,6 +111,7 @@ class ImageClassification(FlopCountedJob):
         self.model.load_state_dict(d["model"])
         self.optimizer.load_state_dict(d["optimizer"])
         self.steps_done = int(d["steps"])
+        self.samples_done = int(d.get("samples", self.steps_done * self.batch_size))
 
 
 def _small_cnn(w: int, classes: int) -> Any:
