@@ -715,6 +715,9 @@ def test_step_gates_start_from_the_profile_then_follow_in_bubble_steps_first_ste
         g.observe(4, True, 2_000_000)  # the window forgets
     assert g.gate_ns(4, True) == 2_000_000
     assert g.first_steps_s() == [(1, 0.001), (4, 0.002)]
+    floored = StepGates([(None, 0.0015)], min_samples=1, floors={None: 0.0015})  # a step time the spec states
+    floored.observe(None, False, 1_000_000)
+    assert floored.gate_ns(None, False) == 1_500_000  # measured shorter: the stated time still holds
     for bad in ({"profiled": []}, {"profiled": [(None, 0.001)], "window": 0},
                 {"profiled": [(None, 0.001)], "min_samples": 0}):
         with pytest.raises(ValueError, match="StepGates"):

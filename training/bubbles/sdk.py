@@ -267,16 +267,18 @@ class StepGates:
     its last ``window`` durations there. A bubble's first step pays for what the training evicted from the
     caches while it computed (about +1 ms a step on the CPU demo, seen 2026-11-23), so it is tracked apart; a
     gate from outside bubbles would let first steps overrun. ``size`` None: a job whose step takes no size.
+    ``floors`` (seconds by size): gates never go below them (a step time the job's spec states).
     """
 
     def __init__(self, profiled: Sequence[tuple[int | None, float]], *, window: int = 32,
-                 min_samples: int = 8) -> None:
+                 min_samples: int = 8, floors: dict[int | None, float] | None = None) -> None:
         if not profiled or window < 1 or not 1 <= min_samples <= window:
             raise ValueError("StepGates needs profiled gates, window >= 1 and 1 <= min_samples <= window")
         self.sizes = [size for size, _ in profiled]  # smallest first
         self._profiled = {size: int(t * 1e9) for size, t in profiled}
         self._seen: dict[tuple[int | None, bool], list[int]] = {}
         self._gate: dict[tuple[int | None, bool], int] = {}
+        self._floor = {size: int(t * 1e9) for size, t in (floors or {}).items()}
         self.window = window
         self.min_samples = min_samples
 
@@ -289,7 +291,7 @@ class StepGates:
         if len(seen) > self.window:
             del seen[0]
         if len(seen) >= self.min_samples:
-            self._gate[(size, first)] = int(percentile(seen, 90))
+            self._gate[(size, first)] = max(int(percentile(seen, 90)), self._floor.get(size, 0))
 
     def first_steps_s(self) -> list[tuple[int | None, float]]:
         """Each size's gate for a bubble's first step, in seconds: what a bubble must offer to be used at all."""
@@ -352,6 +354,7 @@ class FillRuntime:
         self.name = name
         self.socket_path = socket_path
         self.step_s = step_s
+        self.given_step_s = step_s  # the spec's step time, if any: a floor for the gates
         self.max_steps = max_steps
         self.device = device
         self.memory_bytes = memory_bytes
@@ -432,10 +435,11 @@ class FillRuntime:
                     self._profile_sizes(sizes)
                 elif self.step_s is None:
                     self.step_s = self._profile_step_time()
+                given = self.given_step_s
                 if self.sized:
-                    self.gates = StepGates(self.sized)
+                    self.gates = StepGates(self.sized, floors={self.sized[-1][0]: given} if given else None)
                 elif self.step_s is not None:
-                    self.gates = StepGates([(None, self.step_s)])
+                    self.gates = StepGates([(None, self.step_s)], floors={None: given} if given else None)
             self._emit("state", state="PAUSED")
             if self.step_s is not None:
                 self._report_step_time(self.step_s, self.sized)
