@@ -77,6 +77,12 @@ class MpsDirs:
         return subprocess.run([FAKE_MPS, *args], input=stdin, capture_output=True, text=True, timeout=10,
                               env={**os.environ, **self.env(), **env}, check=False)
 
+    def server_pid(self) -> int:
+        """The one MPS server the daemon lists."""
+        out = self.run(stdin="get_server_list\n").stdout.split()
+        assert len(out) == 1, f"expected one server, got {out}"
+        return int(out[0])
+
     def alive(self) -> bool:
         return self.run(stdin="get_server_list\n").returncode == 0
 
@@ -320,6 +326,48 @@ def test_a_daemon_that_refuses_to_start_is_retried_with_backoff(mps_dirs: MpsDir
     status = iso.check()
     assert status.state == READY and status.daemon is not None
     assert status.daemon.owned and status.daemon.restarts == 0  # its first start, not a restart
+    iso.close()
+
+
+def test_closing_leaves_an_owned_daemon_running_while_a_live_client_uses_it(
+        mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopping the agent must not take MPS away from a live training: ``quit`` would make the daemon refuse new
+    clients, and killing a daemon that does not quit would take its servers down with it."""
+    monkeypatch.setenv("FAKE_MPS_CLIENTS", str(os.getpid()))  # this process stands for the training
+    iso = mps_isolation(mps_dirs)
+    assert iso.start().state == READY
+    iso.control.run("start_server -uid 0")  # the server the training's CUDA context joined
+    assert iso.control.clients() == {mps_dirs.server_pid(): [os.getpid()]}
+    iso.close()
+    assert "quit" not in mps_dirs.commands()
+    assert mps_dirs.alive()
+    status = iso.status()
+    assert status.state == UNAVAILABLE and f"left running for its clients (pids {os.getpid()})" in status.detail
+
+
+def test_closing_quits_an_owned_daemon_whose_clients_have_all_exited(
+        mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setenv("FAKE_MPS_CLIENTS", str(gone.pid))  # listed, but no longer running
+    iso = mps_isolation(mps_dirs)
+    assert iso.start().state == READY
+    iso.control.run("start_server -uid 0")
+    assert iso.live_clients() == []
+    iso.close()
+    assert mps_dirs.commands()[-1] == "quit" and not mps_dirs.alive()
+
+
+def test_a_daemon_that_keeps_its_inherited_output_open_still_starts(
+        mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-d`` forks the daemon; if the daemon keeps the output it inherited, reading that output through a pipe
+    to its end waits as long as the daemon lives: the start must not."""
+    monkeypatch.setenv("FAKE_MPS_KEEP_STDIO", "1")
+    iso = mps_isolation(mps_dirs, command_timeout_s=1.0)
+    t0 = time.monotonic()
+    status = iso.start()
+    assert status.state == READY, status.detail
+    assert time.monotonic() - t0 < 4  # not the 5 s start timeout
     iso.close()
 
 

@@ -344,16 +344,45 @@ class MpsIsolation(Isolation):
         return previous
 
     def close(self) -> None:
+        """Stop the daemon this agent started, unless a client (the training) still uses it: then leave it
+        running and say so. ``quit`` makes the daemon refuse new clients and, if it does not answer, killing it
+        would take its servers and their clients down: neither may happen under a live training. Call it after
+        the agent's fill processes have stopped."""
         if not self.owned:
+            return
+        try:
+            clients = self.live_clients()
+        except mps.MpsError as exc:
+            # Not answering: whether a training still uses its servers cannot be known, so it is not killed.
+            log.warning("left the MPS control daemon in %s (pid %s) as it is: it does not answer (%s), so whether a "
+                        "training still uses it is unknown; stop it by hand once none does", self.control.pipe_dir,
+                        self.pid, exc)
+            self.owned = False
+            self._set(UNAVAILABLE, f"stopped; the MPS control daemon (pid {self.pid}) did not answer and was left "
+                                   "as it is", self._daemon())
+            return
+        if clients:
+            log.warning("left the MPS control daemon in %s (pid %s) running: its servers still have clients (pids "
+                        "%s), e.g. the training; stop it once they have exited: echo quit | %s", self.control.pipe_dir,
+                        self.pid, ", ".join(map(str, clients)), self.control.program)
+            self.owned = False
+            self._set(UNAVAILABLE, f"stopped; the MPS control daemon (pid {self.pid}) was left running for its "
+                                   f"clients (pids {', '.join(map(str, clients))})", self._daemon())
             return
         try:
             self.control.quit()
             log.info("stopped the MPS control daemon this agent started (pid %s)", self.pid)
         except mps.MpsError as exc:
+            # It answered a moment ago with no client left: nothing runs on its servers that killing could hurt.
             if self.pid is not None and self.control.kill_daemon(self.pid):
                 log.warning("the MPS control daemon (pid %s) did not quit (%s): killed it", self.pid, exc)
         self.owned = False
         self._set(UNAVAILABLE, "stopped", self._daemon())
+
+    def live_clients(self) -> list[int]:
+        """The PIDs of the processes connected to the daemon's servers that are still alive."""
+        pids = sorted({pid for clients in self.control.clients().values() for pid in clients})
+        return [pid for pid in pids if _alive(pid)]
 
     # -- internals ---------------------------------------------------------------------------------
     def _ready(self) -> IsolationStatus:
@@ -416,6 +445,16 @@ class MpsIsolation(Isolation):
         if self._try_start():
             return self._ready()
         return self.status()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process (the training may run as another user)
+    return True
 
 
 def _writable_dir(path: Path) -> bool:

@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,7 @@ class MpsControl:
                 d.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise MpsError(f"cannot create {d}: {exc.strerror or exc}") from None
-        self._invoke(["-d"], None, max(self.timeout_s, ready_timeout_s), f"{self.program} -d")
+        self._start(max(self.timeout_s, ready_timeout_s))
         # -d returns once it has forked; the daemon may need a moment before it answers.
         deadline = time.monotonic() + ready_timeout_s
         last = ""
@@ -124,6 +125,32 @@ class MpsControl:
                 raise MpsError(f"the daemon started by {Path(self.program).name} -d did not answer within "
                                f"{ready_timeout_s:g} s ({last}); see {self.log_dir}/control.log")
             time.sleep(0.05)
+
+    def _start(self, timeout_s: float) -> None:
+        """Run ``-d`` with its output in a file, not a pipe: the daemon it forks may keep the output it inherited
+        open, and reading a pipe to its end would then wait as long as the daemon lives (or, not read, block the
+        daemon once the pipe is full)."""
+        env = dict(os.environ)
+        env.update(self.env())
+        with tempfile.TemporaryFile("w+") as out:
+            try:
+                done = subprocess.run([self.program, "-d"], stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                raise MpsError(f"no answer to {self.program} -d within {timeout_s:g} s") from None
+            except OSError as exc:
+                raise MpsError(f"cannot run {self.program}: {exc.strerror or exc}") from None
+            if done.returncode != 0:
+                out.seek(0)
+                said = out.read(4096).strip() or "no output"
+                raise MpsError(f"{Path(self.program).name} -d exited with code {done.returncode}: {said}")
+
+    def clients(self) -> dict[int, list[int]]:
+        """Each MPS server's client PIDs (``get_server_list``, then ``get_client_list`` per server): the CUDA
+        processes that joined it. MpsError if no daemon answers."""
+        return {server: [int(line) for line in self.run(f"get_client_list {server}").split("\n")
+                         if line.strip().isdigit()]
+                for server in self.server_list()}
 
     def quit(self) -> None:
         """``quit``: stop the control daemon (and with it its servers). MpsError if it did not answer."""
