@@ -593,6 +593,19 @@ def test_smoke_run_labels_mps_as_the_stand_in(smoke: dict[str, Any]) -> None:
                             for r in mps_runs)
     # The training was an MPS client at priority 0 (the stand-in ignores it, a real daemon would not).
     assert "stand-in MPS (no GPU)" in smoke["stdout"]
+    # Nothing joins the stand-in: the report says membership was not verified, not that it was.
+    assert all(r["mps_membership"].startswith("not verifiable") for r in mps_runs)
+
+
+def test_mps_membership_needs_the_training_and_the_fill_job_on_one_server() -> None:
+    from gpubench.run import mps_membership_problem
+
+    assert mps_membership_problem({7: [100, 200]}, 100) is None
+    late = mps_membership_problem({7: [200]}, 100)  # the training initialized CUDA before the daemon ran
+    assert late is not None and "training (pid 100) is not a client" in late and "not MPS" in late
+    alone = mps_membership_problem({7: [100], 8: [200]}, 100)
+    assert alone is not None and "fill job is not a client of the training's MPS server" in alone
+    assert "no server" in (mps_membership_problem({}, 100) or "")
 
 
 def test_smoke_run_prints_the_table_labelled_as_a_smoke_run(smoke: dict[str, Any]) -> None:

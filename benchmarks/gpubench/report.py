@@ -130,6 +130,7 @@ def build_report(*, config: Mapping[str, Any], solo: Mapping[str, Any], runs: Se
                 "timing": rec.get("timing"),
                 "losses_finite": all(math.isfinite(float.fromhex(x)) for x in rec.get("losses", [])),
                 "agent_isolation": stats.get("isolation"),
+                "mps_membership": run.get("mps_membership"),  # mps runs: verified, or why it cannot be
                 "kills": stats.get("kills", 0),
                 "guard": stats.get("guard", {}),
             })

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bubbles.agent.mps import MpsControl, MpsError
 from bubbles.api import FillInterface, FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, format_phases
 from bubbles.orchestrate.processes import (
@@ -383,21 +384,37 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
     agent_log = (here / "agent.log").open("w")
     agent = subprocess.Popen(agent_cmd, env=_env(args, None), stdout=agent_log, stderr=subprocess.STDOUT,
                              start_new_session=True)
+    training: EchoedProcess | None = None
     try:
-        # The training starts at once and imports and builds its model while the agent starts; it calibrates
-        # and profiles only once the agent's ready file exists (the agent must hear the profiled cycle).
         env = _env(args, pipe_dir if isolation == "mps" else None, private)
-        ready: dict[str, bool] = {}
-        starter = threading.Thread(target=_start_when_fill_job_ready,
-                                   args=(port, start_path, agent, args.run_timeout_s / 2, ready), daemon=True)
-        training = EchoedProcess(train_cmd, env, here / "train.log", prefix="[gpubench]",
+        ready: dict[str, Any] = {}
+        verify = None
+        if isolation == "mps" and run["isolation_label"] == "MPS":  # the stand-in has no clients to list
+            verify = MpsControl(str(mps_control), pipe_dir, short / "mps-log")
+
+        def start_training() -> EchoedProcess:
+            return EchoedProcess(train_cmd, env, here / "train.log", prefix="[gpubench]",
                                  timeout_s=args.run_timeout_s)
+
+        if isolation != "mps":
+            # The training starts at once and imports and builds its model while the agent starts; it calibrates
+            # and profiles only once the agent's ready file exists (the agent must hear the profiled cycle).
+            training = start_training()
         if not wait_for_file(ready_path, agent, AGENT_READY_TIMEOUT_S):
-            training.kill()
+            if training is not None:
+                training.kill()
             run["error"] = f"the agent did not start (exit {agent.poll()}): {_last_error(here / 'agent.log')}"
             _say(f"{job} / {isolation}: {run['error']}\n{tail(here / 'agent.log')}")
             return run
         _say(f"{job} / {run['isolation_label']}: agent ready")
+        if training is None:
+            # MPS: CUDA decides when a process initializes it whether it is a client of the daemon in its pipe
+            # directory. The agent starts that daemon before it writes its ready file; a training started
+            # earlier would run in a context of its own, and the regime would not be MPS.
+            training = start_training()
+        starter = threading.Thread(target=_start_when_fill_job_ready,
+                                   args=(port, start_path, agent, args.run_timeout_s / 2, ready,
+                                         verify, training.proc.pid), daemon=True)
         starter.start()
         rc = training.wait()
         if rc != 0 or not record_path.exists():
@@ -405,6 +422,12 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
             _say(f"{job} / {isolation}: {run['error']}\n{tail(here / 'train.log')}")
             return run
         starter.join(timeout=5)
+        if ready.get("mps_problem"):
+            run["error"] = str(ready["mps_problem"])
+            _say(f"{job} / {isolation}: {run['error']}")
+            return run
+        if isolation == "mps":
+            run["mps_membership"] = "verified" if verify is not None else "not verifiable: the stand-in lists no clients"
         if not ready.get("ready"):
             # Without an initialized fill job every phase would be a baseline: the run measured nothing.
             run["error"] = f"the fill job was never initialized: {_last_error(here / 'agent.log')}"
@@ -422,13 +445,25 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
 
 
 def _start_when_fill_job_ready(port: int, start_path: Path, agent: subprocess.Popen[Any], timeout_s: float,
-                               ready: dict[str, bool]) -> None:
+                               ready: dict[str, Any], verify: MpsControl | None = None,
+                               training_pid: int = 0) -> None:
     """Create ``start_path`` once the agent's metrics show the fill job initialized, so its start-up lands in
     no measured phase; also when it cannot be (``ready["ready"]`` says which), so the training is not left
-    waiting."""
+    waiting. With ``verify`` (real MPS), first check that the training and the fill job joined the daemon:
+    ``ready["mps_problem"]`` says what is wrong if not, and the run is failed."""
     outcome = wait_for_fill_jobs(port, 1, agent, timeout_s, poll_s=0.05)
     ready["ready"] = outcome == "ready"
-    if outcome == "ready":
+    if outcome == "ready" and verify is not None:
+        try:
+            problem = mps_membership_problem(verify.clients(), training_pid)
+        except MpsError as exc:
+            problem = f"cannot list the MPS daemon's clients ({exc}): the regime cannot be reported as MPS"
+        if problem is not None:
+            ready["mps_problem"] = problem
+            ready["ready"] = False
+        else:
+            _say("  MPS membership verified: the training and the fill job are clients of one server")
+    if ready["ready"]:
         _say("  fill job initialized; measuring")
     elif outcome == "stopped":
         _say("  the fill job stopped before it was initialized (the agent's log says why)")
@@ -437,20 +472,18 @@ def _start_when_fill_job_ready(port: int, start_path: Path, agent: subprocess.Po
     start_path.touch()
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+def mps_membership_problem(clients: dict[int, list[int]], training_pid: int) -> str | None:
+    """None if the training is a client of an MPS server that has another client too (the fill job); else what
+    is wrong, for a run that must not be reported as MPS. ``clients``: ``MpsControl.clients()``."""
+    listed = "; ".join(f"server {s}: clients {c or 'none'}" for s, c in sorted(clients.items())) or "no server"
+    for _server, pids in clients.items():
+        if training_pid in pids:
+            if len(set(pids)) < 2:
+                return (f"the fill job is not a client of the training's MPS server ({listed}): it runs in a "
+                        "context of its own, so the regime is not MPS")
+            return None
+    return (f"the training (pid {training_pid}) is not a client of the MPS daemon ({listed}): it initialized CUDA "
+            "outside MPS, so the regime is not MPS")
 
 
 def _last_error(path: Path) -> str:
