@@ -76,6 +76,7 @@ class AsyncEngine:
         self.stage_id, self.num_stages, self.micro_batches = stage, stages, micro_batches
         self.stream = stream
         self.host_waits_s: list[float] = []
+        self.send_stall_s = 0.0  # how long each send holds the stream (NCCL: until the peer posts its receive)
         self._INSTRUCTION_MAP = {cls: self._handler(cls.__name__) for cls in (
             S.OptimizerStep, S.ReduceGrads, S.ReduceTiedGrads, S.LoadMicroBatch, S.ForwardPass,
             S.BackwardPass, S.SendActivation, S.RecvActivation, S.SendGrad, S.RecvGrad)}
@@ -86,6 +87,8 @@ class AsyncEngine:
                 engine.stream.enqueue(COMPUTE_S)
             elif name.startswith("Recv"):
                 engine.stream.enqueue(WAIT_S)  # the stream waits for the data; the host does not
+            elif name.startswith("Send") and engine.send_stall_s:
+                engine.stream.enqueue(engine.send_stall_s)
         return handler
 
     def _reserve_pipe_buffers(self, n: int) -> None:
@@ -105,7 +108,9 @@ class AsyncEngine:
         return loss
 
     def eval_batch(self, data_iter: Any = None) -> float:
-        raise NotImplementedError
+        self._exec_schedule(S.InferenceSchedule(self.micro_batches, self.num_stages, self.stage_id))
+        self.stream.enqueue(WAIT_S)  # the output reduction and loss broadcast: queued, the host goes on
+        return 2.5
 
 
 @pytest.fixture
@@ -333,4 +338,55 @@ def test_real_cuda_events_time_device_side_waits(sockdir: Path) -> None:
     assert [s.instruction for s in cycle.slots][:3] == ["RecvGrad", "RecvGrad", "RecvGrad"]
     for s in cycle.slots[:3]:
         assert s.duration_s == pytest.approx(WAIT_S, rel=0.25), s
+    inst.detach()
+
+
+def test_the_end_of_evaluation_is_timed_on_the_device_too(sockdir: Path) -> None:
+    """eval_batch's tail (output reduction, loss broadcast) is a wait like the receives: the host reaches it at
+    once, the device waits there. Host stamps would see no bubble; device events see WAIT_S."""
+    eng = AsyncEngine(FakeStream())
+    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "e", 0))
+    inst = instrument(eng, training="e", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=1, profile_iterations=3, timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    for _ in range(4):
+        assert eng.eval_batch() == 2.5
+    deadline = time.monotonic() + 5
+    while "InferenceSchedule" not in inst.cycles and time.monotonic() < deadline:
+        time.sleep(0.005)
+    cycle = inst.cycles.get("InferenceSchedule")
+    assert cycle is not None
+    assert [s.instruction for s in cycle.slots] == ["LossBroadcast"]
+    assert cycle.slots[0].duration_s == pytest.approx(WAIT_S, abs=0.002)
+    listener = bind(sdir / "fill-e.sock")
+    eng.eval_batch()  # the listener is discovered at the end of this batch
+    eng.eval_batch()
+    msgs: list[tuple[int, wire.Message]] = []
+    while not any(isinstance(m, wire.BubbleEnd) for _, m in msgs) and len(msgs) < 12:
+        msgs += receive(listener, 1)
+    start = next(m for _, m in msgs if isinstance(m, wire.BubbleStart))
+    end = next(m for _, m in msgs if isinstance(m, wire.BubbleEnd))
+    assert start.seq == end.seq and (end.end_ns - start.start_ns) / 1e9 == pytest.approx(WAIT_S, abs=0.002)
+    inst.detach()
+    listener.close()
+
+
+def test_a_send_that_stalls_the_device_is_profiled_as_a_bubble(sockdir: Path) -> None:
+    """With NCCL a send can hold the GPU until the peer posts its receive: device timing brackets sends too,
+    and a send that stalls is a bubble (one that does not stays out: the test above)."""
+    eng = AsyncEngine(FakeStream(), stage=1)  # the last stage: sends its gradients back
+    eng.send_stall_s = WAIT_S
+    inst = instrument(eng, training="snd", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=1, profile_iterations=3, timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    for _ in range(4):
+        eng.train_batch()
+    deadline = time.monotonic() + 5
+    while inst.cycle is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    cycle = inst.cycle
+    assert cycle is not None
+    sends = [s for s in cycle.slots if s.instruction == "SendGrad"]
+    assert len(sends) == eng.micro_batches  # one per micro-batch, each WAIT_S long on the device
+    assert all(s.duration_s == pytest.approx(WAIT_S, abs=0.002) for s in sends)
     inst.detach()

@@ -213,3 +213,23 @@ def test_real_cuda_probe_sees_the_trainings_tensors_and_its_peak() -> None:
     assert after_spike.allocated_bytes == after_alloc.allocated_bytes
     assert after_spike.free_bytes <= after_alloc.free_bytes - 448 * MIB
     del live
+
+
+def test_the_profile_states_the_margin_its_free_memory_is_net_of(tmp_path: Any) -> None:
+    from test_hook import StandInEngine
+
+    from bubbles.cycle import BubbleCycle
+    from bubbles.hook import instrument
+
+    cuda = FakeCuda(free=8 * GIB, allocated=GIB, peak=GIB, cached=0)
+    eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+    inst = instrument(eng, training="margin", run_dir=tmp_path, warmup_iterations=0, profile_iterations=2,
+                      memory_probe=CudaAllocatorProbe(margin_bytes=256 * MIB, cuda=cuda))
+    for _ in range(2):
+        eng.train_batch()
+    cycle = inst.cycle
+    assert cycle is not None and cycle.slots
+    assert cycle.memory_margin_bytes == 256 * MIB
+    assert all(s.free_bytes == 8 * GIB - 256 * MIB for s in cycle.slots)  # free memory is already net of it
+    assert BubbleCycle.from_dict(cycle.to_dict()) == cycle  # and it travels with the profile
+    inst.detach()

@@ -137,3 +137,15 @@ def test_recent_lengths_predict_the_smaller_of_p10_and_median_of_the_last_window
         RecentLengths({1: []})
     with pytest.raises(ValueError, match="window"):
         RecentLengths({1: [1]}, window=0)
+
+
+def test_a_profiles_memory_margin_is_optional_and_never_negative() -> None:
+    from bubbles.cycle import BubbleCycle
+
+    d = {"training": "t", "stage": 0, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
+         "iteration_s": 0.1, "slots": [], "samples": 3}
+    assert BubbleCycle.from_dict(d).memory_margin_bytes == 0  # a profile from before the field existed
+    assert BubbleCycle.from_dict({**d, "memory_margin_bytes": 1 << 29}).memory_margin_bytes == 1 << 29
+    for bad in (-1, "512Mi", 1.5, True):
+        with pytest.raises(ValueError, match="memory_margin_bytes"):
+            BubbleCycle.from_dict({**d, "memory_margin_bytes": bad})

@@ -54,6 +54,10 @@ class BubbleCycle:
     # All the time the stage waited per iteration (median per wait instruction, summed), including
     # waits too short to be signalled as bubbles; 0.0 when unknown (a cycle built by hand).
     wait_s: float = 0.0
+    # Bytes the memory probe kept back from every slot's free_bytes for what the training's allocator peak does
+    # not show (cuDNN/cuBLAS workspaces, a longer batch later): the safety margin, stated so a reader of the
+    # profile knows free_bytes is already net of it. 0: no margin (a static probe, CPU) or unknown.
+    memory_margin_bytes: int = 0
 
     @property
     def bubble_s(self) -> float:
@@ -102,6 +106,7 @@ class BubbleCycle:
             slots=slots,
             samples=_nonneg_int(d, "samples"),
             wait_s=_nonneg_float(d, "wait_s") if "wait_s" in d else 0.0,
+            memory_margin_bytes=_nonneg_int(d, "memory_margin_bytes") if "memory_margin_bytes" in d else 0,
         )
 
 

@@ -53,6 +53,10 @@ log = logging.getLogger("bubbles.hook")
 
 LOSS_BROADCAST = "LossBroadcast"
 WAIT_INSTRUCTIONS = frozenset({"RecvActivation", "RecvGrad"})
+# With NCCL a send can hold the GPU until the peer posts its receive: with device timing, sends are timed and
+# profiled like receives, and one that stalls long enough is a bubble. (On CPU/gloo a send returns once its data
+# is handed over: host timing leaves sends out.)
+SEND_INSTRUCTIONS = frozenset({"SendActivation", "SendGrad"})
 TRACE_ITERATIONS = 256  # iterations of per-instruction trace kept when trace=True (a ring)
 RECENT_ITERATIONS = 32  # host timing: predicted bubble lengths follow the last this many iterations' lengths ...
 REPREDICT_EVERY = 4  # ... recomputed every this many iterations
@@ -81,8 +85,8 @@ def instruction_stream(schedule: Iterable[Iterable[Any]]) -> list[str]:
     return [type(cmd).__name__ for step in schedule for cmd in step]
 
 
-def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True) -> list[Candidate]:
-    """Classify every wait of one iteration's instruction stream.
+def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True, sends: bool = False) -> list[Candidate]:
+    """Classify every wait of one iteration's instruction stream (with ``sends``, its sends too).
 
     - fill: before the stage's first ForwardPass (waiting for the first activation);
     - fwd-bwd: the last RecvGrad before the stage's first BackwardPass (end of 1F1B warm-up);
@@ -103,7 +107,7 @@ def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True) -> li
         fwd_bwd = next((i for i in range(first_bwd - 1, -1, -1) if stream[i] == "RecvGrad"), None)
     out = []
     for i, name in enumerate(stream):
-        if name not in WAIT_INSTRUCTIONS:
+        if name not in WAIT_INSTRUCTIONS and not (sends and name in SEND_INSTRUCTIONS):
             continue
         if i == fwd_bwd:
             kind = "fwd-bwd"
@@ -122,7 +126,7 @@ def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True) -> li
 def build_cycle(*, training: str, stage: int, stages: int, microbatches: int, schedule: str,
                 candidates: Sequence[Candidate], durations_s: Sequence[Sequence[float]],
                 free_bytes: Sequence[int], iteration_s: Sequence[float], min_bubble_s: float,
-                allocated_bytes: Sequence[int] | None = None) -> BubbleCycle:
+                allocated_bytes: Sequence[int] | None = None, memory_margin_bytes: int = 0) -> BubbleCycle:
     """Aggregate profiled iterations into a cycle.
 
     ``durations_s[k][j]`` is the measured length of ``candidates[j]`` in profiled iteration ``k``;
@@ -149,7 +153,7 @@ def build_cycle(*, training: str, stage: int, stages: int, microbatches: int, sc
                                     allocated_bytes=max(0, int(allocated_bytes[j]))))
     return BubbleCycle(training=training, stage=stage, stages=stages, microbatches=microbatches,
                        schedule=schedule, iteration_s=robust_stats(iteration_s)[0], slots=tuple(slots),
-                       samples=len(durations_s), wait_s=wait_s)
+                       samples=len(durations_s), wait_s=wait_s, memory_margin_bytes=memory_margin_bytes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -315,7 +319,8 @@ class Instrumentation:
         self._disabled = False
         self._warned: set[str] = set()
         self._in_eval = False
-        self._eval_tail: tuple[int, int, tuple[int, int] | None] | None = None
+        # eval_batch's tail: (host start, seq, signal, device start event or None)
+        self._eval_tail: tuple[int, int, tuple[int, int] | None, DeviceEvent | None] | None = None
         self._trace_ring: deque[tuple[int, list[tuple[int, int, int]], dict[int, tuple[int, int]]]] = \
             deque(maxlen=TRACE_ITERATIONS)
         self._listeners = Listeners(self.stage_dir)
@@ -440,7 +445,7 @@ class Instrumentation:
         timed_map = {}
         for cls, fn in engine._INSTRUCTION_MAP.items():
             code = self._code(cls.__name__)
-            if cls.__name__ in WAIT_INSTRUCTIONS:
+            if cls.__name__ in WAIT_INSTRUCTIONS or (self._timer is not None and cls.__name__ in SEND_INSTRUCTIONS):
                 self._wait_codes.add(code)
                 timed_map[cls] = self._wait_wrapper(fn, code)
             else:
@@ -599,26 +604,40 @@ class Instrumentation:
             self._fail(exc)
 
     def _open_eval_tail(self) -> None:
-        """eval_batch's end-of-batch wait (output reduction and loss broadcast) starts now."""
+        """eval_batch's end-of-batch wait (output reduction and loss broadcast) starts now.
+
+        With device timing it is timed like any wait: events around it, its signals sent by the event thread
+        when the device gets there (the host reaches the tail long before the device does)."""
         hot = self._hot
         pos = len(hot.records)
         sig = hot.signal_map.get(pos)
         t0 = time.monotonic_ns()
-        seq = self._bubble_start(sig, t0) if sig is not None else 0
-        self._eval_tail = (t0, seq, sig)
+        timer = self._timer
+        if timer is not None and (sig is not None or hot.sampling):
+            seq = 0
+            if sig is not None:
+                self._seq += 1
+                seq = self._seq
+            self._eval_tail = (t0, seq, sig, timer.begin(pos, sig, seq))
+            return
+        seq = self._bubble_start(sig, t0) if sig is not None and timer is None else 0
+        self._eval_tail = (t0, seq, sig, None)
 
     def _close_eval_tail(self) -> None:
         tail, self._eval_tail = self._eval_tail, None
         if tail is None:
             return
-        t0, seq, sig = tail
+        t0, seq, sig, start = tail
         t1 = time.monotonic_ns()
         hot = self._hot
         pos = len(hot.records)
         hot.records.append((self._lb_code, t0, t1))
-        if sig is not None:
+        if start is not None:
+            assert self._timer is not None
+            self._timer.end(pos, start, sig, seq)
+        elif sig is not None and self._timer is None:
             self._bubble_end(sig, seq, t1)
-        elif hot.sampling:
+        if hot.sampling and sig is None:
             self._sample_memory(pos)
 
     def _sample_memory(self, pos: int) -> None:
@@ -713,7 +732,7 @@ class Instrumentation:
         has_lb = any(c == lb for c, _, _ in records)
         if stream != prof.stream:  # first sample, or the schedule changed shape: start over
             prof.stream = stream
-            prof.candidates = candidate_slots(stream, loss_broadcast=has_lb)
+            prof.candidates = candidate_slots(stream, loss_broadcast=has_lb, sends=self._timer is not None)
             prof.durations, prof.iter_s, prof.free, prof.allocated = [], [], {}, {}
             if len(records) != len(stream) + has_lb:
                 raise RuntimeError("loss broadcast recorded twice in one iteration")
@@ -727,7 +746,8 @@ class Instrumentation:
                             durations_s=prof.durations,
                             free_bytes=[prof.free.get(c.position, 0) for c in prof.candidates],
                             allocated_bytes=[prof.allocated.get(c.position, 0) for c in prof.candidates],
-                            iteration_s=prof.iter_s, min_bubble_s=self.min_bubble_s)
+                            iteration_s=prof.iter_s, min_bubble_s=self.min_bubble_s,
+                            memory_margin_bytes=int(getattr(self.memory_probe, "margin_bytes", 0) or 0))
         prof.cycle = cycle
         # The predicted end: see predicted_length (the slot's p10 and median are the profile's).
         prof.signal_map = {s.position: (s.slot, int(min(s.p10_s, s.duration_s) * 1e9)) for s in cycle.slots}
