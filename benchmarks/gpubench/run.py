@@ -427,7 +427,8 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
             _say(f"{job} / {isolation}: {run['error']}")
             return run
         if isolation == "mps":
-            run["mps_membership"] = "verified" if verify is not None else "not verifiable: the stand-in lists no clients"
+            run["mps_membership"] = ("verified" if verify is not None
+                                     else "not verifiable: the stand-in lists no clients")
         if not ready.get("ready"):
             # Without an initialized fill job every phase would be a baseline: the run measured nothing.
             run["error"] = f"the fill job was never initialized: {_last_error(here / 'agent.log')}"
