@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ import pytest
 import torch
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
+import gpubench.emulator as emulator_mod
 from bubbles import paths
 from bubbles.hook import candidate_slots, instruction_stream, instrument
 from bubbles.probes import StaticMemoryProbe
@@ -183,7 +186,7 @@ def test_emulator_under_the_real_hook_profiles_the_modelled_bubbles(tmp_path: Pa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_a_gpu_the_hook_s_device_events_see_the_modelled_bubbles(tmp_path: Path) -> None:
     # The GPU path end to end, at a size where a pass takes about a millisecond: bf16 compute, pass times from
-    # CUDA events, waits that drain the stream, the hook timing the waits with device events (timing="auto").
+    # CUDA events, waits spun on the device (no host sync), the hook timing the waits with device events.
     shape = StageShape(hidden=1024, heads=8, ffn_mult=4, seq=512, micro_batch=1, blocks=2)
     emu = StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=shape, device="cuda")
     assert emu.dtype == torch.bfloat16
@@ -261,8 +264,12 @@ class FakeCudaEvent:
         return (end.t - self.t) * 1e3  # milliseconds, as torch.cuda.Event
 
 
+FAKE_GPU_HZ = 1e9
+
+
 class FakeCuda:
-    """Stands in for ``torch.cuda``: logs stream synchronizes and events (the compute itself runs on CPU)."""
+    """Stands in for ``torch.cuda``: logs stream synchronizes, events and spin kernels (the compute itself runs on
+    CPU)."""
 
     def __init__(self) -> None:
         self.log: list[tuple[str, float]] = []
@@ -281,27 +288,65 @@ class FakeCuda:
     def Event(self, enable_timing: bool = False) -> FakeCudaEvent:  # torch.cuda's name
         return FakeCudaEvent(self.log, enable_timing)
 
+    def _sleep(self, cycles: int) -> None:  # torch.cuda._sleep: a kernel that spins this many GPU cycles
+        self.log.append(("spin", float(cycles)))
+        time.sleep(cycles / FAKE_GPU_HZ)  # the stand-in "kernel" runs at once, on a 1 GHz clock
 
-def test_every_modelled_wait_first_lets_the_device_drain_then_idles_its_length() -> None:
+
+def test_on_a_gpu_every_modelled_wait_and_send_is_a_device_side_spin_and_the_host_never_synchronizes() -> None:
     cuda = FakeCuda()
-    sleeps: list[tuple[float, float]] = []
-
-    def sleep(seconds: float) -> None:
-        sleeps.append((time.perf_counter(), seconds))
-        time.sleep(seconds)
-
+    host_sleeps: list[float] = []
     emu = StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=TINY,
-                        ops=CudaOps(torch.device("cpu"), cuda=cuda), sleep=sleep)
+                        ops=CudaOps(torch.device("cpu"), cuda=cuda), sleep=host_sleeps.append, send_s=0.0002)
     emu.model_waits(forward_s=0.001, backward_s=0.002)
-    nonzero = sorted(pos for pos, s in emu.waits_s.items() if s > 0) + ([1] if emu.loss_broadcast_s > 0 else [])
+    nonzero = [s for s in emu.waits_s.values() if s > 0] + ([emu.loss_broadcast_s] if emu.loss_broadcast_s > 0 else [])
+    sends = sum(1 for name in emu.stream() if name.startswith("Send"))
     emu.train_batch()
-    syncs = [t for what, t in cuda.log if what == "stream-sync"]
-    assert len(syncs) == len(nonzero)  # one drain per real wait, none for the zero-length ones
-    assert len(sleeps) == len(nonzero)
-    for sync_t, (sleep_t, seconds) in zip(syncs, sleeps, strict=True):
-        assert sync_t <= sleep_t  # the device drains before the idle time starts
-        assert seconds > 0
-    assert sum(s for _, s in sleeps) == pytest.approx(sum(emu.waits_s.values()) + emu.loss_broadcast_s, abs=0.002)
+    assert not [what for what, _ in cuda.log if what == "stream-sync"]  # no host sync in the training loop
+    assert not host_sleeps
+    spins = [cycles for what, cycles in cuda.log if what == "spin"]
+    calibration, spins = spins[0], spins[1:]  # the spin kernel's clock is measured once
+    assert calibration == emulator_mod.CLOCK_CALIBRATION_CYCLES
+    assert emu.ops.cycles_per_s == pytest.approx(FAKE_GPU_HZ, rel=0.2)  # type: ignore[attr-defined]
+    assert len(spins) == len(nonzero) + sends  # every wait and every send, none for zero-length waits
+    total_s = sum(spins) / emu.ops.cycles_per_s  # type: ignore[attr-defined]
+    assert total_s == pytest.approx(sum(nonzero) + sends * 0.0002, rel=0.01)  # no jitter asked: the model's
+
+
+def _ticks() -> Any:
+    counter = itertools.count()
+    return lambda: float(next(counter))
+
+
+def test_on_a_cpu_the_host_idles_and_waits_are_jittered_around_the_model_with_the_stated_spread() -> None:
+    sleeps: list[float] = []
+    emu = StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=TINY, sleep=sleeps.append,
+                        clock=_ticks(), wait_jitter=0.2)  # a clock that jumps 1 s a reading: nothing spins
+    emu.model_waits(forward_s=0.01, backward_s=0.02)
+    modelled = [s for s in emu.waits_s.values() if s > 0] + ([emu.loss_broadcast_s] if emu.loss_broadcast_s > 0 else [])
+    factors: list[float] = []
+    for _ in range(60):
+        sleeps.clear()
+        emu.train_batch()
+        got = [s + emulator_mod.SPIN_S for s in sleeps]
+        assert len(got) == len(modelled)
+        factors += [g / m for g, m in zip(got, modelled, strict=True)]
+    mean = statistics.fmean(factors)
+    cv = statistics.stdev(factors) / mean
+    assert 0.95 < mean < 1.05 and 0.15 < cv < 0.25  # lognormal, mean 1, coefficient of variation 0.2
+    runs = []
+    for _ in range(2):  # seeded: two emulators built alike wait alike
+        naps: list[float] = []
+        again = StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=TINY, sleep=naps.append,
+                              clock=_ticks(), wait_jitter=0.2)
+        again.model_waits(forward_s=0.01, backward_s=0.02)
+        again.train_batch()
+        runs.append(naps)
+    assert runs[0] == runs[1] and len(set(runs[0])) == len(runs[0])
+    with pytest.raises(ValueError, match="wait jitter"):
+        StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=TINY, wait_jitter=-0.1)
+    with pytest.raises(ValueError, match="send time"):
+        StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=TINY, send_s=float("nan"))
 
 
 def test_cuda_timing_uses_events_around_the_work() -> None:
@@ -359,6 +404,8 @@ def test_training_process_rejects_a_stage_outside_the_pipeline(tmp_path: Path,
     (["--start-timeout-s", "0"], "--start-timeout-s > 0"),
     (["--calibration-steps", "0"], "--calibration-steps >= 1"),
     (["--p2p-latency-ms", "-0.5"], "--p2p-latency-ms and --min-bubble-ms must be >= 0"),
+    (["--wait-jitter", "3"], "--wait-jitter 3.0 must be a coefficient of variation from 0 to 2"),
+    (["--link-gb-per-s", "-1"], "a bandwidth >= 0"),
 ])
 def test_training_process_refuses_bad_flags_before_any_work(tmp_path: Path, flags: list[str], reason: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -521,6 +568,8 @@ def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> No
     (["--device", "cpu", "--fill-args", "image-classification=[1]"], "write JOB=JSON-object"),
     (["--device", "cpu", "--mps-control", "/no/such/mps-control"], "not an executable file"),
     (["--device", "cpu", "--slowdown-budget", "5"], "a fraction in (0, 1)"),
+    (["--device", "cpu", "--wait-jitter", "-0.1"], "--wait-jitter -0.1: a coefficient of variation"),
+    (["--device", "cpu", "--link-gb-per-s", "-5"], "--link-gb-per-s -5.0: a bandwidth >= 0"),
 ])
 def test_bad_benchmark_flags_exit_2_saying_what_to_do(flags: list[str], message: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:

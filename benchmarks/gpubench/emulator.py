@@ -11,11 +11,16 @@ Compute is real: a stack of transformer blocks (attention through ``scaled_dot_p
 MLP), bf16 on CUDA, fp32 on CPU; a forward pass per micro-batch, a backward pass per micro-batch with the
 activations kept in between as 1F1B keeps them, and the optimizer step at ``OptimizerStep``.
 
-The neighbours are emulated: sends cost nothing (NCCL's send does not block the stage), and each receive
-and the end-of-batch loss broadcast first lets the device finish the work queued ahead of it (a blocking
-receive: the neighbour's data cannot arrive before this stage's GPU asks for it), then waits the modelled
-length (sleep, then spin the last ``SPIN_S`` for accuracy), so the GPU is idle for exactly the modelled
-bubble. The lengths come from ``gpubench.pipeline_model`` with this device's forward and backward
+The neighbours are emulated. Each receive and the end-of-batch loss broadcast is a wait of the modelled length
+that starts when the device gets there, after the work queued ahead of it (the neighbour's data cannot arrive
+before this stage's GPU asks for it). On a GPU the wait is on the device: a kernel that spins for that long
+(``torch.cuda._sleep``, its clock rate measured once), the way an NCCL receive kernel spins on its flag, so the
+host queues on and never synchronizes in the training loop. On a CPU the host is the device: it sleeps, then
+spins the last ``SPIN_S`` for accuracy. Each wait's length is the modelled one times a factor drawn from a
+lognormal distribution with mean 1 and coefficient of variation ``wait_jitter`` (a neighbour's data arriving
+early or late; seeded, so runs repeat). Sends cost ``send_s`` on the device (a transfer occupies it; the
+benchmark derives it from the activation's bytes and a link bandwidth), and the pipeline model counts them in
+every stage's time. The lengths come from ``gpubench.pipeline_model`` with this device's forward and backward
 times, measured in a calibration pass.
 
 The waits are fixed lengths. A stage slowed down by a fill job does not delay its emulated neighbours, so
@@ -29,6 +34,8 @@ hook must not change them). ``torch.cuda`` is touched only through ``CudaOps``, 
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +50,7 @@ from torch import nn
 from gpubench.pipeline_model import PipelineWaits, StageWaits, simulate_pipeline
 
 SPIN_S = 0.0002  # the last part of a wait is spun, not slept: sleep wakes up late by tens of microseconds
+CLOCK_CALIBRATION_CYCLES = 20_000_000  # a spin kernel this long (about 10 ms at 2 GHz) measures the GPU's clock
 POOL = 4  # distinct synthetic micro-batches cycled through (generating data is not what is measured)
 
 
@@ -64,6 +72,17 @@ class DeviceOps:
         fn()
         return time.perf_counter() - t0
 
+    def idle(self, seconds: float, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+        """Hold the device for ``seconds`` after the work queued ahead: here the host, which sleeps, then spins
+        the last ``SPIN_S`` (sleep wakes up late)."""
+        self.synchronize()
+        deadline = clock() + seconds
+        nap = seconds - SPIN_S
+        if nap > 0:
+            sleep(nap)
+        while clock() < deadline:
+            pass
+
 
 class CudaOps(DeviceOps):
     """CUDA: synchronize the current stream, time with CUDA events. ``cuda`` is ``torch.cuda`` or a stand-in."""
@@ -73,6 +92,18 @@ class CudaOps(DeviceOps):
     def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self.device = device
         self.cuda = torch.cuda if cuda is None else cuda
+        self.cycles_per_s: float | None = None  # the spin kernel's clock, measured at the first idle
+
+    def idle(self, seconds: float, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+        """Queue a kernel that spins ``seconds`` on the device (after the work queued ahead of it, in stream
+        order); the host returns at once."""
+        if self.cycles_per_s is None:
+            took = self.time_s(lambda: self.cuda._sleep(CLOCK_CALIBRATION_CYCLES))
+            if not took > 0:
+                raise RuntimeError(f"a {CLOCK_CALIBRATION_CYCLES}-cycle spin kernel took {took} s on {self.device}: "
+                                   "cannot model waits on this device")
+            self.cycles_per_s = CLOCK_CALIBRATION_CYCLES / took
+        self.cuda._sleep(max(1, round(seconds * self.cycles_per_s)))
 
     def synchronize(self) -> None:
         self.cuda.current_stream(self.device).synchronize()
@@ -157,9 +188,9 @@ def deepspeed_instruction_map() -> dict[type, Callable[..., Any]]:
         schedule.LoadMicroBatch: _exec_load_micro_batch,
         schedule.ForwardPass: _exec_forward_pass,
         schedule.BackwardPass: _exec_backward_pass,
-        schedule.SendActivation: _exec_nothing,
+        schedule.SendActivation: _exec_send,
         schedule.RecvActivation: _exec_recv_activations,
-        schedule.SendGrad: _exec_nothing,
+        schedule.SendGrad: _exec_send,
         schedule.RecvGrad: _exec_recv_grads,
     }
 
@@ -189,8 +220,8 @@ class StageEmulator:
     def __init__(self, *, stage_id: int, num_stages: int, micro_batches: int, shape: StageShape,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None, seed: int = 1234,
                  ops: DeviceOps | None = None, lr: float = 1e-4,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter
-                 ) -> None:
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter,
+                 wait_jitter: float = 0.0, send_s: float = 0.0) -> None:
         problems = shape.problems()
         if num_stages < 2:
             problems.append(f"num_stages {num_stages}: a pipeline has at least 2 stages")
@@ -199,6 +230,10 @@ class StageEmulator:
                             f"(0..{num_stages - 1})")
         if micro_batches < 1:
             problems.append(f"micro_batches {micro_batches}: use 1 or more")
+        if not (isinstance(wait_jitter, int | float) and math.isfinite(wait_jitter) and 0 <= wait_jitter <= 2):
+            problems.append(f"wait jitter {wait_jitter!r}: a coefficient of variation from 0 (none) to 2")
+        if not (isinstance(send_s, int | float) and math.isfinite(send_s) and send_s >= 0):
+            problems.append(f"send time {send_s!r}: seconds >= 0")
         if problems:
             raise ValueError("; ".join(problems))
         self.stage_id = stage_id
@@ -214,6 +249,11 @@ class StageEmulator:
         self.global_steps = 0
         self.waits_s: dict[int, float] = {}
         self.loss_broadcast_s = 0.0
+        self.send_s = float(send_s)
+        # Lognormal with mean 1 and coefficient of variation wait_jitter: sigma^2 = ln(1 + cv^2), mu = -sigma^2/2.
+        self.wait_jitter = float(wait_jitter)
+        self._jitter_sigma = math.sqrt(math.log1p(self.wait_jitter ** 2))
+        self._jitter = random.Random(seed + 2)
         # DeepSpeed's attribute name and shape: the hook wraps a copy of it per instance, as on a real engine.
         self._INSTRUCTION_MAP = deepspeed_instruction_map()
 
@@ -326,7 +366,8 @@ class StageEmulator:
         """Model the whole pipeline with these pass times and take this stage's waits."""
         waits = simulate_pipeline(deepspeed_streams(self.num_stages, self.micro_batches),
                                   microbatches=self.micro_batches, p2p_latency_s=p2p_latency_s,
-                                  durations_s={"ForwardPass": forward_s, "BackwardPass": backward_s})
+                                  durations_s={"ForwardPass": forward_s, "BackwardPass": backward_s,
+                                               "SendActivation": self.send_s, "SendGrad": self.send_s})
         self.set_waits(waits.stage(self.stage_id))
         return waits
 
@@ -356,23 +397,29 @@ class StageEmulator:
         return k
 
     def _wait(self, seconds: float) -> None:
-        """A blocking receive: the device drains its queue, then sits idle for ``seconds``."""
+        """A receive: once the device gets here, it waits ``seconds`` times this wait's jitter."""
         if seconds <= 0:
             return
-        self.ops.synchronize()
-        deadline = self.clock() + seconds
-        nap = seconds - SPIN_S
-        if nap > 0:
-            self.sleep(nap)
-        while self.clock() < deadline:
-            pass
+        if self.wait_jitter:
+            sigma = self._jitter_sigma
+            seconds *= self._jitter.lognormvariate(-sigma * sigma / 2, sigma)
+        self.ops.idle(seconds, self.sleep, self.clock)
+
+    def _send(self) -> None:
+        if self.send_s > 0:
+            self.ops.idle(self.send_s, self.sleep, self.clock)
 
 
 # Handlers: called as handler(engine, **cmd.kwargs), like PipelineEngine's (DeepSpeed binds them with MethodType).
 
 
 def _exec_nothing(self: StageEmulator, **kwargs: Any) -> None:
-    """Sends and gradient reductions: nothing to do on one device (an NCCL send does not block the stage)."""
+    """Gradient reductions: nothing to do on one device."""
+
+
+def _exec_send(self: StageEmulator, **kwargs: Any) -> None:
+    """A send: the transfer occupies the device for ``send_s``."""
+    self._send()
 
 
 def _exec_load_micro_batch(self: StageEmulator, buffer_id: int) -> None:

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=4, help="transformer blocks of this stage (default 4)")
     p.add_argument("--p2p-latency-ms", type=float, default=0.1,
                    help="modelled time from a neighbour's send to the data's arrival (default 0.1)")
+    p.add_argument("--wait-jitter", type=float, default=0.1,
+                   help="coefficient of variation of each modelled wait (lognormal, mean 1; default 0.1, 0: fixed)")
+    p.add_argument("--link-gb-per-s", type=float, default=200.0,
+                   help="the link a send crosses: a send occupies the device for the activation's bytes over this "
+                        "bandwidth (default 200 GB/s, NVLink-class; 0: sends cost nothing)")
     p.add_argument("--calibration-steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--phases", default="off:10,harvest:10",
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.p2p_latency_ms < 0 or args.calibration_steps < 1 or args.min_bubble_ms < 0:
         parser.error("--p2p-latency-ms and --min-bubble-ms must be >= 0, --calibration-steps >= 1")
+    if not 0 <= args.wait_jitter <= 2 or not args.link_gb_per_s >= 0:
+        parser.error(f"--wait-jitter {args.wait_jitter} must be a coefficient of variation from 0 to 2 and "
+                     f"--link-gb-per-s {args.link_gb_per_s} a bandwidth >= 0 (0: sends cost nothing)")
     if args.warmup_iterations < 0 or args.profile_iterations < 1 or args.free_bytes < 0 or args.start_timeout_s <= 0:
         parser.error("--warmup-iterations and --free-bytes must be >= 0, --profile-iterations >= 1, "
                      "--start-timeout-s > 0")
@@ -100,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # one core stands in for the stage's GPU
     shape = StageShape(hidden=args.hidden, heads=args.heads, ffn_mult=args.ffn_mult, seq=args.seq,
                        micro_batch=args.micro_batch, blocks=args.blocks)
+    dtype_bytes = 2 if device.type == "cuda" else 4  # bf16 on GPUs, fp32 on CPUs (the emulator's dtypes)
+    activation_bytes = shape.micro_batch * shape.seq * shape.hidden * dtype_bytes
+    send_s = activation_bytes / (args.link_gb_per_s * 1e9) if args.link_gb_per_s > 0 else 0.0
     try:
         emulator = StageEmulator(stage_id=args.stage, num_stages=args.stages, micro_batches=args.microbatches,
-                                 shape=shape, device=device, seed=args.seed)
+                                 shape=shape, device=device, seed=args.seed, wait_jitter=args.wait_jitter,
+                                 send_s=send_s)
     except ValueError as exc:
         parser.error(str(exc))
     if args.agent_ready_file is not None:  # started alongside the agent: its start-up overlaps ours
@@ -112,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     model = modelled_summary(waits, args.stage, forward_s, backward_s)
     _say(f"calibrated on {device}: forward {forward_s * 1e3:.2f} ms, backward {backward_s * 1e3:.2f} ms per "
          f"micro-batch; modelled stage {args.stage}: iteration {model['iteration_s'] * 1e3:.1f} ms, "
-         f"bubbles {model['bubble_share'] * 100:.1f}% ({len(model['waits_s'])} waits)")
+         f"bubbles {model['bubble_share'] * 100:.1f}% ({len(model['waits_s'])} waits), waits jittered by "
+         f"{args.wait_jitter:.0%} (lognormal), sends {send_s * 1e6:.1f} us")
 
     probe: MemoryProbe = CudaAllocatorProbe(device=device) if device.type == "cuda" \
         else StaticMemoryProbe(args.free_bytes)
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "microbatches": args.microbatches,
         "shape": dataclasses.asdict(shape),
         "forward_flops_per_microbatch": shape.forward_flops(),
-        "model": model,
+        "model": {**model, "wait_jitter": args.wait_jitter, "send_s": send_s},
         "losses": losses,
         "iteration_s": iteration_s,
         "phase": phase_of,
@@ -185,8 +198,6 @@ def _hold_until(path: Path, timeout_s: float) -> None:
     """Hold the phases until ``path`` exists, so that fill processes starting up land in no measured phase."""
     if not wait_for_file(path, None, timeout_s, poll_s=0.02):
         _say(f"warning: {path} did not appear within {timeout_s:.0f} s; starting anyway")
-
-
 
 
 if __name__ == "__main__":
