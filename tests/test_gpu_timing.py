@@ -390,3 +390,36 @@ def test_a_send_that_stalls_the_device_is_profiled_as_a_bubble(sockdir: Path) ->
     assert len(sends) == eng.micro_batches  # one per micro-batch, each WAIT_S long on the device
     assert all(s.duration_s == pytest.approx(WAIT_S, abs=0.002) for s in sends)
     inst.detach()
+
+
+def test_with_device_timing_the_training_thread_never_reads_the_memory_probe(sockdir: Path) -> None:
+    """Reading the allocator (cudaMemGetInfo) on the training's thread while it is profiled perturbs what is
+    being measured: with device timing the probe is read on the helper thread once each profiled wait has ended
+    on the device, and the profile still gets the lowest free memory seen per bubble."""
+
+    class ThreadRecordingProbe(StaticMemoryProbe):
+        def __init__(self) -> None:
+            super().__init__(1 << 30)
+            self.threads: list[str] = []
+            self.readings = iter(range(100))
+
+        def sample(self) -> Any:
+            self.threads.append(threading.current_thread().name)
+            k = next(self.readings)
+            return type(super().sample())((1 << 30) - k, 0)  # less free at each reading
+
+    eng = AsyncEngine(FakeStream())
+    probe = ThreadRecordingProbe()
+    inst = instrument(eng, training="mem", run_dir=sockdir, memory_probe=probe, warmup_iterations=1,
+                      profile_iterations=3, timing="cuda", event_factory=lambda: FakeEvent(eng.stream))
+    for _ in range(5):
+        eng.train_batch()
+    deadline = time.monotonic() + 5
+    while inst.cycle is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert inst.cycle is not None and probe.threads
+    assert set(probe.threads) == {"bubbles-event-timer"}, set(probe.threads)
+    lowest = (1 << 30) - (len(probe.threads) - 1)
+    assert min(s.free_bytes for s in inst.cycle.slots) >= lowest  # each slot its own lowest reading
+    assert all(s.free_bytes < 1 << 30 for s in inst.cycle.slots)  # every slot was read (more than once)
+    inst.detach()

@@ -89,14 +89,17 @@ class EventTimer:
 
     ``on_start(sig, seq, t_ns)`` and ``on_end(sig, seq, t_ns)`` are called on the helper thread when a
     signalled wait's events complete; ``on_iteration(payload, lengths_ns)`` when every wait queued before
-    ``iteration(payload)`` has been resolved, with the device-side length of each wait by position.
+    ``iteration(payload)`` has been resolved, with the device-side length of each wait by position;
+    ``on_resolved(position, tag)`` (optional) when a wait that is not signalled (a profiled one) has ended on the
+    device, with the ``tag`` given to ``end``: work that must not run on the training's thread goes there.
     Any exception they raise goes to ``on_error`` and stops the thread (the hook then fails open).
     """
 
     def __init__(self, event_factory: Callable[[], DeviceEvent], *,
                  on_start: Callable[[Any, int, int], None], on_end: Callable[[Any, int, int], None],
                  on_iteration: Callable[[Any, dict[int, int]], None],
-                 on_error: Callable[[BaseException], None]) -> None:
+                 on_error: Callable[[BaseException], None],
+                 on_resolved: Callable[[int, Any], None] | None = None) -> None:
         self._make = event_factory
         self._pool: deque[DeviceEvent] = deque()
         self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
@@ -104,6 +107,7 @@ class EventTimer:
         self._on_end = on_end
         self._on_iteration = on_iteration
         self._on_error = on_error
+        self._on_resolved = on_resolved
         self.resolved = 0
         self.overflowed = 0
         self.lag_ns: deque[int] = deque(maxlen=4096)  # host enqueue -> device completion, per wait end
@@ -122,11 +126,11 @@ class EventTimer:
         self._queue.put((_START, (position, ev, sig, seq)))
         return ev
 
-    def end(self, position: int, start: DeviceEvent, sig: Any, seq: int) -> None:
+    def end(self, position: int, start: DeviceEvent, sig: Any, seq: int, tag: Any = None) -> None:
         """Record the event that completes when the wait is over on the device."""
         ev = self._take()
         ev.record()
-        self._queue.put((_END, (position, start, ev, sig, seq, time.monotonic_ns())))
+        self._queue.put((_END, (position, start, ev, sig, seq, time.monotonic_ns(), tag)))
 
     def iteration(self, payload: Any) -> None:
         """Everything queued so far belongs to one iteration: hand its device-side lengths back."""
@@ -160,13 +164,15 @@ class EventTimer:
                         ev.synchronize()  # the device has finished the work queued ahead of the wait
                         self._on_start(sig, seq, time.monotonic_ns())
                 elif kind == _END:
-                    pos, start, ev, sig, seq, enqueued_ns = item
+                    pos, start, ev, sig, seq, enqueued_ns, tag = item
                     ev.synchronize()  # the awaited data has arrived on the device
                     now = time.monotonic_ns()
                     self.lag_ns.append(now - enqueued_ns)
                     lengths[pos] = max(0, int(start.elapsed_time(ev) * 1e6))
                     if sig is not None:
                         self._on_end(sig, seq, now)
+                    elif self._on_resolved is not None:
+                        self._on_resolved(pos, tag)
                     self._pool.append(start)
                     self._pool.append(ev)
                     self.resolved += 1

@@ -330,7 +330,7 @@ class Instrumentation:
         if timing == "cuda":
             self._timer = EventTimer(event_factory or cuda_event_factory(), on_start=self._send_bubble_start,
                                      on_end=self._bubble_end, on_iteration=self._on_device_iteration,
-                                     on_error=self._fail)
+                                     on_error=self._fail, on_resolved=self._sample_on_helper)
         self._saved: dict[str, Any] = {}
         self._attached = False
         self._attach()
@@ -541,9 +541,9 @@ class Instrumentation:
             finally:
                 records.append((code, t0, mono()))
                 if start is not None:
-                    timer.end(pos, start, sig, seq)
-            if hot.sampling:
-                self._sample_memory(pos)
+                    # A profiled wait's memory is read on the helper thread once the wait has ended on the
+                    # device (_sample_on_helper): the training's thread records events and nothing else.
+                    timer.end(pos, start, sig, seq, self._current if hot.sampling else None)
             return result
 
         return wait
@@ -634,14 +634,23 @@ class Instrumentation:
         hot.records.append((self._lb_code, t0, t1))
         if start is not None:
             assert self._timer is not None
-            self._timer.end(pos, start, sig, seq)
+            self._timer.end(pos, start, sig, seq, self._current if hot.sampling else None)
         elif sig is not None and self._timer is None:
             self._bubble_end(sig, seq, t1)
-        if hot.sampling and sig is None:
+        if hot.sampling and sig is None and self._timer is None:
             self._sample_memory(pos)
 
-    def _sample_memory(self, pos: int) -> None:
-        prof = self._current
+    def _sample_on_helper(self, pos: int, prof: _ScheduleProfile | None) -> None:
+        """Device timing: a profiled wait has ended on the device; read the memory probe here, on the helper
+        thread, not on the training's."""
+        if prof is None:
+            return
+        with self._profile_lock:
+            if prof.cycle is None:
+                self._sample_memory(pos, prof)
+
+    def _sample_memory(self, pos: int, prof: _ScheduleProfile | None = None) -> None:
+        prof = prof if prof is not None else self._current
         if prof is None:
             return
         try:
