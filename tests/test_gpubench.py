@@ -461,6 +461,47 @@ def test_regimes_of_a_run_compare_each_mode_with_the_same_run_s_baseline() -> No
     assert got["naive co-location"]["goal_met"] is False
 
 
+def test_each_regime_has_its_slowdown_and_fill_share_per_round_with_an_interval_over_rounds() -> None:
+    from gpubench.report import build_report, format_table
+
+    phases: list[str] = []
+    times: list[float] = []
+    phase_records = []
+    bubbles, steps = [], []
+    harvest_slow = [0.01, -0.02, 0.03, 0.0, 0.02, 0.04]  # each round's harvest against that round's baseline
+    t = 0
+    for k, h in enumerate(harvest_slow):
+        base = 1.0 + 0.1 * k  # the machine drifts from round to round: each round has its own baseline
+        for mode, it in (("off", base), ("naive", 2 * base), ("harvest", base * (1 + h))):
+            phases += [mode] * 3
+            times += [it] * 3
+            phase_records.append({"mode": mode, "start_ns": t, "end_ns": t + 10**9})
+            if mode == "harvest":  # a bubble of 10 ms, half filled in round k ... plus k ms
+                bubbles.append({"stage": 0, "mode": "harvest", "start_ns": t + 1000, "end_ns": t + 1000 + 10**7,
+                                "predicted_end_ns": t + 1000 + 10**7, "job": "j", "share": 1.0, "step_s": 0.001,
+                                "guard_paused": False})
+                steps.append({"stage": 0, "mode": "harvest", "start_ns": t + 1000,
+                              "end_ns": t + 1000 + (5 + k) * 10**6})
+            t += 10**9
+    record = {"phase": phases, "iteration_s": times, "phases": phase_records}
+    stats = {"modes": {"harvest": {"bubble_s": 0.06, "filled_s": 0.045}}, "bubbles": bubbles, "steps": steps}
+    run = {"job": "j", "isolation": "contexts", "training": record, "agent_stats": stats, "samples_per_step": 1}
+    got = {r["regime"]: r for r in regimes_of_run(run, {}, settle=0, price_training=1.0, price_fill=1.0)}
+    harvest = got["harvesting (contexts)"]
+    assert harvest["slowdown_rounds"] == pytest.approx(harvest_slow)
+    assert harvest["slowdown_interval"] == pytest.approx((-0.02, 0.04))  # 6 rounds: the extremes, 96.9%
+    assert harvest["fill_share_rounds"] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    assert harvest["fill_share_interval"] == pytest.approx((0.5, 1.0))
+    assert got["naive co-location"]["slowdown_rounds"] == pytest.approx([1.0] * 6)
+    report = build_report(config={"device": "cpu", "repeats": 6}, solo={}, runs=[run], settle=0,
+                          price_training=1.0, price_fill=1.0)
+    assert "[-2.0%, +4.0%]" in format_table(report)
+    few = regimes_of_run({**run, "training": {**record, "phase": phases[:9 * 3], "iteration_s": times[:9 * 3]}},
+                         {}, settle=0, price_training=1.0, price_fill=1.0)
+    table = format_table({**report, "regimes": few})
+    assert "— (3 rounds; 6 needed: --repeats)" in table
+
+
 def test_a_failed_run_is_reported_as_failed_with_its_reason() -> None:
     from gpubench.report import build_report, format_table
 

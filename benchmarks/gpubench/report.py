@@ -3,10 +3,13 @@ table and the chart. No processes: ``gpubench.run`` does the I/O.
 
 Per regime (a fill job under one fill mode and one isolation, against the baseline phases of the same run):
 
-- slowdown I (FreeRide's time increase): median iteration time / baseline median - 1; also at the p99;
+- slowdown I (FreeRide's time increase): median iteration time / baseline median - 1; also at the p99; and per
+  round (a pass over the modes: each round's mode against the same round's baseline), with a distribution-free
+  95% interval for its median over rounds (``stats.median_interval``; 6 rounds or more, ``--repeats``);
 - fill throughput: the fill job's samples per second of the regime's wall time;
 - recovered TFLOPS: the fill job's FLOPs per second of the regime's wall time;
-- share of bubble time filled: the agent's ledger, fill-step time inside bubbles / bubble time;
+- share of bubble time filled: the agent's ledger, fill-step time inside bubbles / bubble time; also per round
+  (the agent's records within each phase of the mode), with the same interval;
 - overruns past bubble end: count and p99 (ms) from the same ledger;
 - cost savings S (FreeRide, appendix A.3) with C_no = P_I T_no, C_with = P_I T_with and
   C_side = P_II W / Th_II, W the fill samples done while co-located and Th_II the job's samples per second
@@ -21,9 +24,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bubbles.agent.ledger import bubble_breakdown
 from bubbles.api import FillMode
-from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode
-from bubbles.stats import percentile
+from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
+from bubbles.stats import median_interval, percentile
 
 MAX_SLOWDOWN = 0.01  # the issue's goal: at most 1% slower training ...
 MIN_FILL_SHARE = 0.60  # ... while filling at least 60% of bubble time (FreeRide 1.1%, PipeFill < 2% at 68%)
@@ -56,6 +60,34 @@ def phase_wall_s(record: Mapping[str, Any]) -> dict[FillMode, float]:
     for i, ph in enumerate(record.get("phases", [])):
         mode = FillMode.parse(ph["mode"], f"phases[{i}].mode")
         out[mode] = out.get(mode, 0.0) + (ph["end_ns"] - ph["start_ns"]) / 1e9
+    return out
+
+
+def round_slowdowns(record: Mapping[str, Any], mode: FillMode, settle: int) -> list[float]:
+    """Each round's slowdown of ``mode``: its median iteration against the same round's baseline median."""
+    times: Sequence[float] = record["iteration_s"]
+    out = []
+    for r in iterations_by_round(record, settle):
+        base, mine = r.get(FillMode.OFF, []), r.get(mode, [])
+        if base and mine:
+            out.append(percentile([times[i] for i in mine], 50) / percentile([times[i] for i in base], 50) - 1)
+    return out
+
+
+def round_fill_shares(record: Mapping[str, Any], stats: Mapping[str, Any], mode: FillMode) -> list[float]:
+    """Each phase of ``mode``'s share of bubble time filled, from the agent's bubble and step records in it."""
+    label = mode.label
+    bubbles = [b for b in stats.get("bubbles", []) if b.get("mode") == label]
+    steps = [st for st in stats.get("steps", []) if st.get("mode") == label]
+    out = []
+    for ph in record.get("phases", []):
+        if ph["mode"] != label:
+            continue
+        t0, t1 = ph["start_ns"], ph["end_ns"]
+        d = bubble_breakdown([b for b in bubbles if t0 <= b["start_ns"] < t1],
+                             [st for st in steps if t0 <= st["start_ns"] < t1])
+        if d["bubble_s"]:
+            out.append(d["filled"] / d["bubble_s"])
     return out
 
 
@@ -99,6 +131,15 @@ def regimes_of_run(run: Mapping[str, Any], solo: Mapping[str, Any], *, settle: i
             "overruns": int(fill.get("overruns", 0)), "overrun_p99_ms": float(fill.get("overrun_p99_ms", 0.0)),
             "cost_savings": None, "goal_met": None,
         }
+        if mode is not FillMode.OFF:
+            slow_rounds = round_slowdowns(record, mode, settle)
+            share_rounds = round_fill_shares(record, stats, mode)
+            entry.update({
+                "slowdown_rounds": slow_rounds,
+                "slowdown_interval": median_interval(slow_rounds) if slow_rounds else None,
+                "fill_share_rounds": share_rounds,
+                "fill_share_interval": median_interval(share_rounds) if share_rounds else None,
+            })
         if mode is not FillMode.OFF and base_med:
             entry["cost_savings"] = cost_savings(t_no_s=base_med, t_with_s=med, fill_per_s=fill_per_s,
                                                  solo_per_s=solo_per_s, price_training=price_training,
@@ -176,17 +217,19 @@ def format_table(report: Mapping[str, Any]) -> str:
                          f"{m['bubble_share'] * 100:.1f}% of {m['iteration_s'] * 1e3:.1f} ms (F "
                          f"{m['forward_s'] * 1e3:.2f} ms, B {m['backward_s'] * 1e3:.2f} ms), profiled "
                          f"{r['profiled_bubble_share'] * 100:.1f}% in {r['profiled_bubbles']} bubbles")
-    lines += ["", "| fill job | regime | isolation | iteration (median) | slowdown I median / p99 | fill samples/s "
-              "| recovered TFLOPS | bubble time filled | overruns (p99 ms) | cost savings S | goal |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += ["", "| fill job | regime | isolation | iteration (median) | slowdown I median / p99 | slowdown, 95% "
+              "interval over rounds | fill samples/s | recovered TFLOPS | bubble time filled (interval) | overruns "
+              "(p99 ms) | cost savings S | goal |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in report["regimes"]:
         base = r["regime"] == BASELINE
         slow = "—" if base else f"{_pct(r['slowdown'], sign=True)} / {_pct(r['slowdown_p99'], sign=True)}"
         goal = "—" if r["goal_met"] is None else ("met" if r["goal_met"] else "not met")
+        filled = "—" if base else f"{_pct(r['fill_share'])} {_interval(r.get('fill_share_interval'), False)}"
         lines.append(
             f"| {r['job']} | {r['regime']} | {r['isolation_label']} | {r['iteration_median_s'] * 1e3:.2f} ms | "
-            f"{slow} | {r['fill_samples_per_s']:.1f} | {r['recovered_tflops']:.4f} | "
-            f"{'—' if base else _pct(r['fill_share'])} | {r['overruns']} ({r['overrun_p99_ms']:.2f}) | "
+            f"{slow} | {'—' if base else _rounds(r)} | {r['fill_samples_per_s']:.1f} | "
+            f"{r['recovered_tflops']:.4f} | {filled} | {r['overruns']} ({r['overrun_p99_ms']:.2f}) | "
             f"{'—' if base else _pct(r['cost_savings'], sign=True)} | {goal} |")
     g = report["goals"]
     lines += ["", f"Goal: slowdown at most {g['max_slowdown'] * 100:.0f}% while filling at least "
@@ -235,6 +278,17 @@ def draw_chart(report: Mapping[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _interval(iv: Sequence[float] | None, sign: bool) -> str:
+    return f"[{_pct(iv[0], sign=sign)}, {_pct(iv[1], sign=sign)}]" if iv else ""
+
+
+def _rounds(r: Mapping[str, Any]) -> str:
+    """A regime's slowdown interval over rounds, or how many rounds there were when too few for one."""
+    n = len(r.get("slowdown_rounds") or [])
+    iv = r.get("slowdown_interval")
+    return _interval(iv, True) if iv else f"— ({n} round{'s' if n != 1 else ''}; 6 needed: --repeats)"
 
 
 def _pct(v: float | None, *, sign: bool = False) -> str:

@@ -80,7 +80,7 @@ JOBS = {
 
 # Sizes: full mode (an H200: hidden 4096, seq 2048, 4 blocks a stage, p=4, m=8) and smoke mode (CPU, tiny).
 FULL = {"stage": 0, "stages": 4, "microbatches": 8, "hidden": 4096, "heads": 32, "ffn_mult": 4, "seq": 2048,
-        "micro_batch": 1, "blocks": 4, "iterations": 20, "repeats": 3, "settle": 2, "solo_seconds": 5.0,
+        "micro_batch": 1, "blocks": 4, "iterations": 20, "repeats": 6, "settle": 2, "solo_seconds": 5.0,
         "warmup_iterations": 2, "profile_iterations": 5, "calibration_steps": 10, "p2p_latency_ms": 0.1,
         "wait_jitter": 0.1, "link_gb_per_s": 200.0}
 SMOKE = {"stage": 0, "stages": 4, "microbatches": 4, "hidden": 128, "heads": 4, "ffn_mult": 4, "seq": 128,
