@@ -423,3 +423,46 @@ def test_with_device_timing_the_training_thread_never_reads_the_memory_probe(soc
     assert min(s.free_bytes for s in inst.cycle.slots) >= lowest  # each slot its own lowest reading
     assert all(s.free_bytes < 1 << 30 for s in inst.cycle.slots)  # every slot was read (more than once)
     inst.detach()
+
+
+class RunAheadEngine(AsyncEngine):
+    """A batch that returns before its device work is done (no ``loss.item()``): the host is a batch ahead."""
+
+    def train_batch(self, data_iter: Any = None) -> float:
+        self._exec_schedule(S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id))
+        return self._aggregate_total_loss()
+
+
+def test_a_fill_mode_switch_reaches_listeners_after_the_bubbles_the_device_has_yet_to_signal(sockdir: Path) -> None:
+    """The device runs behind the host: a switch sent at once would arrive before the previous phase's last
+    bubbles, and the agent would count them in the new phase."""
+    eng = RunAheadEngine(FakeStream())
+    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "m", 0))
+    inst = instrument(eng, training="m", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=0, profile_iterations=2, timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    eng.train_batch()
+    eng.train_batch()
+    deadline = time.monotonic() + 5
+    while inst.cycle is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert inst.cycle is not None and len(inst.cycle.slots) == 4
+    listener = bind(sdir / "fill-m.sock")
+    eng.train_batch()  # the listener is discovered at the end of this batch
+    time.sleep(0.2)  # its device work and signals are done
+    while True:  # drop what arrived so far
+        listener.settimeout(0.05)
+        try:
+            listener.recv(wire.MAX_DATAGRAM_BYTES)
+        except TimeoutError:
+            break
+    listener.settimeout(5.0)
+    eng.train_batch()  # returns while the device still has about 50 ms of this batch to run
+    inst.set_fill_mode(wire.FillMode.HARVEST)
+    kinds = []
+    while not kinds or kinds[-1] != "FillModeChange":
+        kinds.append(type(receive(listener, 1)[0][1]).__name__)
+        assert len(kinds) < 20, kinds
+    assert kinds.count("BubbleEnd") == 4, kinds  # every bubble of the batch before the switch, then the switch
+    inst.detach()
+    listener.close()

@@ -81,7 +81,7 @@ def cuda_event_factory() -> Callable[[], DeviceEvent]:
 
 
 # Items on the queue: (kind, payload). Kept as tuples: the training's thread builds one per wait.
-_START, _END, _ITERATION, _STOP = 0, 1, 2, 3
+_START, _END, _ITERATION, _STOP, _CALL = 0, 1, 2, 3, 4
 
 
 class EventTimer:
@@ -137,6 +137,14 @@ class EventTimer:
         if self._alive:
             self._queue.put((_ITERATION, payload))
 
+    def post(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the helper thread after everything queued so far (in order with the signals of the waits
+        queued before it); False, and nothing queued, once the thread has stopped."""
+        if not self._alive:
+            return False
+        self._queue.put((_CALL, fn))
+        return True
+
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the helper thread after it has resolved what is queued (bounded wait)."""
         if self._thread.is_alive():
@@ -176,6 +184,8 @@ class EventTimer:
                     self._pool.append(start)
                     self._pool.append(ev)
                     self.resolved += 1
+                elif kind == _CALL:
+                    item()
                 else:
                     self._on_iteration(item, lengths)
                     lengths = {}

@@ -360,14 +360,26 @@ class Instrumentation:
         }
 
     def set_fill_mode(self, mode: wire.FillMode) -> None:
-        """Tell every listener to switch fill mode (the demo's A/B switch); never raises into training."""
+        """Tell every listener to switch fill mode (the demo's A/B switch); never raises into training.
+
+        With device timing the bubbles of the iterations before the switch may not have been signalled yet (the
+        device runs behind the host): the switch goes through the helper thread, after their signals, so that no
+        bubble of the old phase is counted in the new one."""
         mode = wire.FillMode(mode)
         self.fill_mode = mode
         if self._disabled:
             return
         try:
             self._refresh_listeners()
-            self._listeners.send(wire.encode_fill_mode(self.stage, mode))
+            data = wire.encode_fill_mode(self.stage, mode)
+            if self._timer is None or not self._timer.post(lambda: self._send_quietly(data)):
+                self._listeners.send(data)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _send_quietly(self, data: bytes) -> None:
+        try:
+            self._listeners.send(data)
         except Exception as exc:
             self._fail(exc)
 
