@@ -406,6 +406,7 @@ def test_training_process_rejects_a_stage_outside_the_pipeline(tmp_path: Path,
     (["--p2p-latency-ms", "-0.5"], "--p2p-latency-ms and --min-bubble-ms must be >= 0"),
     (["--wait-jitter", "3"], "--wait-jitter 3.0 must be a coefficient of variation from 0 to 2"),
     (["--link-gb-per-s", "-1"], "a bandwidth >= 0"),
+    (["--stage-memory-gb", "-2"], "--stage-memory-gb -2.0: give the GiB the stage holds"),
 ])
 def test_training_process_refuses_bad_flags_before_any_work(tmp_path: Path, flags: list[str], reason: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -611,6 +612,7 @@ def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> No
     (["--device", "cpu", "--slowdown-budget", "5"], "a fraction in (0, 1)"),
     (["--device", "cpu", "--wait-jitter", "-0.1"], "--wait-jitter -0.1: a coefficient of variation"),
     (["--device", "cpu", "--link-gb-per-s", "-5"], "--link-gb-per-s -5.0: a bandwidth >= 0"),
+    (["--device", "cpu", "--stage-memory-gb", "-1"], "--stage-memory-gb -1.0: the GiB the training's stage holds"),
 ])
 def test_bad_benchmark_flags_exit_2_saying_what_to_do(flags: list[str], message: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -729,3 +731,13 @@ def test_a_run_that_cannot_be_measured_exits_1_and_the_report_says_why(tmp_path:
     assert run["ok"] is False and run["error"]
     assert report["regimes"] == []
     assert "FAILED" in proc.stdout
+
+
+def test_the_ballast_brings_the_stage_to_a_real_stage_s_memory_and_leaves_room_for_a_fill_job() -> None:
+    from gpubench.train import ballast_bytes
+
+    gib = 1 << 30
+    assert ballast_bytes(60 * gib, 5 * gib, 80 * gib) == 55 * gib  # the model holds 5: 55 more
+    assert ballast_bytes(4 * gib, 5 * gib, 80 * gib) == 0  # already holds more than the target
+    with pytest.raises(ValueError, match="leave at least 2 GiB"):
+        ballast_bytes(79 * gib, 0, 80 * gib)

@@ -82,14 +82,15 @@ JOBS = {
 FULL = {"stage": 0, "stages": 4, "microbatches": 8, "hidden": 4096, "heads": 32, "ffn_mult": 4, "seq": 2048,
         "micro_batch": 1, "blocks": 4, "iterations": 20, "repeats": 6, "settle": 2, "solo_seconds": 5.0,
         "warmup_iterations": 2, "profile_iterations": 5, "calibration_steps": 10, "p2p_latency_ms": 0.1,
-        "wait_jitter": 0.1, "link_gb_per_s": 200.0}
+        "wait_jitter": 0.1, "link_gb_per_s": 200.0, "stage_memory_gb": 60.0}
 SMOKE = {"stage": 0, "stages": 4, "microbatches": 4, "hidden": 128, "heads": 4, "ffn_mult": 4, "seq": 128,
          "micro_batch": 1, "blocks": 2, "iterations": 6, "repeats": 1, "settle": 2, "solo_seconds": 1.0,
          "warmup_iterations": 1, "profile_iterations": 3, "calibration_steps": 5, "p2p_latency_ms": 0.1,
-         "wait_jitter": 0.1, "link_gb_per_s": 200.0}
+         "wait_jitter": 0.1, "link_gb_per_s": 200.0, "stage_memory_gb": 0.0}
 SIZE_FLAGS = ("stage", "stages", "microbatches", "hidden", "heads", "ffn_mult", "seq", "micro_batch", "blocks",
-              "iterations", "repeats", "settle", "solo_seconds", "p2p_latency_ms", "wait_jitter", "link_gb_per_s")
-_FLOAT_FLAGS = ("solo_seconds", "p2p_latency_ms", "wait_jitter", "link_gb_per_s")
+              "iterations", "repeats", "settle", "solo_seconds", "p2p_latency_ms", "wait_jitter", "link_gb_per_s",
+              "stage_memory_gb")
+_FLOAT_FLAGS = ("solo_seconds", "p2p_latency_ms", "wait_jitter", "link_gb_per_s", "stage_memory_gb")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +169,9 @@ def resolve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--wait-jitter {args.wait_jitter}: a coefficient of variation from 0 (fixed waits) to 2")
     if not args.link_gb_per_s >= 0:
         errors.append(f"--link-gb-per-s {args.link_gb_per_s}: a bandwidth >= 0 (0: sends cost nothing)")
+    if not args.stage_memory_gb >= 0:
+        errors.append(f"--stage-memory-gb {args.stage_memory_gb}: the GiB the training's stage holds, >= 0 "
+                      "(0: no ballast)")
     args.job_list = _known_list("--jobs", args.jobs, tuple(JOBS), "fill job(s)", errors)
     args.job_args = {j: JOBS[j].args(str(args.device)) for j in JOBS}
     for item in args.fill_args:
@@ -382,6 +386,7 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
                  "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--blocks", str(args.blocks),
                  "--p2p-latency-ms", str(args.p2p_latency_ms), "--calibration-steps", str(args.calibration_steps),
                  "--wait-jitter", str(args.wait_jitter), "--link-gb-per-s", str(args.link_gb_per_s),
+                 "--stage-memory-gb", str(args.stage_memory_gb),
                  "--phases", phases, "--warmup-iterations", str(args.warmup_iterations),
                  "--profile-iterations", str(args.profile_iterations), "--run-dir", str(run_dir),
                  "--training", TRAINING, "--start-file", str(start_path), "--out", str(record_path),

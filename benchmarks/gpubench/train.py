@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gb-per-s", type=float, default=200.0,
                    help="the link a send crosses: a send occupies the device for the activation's bytes over this "
                         "bandwidth (default 200 GB/s, NVLink-class; 0: sends cost nothing)")
+    p.add_argument("--stage-memory-gb", type=float, default=0.0,
+                   help="GPU only: hold this much device memory in all (model, optimizer, activations, and a ballast "
+                        "for the rest), as a real stage of a large model does, so the fill job and the memory probe "
+                        "see the free memory such a stage leaves (default 0: no ballast)")
     p.add_argument("--calibration-steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--phases", default="off:10,harvest:10",
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.p2p_latency_ms < 0 or args.calibration_steps < 1 or args.min_bubble_ms < 0:
         parser.error("--p2p-latency-ms and --min-bubble-ms must be >= 0, --calibration-steps >= 1")
+    if not args.stage_memory_gb >= 0:
+        parser.error(f"--stage-memory-gb {args.stage_memory_gb}: give the GiB the stage holds, >= 0 (0: no ballast)")
     if not 0 <= args.wait_jitter <= 2 or not args.link_gb_per_s >= 0:
         parser.error(f"--wait-jitter {args.wait_jitter} must be a coefficient of variation from 0 to 2 and "
                      f"--link-gb-per-s {args.link_gb_per_s} a bandwidth >= 0 (0: sends cost nothing)")
@@ -127,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
          f"bubbles {model['bubble_share'] * 100:.1f}% ({len(model['waits_s'])} waits), waits jittered by "
          f"{args.wait_jitter:.0%} (lognormal), sends {send_s * 1e6:.1f} us")
 
+    ballast = None
+    if device.type == "cuda" and args.stage_memory_gb > 0:
+        total = torch.cuda.mem_get_info(device)[1]
+        try:
+            size = ballast_bytes(int(args.stage_memory_gb * 2**30), torch.cuda.memory_reserved(device), total)
+        except ValueError as exc:
+            parser.error(str(exc))
+        ballast = torch.empty(size, dtype=torch.uint8, device=device)  # held until the process ends
+        _say(f"holding {args.stage_memory_gb:g} GiB of {total / 2**30:.1f} GiB as a real stage would "
+             f"({size / 2**30:.1f} GiB of it ballast)")
     probe: MemoryProbe = CudaAllocatorProbe(device=device) if device.type == "cuda" \
         else StaticMemoryProbe(args.free_bytes)
     inst = instrument(emulator, training=args.training, run_dir=args.run_dir, memory_probe=probe,
@@ -178,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "phases": phase_records,
         "cycle": inst.cycle.to_dict() if inst.cycle is not None else None,
         "hook": inst.stats,
+        "ballast_bytes": 0 if ballast is None else int(ballast.numel()),
         "timing": getattr(inst, "timing", "host"),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
@@ -188,6 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     tmp.replace(args.out)
     _say(f"done: {len(losses)} iterations, record in {args.out}")
     return 0
+
+
+def ballast_bytes(target_bytes: int, held_bytes: int, total_bytes: int) -> int:
+    """Bytes to allocate so that a stage holding ``held_bytes`` holds ``target_bytes`` of a ``total_bytes`` device;
+    ValueError, saying what to give, when the target leaves less than 2 GiB of the device (for the fill job, the
+    margin and the contexts)."""
+    if target_bytes > total_bytes - (2 << 30):
+        raise ValueError(f"--stage-memory-gb {target_bytes / 2**30:g}: the device has {total_bytes / 2**30:.1f} GiB; "
+                         "leave at least 2 GiB for the fill job and the contexts")
+    return max(0, target_bytes - held_bytes)
 
 
 def _say(message: str) -> None:
