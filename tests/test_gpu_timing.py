@@ -9,6 +9,7 @@ measure nothing (like NCCL's ``recv``), while the events see the device-side bub
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import socket
 import threading
@@ -164,6 +165,7 @@ def test_device_events_see_the_bubbles_that_host_stamps_miss(sockdir: Path) -> N
     for s in cycle.slots:
         assert s.duration_s == pytest.approx(WAIT_S, abs=0.002), s
     assert dev.stats["timing"] == "cuda" and dev.stats["device_waits_timed"] >= 12
+    assert dev.stats["signal_wake_lag_us_p50"] is None  # nothing signalled yet (no listener)
     dev.detach()
 
 
@@ -466,3 +468,40 @@ def test_a_fill_mode_switch_reaches_listeners_after_the_bubbles_the_device_has_y
     assert kinds.count("BubbleEnd") == 4, kinds  # every bubble of the batch before the switch, then the switch
     inst.detach()
     listener.close()
+
+
+def test_signals_are_stamped_with_the_device_time_not_the_helper_thread_s_late_wake_up() -> None:
+    """The helper thread wakes some time after an event completes; a START stamped with the wake-up would predict
+    the bubble's end that much too late. Events whose wake-up lags by 0 or 3 ms, alternately: every stamp must be
+    the device's time, within the luckiest wake-up's lag."""
+    stream = FakeStream()
+    lags = itertools.cycle([0.0, 0.003])
+
+    class LateWakeEvent(FakeEvent):
+        def synchronize(self) -> None:
+            super().synchronize()
+            time.sleep(next(lags))
+
+    starts: dict[int, int] = {}
+    ends: dict[int, int] = {}
+    timer = EventTimer(lambda: LateWakeEvent(stream), on_start=lambda sig, seq, t: starts.__setitem__(seq, t),
+                       on_end=lambda sig, seq, t: ends.__setitem__(seq, t), on_iteration=lambda *a: None,
+                       on_error=lambda exc: pytest.fail(repr(exc)))
+    expected: dict[int, tuple[float, float]] = {}
+    for seq in range(1, 13):
+        stream.enqueue(0.004)  # the compute ahead of the wait
+        start = timer.begin(0, ("slot", 0), seq)
+        assert start is not None
+        device_start = start.at  # type: ignore[attr-defined]
+        stream.enqueue(0.002)  # the wait
+        timer.end(0, start, ("slot", 0), seq)
+        expected[seq] = (device_start, stream.tail())
+    deadline = time.monotonic() + 10
+    while len(ends) < 12 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(starts) == len(ends) == 12
+    for seq, (t_start, t_end) in expected.items():
+        assert abs(starts[seq] - t_start * 1e9) < 500_000, (seq, (starts[seq] - t_start * 1e9) / 1e6)
+        assert abs(ends[seq] - t_end * 1e9) < 500_000, (seq, (ends[seq] - t_end * 1e9) / 1e6)
+    assert max(timer.wake_lag_ns) > 2_500_000  # the late wake-ups happened, and were taken out
+    timer.close()

@@ -8,16 +8,24 @@ before a wait is enqueued (it completes when the device has finished the work qu
 wait: the bubble starts) and one just after (it completes when the awaited data has arrived: the
 bubble ends). ``EventTimer`` hands both to a helper thread that blocks on them in order and
 
-- sends BUBBLE_START / BUBBLE_END the moment each completes (the device's clock, not the host's),
+- sends BUBBLE_START / BUBBLE_END the moment each completes, stamped with when it completed on the device, not
+  when the thread woke (below),
 - measures the wait's length as the device saw it (``start.elapsed_time(end)``),
-- and passes each profiled iteration, with those device-side lengths, back to the hook.
+- and passes each profiled iteration, with those device-side lengths, back to the hook (and reads the memory
+  probe for it: ``on_resolved``).
 
-For timing, the training's thread only records events (their cost on a GPU has not been measured yet) and
-appends to a queue. While the hook profiles, its memory probe (``bubbles.probes``) still samples on the
-training's thread, and on CUDA that empties the allocator cache, which waits for the device: moving that
-off the training's thread is planned (the GPU issue). Events are
-created with ``blocking=True`` (``cudaEventBlockingSync``): the helper thread sleeps in the driver while
-it waits instead of spinning a host core per stage; torch releases the GIL around the wait.
+The training's thread only records events (their cost on a GPU has not been measured yet) and appends to a
+queue, while profiling too. Events are created with ``blocking=True`` (``cudaEventBlockingSync``): the helper
+thread sleeps in the driver while it waits instead of spinning a host core per stage; torch releases the GIL
+around the wait.
+
+**Stamps on the device's timeline.** The thread wakes some time after an event completes (the driver, then
+Python: its wake-up lag), and a bubble stamped with the wake-up time would be predicted to end that much too late.
+One event is kept as a reference: every event's device time is the reference's plus ``elapsed_time`` between
+them, exact on the device's clock, and the reference's host time is estimated as the earliest ``wake - elapsed``
+seen, so the lag of the luckiest wake-up is the only error left (and every stamp is at most its wake-up time).
+The reference moves forward every ``REANCHOR_S`` (``elapsed_time`` is a float of milliseconds: precision falls
+with the span), carrying its estimate. ``wake_lag_ns`` keeps each signal's wake-up minus its device time.
 
 The event type is injected (``event_factory``): ``cuda_event_factory()`` on a GPU, ``HostEvent`` (an
 event that completes when it is recorded, like a blocking gloo wait) where there is none. Tests inject
@@ -37,6 +45,7 @@ from typing import Any, Protocol
 log = logging.getLogger("bubbles.hook")
 
 MAX_PENDING = 4096  # queued event pairs; more means the device is hopelessly behind: stop signalling
+REANCHOR_S = 10.0  # the reference event moves forward after this long (float32 ms keep microseconds over it)
 
 
 class DeviceEvent(Protocol):
@@ -111,6 +120,9 @@ class EventTimer:
         self.resolved = 0
         self.overflowed = 0
         self.lag_ns: deque[int] = deque(maxlen=4096)  # host enqueue -> device completion, per wait end
+        self.wake_lag_ns: deque[int] = deque(maxlen=4096)  # per signal: the thread's wake-up - the device time
+        self._ref: DeviceEvent | None = None  # the reference event (kept out of the pool) ...
+        self._ref_ns = 0.0  # ... and the estimate of its completion on the host's clock
         self._alive = True
         self._thread = threading.Thread(target=self._run, name="bubbles-event-timer", daemon=True)
         self._thread.start()
@@ -153,6 +165,29 @@ class EventTimer:
         self._alive = False
 
     # -- the helper thread ----------------------------------------------------------------------------
+    def _device_ns(self, ev: DeviceEvent, wake_ns: int, recycled_next: DeviceEvent | None = None) -> int:
+        """When ``ev`` completed, on the host's clock, from the device's timeline (see the module doc).
+        ``recycled_next``: an event the caller returns to the pool right after (not to be returned twice)."""
+        ref = self._ref
+        if ref is None:
+            self._ref, self._ref_ns = ev, float(wake_ns)
+            self.wake_lag_ns.append(0)
+            return wake_ns
+        since_ns = ref.elapsed_time(ev) * 1e6
+        self._ref_ns = min(self._ref_ns, wake_ns - since_ns)  # an earlier estimate: a luckier wake-up
+        t = self._ref_ns + since_ns
+        if since_ns > REANCHOR_S * 1e9:  # move the reference forward, carrying its estimate
+            self._ref, self._ref_ns = ev, t
+            if ref is not recycled_next:  # an event handed out twice would be recorded twice
+                self._pool.append(ref)
+        self.wake_lag_ns.append(int(wake_ns - t))
+        return int(t)
+
+    def _recycle(self, ev: DeviceEvent) -> None:
+        """Back to the pool, unless it is the reference (kept until the reference moves on)."""
+        if ev is not self._ref:
+            self._pool.append(ev)
+
     def _take(self) -> DeviceEvent:
         try:
             return self._pool.pop()
@@ -170,7 +205,7 @@ class EventTimer:
                     _pos, ev, sig, seq = item
                     if sig is not None:  # a profiled-only wait needs no start signal: its end event says all
                         ev.synchronize()  # the device has finished the work queued ahead of the wait
-                        self._on_start(sig, seq, time.monotonic_ns())
+                        self._on_start(sig, seq, self._device_ns(ev, time.monotonic_ns()))
                 elif kind == _END:
                     pos, start, ev, sig, seq, enqueued_ns, tag = item
                     ev.synchronize()  # the awaited data has arrived on the device
@@ -178,11 +213,11 @@ class EventTimer:
                     self.lag_ns.append(now - enqueued_ns)
                     lengths[pos] = max(0, int(start.elapsed_time(ev) * 1e6))
                     if sig is not None:
-                        self._on_end(sig, seq, now)
+                        self._on_end(sig, seq, self._device_ns(ev, now, recycled_next=start))
                     elif self._on_resolved is not None:
                         self._on_resolved(pos, tag)
-                    self._pool.append(start)
-                    self._pool.append(ev)
+                    self._recycle(start)
+                    self._recycle(ev)
                     self.resolved += 1
                 elif kind == _CALL:
                     item()

@@ -48,6 +48,7 @@ from bubbles import paths, wire
 from bubbles.cycle import BubbleCycle, BubbleSlot, RecentLengths, robust_stats
 from bubbles.gpu_timing import DeviceEvent, EventTimer, cuda_event_factory
 from bubbles.probes import MemoryProbe, default_probe, gpu_uuid
+from bubbles.stats import percentile
 
 log = logging.getLogger("bubbles.hook")
 
@@ -357,6 +358,9 @@ class Instrumentation:
             "timing": self.timing,
             "device_waits_timed": self._timer.resolved if self._timer else 0,
             "device_waits_untimed": self._timer.overflowed if self._timer else 0,
+            # device timing: how late the helper thread woke after each signalled event (taken out of the stamps)
+            "signal_wake_lag_us_p50": (percentile(list(self._timer.wake_lag_ns), 50) / 1e3
+                                       if self._timer and self._timer.wake_lag_ns else None),
         }
 
     def set_fill_mode(self, mode: wire.FillMode) -> None:
