@@ -138,6 +138,14 @@ def receive(s: socket.socket, n: int) -> list[tuple[int, wire.Message]]:
     return out
 
 
+def built_cycle(inst: Any, schedule: str = "TrainSchedule") -> Any:
+    """The schedule's bubble cycle once the event thread has built it (bounded wait); None if it was not."""
+    deadline = time.monotonic() + 5
+    while schedule not in inst.cycles and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return inst.cycles.get(schedule)
+
+
 def test_device_events_see_the_bubbles_that_host_stamps_miss(sockdir: Path) -> None:
     stream = FakeStream()
     host_eng = AsyncEngine(stream)
@@ -156,9 +164,7 @@ def test_device_events_see_the_bubbles_that_host_stamps_miss(sockdir: Path) -> N
                      event_factory=lambda: FakeEvent(dev_eng.stream))
     for _ in range(4):
         dev_eng.train_batch()
-    deadline = time.monotonic() + 5
-    while dev.cycle is None and time.monotonic() < deadline:  # built on the event thread
-        time.sleep(0.005)
+    built_cycle(dev)  # built on the event thread
     cycle = dev.cycle
     assert cycle is not None
     assert [s.instruction for s in cycle.slots] == ["RecvGrad", "RecvGrad", "RecvGrad", "LossBroadcast"]
@@ -177,9 +183,7 @@ def test_bubble_signals_follow_the_device_not_the_host(sockdir: Path) -> None:
                       event_factory=lambda: FakeEvent(eng.stream))
     eng.train_batch()
     eng.train_batch()
-    deadline = time.monotonic() + 5
-    while inst.cycle is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    built_cycle(inst)  # built on the event thread
     assert inst.cycle is not None and len(inst.cycle.slots) == 4
     listener = bind(sdir / "fill-x.sock")
     eng.train_batch()  # the listener is discovered at the end of this batch; the profile is sent then
@@ -353,10 +357,7 @@ def test_the_end_of_evaluation_is_timed_on_the_device_too(sockdir: Path) -> None
                       event_factory=lambda: FakeEvent(eng.stream))
     for _ in range(4):
         assert eng.eval_batch() == 2.5
-    deadline = time.monotonic() + 5
-    while "InferenceSchedule" not in inst.cycles and time.monotonic() < deadline:
-        time.sleep(0.005)
-    cycle = inst.cycles.get("InferenceSchedule")
+    cycle = built_cycle(inst, "InferenceSchedule")
     assert cycle is not None
     assert [s.instruction for s in cycle.slots] == ["LossBroadcast"]
     assert cycle.slots[0].duration_s == pytest.approx(WAIT_S, abs=0.002)
@@ -383,9 +384,7 @@ def test_a_send_that_stalls_the_device_is_profiled_as_a_bubble(sockdir: Path) ->
                       event_factory=lambda: FakeEvent(eng.stream))
     for _ in range(4):
         eng.train_batch()
-    deadline = time.monotonic() + 5
-    while inst.cycle is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    built_cycle(inst)  # built on the event thread
     cycle = inst.cycle
     assert cycle is not None
     sends = [s for s in cycle.slots if s.instruction == "SendGrad"]
@@ -416,9 +415,7 @@ def test_with_device_timing_the_training_thread_never_reads_the_memory_probe(soc
                       profile_iterations=3, timing="cuda", event_factory=lambda: FakeEvent(eng.stream))
     for _ in range(5):
         eng.train_batch()
-    deadline = time.monotonic() + 5
-    while inst.cycle is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    built_cycle(inst)  # built on the event thread
     assert inst.cycle is not None and probe.threads
     assert set(probe.threads) == {"bubbles-event-timer"}, set(probe.threads)
     lowest = (1 << 30) - (len(probe.threads) - 1)
@@ -445,9 +442,7 @@ def test_a_fill_mode_switch_reaches_listeners_after_the_bubbles_the_device_has_y
                       event_factory=lambda: FakeEvent(eng.stream))
     eng.train_batch()
     eng.train_batch()
-    deadline = time.monotonic() + 5
-    while inst.cycle is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    built_cycle(inst)  # built on the event thread
     assert inst.cycle is not None and len(inst.cycle.slots) == 4
     listener = bind(sdir / "fill-m.sock")
     eng.train_batch()  # the listener is discovered at the end of this batch

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubbles.agent.ledger import BREAKDOWN, HarvestLedger, LedgerTotals, StepRecord, bubble_breakdown
+from bubbles.agent.ledger import BREAKDOWN, HarvestLedger, LedgerTotals, StepRecord, bubble_breakdown, filled_share
 from bubbles.stats import percentile
 
 MS = 1_000_000  # ns
@@ -198,3 +198,11 @@ def test_paused_unarmed_short_and_missed_bubbles_and_overruns() -> None:
 def test_steps_count_only_in_their_own_stages_bubbles() -> None:
     d = bubble_breakdown([bubble(stage=0), bubble(stage=1, predicted_ms=10)], steps((1, 3), stage=1))
     assert d["filled"] == pytest.approx(0.002) and d["bubble_s"] == pytest.approx(0.020)
+
+
+def test_the_filled_share_of_a_window_counts_only_what_starts_in_it() -> None:
+    bubble = {"stage": 0, "start_ns": 1_000, "end_ns": 11_000, "predicted_end_ns": 11_000, "job": "j",
+              "share": 1.0, "step_s": 0.0, "guard_paused": False}
+    steps = [{"stage": 0, "start_ns": 1_000, "end_ns": 5_000}]
+    assert filled_share([bubble], steps, 0, 20_000) == pytest.approx(0.4)
+    assert filled_share([bubble], steps, 2_000, 20_000) is None  # the bubble started before the window

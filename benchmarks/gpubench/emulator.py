@@ -63,9 +63,6 @@ class DeviceOps:
 
     name = "cpu"
 
-    def synchronize(self) -> None:
-        """Return once the device has finished every queued kernel."""
-
     def time_s(self, fn: Callable[[], Any]) -> float:
         """Run ``fn`` and return how long its work took on the device, in seconds."""
         t0 = time.perf_counter()
@@ -75,7 +72,6 @@ class DeviceOps:
     def idle(self, seconds: float, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
         """Hold the device for ``seconds`` after the work queued ahead: here the host, which sleeps, then spins
         the last ``SPIN_S`` (sleep wakes up late)."""
-        self.synchronize()
         deadline = clock() + seconds
         nap = seconds - SPIN_S
         if nap > 0:
@@ -85,7 +81,7 @@ class DeviceOps:
 
 
 class CudaOps(DeviceOps):
-    """CUDA: synchronize the current stream, time with CUDA events. ``cuda`` is ``torch.cuda`` or a stand-in."""
+    """CUDA: waits as spin kernels, time with CUDA events. ``cuda`` is ``torch.cuda`` or a stand-in."""
 
     name = "cuda"
 
@@ -104,9 +100,6 @@ class CudaOps(DeviceOps):
                                    "cannot model waits on this device")
             self.cycles_per_s = CLOCK_CALIBRATION_CYCLES / took
         self.cuda._sleep(max(1, round(seconds * self.cycles_per_s)))
-
-    def synchronize(self) -> None:
-        self.cuda.current_stream(self.device).synchronize()
 
     def time_s(self, fn: Callable[[], Any]) -> float:
         start = self.cuda.Event(enable_timing=True)

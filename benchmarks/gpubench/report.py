@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bubbles.agent.ledger import bubble_breakdown
+from bubbles.agent.ledger import filled_share
 from bubbles.api import FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
 from bubbles.stats import median_interval, percentile
@@ -79,16 +79,9 @@ def round_fill_shares(record: Mapping[str, Any], stats: Mapping[str, Any], mode:
     label = mode.label
     bubbles = [b for b in stats.get("bubbles", []) if b.get("mode") == label]
     steps = [st for st in stats.get("steps", []) if st.get("mode") == label]
-    out = []
-    for ph in record.get("phases", []):
-        if ph["mode"] != label:
-            continue
-        t0, t1 = ph["start_ns"], ph["end_ns"]
-        d = bubble_breakdown([b for b in bubbles if t0 <= b["start_ns"] < t1],
-                             [st for st in steps if t0 <= st["start_ns"] < t1])
-        if d["bubble_s"]:
-            out.append(d["filled"] / d["bubble_s"])
-    return out
+    shares = (filled_share(bubbles, steps, ph["start_ns"], ph["end_ns"])
+              for ph in record.get("phases", []) if ph["mode"] == label)
+    return [s for s in shares if s is not None]
 
 
 def regimes_of_run(run: Mapping[str, Any], solo: Mapping[str, Any], *, settle: int, price_training: float,

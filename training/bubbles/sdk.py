@@ -635,13 +635,15 @@ class FillRuntime:
         """Run steps inside the open bubble while they fit (program-directed limit) and it has not ended."""
         b = self._bubble
         assert b is not None
+        gates = self.gates
+        if gates is None:  # without a step time (none given, none measured) nothing is run
+            self._bubble = None
+            return
         usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
         ran = 0
-        gates = self.gates
         while self.mode is FillMode.HARVEST and self._bubble is b and not b.ended:
             now = time.monotonic_ns()
-            # The program-directed limit; without a step time (none given, none measured) nothing is run.
-            fits = gates.fitting(usable_end - now, ran == 0) if gates is not None else []
+            fits = gates.fitting(usable_end - now, ran == 0)  # the program-directed limit
             if not fits:
                 break
             size = fits[-1]
@@ -651,7 +653,6 @@ class FillRuntime:
             # know a step of this bubble began; later step records travel together at the pass's end, so
             # the agent is not woken once per step while the training may need the core back.
             took_s = self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now, size=size)
-            assert gates is not None
             gates.observe(size, ran == 0, int(took_s * 1e9))
             ran += 1
             self._check_finished()
@@ -659,7 +660,6 @@ class FillRuntime:
             self._poll_control()
         if ran:
             self._emit("state", state="PAUSED")
-            assert gates is not None
             first = gates.first_steps_s()
             # The agent plans, and accounts bubbles too short to use, with the smallest step's time: tell it
             # when what a bubble's first step takes has moved away from what it was told (by more than 20%).

@@ -216,6 +216,15 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
             "overrun_s": overrun_ns / _NS_PER_S}
 
 
+def filled_share(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mapping[str, Any]], t0_ns: int,
+                 t1_ns: int) -> float | None:
+    """The share of the bubble time in a window (the bubbles and steps that start in ``[t0_ns, t1_ns)``) that fill
+    steps used, as ``bubble_breakdown`` counts it; None when no bubble time falls there. Pure."""
+    d = bubble_breakdown([b for b in bubbles if t0_ns <= int(b["start_ns"]) < t1_ns],
+                         [st for st in steps if t0_ns <= int(st["start_ns"]) < t1_ns])
+    return d["filled"] / d["bubble_s"] if d["bubble_s"] else None
+
+
 def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
     for a, b in intervals:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown
+from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share
 from bubbles.api import FillMode
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
 from bubbles.orchestrate.phases import iteration_times_by_mode, iterations_by_round
@@ -119,11 +119,9 @@ def round_figures(rank0: Mapping[str, Any], agent_stats: Mapping[str, Any] | Non
                 fig[f"{MODE_NAMES[mode]}_slowdown"] = percentile([times[i] for i in idx], 50) / base - 1
         idx = r.get(FillMode.HARVEST, [])
         if idx and ends and len(ends) == len(times):
-            t0, t1 = ends[idx[0]] - int(times[idx[0]] * 1e9), ends[idx[-1]]
-            d = bubble_breakdown([b for b in bubbles if t0 <= b["start_ns"] < t1],
-                                 [st for st in steps if t0 <= st["start_ns"] < t1])
-            if d["bubble_s"]:
-                fig["harvest_filled_share"] = d["filled"] / d["bubble_s"]
+            share = filled_share(bubbles, steps, ends[idx[0]] - int(times[idx[0]] * 1e9), ends[idx[-1]])
+            if share is not None:
+                fig["harvest_filled_share"] = share
         out.append(fig)
     return out
 

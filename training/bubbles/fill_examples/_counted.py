@@ -24,7 +24,7 @@ def default_step_sizes(batch_size: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, batch_size // 4), max(1, batch_size // 2), batch_size}))
 
 
-def check_step_sizes(step_sizes: Any, batch_size: int) -> tuple[int, ...]:
+def parse_step_sizes(step_sizes: Any, batch_size: int) -> tuple[int, ...]:
     """The example jobs' ``step_sizes`` argument: None for ``default_step_sizes``, ``[]`` for whole batches only,
     or sizes from 1 to ``batch_size``; ValueError saying so otherwise."""
     if step_sizes is None:
@@ -40,7 +40,7 @@ class FlopCountedJob(IterativeFillJob):
     """An iterative job whose ``_work(size)`` has fixed shapes for each size, so one counted step of a size gives
     every later step's FLOPs of that size.
 
-    Subclasses set ``batch_size``, ``max_steps``, ``dtype`` and ``step_sizes`` (``check_step_sizes``) and
+    Subclasses set ``batch_size``, ``max_steps``, ``dtype`` and ``step_sizes`` (``parse_step_sizes``) and
     implement ``_work(size)`` (``size`` rows of the batch); ``init()`` should move the job to
     ``self.target_device()`` and end with ``self._count_first_step()`` (outside the bubbles: see the package doc).
     ``max_steps`` counts whole batches of work: a step of half a batch is half of one.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, check_step_sizes
+from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, parse_step_sizes
 
 
 class BatchInference(FlopCountedJob):
@@ -43,7 +43,7 @@ class BatchInference(FlopCountedJob):
         self.max_steps = steps
         self.seed = seed
         self.dtype = check_dtype(dtype)
-        self.step_sizes = check_step_sizes(step_sizes, batch_size)
+        self.step_sizes = parse_step_sizes(step_sizes, batch_size)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.predictions = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, check_step_sizes
+from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, parse_step_sizes
 
 ARCHS = ("small", "resnet")
 
@@ -40,7 +40,7 @@ class ImageClassification(FlopCountedJob):
         self.seed = seed
         self.arch = arch
         self.dtype = check_dtype(dtype)
-        self.step_sizes = check_step_sizes(step_sizes, batch_size)
+        self.step_sizes = parse_step_sizes(step_sizes, batch_size)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.last_loss = float("nan")
