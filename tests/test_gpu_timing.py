@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,15 @@ from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles import paths, wire
-from bubbles.gpu_timing import EventTimer, HostEvent
+from bubbles.gpu_timing import (
+    DEFAULT_EVENT_WAIT,
+    DEFAULT_SWITCH_INTERVAL_US,
+    EventTimer,
+    HostEvent,
+    cuda_event_factory,
+    event_wait_from_env,
+    switch_interval_from_env,
+)
 from bubbles.hook import instrument, resolve_timing
 from bubbles.probes import StaticMemoryProbe
 
@@ -236,7 +245,8 @@ def test_event_timer_reports_each_iterations_device_lengths_in_order() -> None:
     got: list[tuple[str, dict[int, int]]] = []
     done = threading.Event()
 
-    def on_iteration(payload: Any, lengths: dict[int, int]) -> None:
+    def on_iteration(payload: Any, lengths: dict[int, int], span: tuple[int, int] | None) -> None:
+        assert span is None  # no start event given
         got.append((payload, dict(lengths)))
         if len(got) == 2:
             done.set()
@@ -254,6 +264,85 @@ def test_event_timer_reports_each_iterations_device_lengths_in_order() -> None:
     assert got[0][1][7] / 1e9 == pytest.approx(0.003, abs=5e-4)
     assert got[1][1][7] / 1e9 == pytest.approx(0.001, abs=5e-4)
     timer.close()
+
+
+class RunAheadEngine(AsyncEngine):
+    """A batch that returns before its device work is done (no ``loss.item()``): the host is a batch ahead."""
+
+    def train_batch(self, data_iter: Any = None) -> float:
+        self._exec_schedule(S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id))
+        return self._aggregate_total_loss()
+
+
+def test_with_device_timing_the_iteration_length_is_the_device_s_not_the_host_s(sockdir: Path) -> None:
+    # The guard and the profile read iteration lengths. The host only queues the work (here in microseconds), and
+    # the device runs it later: 6 passes and 4 waits, about 48 ms. The ITERATION messages must say the latter.
+    eng = RunAheadEngine(FakeStream())
+    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "it", 0))
+    inst = instrument(eng, training="it", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=0, profile_iterations=2, timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    device_s = 2 * eng.micro_batches * COMPUTE_S + 4 * WAIT_S  # the passes and the waits (3 RecvGrad, the loss)
+    eng.train_batch()
+    eng.train_batch()
+    cycle = built_cycle(inst)
+    assert cycle.iteration_s == pytest.approx(device_s, rel=0.15)  # the profile's iteration: the device's
+    listener = bind(sdir / "fill-x.sock")
+    eng.train_batch()  # the listener is found at the end of this batch
+    for _ in range(3):
+        eng.train_batch()
+    assert max(inst.iteration_times_s[-3:]) < device_s / 4  # the host ran ahead
+    iterations: list[wire.Iteration] = []
+    while len(iterations) < 3:
+        _, m = receive(listener, 1)[0]
+        if isinstance(m, wire.Iteration):
+            iterations.append(m)
+    for m in iterations:
+        assert m.duration_ns / 1e9 == pytest.approx(device_s, rel=0.15), m
+    a, b = iterations[0], iterations[1]  # back to back on the device: one starts where the previous ended
+    assert b.start_ns - (a.start_ns + a.duration_ns) == pytest.approx(0, abs=3e6)
+    inst.detach()
+
+
+def test_how_the_helper_thread_waits_comes_from_the_environment_and_a_bad_value_falls_back_with_a_warning() -> None:
+    assert event_wait_from_env({}) == (DEFAULT_EVENT_WAIT, None)
+    assert event_wait_from_env({"BUBBLES_EVENT_WAIT": "spin"}) == ("spin", None)
+    assert event_wait_from_env({"BUBBLES_EVENT_WAIT": " block "}) == ("block", None)
+    wait, problem = event_wait_from_env({"BUBBLES_EVENT_WAIT": "busy"})
+    assert wait == DEFAULT_EVENT_WAIT and problem is not None
+    assert "BUBBLES_EVENT_WAIT='busy'" in problem and "block, spin" in problem
+    with pytest.raises(ValueError, match="wait must be one of block, spin"):
+        cuda_event_factory("busy")
+
+
+def test_the_switch_interval_comes_from_the_environment_and_a_bad_value_falls_back_with_a_warning() -> None:
+    assert switch_interval_from_env({}) == (DEFAULT_SWITCH_INTERVAL_US / 1e6, None)
+    assert switch_interval_from_env({"BUBBLES_SWITCH_INTERVAL_US": "500"}) == (0.0005, None)
+    assert switch_interval_from_env({"BUBBLES_SWITCH_INTERVAL_US": "0"}) == (None, None)  # leave Python's
+    for bad in ("fast", "-1", "1.5", "9000"):
+        interval, problem = switch_interval_from_env({"BUBBLES_SWITCH_INTERVAL_US": bad})
+        assert interval == DEFAULT_SWITCH_INTERVAL_US / 1e6 and problem is not None
+        assert f"BUBBLES_SWITCH_INTERVAL_US={bad!r}" in problem and "0 to 5000" in problem
+
+
+def test_device_timing_shortens_the_switch_interval_while_attached_and_restores_it(
+        sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = sys.getswitchinterval()
+    eng = AsyncEngine(FakeStream())
+    inst = instrument(eng, training="sw", run_dir=sockdir, memory_probe=StaticMemoryProbe(1), timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    assert sys.getswitchinterval() == pytest.approx(DEFAULT_SWITCH_INTERVAL_US / 1e6)
+    assert inst.stats["switch_interval_us"] == pytest.approx(DEFAULT_SWITCH_INTERVAL_US)
+    inst.detach()
+    assert sys.getswitchinterval() == before
+    monkeypatch.setenv("BUBBLES_SWITCH_INTERVAL_US", "0")
+    host = instrument(AsyncEngine(FakeStream()), training="sw2", run_dir=sockdir, timing="host")
+    assert sys.getswitchinterval() == before and host.stats["switch_interval_us"] is None  # host timing: untouched
+    host.detach()
+    inst = instrument(eng, training="sw3", run_dir=sockdir, memory_probe=StaticMemoryProbe(1), timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    assert sys.getswitchinterval() == before  # 0: Python's own is kept
+    inst.detach()
 
 
 def test_timing_choice_and_bad_values(sockdir: Path) -> None:
@@ -292,8 +381,11 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs an NVIDIA GPU (this machine has none)")
-def test_real_cuda_events_time_device_side_waits(sockdir: Path) -> None:
+@pytest.mark.parametrize("wait", ["block", "spin"])
+def test_real_cuda_events_time_device_side_waits(sockdir: Path, wait: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
+
+    monkeypatch.setenv("BUBBLES_EVENT_WAIT", wait)
 
     stream = torch.cuda.current_stream()
     side = torch.cuda.Stream()
@@ -332,7 +424,7 @@ def test_real_cuda_events_time_device_side_waits(sockdir: Path) -> None:
     eng = CudaEngine(FakeStream())
     inst = instrument(eng, training="g", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
                       warmup_iterations=1, profile_iterations=3, timing="auto")
-    assert inst.timing == "cuda"
+    assert inst.timing == "cuda" and inst.event_wait == wait
     for _ in range(4):
         eng.train_batch()
     torch.cuda.synchronize()
@@ -424,14 +516,6 @@ def test_with_device_timing_the_training_thread_never_reads_the_memory_probe(soc
     inst.detach()
 
 
-class RunAheadEngine(AsyncEngine):
-    """A batch that returns before its device work is done (no ``loss.item()``): the host is a batch ahead."""
-
-    def train_batch(self, data_iter: Any = None) -> float:
-        self._exec_schedule(S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id))
-        return self._aggregate_total_loss()
-
-
 def test_a_fill_mode_switch_reaches_listeners_after_the_bubbles_the_device_has_yet_to_signal(sockdir: Path) -> None:
     """The device runs behind the host: a switch sent at once would arrive before the previous phase's last
     bubbles, and the agent would count them in the new phase."""
@@ -500,3 +584,14 @@ def test_signals_are_stamped_with_the_device_time_not_the_helper_thread_s_late_w
         assert abs(ends[seq] - t_end * 1e9) < 500_000, (seq, (ends[seq] - t_end * 1e9) / 1e6)
     assert max(timer.wake_lag_ns) > 2_500_000  # the late wake-ups happened, and were taken out
     timer.close()
+
+
+def test_the_wake_up_benchmark_refuses_bad_flags_and_a_machine_with_no_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import gpu_event_wake  # benchmarks/ (on the path through conftest)
+
+    with pytest.raises(SystemExit) as exc:
+        gpu_event_wake.main(["--waits", "5"])
+    assert exc.value.code == 2 and "--waits must be >= 20" in capsys.readouterr().err
+    if not _cuda_available():
+        assert gpu_event_wake.main(["--waits", "20", "--rounds", "1"]) == 2
+        assert "needs an NVIDIA GPU" in capsys.readouterr().err

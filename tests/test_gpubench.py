@@ -305,12 +305,33 @@ def test_on_a_gpu_every_modelled_wait_and_send_is_a_device_side_spin_and_the_hos
     assert not [what for what, _ in cuda.log if what == "stream-sync"]  # no host sync in the training loop
     assert not host_sleeps
     spins = [cycles for what, cycles in cuda.log if what == "spin"]
-    calibration, spins = spins[0], spins[1:]  # the spin kernel's clock is measured once
-    assert calibration == emulator_mod.CLOCK_CALIBRATION_CYCLES
+    rounds = emulator_mod.CLOCK_CALIBRATION_ROUNDS
+    calibration, spins = spins[:rounds], spins[rounds:]  # the spin kernel's clock is measured once, in rounds
+    assert calibration == [emulator_mod.CLOCK_CALIBRATION_CYCLES] * rounds
     assert emu.ops.cycles_per_s == pytest.approx(FAKE_GPU_HZ, rel=0.2)  # type: ignore[attr-defined]
     assert len(spins) == len(nonzero) + sends  # every wait and every send, none for zero-length waits
     total_s = sum(spins) / emu.ops.cycles_per_s  # type: ignore[attr-defined]
     assert total_s == pytest.approx(sum(nonzero) + sends * 0.0002, rel=0.01)  # no jitter asked: the model's
+
+
+class RampingCuda(FakeCuda):
+    """A GPU whose clock starts at a third of its speed under load (an idle H100: 345 of 1980 MHz) and ramps up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow_spins = 1
+
+    def _sleep(self, cycles: int) -> None:
+        if self.slow_spins:
+            self.slow_spins -= 1
+            time.sleep(2 * cycles / FAKE_GPU_HZ)
+        super()._sleep(cycles)
+
+
+def test_the_spin_kernel_s_clock_is_the_clock_under_load_not_an_idle_gpu_s() -> None:
+    ops = CudaOps(torch.device("cpu"), cuda=RampingCuda())
+    ops.idle(0.001, sleep=lambda s: None, clock=time.perf_counter)
+    assert ops.cycles_per_s == pytest.approx(FAKE_GPU_HZ, rel=0.2)  # one slow round would have made it 1/3
 
 
 def _ticks() -> Any:

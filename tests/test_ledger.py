@@ -206,3 +206,17 @@ def test_the_filled_share_of_a_window_counts_only_what_starts_in_it() -> None:
     steps = [{"stage": 0, "start_ns": 1_000, "end_ns": 5_000}]
     assert filled_share([bubble], steps, 0, 20_000) == pytest.approx(0.4)
     assert filled_share([bubble], steps, 2_000, 20_000) is None  # the bubble started before the window
+
+
+def test_the_filled_share_counts_steps_that_run_through_a_bubble_they_did_not_start_in() -> None:
+    # Naive co-location: fill steps run back to back, ignoring bubbles; the one that covers the bubble started
+    # before it. The round's share must agree with the ledger's totals (the run's figure), not count it as empty.
+    bubble = {"stage": 0, "start_ns": 10_000, "end_ns": 20_000}
+    naive = [{"stage": 0, "job": "j", "start_ns": 2_000, "end_ns": 16_000},
+             {"stage": 0, "job": "j", "start_ns": 16_000, "end_ns": 30_000}]
+    assert filled_share([bubble], naive, 0, 40_000) == pytest.approx(1.0)
+    ledger = HarvestLedger()
+    ledger.add_bubble(0, 10_000, 20_000)
+    for record in naive:
+        ledger.add_step(0, "j", record["start_ns"], record["end_ns"], 0.0)
+    assert ledger.totals().filled_s / ledger.totals().bubble_s == pytest.approx(1.0)

@@ -29,8 +29,8 @@ from bubbles.api import FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
 from bubbles.stats import median_interval, percentile
 
-MAX_SLOWDOWN = 0.01  # the issue's goal: at most 1% slower training ...
-MIN_FILL_SHARE = 0.60  # ... while filling at least 60% of bubble time (FreeRide 1.1%, PipeFill < 2% at 68%)
+MAX_SLOWDOWN = 0.005  # issue 14's goal: at most 0.5% slower training ...
+MIN_FILL_SHARE = 0.70  # ... while filling at least 70% of bubble time (FreeRide 1.1%, PipeFill < 2% at 68%)
 BASELINE = "baseline"  # the regime name of the OFF phases, whatever the isolation
 REGIME_NAMES = {  # (fill mode, isolation) -> regime name
     (FillMode.NAIVE, "contexts"): "naive co-location",
@@ -167,6 +167,7 @@ def build_report(*, config: Mapping[str, Any], solo: Mapping[str, Any], runs: Se
                 "mps_membership": run.get("mps_membership"),  # mps runs: verified, or why it cannot be
                 "kills": stats.get("kills", 0),
                 "guard": stats.get("guard", {}),
+                "hook": rec.get("hook", {}),
             })
             regimes += [dict(r, run=len(run_facts)) for r in regimes_of_run(
                 run, solo, settle=settle, price_training=price_training, price_fill=price_fill)]
@@ -209,7 +210,8 @@ def format_table(report: Mapping[str, Any]) -> str:
             lines.append(f"- run {r['job']} / {r['isolation_label']}: modelled bubbles "
                          f"{m['bubble_share'] * 100:.1f}% of {m['iteration_s'] * 1e3:.1f} ms (F "
                          f"{m['forward_s'] * 1e3:.2f} ms, B {m['backward_s'] * 1e3:.2f} ms), profiled "
-                         f"{r['profiled_bubble_share'] * 100:.1f}% in {r['profiled_bubbles']} bubbles")
+                         f"{r['profiled_bubble_share'] * 100:.1f}% in {r['profiled_bubbles']} bubbles"
+                         + _signal_facts(r.get("hook") or {}))
     lines += ["", "| fill job | regime | isolation | iteration (median) | slowdown I median / p99 | slowdown, 95% "
               "interval over rounds | fill samples/s | recovered TFLOPS | bubble time filled (interval) | overruns "
               "(p99 ms) | cost savings S | goal |",
@@ -225,7 +227,7 @@ def format_table(report: Mapping[str, Any]) -> str:
             f"{r['recovered_tflops']:.4f} | {filled} | {r['overruns']} ({r['overrun_p99_ms']:.2f}) | "
             f"{'—' if base else _pct(r['cost_savings'], sign=True)} | {goal} |")
     g = report["goals"]
-    lines += ["", f"Goal: slowdown at most {g['max_slowdown'] * 100:.0f}% while filling at least "
+    lines += ["", f"Goal: slowdown at most {g['max_slowdown'] * 100:g}% while filling at least "
                   f"{g['min_fill_share'] * 100:.0f}% of bubble time (FreeRide: 1.1%; PipeFill: under 2% at 68%)."]
     return "\n".join(lines)
 
@@ -245,8 +247,8 @@ def draw_chart(report: Mapping[str, Any], path: Path) -> bool:
     g = report["goals"]
     slow = [r["slowdown"] * 100 for r in points]
     low, high = min(-1.0, min(slow) * 2), max(2.0, max(slow) * 3)  # room around the points (symlog)
-    # The goal region: at most 1% slower while filling at least 60% of bubble time.
-    goal = f"goal: slowdown <= {g['max_slowdown'] * 100:.0f}%, filled >= {g['min_fill_share'] * 100:.0f}%"
+    # The goal region: at most MAX_SLOWDOWN slower while filling at least MIN_FILL_SHARE of bubble time.
+    goal = f"goal: slowdown <= {g['max_slowdown'] * 100:g}%, filled >= {g['min_fill_share'] * 100:.0f}%"
     ax.fill_between([g["min_fill_share"] * 100, 100], low, g["max_slowdown"] * 100, color="tab:green", alpha=0.12,
                     label=goal)
     ax.axhline(0, color="0.6", lw=0.8)
@@ -282,6 +284,16 @@ def _rounds(r: Mapping[str, Any]) -> str:
     n = len(r.get("slowdown_rounds") or [])
     iv = r.get("slowdown_interval")
     return _interval(iv, True) if iv else f"— ({n} round{'s' if n != 1 else ''}; 6 needed: --repeats)"
+
+
+def _signal_facts(hook: Mapping[str, Any]) -> str:
+    """The hook's device-timing facts for a run line: how its helper thread waited, and how late it woke."""
+    p50, p90 = hook.get("signal_wake_lag_us_p50"), hook.get("signal_wake_lag_us_p90")
+    if p50 is None:
+        return ""
+    tail = f", p90 {p90:.0f} us" if p90 is not None else ""
+    wait = hook.get("event_wait") or "block"
+    return f"; signals: helper thread {wait}s on events, woke {p50:.0f} us late (p50{tail})"
 
 
 def _pct(v: float | None, *, sign: bool = False) -> str:

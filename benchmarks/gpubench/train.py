@@ -165,8 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup_iterations + args.profile_iterations):
         step(PROFILE_PHASE)
     cycle = inst.cycle
+    deadline = time.monotonic() + 30
+    while cycle is None and not inst.stats["disabled"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # with device timing the event thread builds the cycle once the device has run the work
+        cycle = inst.cycle
     _say(f"profiled: {len(cycle.slots) if cycle else 0} bubbles, "
-         f"{(cycle.bubble_ratio * 100 if cycle else 0):.1f}% of {statistics.median(iteration_s) * 1e3:.1f} ms")
+         f"{(cycle.bubble_ratio * 100 if cycle else 0):.1f}% of {(cycle.iteration_s if cycle else 0) * 1e3:.1f} ms "
+         f"(host: {statistics.median(iteration_s) * 1e3:.1f} ms per iteration)")
     if args.start_file is not None:
         _hold_until(args.start_file, args.start_timeout_s)
     for mode, n in phases:

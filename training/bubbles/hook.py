@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -46,7 +47,13 @@ from typing import Any
 
 from bubbles import paths, wire
 from bubbles.cycle import BubbleCycle, BubbleSlot, RecentLengths, robust_stats
-from bubbles.gpu_timing import DeviceEvent, EventTimer, cuda_event_factory
+from bubbles.gpu_timing import (
+    DeviceEvent,
+    EventTimer,
+    cuda_event_factory,
+    event_wait_from_env,
+    switch_interval_from_env,
+)
 from bubbles.probes import MemoryProbe, default_probe, gpu_uuid
 from bubbles.stats import percentile
 
@@ -66,6 +73,9 @@ _GONE_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errn
                           errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR})
 _FULL_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
 _NO_SIGNALS: dict[int, tuple[int, int]] = {}
+# What an iteration's entry on the event thread is for (device timing): a profiled sample, the ITERATION message,
+# or nothing (its events go back to the pool in order).
+_PROFILED, _SEND, _NOTHING = object(), object(), object()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -305,7 +315,8 @@ class Instrumentation:
         self.profile_iterations = profile_iterations
         self.min_bubble_s = min_bubble_s
         self.trace = trace
-        self.iteration_times_s: list[float] = []
+        self.iteration_times_s: list[float] = []  # on the host: from train_batch's call to its return
+        self.device_iteration_times_s: deque[float] = deque(maxlen=4096)  # device timing: as the device ran them
         self.cycles: dict[str, BubbleCycle] = {}
         self.fill_mode: wire.FillMode | None = None
         self._profiles: dict[tuple[str, int], _ScheduleProfile] = {}
@@ -328,8 +339,24 @@ class Instrumentation:
         self._profile_lock = threading.Lock()  # _add_sample runs on the event thread with device timing
         self.timing = timing
         self._timer: EventTimer | None = None
+        self.event_wait: str | None = None
+        self.switch_interval_s: float | None = None  # set while attached, with device timing (see below)
+        self._saved_switch_interval: float | None = None
         if timing == "cuda":
-            self._timer = EventTimer(event_factory or cuda_event_factory(), on_start=self._send_bubble_start,
+            if event_factory is None:
+                self.event_wait, problem = event_wait_from_env(os.environ)
+                if problem:
+                    log.warning("%s", problem)
+                event_factory = cuda_event_factory(self.event_wait)
+            interval, problem = switch_interval_from_env(os.environ)
+            if problem:
+                log.warning("%s", problem)
+            if interval is not None and interval < sys.getswitchinterval():
+                # the helper thread gets the GIL this soon after an event completes (gpu_timing's docstring)
+                self._saved_switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(interval)
+                self.switch_interval_s = interval
+            self._timer = EventTimer(event_factory, on_start=self._send_bubble_start,
                                      on_end=self._bubble_end, on_iteration=self._on_device_iteration,
                                      on_error=self._fail, on_resolved=self._sample_on_helper)
         self._saved: dict[str, Any] = {}
@@ -361,6 +388,12 @@ class Instrumentation:
             # device timing: how late the helper thread woke after each signalled event (taken out of the stamps)
             "signal_wake_lag_us_p50": (percentile(list(self._timer.wake_lag_ns), 50) / 1e3
                                        if self._timer and self._timer.wake_lag_ns else None),
+            "signal_wake_lag_us_p90": (percentile(list(self._timer.wake_lag_ns), 90) / 1e3
+                                       if self._timer and self._timer.wake_lag_ns else None),
+            "event_wait": self.event_wait,  # device timing on CUDA: how the helper thread waits (block or spin)
+            "switch_interval_us": (self.switch_interval_s * 1e6 if self.switch_interval_s else None),
+            "device_iteration_s_p50": (percentile(list(self.device_iteration_times_s), 50)
+                                       if self.device_iteration_times_s else None),
         }
 
     def set_fill_mode(self, mode: wire.FillMode) -> None:
@@ -412,6 +445,9 @@ class Instrumentation:
         self._attached = False
         if self._timer is not None:
             self._timer.close()
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
         self._listeners.close()
         if self._card is not None:
             with contextlib.suppress(OSError):
@@ -480,20 +516,22 @@ class Instrumentation:
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
             t0 = time.monotonic_ns()
+            start = self._mark()
             result = orig_train(*args, **kwargs)
-            self._end_iteration(t0, time.monotonic_ns())
+            self._end_iteration(t0, time.monotonic_ns(), start)
             return result
 
         def eval_batch(*args: Any, **kwargs: Any) -> Any:
             self._in_eval = True
             self._eval_tail = None
             t0 = time.monotonic_ns()
+            start = self._mark()
             try:
                 result = orig_eval(*args, **kwargs)
             finally:
                 self._in_eval = False
                 self._close_eval_tail()
-            self._end_iteration(t0, time.monotonic_ns())
+            self._end_iteration(t0, time.monotonic_ns(), start)
             return result
 
         d["_INSTRUCTION_MAP"] = timed_map
@@ -701,7 +739,21 @@ class Instrumentation:
         except Exception as exc:
             self._fail(exc)
 
-    def _end_iteration(self, t0: int, t1: int) -> None:
+    def _mark(self) -> DeviceEvent | None:
+        """Device timing: an event at the iteration's start, so its length is the device's (see ``_end_iteration``)."""
+        timer = self._timer
+        if timer is None or self._disabled:
+            return None
+        try:
+            return timer.mark()
+        except Exception as exc:
+            self._fail(exc)
+            return None
+
+    def _end_iteration(self, t0: int, t1: int, start: DeviceEvent | None = None) -> None:
+        """An iteration is over on the host. With device timing (``start`` given) its length is measured on the
+        device, by the event thread, and what uses it (the profile, the ITERATION message the guard reads) waits
+        for that: the host only queued the work, and with NCCL it runs ahead by up to an iteration."""
         it = self._iteration
         self._iteration += 1
         self.iteration_times_s.append((t1 - t0) / 1e9)
@@ -709,18 +761,25 @@ class Instrumentation:
         hot = self._hot
         hot.signal_map = _NO_SIGNALS
         if self._disabled or prof is None:
+            if start is not None and self._timer is not None:
+                self._timer.iteration((_NOTHING,), start)
             return
         try:
             records = hot.records
             if self.trace:
                 self._trace_ring.append((it, list(records), prof.signal_map if prof.cycle else {}))
             prof.seen += 1
+            timer = self._timer
             if prof.cycle is None:
                 if prof.seen > self.warmup_iterations:
-                    if self._timer is not None:  # the waits' device-side lengths are not known yet
-                        self._timer.iteration((prof, list(records), (t1 - t0) / 1e9))
+                    if timer is not None:  # the waits' device-side lengths are not known yet
+                        timer.iteration((_PROFILED, prof, list(records), (t1 - t0) / 1e9), start)
                     else:
                         self._add_sample(prof, records, (t1 - t0) / 1e9)
+                elif timer is not None:
+                    timer.iteration((_NOTHING,), start)  # its events go back to the pool, in order
+            elif timer is not None and start is not None:
+                timer.iteration((_SEND, it, t0, t1 - t0), start)
             else:
                 self._listeners.send(wire.encode_iteration(self.stage, it, t0, t1 - t0))
                 if prof.recent is not None and self.fill_mode is not wire.FillMode.NAIVE:
@@ -731,14 +790,22 @@ class Instrumentation:
         except Exception as exc:
             self._fail(exc)
 
-    def _on_device_iteration(self, payload: tuple[_ScheduleProfile, list[tuple[int, int, int]], float],
-                             lengths_ns: dict[int, int]) -> None:
-        """Event thread: every wait of a profiled iteration has been measured on the device."""
+    def _on_device_iteration(self, payload: tuple[Any, ...], lengths_ns: dict[int, int],
+                             span: tuple[int, int] | None) -> None:
+        """Event thread: an iteration is over on the device. A profiled one becomes a sample (its waits and its
+        length as the device saw them); after profiling the agent is told its length (the guard's input)."""
         if self._disabled:
             return
-        prof, records, iteration_s = payload
         try:
-            self._add_sample(prof, records, iteration_s, lengths_ns)
+            if payload[0] is _PROFILED:
+                _, prof, records, host_s = payload
+                self._add_sample(prof, records, span[1] / 1e9 if span else host_s, lengths_ns)
+            elif payload[0] is _SEND:
+                _, it, t0, took = payload
+                if span is not None:
+                    self.device_iteration_times_s.append(span[1] / 1e9)
+                    t0, took = span
+                self._listeners.send(wire.encode_iteration(self.stage, it, t0, took))
         except Exception as exc:
             self._fail(exc)
 

@@ -219,10 +219,18 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
 def filled_share(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mapping[str, Any]], t0_ns: int,
                  t1_ns: int) -> float | None:
     """The share of the bubble time in a window (the bubbles and steps that start in ``[t0_ns, t1_ns)``) that fill
-    steps used, as ``bubble_breakdown`` counts it; None when no bubble time falls there. Pure."""
-    d = bubble_breakdown([b for b in bubbles if t0_ns <= int(b["start_ns"]) < t1_ns],
-                         [st for st in steps if t0_ns <= int(st["start_ns"]) < t1_ns])
-    return d["filled"] / d["bubble_s"] if d["bubble_s"] else None
+    steps covered, as ``Ledger.totals`` counts it (a step's time inside any bubble of its stage, wherever the step
+    started: under naive co-location steps run through bubbles without starting in them); None when no bubble time
+    falls there. Pure."""
+    ledger = HarvestLedger()
+    for b in bubbles:
+        if t0_ns <= int(b["start_ns"]) < t1_ns:
+            ledger.add_bubble(int(b["stage"]), int(b["start_ns"]), int(b["end_ns"]))
+    for st in steps:
+        if t0_ns <= int(st["start_ns"]) < t1_ns:
+            ledger.add_step(int(st["stage"]), str(st.get("job", "")), int(st["start_ns"]), int(st["end_ns"]), 0.0)
+    totals = ledger.totals()
+    return totals.filled_s / totals.bubble_s if totals.bubble_s else None
 
 
 def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
