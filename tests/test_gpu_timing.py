@@ -9,6 +9,7 @@ measure nothing (like NCCL's ``recv``), while the events see the device-side bub
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import socket
@@ -304,6 +305,64 @@ def test_with_device_timing_the_iteration_length_is_the_device_s_not_the_host_s(
     inst.detach()
 
 
+def test_with_device_timing_predicted_lengths_follow_the_waits_the_device_measured(sockdir: Path) -> None:
+    """As with host timing, a signalled bubble's predicted length follows its recent lengths after profiling; here
+    the lengths are the device's, and the event thread recomputes the prediction (until 2026-11-24 device timing
+    kept the profile's for good)."""
+    from bubbles.hook import RECENT_ITERATIONS, REPREDICT_EVERY
+
+    class Waits(RunAheadEngine):
+        wait_s = 0.002
+
+        def _handler(self, name: str) -> Any:
+            def handler(engine: Waits, **kwargs: Any) -> None:
+                if name in ("ForwardPass", "BackwardPass"):
+                    engine.stream.enqueue(0.0005)
+                elif name.startswith("Recv"):
+                    engine.stream.enqueue(engine.wait_s)
+            return handler
+
+    eng = Waits(FakeStream())
+    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "fol", 0))
+    inst = instrument(eng, training="fol", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=0, profile_iterations=2, timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    eng.train_batch()
+    eng.train_batch()
+    assert built_cycle(inst) is not None
+    listener = bind(sdir / "fill-x.sock")
+
+    def settle() -> None:  # the device has run what was queued, the event thread has sent its signals
+        done = FakeEvent(eng.stream)
+        done.record()
+        done.synchronize()
+        time.sleep(0.05)
+        listener.settimeout(0.001)
+        with contextlib.suppress(OSError):
+            while True:
+                listener.recv(wire.MAX_DATAGRAM_BYTES)
+        listener.settimeout(5.0)
+
+    def predicted_ms(batches: int) -> list[float]:
+        for _ in range(batches):
+            eng.train_batch()
+        settle()  # the prediction reaches the batches queued after it: read the next one's
+        eng.train_batch()
+        starts: list[wire.BubbleStart] = []
+        while len(starts) < 3:  # the three receives of the last batch queued (the loss broadcast: none here)
+            m = receive(listener, 1)[0][1]
+            if isinstance(m, wire.BubbleStart):
+                starts.append(m)
+        return [(m.predicted_end_ns - m.start_ns) / 1e6 for m in starts]
+
+    assert max(predicted_ms(2)) < 3  # profiled at 2 ms
+    eng.wait_s = 0.008
+    later = predicted_ms(RECENT_ITERATIONS + 2 * REPREDICT_EVERY)
+    assert min(later) >= 7, later  # every receive now waits 8 ms on the device, and the prediction says so
+    inst.detach()
+    listener.close()
+
+
 def test_how_the_helper_thread_waits_comes_from_the_environment_and_a_bad_value_falls_back_with_a_warning() -> None:
     assert event_wait_from_env({}) == (DEFAULT_EVENT_WAIT, None)
     assert event_wait_from_env({"BUBBLES_EVENT_WAIT": "spin"}) == ("spin", None)
@@ -583,6 +642,43 @@ def test_signals_are_stamped_with_the_device_time_not_the_helper_thread_s_late_w
         assert abs(starts[seq] - t_start * 1e9) < 500_000, (seq, (starts[seq] - t_start * 1e9) / 1e6)
         assert abs(ends[seq] - t_end * 1e9) < 500_000, (seq, (ends[seq] - t_end * 1e9) / 1e6)
     assert max(timer.wake_lag_ns) > 2_500_000  # the late wake-ups happened, and were taken out
+    timer.close()
+
+
+def test_stamps_keep_up_with_a_device_clock_that_drifts_from_the_host_s() -> None:
+    """The device's timer and the host's clock drift apart (an H100's ran 25 us a second slow): an offset fixed at the
+    luckiest wake-up ever seen leaves the stamps ever earlier. Here the device's clock runs 2% slow and the wake-ups
+    lag by 0 or 1 ms alternately: after 60 waits (0.36 s, 7 ms of drift) every stamp must still be within 1 ms of
+    the device time, on the host's clock."""
+    stream = FakeStream()
+    lags = itertools.cycle([0.0, 0.001])
+
+    class DriftingEvent(FakeEvent):
+        def synchronize(self) -> None:
+            super().synchronize()
+            time.sleep(next(lags))
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return super().elapsed_time(end) * 0.98  # the device's clock: 2% slow
+
+    starts: dict[int, int] = {}
+    timer = EventTimer(lambda: DriftingEvent(stream), on_start=lambda sig, seq, t: starts.__setitem__(seq, t),
+                       on_end=lambda *a: None, on_iteration=lambda *a: None,
+                       on_error=lambda exc: pytest.fail(repr(exc)), offset_window=8)
+    expected: dict[int, float] = {}
+    for seq in range(1, 61):
+        stream.enqueue(0.004)
+        start = timer.begin(0, ("slot", 0), seq)
+        assert start is not None
+        expected[seq] = start.at  # type: ignore[attr-defined]
+        stream.enqueue(0.002)
+        timer.end(0, start, ("slot", 0), seq)
+    deadline = time.monotonic() + 10
+    while len(starts) < 60 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(starts) == 60
+    errors_ms = [(starts[seq] - expected[seq] * 1e9) / 1e6 for seq in range(1, 61)]
+    assert max(abs(e) for e in errors_ms) < 1.0, errors_ms
     timer.close()
 
 

@@ -21,11 +21,14 @@ around the wait.
 
 **Stamps on the device's timeline.** The thread wakes some time after an event completes (the driver, then
 Python: its wake-up lag), and a bubble stamped with the wake-up time would be predicted to end that much too late.
-One event is kept as a reference: every event's device time is the reference's plus ``elapsed_time`` between
-them, exact on the device's clock, and the reference's host time is estimated as the earliest ``wake - elapsed``
-seen, so the lag of the luckiest wake-up is the only error left (and every stamp is at most its wake-up time).
-The reference moves forward every ``REANCHOR_S`` (``elapsed_time`` is a float of milliseconds: precision falls
-with the span), carrying its estimate. ``wake_lag_ns`` keeps each signal's wake-up minus its device time.
+One event is kept as a reference: every event's time on the device's clock is the reference's plus
+``elapsed_time`` between them, and the offset from the device's clock to the host's is the smallest
+``wake - device time`` among the last ``OFFSET_WINDOW`` wake-ups, so the lag of the luckiest recent wake-up is the
+only error left (and every stamp is at most its wake-up time). Recent, because the two clocks drift apart: on an
+H100 the device's timer ran about 25 us a second slower than the host's ``CLOCK_MONOTONIC``, and the smallest
+offset ever seen (the estimate until 2026-11-24) left the stamps 1.8 ms early after 75 s, and further every
+second. The reference moves forward every ``REANCHOR_S`` (``elapsed_time`` is a float of milliseconds: precision
+falls with the span). ``wake_lag_ns`` keeps each signal's wake-up minus its stamp.
 
 The event type is injected (``event_factory``): ``cuda_event_factory()`` on a GPU, ``HostEvent`` (an
 event that completes when it is recorded, like a blocking gloo wait) where there is none. Tests inject
@@ -46,6 +49,7 @@ log = logging.getLogger("bubbles.hook")
 
 MAX_PENDING = 4096  # queued event pairs; more means the device is hopelessly behind: stop signalling
 REANCHOR_S = 10.0  # the reference event moves forward after this long (float32 ms keep microseconds over it)
+OFFSET_WINDOW = 64  # wake-ups the clock offset is the smallest of (about 2 s of a training's signals; drift 50 us)
 
 
 class DeviceEvent(Protocol):
@@ -156,7 +160,8 @@ class EventTimer:
                  on_start: Callable[[Any, int, int], None], on_end: Callable[[Any, int, int], None],
                  on_iteration: Callable[[Any, dict[int, int], tuple[int, int] | None], None],
                  on_error: Callable[[BaseException], None],
-                 on_resolved: Callable[[int, Any], None] | None = None) -> None:
+                 on_resolved: Callable[[int, Any], None] | None = None,
+                 offset_window: int = OFFSET_WINDOW) -> None:
         self._make = event_factory
         self._pool: deque[DeviceEvent] = deque()
         self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
@@ -170,7 +175,8 @@ class EventTimer:
         self.lag_ns: deque[int] = deque(maxlen=4096)  # host enqueue -> device completion, per wait end
         self.wake_lag_ns: deque[int] = deque(maxlen=4096)  # per signal: the thread's wake-up - the device time
         self._ref: DeviceEvent | None = None  # the reference event (kept out of the pool) ...
-        self._ref_ns = 0.0  # ... and the estimate of its completion on the host's clock
+        self._ref_device_ns = 0.0  # ... and its time on the device's clock (ns since the first event resolved)
+        self._offsets: deque[float] = deque(maxlen=offset_window)  # recent wake-ups' host time - device time
         self._alive = True
         self._thread = threading.Thread(target=self._run, name="bubbles-event-timer", daemon=True)
         self._thread.start()
@@ -234,17 +240,16 @@ class EventTimer:
         ``signal``: the wake-up lag is kept (``wake_lag_ns``) for signals only."""
         ref = self._ref
         if ref is None:
-            self._ref, self._ref_ns = ev, float(wake_ns)
-            if signal:
-                self.wake_lag_ns.append(0)
-            return wake_ns
-        since_ns = ref.elapsed_time(ev) * 1e6
-        self._ref_ns = min(self._ref_ns, wake_ns - since_ns)  # an earlier estimate: a luckier wake-up
-        t = self._ref_ns + since_ns
-        if since_ns > REANCHOR_S * 1e9:  # move the reference forward, carrying its estimate
-            self._ref, self._ref_ns = ev, t
-            if ref is not recycled_next:  # an event handed out twice would be recorded twice
-                self._pool.append(ref)
+            self._ref, self._ref_device_ns = ev, 0.0
+            device_ns = 0.0
+        else:
+            device_ns = self._ref_device_ns + ref.elapsed_time(ev) * 1e6
+            if device_ns - self._ref_device_ns > REANCHOR_S * 1e9:  # move the reference forward
+                self._ref, self._ref_device_ns = ev, device_ns
+                if ref is not recycled_next:  # an event handed out twice would be recorded twice
+                    self._pool.append(ref)
+        self._offsets.append(wake_ns - device_ns)
+        t = device_ns + min(self._offsets)  # the luckiest recent wake-up's offset
         if signal:
             self.wake_lag_ns.append(int(wake_ns - t))
         return int(t)

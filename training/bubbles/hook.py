@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,7 +273,8 @@ class _ScheduleProfile:
         self.allocated: dict[int, int] = {}  # position -> max bytes the training held there
         self.cycle: BubbleCycle | None = None
         self.signal_map: dict[int, tuple[int, int]] = {}  # position -> (slot, predicted length ns)
-        self.recent: RecentLengths | None = None  # host timing: each signalled bubble's recent lengths
+        self.recent: RecentLengths | None = None  # each signalled bubble's recent lengths
+        self.followed = 0  # device timing: iterations whose lengths were added (on the event thread)
 
 
 class _Hot:
@@ -779,11 +780,15 @@ class Instrumentation:
                 elif timer is not None:
                     timer.iteration((_NOTHING,), start)  # its events go back to the pool, in order
             elif timer is not None and start is not None:
-                timer.iteration((_SEND, it, t0, t1 - t0), start)
+                # the waits' lengths come from the device: the event thread follows them (None: not these)
+                follow = prof if self.fill_mode is not wire.FillMode.NAIVE else None
+                timer.iteration((_SEND, it, t0, t1 - t0, follow), start)
             else:
                 self._listeners.send(wire.encode_iteration(self.stage, it, t0, t1 - t0))
                 if prof.recent is not None and self.fill_mode is not wire.FillMode.NAIVE:
-                    self._follow_lengths(prof, records)
+                    n = len(records)
+                    self._follow_lengths(prof, {pos: records[pos][2] - records[pos][1]
+                                                for pos in prof.signal_map if pos < n}, prof.seen)
             new = self._refresh_listeners()
             if new:
                 self._greet(new)
@@ -801,11 +806,14 @@ class Instrumentation:
                 _, prof, records, host_s = payload
                 self._add_sample(prof, records, span[1] / 1e9 if span else host_s, lengths_ns)
             elif payload[0] is _SEND:
-                _, it, t0, took = payload
+                _, it, t0, took, follow = payload
                 if span is not None:
                     self.device_iteration_times_s.append(span[1] / 1e9)
                     t0, took = span
                 self._listeners.send(wire.encode_iteration(self.stage, it, t0, took))
+                if follow is not None and follow.recent is not None:
+                    follow.followed += 1
+                    self._follow_lengths(follow, lengths_ns, follow.followed)
         except Exception as exc:
             self._fail(exc)
 
@@ -843,10 +851,10 @@ class Instrumentation:
         prof.cycle = cycle
         # The predicted end: see predicted_length (the slot's p10 and median are the profile's).
         prof.signal_map = {s.position: (s.slot, int(min(s.p10_s, s.duration_s) * 1e9)) for s in cycle.slots}
-        if self._timer is None:  # host stamps time every wait: the prediction can follow the bubbles' lengths
-            column = {c.position: j for j, c in enumerate(prof.candidates)}
-            prof.recent = RecentLengths({s.position: [int(row[column[s.position]] * 1e9) for row in prof.durations]
-                                         for s in cycle.slots}, window=RECENT_ITERATIONS)
+        # After profiling the prediction follows the bubbles' lengths: host stamps or the device's events time them
+        column = {c.position: j for j, c in enumerate(prof.candidates)}
+        prof.recent = RecentLengths({s.position: [int(row[column[s.position]] * 1e9) for row in prof.durations]
+                                     for s in cycle.slots}, window=RECENT_ITERATIONS)
         self.cycles[prof.name] = cycle
         log.info("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms", self.stage, prof.name,
                  len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s)
@@ -854,18 +862,19 @@ class Instrumentation:
         self._send_profile(cycle)
 
     @staticmethod
-    def _follow_lengths(prof: _ScheduleProfile, records: Sequence[tuple[int, int, int]]) -> None:
-        """Host timing, after profiling: add this iteration's bubble lengths; every REPREDICT_EVERY iterations,
-        predict from them. Naive co-location's iterations (the demo's A/B mode) are not the training's bubbles
-        and are left out. A few microseconds per iteration on the training's thread."""
+    def _follow_lengths(prof: _ScheduleProfile, lengths_ns: Mapping[int, int], count: int) -> None:
+        """After profiling: add this iteration's bubble lengths (position -> ns); every REPREDICT_EVERY iterations
+        (``count``), predict from them. Naive co-location's iterations (the demo's A/B mode) are not the training's
+        bubbles and are left out by the callers. Host timing: a few microseconds per iteration on the training's
+        thread; device timing: on the event thread, with the lengths the device measured, and the new prediction
+        reaches the iterations the host queues next (it runs up to an iteration ahead)."""
         recent = prof.recent
         assert recent is not None
-        n = len(records)
         for pos in prof.signal_map:
-            if pos < n:
-                _code, a, b = records[pos]
-                recent.add(pos, b - a)
-        if prof.seen % REPREDICT_EVERY == 0:
+            ns = lengths_ns.get(pos)
+            if ns is not None:
+                recent.add(pos, ns)
+        if count % REPREDICT_EVERY == 0:
             prof.signal_map = {pos: (slot, recent.predicted_ns(pos)) for pos, (slot, _) in prof.signal_map.items()}
 
     def _refresh_listeners(self) -> list[str]:
