@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean constraints
+.PHONY: setup demo test lint bench gpu-check clean constraints
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py --out out/bench
+
+# On a machine with an NVIDIA GPU: pytest -m gpu, the event wake-up and the harvesting benchmark (tools/gpu-checks.sh;
+# PYTHON= an interpreter with CUDA torch, DeepSpeed and bubbles[agent] when .venv's torch is the CPU build).
+gpu-check:
+	tools/gpu-checks.sh out/gpu-checks
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

@@ -692,8 +692,20 @@ def test_smoke_run_harvests_and_the_baseline_does_no_fill_work(smoke: dict[str, 
             assert r["fill_steps"] == 0
         elif r["mode"] == "harvest":
             assert r["fill_steps"] > 0 and r["fill_share"] > 0, r
+            # where the bubble time went: shares that add up to all of it, the filled one the run's own figure
+            b = r["breakdown"]
+            assert sum(b.values()) == pytest.approx(1.0, abs=1e-6) and min(b.values()) >= 0, b
+            assert b["filled"] == pytest.approx(r["fill_share"], abs=0.05), (b, r["fill_share"])
         else:  # naive co-location and MPS only: the fill job runs freely, so it always does work
             assert r["fill_steps"] > 0, r
+
+
+def test_smoke_report_says_where_bubble_time_went_and_the_fill_jobs_step_times(smoke: dict[str, Any]) -> None:
+    md = (smoke["out"] / "report.md").read_text()
+    assert "Where the harvest phases' bubble time went" in md and "| past_prediction |" in md
+    assert all(r["fill_step_profile"] and r["fill_step_profile"].startswith("step time")
+               for r in smoke["report"]["runs"]), smoke["report"]["runs"]
+    assert "timed at init: step time" in md
 
 
 def test_smoke_run_labels_mps_as_the_stand_in(smoke: dict[str, Any]) -> None:
@@ -762,3 +774,19 @@ def test_the_ballast_brings_the_stage_to_a_real_stage_s_memory_and_leaves_room_f
     assert ballast_bytes(4 * gib, 5 * gib, 80 * gib) == 0  # already holds more than the target
     with pytest.raises(ValueError, match="leave at least 2 GiB"):
         ballast_bytes(79 * gib, 0, 80 * gib)
+
+
+def test_the_gpu_checks_script_says_what_is_missing_on_a_machine_without_a_gpu(tmp_path: Path) -> None:
+    script = ROOT / "tools" / "gpu-checks.sh"
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "a")], capture_output=True, text=True, env=bare,
+                          timeout=60)
+    assert proc.returncode == 2 and "nvidia-smi not found" in proc.stderr
+    # a driver but a torch without CUDA (this machine's): the script names the interpreter to change
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580.159.04'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "b")], capture_output=True, text=True, timeout=60,
+                          env={**bare, "PATH": f"{fake}:/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 2 and "has no CUDA torch" in proc.stderr and "set PYTHON" in proc.stderr

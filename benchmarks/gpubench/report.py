@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bubbles.agent.ledger import filled_share
+from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share
 from bubbles.api import FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
 from bubbles.stats import median_interval, percentile
@@ -84,6 +84,24 @@ def round_fill_shares(record: Mapping[str, Any], stats: Mapping[str, Any], mode:
     return [s for s in shares if s is not None]
 
 
+def harvest_breakdown(stats: Mapping[str, Any]) -> dict[str, float] | None:
+    """Where the harvest phases' bubble time went, as shares of it (``ledger.BREAKDOWN``'s keys), from the agent's
+    bubble and step records; None without bubble time."""
+    label = FillMode.HARVEST.label
+    d = bubble_breakdown([b for b in stats.get("bubbles", []) if b.get("mode") == label],
+                         [st for st in stats.get("steps", []) if st.get("mode") == label])
+    if not d["bubble_s"]:
+        return None
+    return {key: d[key] / d["bubble_s"] for key, _ in BREAKDOWN}
+
+
+def fill_step_profile(stats: Mapping[str, Any]) -> str | None:
+    """The fill job's step times as its runtime measured them at init (by step size), from the agent's events."""
+    msgs = [str(e.get("message", "")) for e in stats.get("events", []) if e.get("kind") == "profile"
+            and str(e.get("message", "")).startswith("step time")]
+    return msgs[-1] if msgs else None
+
+
 def regimes_of_run(run: Mapping[str, Any], solo: Mapping[str, Any], *, settle: int, price_training: float,
                    price_fill: float) -> list[dict[str, Any]]:
     """The regimes one (fill job, isolation) run measured: its baseline, naive and harvest phases."""
@@ -124,6 +142,8 @@ def regimes_of_run(run: Mapping[str, Any], solo: Mapping[str, Any], *, settle: i
             "overruns": int(fill.get("overruns", 0)), "overrun_p99_ms": float(fill.get("overrun_p99_ms", 0.0)),
             "cost_savings": None, "goal_met": None,
         }
+        if mode is FillMode.HARVEST:
+            entry["breakdown"] = harvest_breakdown(stats)
         if mode is not FillMode.OFF:
             slow_rounds = round_slowdowns(record, mode, settle)
             share_rounds = round_fill_shares(record, stats, mode)
@@ -168,6 +188,7 @@ def build_report(*, config: Mapping[str, Any], solo: Mapping[str, Any], runs: Se
                 "kills": stats.get("kills", 0),
                 "guard": stats.get("guard", {}),
                 "hook": rec.get("hook", {}),
+                "fill_step_profile": fill_step_profile(stats),
             })
             regimes += [dict(r, run=len(run_facts)) for r in regimes_of_run(
                 run, solo, settle=settle, price_training=price_training, price_fill=price_fill)]
@@ -226,6 +247,21 @@ def format_table(report: Mapping[str, Any]) -> str:
             f"{slow} | {'—' if base else _rounds(r)} | {r['fill_samples_per_s']:.1f} | "
             f"{r['recovered_tflops']:.4f} | {filled} | {r['overruns']} ({r['overrun_p99_ms']:.2f}) | "
             f"{'—' if base else _pct(r['cost_savings'], sign=True)} | {goal} |")
+    broken = [r for r in report["regimes"] if r.get("breakdown")]
+    if broken:
+        keys = [key for key, _ in BREAKDOWN]
+        lines += ["", "Where the harvest phases' bubble time went, from the agent's records (the columns: "
+                  "`bubbles.agent.ledger.BREAKDOWN`; too_short: no step size fit in what was left, "
+                  "past_prediction: after the slot's predicted end, where no step starts):", "",
+                  "| fill job | isolation | " + " | ".join(keys) + " |",
+                  "| --- | --- |" + " ---: |" * len(keys)]
+        for r in broken:
+            lines.append(f"| {r['job']} | {r['isolation_label']} | "
+                         + " | ".join(_pct(r["breakdown"][k]) for k in keys) + " |")
+    steps = [r for r in report["runs"] if r.get("fill_step_profile")]
+    if steps:
+        lines += [""] + [f"- {r['job']} / {r['isolation_label']}, timed at init: {r['fill_step_profile']}"
+                         for r in steps]
     g = report["goals"]
     lines += ["", f"Goal: slowdown at most {g['max_slowdown'] * 100:g}% while filling at least "
                   f"{g['min_fill_share'] * 100:.0f}% of bubble time (FreeRide: 1.1%; PipeFill: under 2% at 68%)."]
