@@ -595,6 +595,46 @@ def test_bert_shaped_inference_counts_the_flops_of_its_shape() -> None:
     assert job.step().samples == 2
 
 
+def test_cuda_graphs_are_refused_with_a_clear_error_where_there_is_no_cuda_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bubbles.fill_examples.batch_inference import BatchInference
+
+    with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
+        BatchInference(cuda_graphs="yes")  # type: ignore[arg-type]
+    monkeypatch.setenv("BUBBLES_DEVICE", "cpu:0")
+    job = BatchInference(cuda_graphs=True, steps=1)
+    job.create()
+    with pytest.raises(RuntimeError, match=r"cuda_graphs needs a CUDA device.*'cpu'.*set cuda_graphs to false"):
+        job.init()
+    assert not job.graphs  # nothing captured, nothing run
+    plain = BatchInference(steps=1)  # the default: eager steps, no graphs
+    plain.create()
+    plain.init()
+    assert plain.step(plain.batch_size).samples == plain.batch_size and not plain.graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_graph_replayed_inference_steps_compute_what_eager_ones_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bubbles.fill_examples.batch_inference import BatchInference
+
+    monkeypatch.setenv("BUBBLES_DEVICE", "cuda:0")
+    args = BatchInference.bert_base(batch_size=8, layers=2, seq_len=32, dtype="float32")
+    job = BatchInference(**args, cuda_graphs=True)
+    job.create()
+    job.init()
+    assert set(job.graphs) == {2, 4, 8}  # a quarter, a half and the whole batch
+    for size in (2, 4, 8):
+        before = job.steps_done
+        result = job.step(size)
+        assert result.samples == size and result.flops == job.flops_by_size[size] > 0
+        _graph, static, logits = job.graphs[size]
+        with torch.no_grad():
+            eager = job._forward(static.clone())
+        torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
+        assert job.steps_done == before + 1
+
+
 def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> None:
     from bubbles.fill_examples.image_classification import ImageClassification
 

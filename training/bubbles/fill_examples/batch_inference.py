@@ -21,12 +21,17 @@ class BatchInference(FlopCountedJob):
     the part-batches a step may classify where a whole one does not fit (default a quarter, a half and the
     whole batch; ``[]``: whole batches only). The job runs on the device the agent assigned
     (``bubbles.sdk.assigned_device()``).
+
+    ``cuda_graphs`` (CUDA only): each step size's forward pass is captured once as a CUDA graph at init and
+    replayed by every step, so a step costs the device's work and one launch instead of a launch per kernel and
+    the modules' Python (on an H100 the eager steps were launch-bound: 5.5-6.0 ms at 8, 16 and 32 sequences of a
+    BERT-base encoder under MPS, 2026-11-24). The graphs' speed-up has not been measured yet.
     """
 
     def __init__(self, batch_size: int = 16, seq_len: int = 16, width: int = 64, layers: int = 1,
                  vocab: int = 1000, classes: int = 10, steps: int | None = None, seed: int = 0,
                  heads: int = 4, ffn: int | None = None, dtype: str = "float32",
-                 step_sizes: list[int] | None = None) -> None:
+                 step_sizes: list[int] | None = None, cuda_graphs: bool = False) -> None:
         if min(batch_size, seq_len, width, layers, heads, vocab) < 1 or width % heads:
             raise ValueError("batch_size, seq_len, layers, heads and vocab must be >= 1 and width a positive "
                              f"multiple of heads ({heads}), got width {width}")
@@ -44,6 +49,10 @@ class BatchInference(FlopCountedJob):
         self.seed = seed
         self.dtype = check_dtype(dtype)
         self.step_sizes = parse_step_sizes(step_sizes, batch_size)
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict[int, tuple[Any, Any, Any]] = {}  # size -> (graph, static tokens, static logits)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.predictions = 0
@@ -76,17 +85,54 @@ class BatchInference(FlopCountedJob):
 
     def init(self) -> None:
         device = self.target_device()
+        if self.cuda_graphs and not device.startswith("cuda"):
+            raise RuntimeError(f"cuda_graphs needs a CUDA device, and this fill job was given {device!r}: "
+                               "set cuda_graphs to false, or run it on a GPU executor (bubbles agent --devices)")
         if device != "cpu":
             self.device = device
             for m in (self.embed, self.encoder, self.head):
                 m.to(device)
             self.tokens = self.tokens.to(device)
-        self._count_first_step()  # outside the bubbles: see the package doc
+        self._count_first_step()  # outside the bubbles: see the package doc (eager: the FLOP counter sees it)
+        if self.cuda_graphs:
+            self._capture()
+
+    def _forward(self, tokens: Any) -> Any:
+        x = self.embed(tokens)
+        return self.head(self.encoder(x).mean(dim=1))
+
+    def _capture(self) -> None:
+        """One CUDA graph per step size, captured as PyTorch documents it: warm-up steps on a side stream, then
+        the capture, with static input and output tensors that every replay reuses."""
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad():
+            for size in (*self.step_sizes, self.batch_size):
+                if size in self.graphs:
+                    continue
+                static = self.tokens[0][:size].clone()
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        self._forward(static)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = self._forward(static)
+                self.graphs[size] = (graph, static, logits)
+        torch.cuda.synchronize()
 
     def _work(self, size: int) -> None:
         import torch
 
-        with torch.no_grad():
-            x = self.embed(self.tokens[self.steps_done % self.tokens.shape[0]][:size])
-            logits = self.head(self.encoder(x).mean(dim=1))
-            self.predictions += int(logits.argmax(dim=1).numel())
+        tokens = self.tokens[self.steps_done % self.tokens.shape[0]][:size]
+        replay = self.graphs.get(size)
+        if replay is not None:
+            graph, static, logits = replay
+            static.copy_(tokens)
+            graph.replay()
+        else:
+            with torch.no_grad():
+                logits = self._forward(tokens)
+        self.predictions += int(logits.argmax(dim=1).numel())
