@@ -30,6 +30,7 @@ from bubbles.gpu_timing import (
     DEFAULT_SWITCH_INTERVAL_US,
     EventTimer,
     HostEvent,
+    SwitchInterval,
     cuda_event_factory,
     event_wait_from_env,
     switch_interval_from_env,
@@ -357,6 +358,9 @@ def test_with_device_timing_predicted_lengths_follow_the_waits_the_device_measur
 
     assert max(predicted_ms(2)) < 3  # profiled at 2 ms
     eng.wait_s = 0.008
+    inst.set_fill_mode(wire.FillMode.NAIVE)  # naive co-location's bubbles are not the training's: not followed
+    assert max(predicted_ms(RECENT_ITERATIONS)) < 3, "naive co-location's bubbles moved the prediction"
+    inst.set_fill_mode(wire.FillMode.HARVEST)
     later = predicted_ms(RECENT_ITERATIONS + 2 * REPREDICT_EVERY)
     assert min(later) >= 7, later  # every receive now waits 8 ms on the device, and the prediction says so
     inst.detach()
@@ -387,21 +391,55 @@ def test_the_switch_interval_comes_from_the_environment_and_a_bad_value_falls_ba
 def test_device_timing_shortens_the_switch_interval_while_attached_and_restores_it(
         sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     before = sys.getswitchinterval()
-    eng = AsyncEngine(FakeStream())
-    inst = instrument(eng, training="sw", run_dir=sockdir, memory_probe=StaticMemoryProbe(1), timing="cuda",
-                      event_factory=lambda: FakeEvent(eng.stream))
-    assert sys.getswitchinterval() == pytest.approx(DEFAULT_SWITCH_INTERVAL_US / 1e6)
-    assert inst.stats["switch_interval_us"] == pytest.approx(DEFAULT_SWITCH_INTERVAL_US)
-    inst.detach()
-    assert sys.getswitchinterval() == before
-    monkeypatch.setenv("BUBBLES_SWITCH_INTERVAL_US", "0")
-    host = instrument(AsyncEngine(FakeStream()), training="sw2", run_dir=sockdir, timing="host")
-    assert sys.getswitchinterval() == before and host.stats["switch_interval_us"] is None  # host timing: untouched
-    host.detach()
-    inst = instrument(eng, training="sw3", run_dir=sockdir, memory_probe=StaticMemoryProbe(1), timing="cuda",
-                      event_factory=lambda: FakeEvent(eng.stream))
-    assert sys.getswitchinterval() == before  # 0: Python's own is kept
-    inst.detach()
+    try:
+        eng = AsyncEngine(FakeStream())
+        inst = instrument(eng, training="sw", run_dir=sockdir, memory_probe=StaticMemoryProbe(1), timing="cuda",
+                          event_factory=lambda: FakeEvent(eng.stream))
+        assert sys.getswitchinterval() == pytest.approx(DEFAULT_SWITCH_INTERVAL_US / 1e6)
+        assert inst.stats["switch_interval_us"] == pytest.approx(DEFAULT_SWITCH_INTERVAL_US)
+        # a second engine in the process shares it; the first to detach leaves it for the second
+        eng2 = AsyncEngine(FakeStream())
+        inst2 = instrument(eng2, training="sw-b", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                           timing="cuda", event_factory=lambda: FakeEvent(eng2.stream))
+        assert inst2.stats["switch_interval_us"] == pytest.approx(DEFAULT_SWITCH_INTERVAL_US)
+        inst.detach()
+        assert sys.getswitchinterval() == pytest.approx(DEFAULT_SWITCH_INTERVAL_US / 1e6)
+        # instrumenting an engine twice fails, and the failed attempt holds nothing
+        with pytest.raises(RuntimeError, match="already instrumented"):
+            instrument(eng2, training="sw-c", run_dir=sockdir, memory_probe=StaticMemoryProbe(1), timing="cuda",
+                       event_factory=lambda: FakeEvent(eng2.stream))
+        inst2.detach()
+        assert sys.getswitchinterval() == before  # the last one out restored it
+        monkeypatch.setenv("BUBBLES_SWITCH_INTERVAL_US", "0")
+        host = instrument(AsyncEngine(FakeStream()), training="sw2", run_dir=sockdir, timing="host")
+        assert sys.getswitchinterval() == before and host.stats["switch_interval_us"] is None  # host timing
+        host.detach()
+        inst = instrument(eng, training="sw3", run_dir=sockdir, memory_probe=StaticMemoryProbe(1), timing="cuda",
+                          event_factory=lambda: FakeEvent(eng.stream))
+        assert sys.getswitchinterval() == before  # 0: Python's own is kept
+        inst.detach()
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_the_shared_switch_interval_is_restored_by_the_last_holder_unless_someone_else_changed_it() -> None:
+    current = [0.005]
+    si = SwitchInterval(getter=lambda: current[0], setter=lambda v: current.__setitem__(0, v))
+    assert si.acquire(0.0002) == 0.0002 and current[0] == 0.0002
+    assert si.acquire(0.0001) == 0.0002 and current[0] == 0.0002  # shared: the first holder's stays
+    si.release()
+    assert current[0] == 0.0002
+    si.release()
+    assert current[0] == 0.005
+    si.release()  # one release too many: nothing happens
+    assert current[0] == 0.005
+    assert si.acquire(0.0002) == 0.0002
+    current[0] = 0.001  # the training changed it meanwhile: its value is left alone
+    si.release()
+    assert current[0] == 0.001
+    assert si.acquire(0.01) is None and current[0] == 0.001  # never lengthened
+    si.release()
+    assert current[0] == 0.001
 
 
 def test_timing_choice_and_bad_values(sockdir: Path) -> None:
@@ -664,7 +702,7 @@ def test_stamps_keep_up_with_a_device_clock_that_drifts_from_the_host_s() -> Non
     starts: dict[int, int] = {}
     timer = EventTimer(lambda: DriftingEvent(stream), on_start=lambda sig, seq, t: starts.__setitem__(seq, t),
                        on_end=lambda *a: None, on_iteration=lambda *a: None,
-                       on_error=lambda exc: pytest.fail(repr(exc)), offset_window=8)
+                       on_error=lambda exc: pytest.fail(repr(exc)), offset_window_s=0.03)
     expected: dict[int, float] = {}
     for seq in range(1, 61):
         stream.enqueue(0.004)
@@ -679,6 +717,41 @@ def test_stamps_keep_up_with_a_device_clock_that_drifts_from_the_host_s() -> Non
     assert len(starts) == 60
     errors_ms = [(starts[seq] - expected[seq] * 1e9) / 1e6 for seq in range(1, 61)]
     assert max(abs(e) for e in errors_ms) < 1.0, errors_ms
+    timer.close()
+
+
+def test_sparse_wake_ups_do_not_keep_an_old_clock_offset() -> None:
+    """Signals can be few (a checkpoint pause, no listener): the offset must come from recent wake-ups by time, not
+    from the last N however old. Waits 0.12 s apart, a device clock 2% slow, wake-ups late by 0 or 1 ms: an offset
+    kept from the first would leave the last stamps 10 ms early."""
+    stream = FakeStream()
+    lags = itertools.cycle([0.0, 0.001])
+
+    class DriftingEvent(FakeEvent):
+        def synchronize(self) -> None:
+            super().synchronize()
+            time.sleep(next(lags))
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return super().elapsed_time(end) * 0.98
+
+    starts: dict[int, int] = {}
+    timer = EventTimer(lambda: DriftingEvent(stream), on_start=lambda sig, seq, t: starts.__setitem__(seq, t),
+                       on_end=lambda *a: None, on_iteration=lambda *a: None,
+                       on_error=lambda exc: pytest.fail(repr(exc)), offset_window_s=0.05)
+    expected: dict[int, float] = {}
+    for seq in range(1, 7):
+        start = timer.begin(0, ("slot", 0), seq)
+        assert start is not None
+        expected[seq] = start.at  # type: ignore[attr-defined]
+        stream.enqueue(0.002)
+        timer.end(0, start, ("slot", 0), seq)
+        time.sleep(0.12)
+    deadline = time.monotonic() + 10
+    while len(starts) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    errors_ms = [(starts[seq] - expected[seq] * 1e9) / 1e6 for seq in range(1, 7)]
+    assert max(abs(e) for e in errors_ms) < 1.6, errors_ms  # its own wake-up's lag at most (1 ms, and sleep's)
     timer.close()
 
 

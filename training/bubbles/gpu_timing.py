@@ -23,12 +23,13 @@ around the wait.
 Python: its wake-up lag), and a bubble stamped with the wake-up time would be predicted to end that much too late.
 One event is kept as a reference: every event's time on the device's clock is the reference's plus
 ``elapsed_time`` between them, and the offset from the device's clock to the host's is the smallest
-``wake - device time`` among the last ``OFFSET_WINDOW`` wake-ups, so the lag of the luckiest recent wake-up is the
-only error left (and every stamp is at most its wake-up time). Recent, because the two clocks drift apart: on an
-H100 the device's timer ran about 25 us a second slower than the host's ``CLOCK_MONOTONIC``, and the smallest
-offset ever seen (the estimate until 2026-11-24) left the stamps 1.8 ms early after 75 s, and further every
-second. The reference moves forward every ``REANCHOR_S`` (``elapsed_time`` is a float of milliseconds: precision
-falls with the span). ``wake_lag_ns`` keeps each signal's wake-up minus its stamp.
+``wake - device time`` among the wake-ups of the last ``OFFSET_WINDOW_S`` seconds (the newest always counts), so
+the lag of the luckiest recent wake-up is the only error left (and every stamp is at most its wake-up time).
+Recent, because the two clocks drift apart: on an H100 the device's timer ran about 25 us a second slower than
+the host's ``CLOCK_MONOTONIC``, and the smallest offset ever seen (the estimate until 2026-11-24) left the stamps
+2.5 ms early after 75 s, and further every second. The reference moves forward every ``REANCHOR_S``
+(``elapsed_time`` is a float of milliseconds: precision falls with the span). ``wake_lag_ns`` keeps each
+signal's wake-up minus its stamp.
 
 The event type is injected (``event_factory``): ``cuda_event_factory()`` on a GPU, ``HostEvent`` (an
 event that completes when it is recorded, like a blocking gloo wait) where there is none. Tests inject
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -49,7 +51,7 @@ log = logging.getLogger("bubbles.hook")
 
 MAX_PENDING = 4096  # queued event pairs; more means the device is hopelessly behind: stop signalling
 REANCHOR_S = 10.0  # the reference event moves forward after this long (float32 ms keep microseconds over it)
-OFFSET_WINDOW = 64  # wake-ups the clock offset is the smallest of (about 2 s of a training's signals; drift 50 us)
+OFFSET_WINDOW_S = 2.0  # the clock offset is the smallest of the wake-ups in this much host time (drift: 50 us)
 
 
 class DeviceEvent(Protocol):
@@ -123,6 +125,45 @@ def switch_interval_from_env(environ: Mapping[str, str]) -> tuple[float | None, 
     return (us / 1e6 if us else None), None
 
 
+class SwitchInterval:
+    """The interpreter's switch interval is one per process; instrumented engines share it. The first that asks
+    sets it (when shorter than the current one), later ones share it, and the last to let go restores what was
+    there, unless someone else changed it meanwhile. ``setter``/``getter`` default to ``sys``'s."""
+
+    def __init__(self, getter: Callable[[], float] | None = None,
+                 setter: Callable[[float], None] | None = None) -> None:
+        self._get = getter or sys.getswitchinterval
+        self._set = setter or sys.setswitchinterval
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._saved: float | None = None  # what was there before the first holder set its own
+        self._ours: float | None = None  # what the hook set
+
+    def acquire(self, interval_s: float | None) -> float | None:
+        """Hold the shortened interval (``interval_s``; None: only count the holder); the interval in effect that
+        the hook set, or None when the hook set none."""
+        with self._lock:
+            self._holders += 1
+            if self._holders == 1 and interval_s is not None and interval_s < self._get():
+                self._saved = self._get()
+                self._set(interval_s)
+                self._ours = self._get()  # as the interpreter keeps it (whole microseconds: 200 us reads 1.99..e-4)
+            return self._ours
+
+    def release(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                return
+            self._holders -= 1
+            if self._holders == 0:
+                if self._saved is not None and self._ours is not None and self._get() == self._ours:
+                    self._set(self._saved)
+                self._saved = self._ours = None
+
+
+SWITCH_INTERVAL = SwitchInterval()  # the process's
+
+
 def cuda_event_factory(wait: str = DEFAULT_EVENT_WAIT) -> Callable[[], DeviceEvent]:
     """Timing events on the current CUDA device; ``wait`` (``EVENT_WAITS``) says how a thread waits for them."""
     import torch
@@ -161,7 +202,7 @@ class EventTimer:
                  on_iteration: Callable[[Any, dict[int, int], tuple[int, int] | None], None],
                  on_error: Callable[[BaseException], None],
                  on_resolved: Callable[[int, Any], None] | None = None,
-                 offset_window: int = OFFSET_WINDOW) -> None:
+                 offset_window_s: float = OFFSET_WINDOW_S) -> None:
         self._make = event_factory
         self._pool: deque[DeviceEvent] = deque()
         self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
@@ -176,7 +217,9 @@ class EventTimer:
         self.wake_lag_ns: deque[int] = deque(maxlen=4096)  # per signal: the thread's wake-up - the device time
         self._ref: DeviceEvent | None = None  # the reference event (kept out of the pool) ...
         self._ref_device_ns = 0.0  # ... and its time on the device's clock (ns since the first event resolved)
-        self._offsets: deque[float] = deque(maxlen=offset_window)  # recent wake-ups' host time - device time
+        # recent wake-ups' (host time, host time - device time), offsets increasing: the window's minimum first
+        self._offsets: deque[tuple[int, float]] = deque()
+        self._offset_window_ns = int(offset_window_s * 1e9)
         self._alive = True
         self._thread = threading.Thread(target=self._run, name="bubbles-event-timer", daemon=True)
         self._thread.start()
@@ -248,8 +291,13 @@ class EventTimer:
                 self._ref, self._ref_device_ns = ev, device_ns
                 if ref is not recycled_next:  # an event handed out twice would be recorded twice
                     self._pool.append(ref)
-        self._offsets.append(wake_ns - device_ns)
-        t = device_ns + min(self._offsets)  # the luckiest recent wake-up's offset
+        offset, offsets = wake_ns - device_ns, self._offsets
+        while offsets and offsets[-1][1] >= offset:  # a sliding minimum: larger offsets before it can go
+            offsets.pop()
+        offsets.append((wake_ns, offset))
+        while offsets[0][0] < wake_ns - self._offset_window_ns:  # too old (the newest, just added, stays)
+            offsets.popleft()
+        t = device_ns + offsets[0][1]  # the luckiest recent wake-up's offset
         if signal:
             self.wake_lag_ns.append(int(wake_ns - t))
         return int(t)

@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -48,6 +47,7 @@ from typing import Any
 from bubbles import paths, wire
 from bubbles.cycle import BubbleCycle, BubbleSlot, RecentLengths, robust_stats
 from bubbles.gpu_timing import (
+    SWITCH_INTERVAL,
     DeviceEvent,
     EventTimer,
     cuda_event_factory,
@@ -342,7 +342,8 @@ class Instrumentation:
         self._timer: EventTimer | None = None
         self.event_wait: str | None = None
         self.switch_interval_s: float | None = None  # set while attached, with device timing (see below)
-        self._saved_switch_interval: float | None = None
+        self._holds_switch_interval = False
+        interval: float | None = None
         if timing == "cuda":
             if event_factory is None:
                 self.event_wait, problem = event_wait_from_env(os.environ)
@@ -352,17 +353,22 @@ class Instrumentation:
             interval, problem = switch_interval_from_env(os.environ)
             if problem:
                 log.warning("%s", problem)
-            if interval is not None and interval < sys.getswitchinterval():
-                # the helper thread gets the GIL this soon after an event completes (gpu_timing's docstring)
-                self._saved_switch_interval = sys.getswitchinterval()
-                sys.setswitchinterval(interval)
-                self.switch_interval_s = interval
             self._timer = EventTimer(event_factory, on_start=self._send_bubble_start,
                                      on_end=self._bubble_end, on_iteration=self._on_device_iteration,
                                      on_error=self._fail, on_resolved=self._sample_on_helper)
         self._saved: dict[str, Any] = {}
         self._attached = False
-        self._attach()
+        try:
+            self._attach()
+        except BaseException:
+            if self._timer is not None:
+                self._timer.close()
+            raise
+        if self._timer is not None:
+            # the helper thread gets the GIL this soon after an event completes (gpu_timing's docstring); shared
+            # by every instrumented engine of the process, restored when the last detaches
+            self.switch_interval_s = SWITCH_INTERVAL.acquire(interval)
+            self._holds_switch_interval = True
         self._card: Path | None = None
         self._write_card()
 
@@ -446,9 +452,9 @@ class Instrumentation:
         self._attached = False
         if self._timer is not None:
             self._timer.close()
-        if self._saved_switch_interval is not None:
-            sys.setswitchinterval(self._saved_switch_interval)
-            self._saved_switch_interval = None
+        if self._holds_switch_interval:
+            SWITCH_INTERVAL.release()
+            self._holds_switch_interval = False
         self._listeners.close()
         if self._card is not None:
             with contextlib.suppress(OSError):
@@ -518,7 +524,11 @@ class Instrumentation:
         def train_batch(*args: Any, **kwargs: Any) -> Any:
             t0 = time.monotonic_ns()
             start = self._mark()
-            result = orig_train(*args, **kwargs)
+            try:
+                result = orig_train(*args, **kwargs)
+            except BaseException:
+                self._abandon_iteration(start)
+                raise
             self._end_iteration(t0, time.monotonic_ns(), start)
             return result
 
@@ -529,6 +539,9 @@ class Instrumentation:
             start = self._mark()
             try:
                 result = orig_eval(*args, **kwargs)
+            except BaseException:
+                self._abandon_iteration(start)
+                raise
             finally:
                 self._in_eval = False
                 self._close_eval_tail()
@@ -589,7 +602,11 @@ class Instrumentation:
             if sig is not None:
                 self._seq += 1
                 seq = self._seq
-            start = timer.begin(pos, sig, seq)
+            try:
+                start = timer.begin(pos, sig, seq)
+            except Exception as exc:  # a CUDA error recording the event: signalling stops, the training goes on
+                self._fail(exc)
+                start = None
             t0 = mono()
             try:
                 result = fn(*args, **kwargs)
@@ -598,7 +615,10 @@ class Instrumentation:
                 if start is not None:
                     # A profiled wait's memory is read on the helper thread once the wait has ended on the
                     # device (_sample_on_helper): the training's thread records events and nothing else.
-                    timer.end(pos, start, sig, seq, self._current if hot.sampling else None)
+                    try:
+                        timer.end(pos, start, sig, seq, self._current if hot.sampling else None)
+                    except Exception as exc:
+                        self._fail(exc)
             return result
 
         return wait
@@ -673,7 +693,11 @@ class Instrumentation:
             if sig is not None:
                 self._seq += 1
                 seq = self._seq
-            self._eval_tail = (t0, seq, sig, timer.begin(pos, sig, seq))
+            try:
+                self._eval_tail = (t0, seq, sig, timer.begin(pos, sig, seq))
+            except Exception as exc:
+                self._fail(exc)
+                self._eval_tail = (t0, seq, sig, None)
             return
         seq = self._bubble_start(sig, t0) if sig is not None and timer is None else 0
         self._eval_tail = (t0, seq, sig, None)
@@ -689,7 +713,10 @@ class Instrumentation:
         hot.records.append((self._lb_code, t0, t1))
         if start is not None:
             assert self._timer is not None
-            self._timer.end(pos, start, sig, seq, self._current if hot.sampling else None)
+            try:
+                self._timer.end(pos, start, sig, seq, self._current if hot.sampling else None)
+            except Exception as exc:
+                self._fail(exc)
         elif sig is not None and self._timer is None:
             self._bubble_end(sig, seq, t1)
         if hot.sampling and sig is None and self._timer is None:
@@ -751,6 +778,16 @@ class Instrumentation:
             self._fail(exc)
             return None
 
+    def _abandon_iteration(self, start: DeviceEvent | None) -> None:
+        """Device timing: an iteration that is not measured (signalling off, or the training's call raised): its
+        events go back to the pool and the waits timed in it are dropped, in order. Never raises."""
+        if start is None or self._timer is None:
+            return
+        try:
+            self._timer.iteration((_NOTHING,), start)
+        except Exception as exc:
+            self._fail(exc)
+
     def _end_iteration(self, t0: int, t1: int, start: DeviceEvent | None = None) -> None:
         """An iteration is over on the host. With device timing (``start`` given) its length is measured on the
         device, by the event thread, and what uses it (the profile, the ITERATION message the guard reads) waits
@@ -762,8 +799,7 @@ class Instrumentation:
         hot = self._hot
         hot.signal_map = _NO_SIGNALS
         if self._disabled or prof is None:
-            if start is not None and self._timer is not None:
-                self._timer.iteration((_NOTHING,), start)
+            self._abandon_iteration(start)
             return
         try:
             records = hot.records
@@ -779,10 +815,11 @@ class Instrumentation:
                         self._add_sample(prof, records, (t1 - t0) / 1e9)
                 elif timer is not None:
                     timer.iteration((_NOTHING,), start)  # its events go back to the pool, in order
-            elif timer is not None and start is not None:
-                # the waits' lengths come from the device: the event thread follows them (None: not these)
-                follow = prof if self.fill_mode is not wire.FillMode.NAIVE else None
-                timer.iteration((_SEND, it, t0, t1 - t0, follow), start)
+            elif timer is not None:
+                if start is not None:  # None: the event thread has stopped, and signalling with it
+                    # the waits' lengths come from the device: the event thread follows them (None: not these)
+                    follow = prof if self.fill_mode is not wire.FillMode.NAIVE else None
+                    timer.iteration((_SEND, it, t0, t1 - t0, follow), start)
             else:
                 self._listeners.send(wire.encode_iteration(self.stage, it, t0, t1 - t0))
                 if prof.recent is not None and self.fill_mode is not wire.FillMode.NAIVE:
