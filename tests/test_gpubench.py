@@ -598,15 +598,17 @@ def test_bert_shaped_inference_counts_the_flops_of_its_shape() -> None:
 def test_cuda_graphs_are_refused_with_a_clear_error_where_there_is_no_cuda_device(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from bubbles.fill_examples.batch_inference import BatchInference
+    from bubbles.fill_examples.image_classification import ImageClassification
 
-    with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
-        BatchInference(cuda_graphs="yes")  # type: ignore[arg-type]
     monkeypatch.setenv("BUBBLES_DEVICE", "cpu:0")
-    job = BatchInference(cuda_graphs=True, steps=1)
-    job.create()
-    with pytest.raises(RuntimeError, match=r"cuda_graphs needs a CUDA device.*'cpu'.*set cuda_graphs to false"):
-        job.init()
-    assert not job.graphs  # nothing captured, nothing run
+    for cls in (BatchInference, ImageClassification):
+        with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
+            cls(cuda_graphs="yes")  # type: ignore[arg-type]
+        job = cls(cuda_graphs=True, steps=1)
+        job.create()
+        with pytest.raises(RuntimeError, match=r"cuda_graphs needs a CUDA device.*'cpu'.*set cuda_graphs to false"):
+            job.init()
+        assert not job.graphs and job.steps_done == 0  # nothing captured, nothing run
     plain = BatchInference(steps=1)  # the default: eager steps, no graphs
     plain.create()
     plain.init()
@@ -633,6 +635,55 @@ def test_on_a_gpu_graph_replayed_inference_steps_compute_what_eager_ones_do(monk
             eager = job._forward(static.clone())
         torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
         assert job.steps_done == before + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_graph_replayed_training_steps_update_the_model_as_eager_ones_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bubbles.fill_examples.image_classification import ImageClassification
+
+    monkeypatch.setenv("BUBBLES_DEVICE", "cuda:0")
+    graphed = ImageClassification(arch="resnet", batch_size=8, width=8, cuda_graphs=True)
+    graphed.create()
+    graphed.init()
+    assert set(graphed.graphs) == {2, 4, 8}
+    eager = ImageClassification(arch="resnet", batch_size=8, width=8)
+    eager.create()
+    eager.init()
+    # the same state (capturing ran warm-up steps) and the same batch next, then one step of each size on both
+    eager.model.load_state_dict(graphed.model.state_dict())
+    eager.optimizer.load_state_dict(graphed.optimizer.state_dict())
+    eager.steps_done = graphed.steps_done
+    for size in (2, 4, 8):
+        g, e = graphed.step(size), eager.step(size)
+        assert g.samples == e.samples == size and g.flops == e.flops > 0
+        assert graphed.last_loss == pytest.approx(eager.last_loss, rel=1e-3)
+    for (name, a), (_, b) in zip(graphed.model.state_dict().items(), eager.model.state_dict().items(), strict=True):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_a_checkpointed_image_job_restores_onto_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runtime restores a checkpoint after create(), before init() moves the job to its device: the optimizer's
+    # momentum must follow the parameters there (on a GPU a CPU momentum buffer would stop the first step).
+    from bubbles.fill_examples.image_classification import ImageClassification
+
+    monkeypatch.setenv("BUBBLES_DEVICE", "cuda:0" if torch.cuda.is_available() else "cpu:0")
+    first = ImageClassification(steps=4)
+    first.create()
+    first.init()
+    first.step()
+    state = first.checkpoint()
+    assert state is not None
+    again = ImageClassification(steps=4)
+    again.create()
+    again.restore(state)
+    again.init()
+    again.step()
+    devices = {p.device for p in again.model.parameters()}
+    momentum = {st["momentum_buffer"].device for st in again.optimizer.state.values()}
+    assert momentum == devices and again.steps_done >= 2
 
 
 def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> None:
