@@ -652,8 +652,7 @@ def test_on_a_gpu_graph_replayed_training_steps_update_the_model_as_eager_ones_d
     eager.create()
     eager.init()
     # the same state (capturing ran warm-up steps) and the same batch next, then one step of each size on both
-    eager.model.load_state_dict(graphed.model.state_dict())
-    eager.optimizer.load_state_dict(graphed.optimizer.state_dict())
+    eager.restore(graphed.checkpoint())  # a copy (optimizer.load_state_dict alone would share the momentum tensors)
     eager.steps_done = graphed.steps_done
     for size in (2, 4, 8):
         g, e = graphed.step(size), eager.step(size)
@@ -684,6 +683,9 @@ def test_a_checkpointed_image_job_restores_onto_its_device(monkeypatch: pytest.M
     devices = {p.device for p in again.model.parameters()}
     momentum = {st["momentum_buffer"].device for st in again.optimizer.state.values()}
     assert momentum == devices and again.steps_done >= 2
+    again.graphs[1] = (None, None, None, None)  # as after capturing: the graphs hold the momentum tensors
+    with pytest.raises(RuntimeError, match=r"restore\(\) after the CUDA graphs.*restore before init"):
+        again.restore(state)
 
 
 def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> None:

@@ -107,12 +107,12 @@ class BatchInference(FlopCountedJob):
         import torch
 
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
             for size in (*self.step_sizes, self.batch_size):
                 if size in self.graphs:
                     continue
                 static = self.tokens[0][:size].clone()
+                side.wait_stream(torch.cuda.current_stream())  # after the copy: the warm-up reads it
                 with torch.cuda.stream(side):
                     for _ in range(3):
                         self._forward(static)

@@ -108,16 +108,18 @@ class ImageClassification(FlopCountedJob):
 
     def _capture(self) -> None:
         """One CUDA graph per step size of the whole step, with static images, labels and loss that every replay
-        reuses; warm-up steps on a side stream first (PyTorch's recipe). Each graph has its own memory pool, so
-        the gradients one writes are its own; the parameters and the SGD momentum they update are shared."""
+        reuses; warm-up steps on a side stream first (PyTorch's recipe; they also create the SGD momentum, which a
+        graph captured without it would reset at every replay). Each graph has its own memory pool, so the
+        gradients one writes are its own (``p.grad`` shows the last captured graph's: read it from nowhere else);
+        the parameters and the SGD momentum they update are shared."""
         import torch
 
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         for size in (*self.step_sizes, self.batch_size):
             if size in self.graphs:
                 continue
             images, labels = self.images[0][:size].clone(), self.labels[0][:size].clone()
+            side.wait_stream(torch.cuda.current_stream())  # after the copies: the warm-up reads them
             with torch.cuda.stream(side):
                 for _ in range(3):
                     self._train_on(images, labels)
@@ -165,6 +167,10 @@ class ImageClassification(FlopCountedJob):
         import io
 
         import torch
+
+        if self.graphs:  # the graphs hold the optimizer's momentum tensors, which loading would replace
+            raise RuntimeError("restore() after the CUDA graphs were captured (init()) would leave them updating the "
+                               "old optimizer state; restore before init(), as the fill runtime does")
 
         d = torch.load(io.BytesIO(state), weights_only=True)
         self.model.load_state_dict(d["model"])
