@@ -683,11 +683,9 @@ def test_signals_are_stamped_with_the_device_time_not_the_helper_thread_s_late_w
     timer.close()
 
 
-def test_stamps_keep_up_with_a_device_clock_that_drifts_from_the_host_s() -> None:
-    """The device's timer and the host's clock drift apart (an H100's ran 25 us a second slow): an offset fixed at the
-    luckiest wake-up ever seen leaves the stamps ever earlier. Here the device's clock runs 2% slow and the wake-ups
-    lag by 0 or 1 ms alternately: after 60 waits (0.36 s, 7 ms of drift) every stamp must still be within 1 ms of
-    the device time, on the host's clock."""
+def drifting_timer(offset_window_s: float) -> tuple[FakeStream, EventTimer, dict[int, int]]:
+    """An EventTimer on events whose device clock runs 2% slow and whose wake-ups lag by 0 or 1 ms alternately, and
+    the START stamps it sends (seq -> host ns)."""
     stream = FakeStream()
     lags = itertools.cycle([0.0, 0.001])
 
@@ -702,57 +700,50 @@ def test_stamps_keep_up_with_a_device_clock_that_drifts_from_the_host_s() -> Non
     starts: dict[int, int] = {}
     timer = EventTimer(lambda: DriftingEvent(stream), on_start=lambda sig, seq, t: starts.__setitem__(seq, t),
                        on_end=lambda *a: None, on_iteration=lambda *a: None,
-                       on_error=lambda exc: pytest.fail(repr(exc)), offset_window_s=0.03)
+                       on_error=lambda exc: pytest.fail(repr(exc)), offset_window_s=offset_window_s)
+    return stream, timer, starts
+
+
+def stamp_errors_ms(timer: EventTimer, stream: FakeStream, starts: dict[int, int], waits: int,
+                    compute_s: float, apart_s: float) -> list[float]:
+    """Queue ``waits`` signalled 2 ms waits (``compute_s`` of work before each, ``apart_s`` of host time between
+    them); each START stamp minus the device time it should say, in ms."""
     expected: dict[int, float] = {}
-    for seq in range(1, 61):
-        stream.enqueue(0.004)
+    for seq in range(1, waits + 1):
+        if compute_s:
+            stream.enqueue(compute_s)
         start = timer.begin(0, ("slot", 0), seq)
         assert start is not None
         expected[seq] = start.at  # type: ignore[attr-defined]
         stream.enqueue(0.002)
         timer.end(0, start, ("slot", 0), seq)
+        if apart_s:
+            time.sleep(apart_s)
     deadline = time.monotonic() + 10
-    while len(starts) < 60 and time.monotonic() < deadline:
+    while len(starts) < waits and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(starts) == 60
-    errors_ms = [(starts[seq] - expected[seq] * 1e9) / 1e6 for seq in range(1, 61)]
-    assert max(abs(e) for e in errors_ms) < 1.0, errors_ms
+    assert len(starts) == waits
     timer.close()
+    return [(starts[seq] - expected[seq] * 1e9) / 1e6 for seq in range(1, waits + 1)]
+
+
+def test_stamps_keep_up_with_a_device_clock_that_drifts_from_the_host_s() -> None:
+    """The device's timer and the host's clock drift apart (an H100's ran 25 us a second slow): an offset fixed at the
+    luckiest wake-up ever seen leaves the stamps ever earlier. Here the device's clock runs 2% slow and the wake-ups
+    lag by 0 or 1 ms alternately: after 60 waits (0.36 s, 7 ms of drift) every stamp must still be within 1 ms of
+    the device time, on the host's clock."""
+    stream, timer, starts = drifting_timer(offset_window_s=0.03)
+    errors_ms = stamp_errors_ms(timer, stream, starts, 60, compute_s=0.004, apart_s=0.0)
+    assert max(abs(e) for e in errors_ms) < 1.0, errors_ms
 
 
 def test_sparse_wake_ups_do_not_keep_an_old_clock_offset() -> None:
     """Signals can be few (a checkpoint pause, no listener): the offset must come from recent wake-ups by time, not
     from the last N however old. Waits 0.12 s apart, a device clock 2% slow, wake-ups late by 0 or 1 ms: an offset
     kept from the first would leave the last stamps 10 ms early."""
-    stream = FakeStream()
-    lags = itertools.cycle([0.0, 0.001])
-
-    class DriftingEvent(FakeEvent):
-        def synchronize(self) -> None:
-            super().synchronize()
-            time.sleep(next(lags))
-
-        def elapsed_time(self, end: FakeEvent) -> float:
-            return super().elapsed_time(end) * 0.98
-
-    starts: dict[int, int] = {}
-    timer = EventTimer(lambda: DriftingEvent(stream), on_start=lambda sig, seq, t: starts.__setitem__(seq, t),
-                       on_end=lambda *a: None, on_iteration=lambda *a: None,
-                       on_error=lambda exc: pytest.fail(repr(exc)), offset_window_s=0.05)
-    expected: dict[int, float] = {}
-    for seq in range(1, 7):
-        start = timer.begin(0, ("slot", 0), seq)
-        assert start is not None
-        expected[seq] = start.at  # type: ignore[attr-defined]
-        stream.enqueue(0.002)
-        timer.end(0, start, ("slot", 0), seq)
-        time.sleep(0.12)
-    deadline = time.monotonic() + 10
-    while len(starts) < 6 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    errors_ms = [(starts[seq] - expected[seq] * 1e9) / 1e6 for seq in range(1, 7)]
+    stream, timer, starts = drifting_timer(offset_window_s=0.05)
+    errors_ms = stamp_errors_ms(timer, stream, starts, 6, compute_s=0.0, apart_s=0.12)
     assert max(abs(e) for e in errors_ms) < 1.6, errors_ms  # its own wake-up's lag at most (1 ms, and sleep's)
-    timer.close()
 
 
 def test_the_wake_up_benchmark_refuses_bad_flags_and_a_machine_with_no_gpu(capsys: pytest.CaptureFixture[str]) -> None:
