@@ -719,6 +719,7 @@ def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> No
     (["--device", "cpu", "--stage", "7", "--stages", "4"], "--stage 7: the pipeline has stages 0..3"),
     (["--device", "cpu", "--jobs", "image-classification,video-gen"], "unknown fill job(s) video-gen"),
     (["--device", "cpu", "--isolations", "vm"], "unknown isolation(s) vm"),
+    (["--device", "cpu", "--jobs", "batch-inference-graphs"], "--jobs batch-inference-graphs: replays CUDA graphs"),
     (["--device", "cpu", "--settle", "9", "--iterations", "6"], "--settle 9: must be >= 0 and below"),
     (["--device", "cpu", "--price-training", "0"], "--price-training 0"),
     (["--device", "cpu", "--fill-args", "image-classification=[1]"], "write JOB=JSON-object"),
@@ -883,3 +884,14 @@ def test_the_gpu_checks_script_says_what_is_missing_on_a_machine_without_a_gpu(t
     proc = subprocess.run(["bash", str(script), str(tmp_path / "b")], capture_output=True, text=True, timeout=60,
                           env={**bare, "PATH": f"{fake}:/usr/bin:/bin", "PYTHON": sys.executable})
     assert proc.returncode == 2 and "has no CUDA torch" in proc.stderr and "set PYTHON" in proc.stderr
+
+
+def test_the_graphs_presets_are_the_eager_ones_with_cuda_graphs_on_a_gpu_and_not_run_by_default() -> None:
+    from gpubench.run import DEFAULT_JOBS, JOBS
+
+    assert set(DEFAULT_JOBS) == {"image-classification", "batch-inference"}
+    for eager in DEFAULT_JOBS:
+        graphs = JOBS[f"{eager}-graphs"]
+        assert graphs.entry == JOBS[eager].entry
+        assert graphs.args("cuda:0") == {**JOBS[eager].args("cuda:0"), "cuda_graphs": True}
+        assert "cuda_graphs" not in JOBS[eager].args("cuda:0")

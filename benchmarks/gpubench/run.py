@@ -57,26 +57,33 @@ class FillJobPreset:
 
     entry: str
     gpu_args: dict[str, Any]
-    cpu_args: dict[str, Any]
+    cpu_args: dict[str, Any] | None  # None: a GPU-only preset
     gpu_memory: str  # the hard limit a GPU fill job must declare (isolation: MPS pinned memory, allocator cap)
 
     def args(self, device: str) -> dict[str, Any]:
-        return dict(self.gpu_args if device.startswith("cuda") else self.cpu_args)
+        return dict(self.gpu_args if device.startswith("cuda") else self.cpu_args or {})
 
 
+_RESNET = {"arch": "resnet", "batch_size": 64, "width": 64, "dtype": "bfloat16"}
+_BERT = {"batch_size": 32, "seq_len": 128, "width": 768, "layers": 12, "heads": 12, "ffn": 3072, "vocab": 30522,
+         "dtype": "bfloat16"}
 JOBS = {
-    # ResNet-18 layout on CIFAR-sized images, batch 64, bf16 (its step time on a GPU has not been measured yet)
+    # ResNet-18 layout on CIFAR-sized images, batch 64, bf16 (H100, 2026-11-24: 7.8 ms a step alone, launch-bound)
     "image-classification": FillJobPreset(
-        "bubbles.fill_examples.image_classification:ImageClassification",
-        {"arch": "resnet", "batch_size": 64, "width": 64, "dtype": "bfloat16"},
-        {"batch_size": 4, "width": 8}, "4Gi"),
-    # BERT-base shape (width 768, 12 layers, 12 heads, seq 128), 32 sequences a step, bf16
+        "bubbles.fill_examples.image_classification:ImageClassification", _RESNET, {"batch_size": 4, "width": 8},
+        "4Gi"),
+    # BERT-base shape (width 768, 12 layers, 12 heads, seq 128), 32 sequences a step, bf16 (H100: 4.4 ms alone)
     "batch-inference": FillJobPreset(
-        "bubbles.fill_examples.batch_inference:BatchInference",
-        {"batch_size": 32, "seq_len": 128, "width": 768, "layers": 12, "heads": 12, "ffn": 3072, "vocab": 30522,
-         "dtype": "bfloat16"},
-        {"batch_size": 16}, "4Gi"),
+        "bubbles.fill_examples.batch_inference:BatchInference", _BERT, {"batch_size": 16}, "4Gi"),
+    # The same two with each step size replayed as a CUDA graph (GPU only): beside the eager ones in one run, the
+    # graphs' effect is measured against a reference of the same run. Not run by default.
+    "image-classification-graphs": FillJobPreset(
+        "bubbles.fill_examples.image_classification:ImageClassification", {**_RESNET, "cuda_graphs": True}, None,
+        "4Gi"),
+    "batch-inference-graphs": FillJobPreset(
+        "bubbles.fill_examples.batch_inference:BatchInference", {**_BERT, "cuda_graphs": True}, None, "4Gi"),
 }
+DEFAULT_JOBS = ("image-classification", "batch-inference")
 
 # Sizes: full mode (an H200: hidden 4096, seq 2048, 4 blocks a stage, p=4, m=8) and smoke mode (CPU, tiny).
 FULL = {"stage": 0, "stages": 4, "microbatches": 8, "hidden": 4096, "heads": 32, "ffn_mult": 4, "seq": 2048,
@@ -103,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("out/gpu-harvest"), help="report directory")
     p.add_argument("--workdir", type=Path, default=None,
                    help="the runs' files (logs, agent stats, training records) (default: OUT/work)")
-    p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of fill jobs (default {','.join(JOBS)})")
+    p.add_argument("--jobs", default=",".join(DEFAULT_JOBS),
+                   help=f"comma list of fill jobs, of {', '.join(JOBS)} (default {','.join(DEFAULT_JOBS)}; the "
+                        "-graphs ones replay their steps as CUDA graphs, GPU only)")
     p.add_argument("--fill-args", action="append", default=[], metavar="JOB=JSON",
                    help="override a fill job's arguments, e.g. 'image-classification={\"batch_size\": 32}' "
                         "(repeatable)")
@@ -173,6 +182,10 @@ def resolve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--stage-memory-gb {args.stage_memory_gb}: the GiB the training's stage holds, >= 0 "
                       "(0: no ballast)")
     args.job_list = _known_list("--jobs", args.jobs, tuple(JOBS), "fill job(s)", errors)
+    if not str(args.device).startswith("cuda"):
+        for job in args.job_list:
+            if job in JOBS and JOBS[job].cpu_args is None:
+                errors.append(f"--jobs {job}: replays CUDA graphs, which need a GPU; leave it out on {args.device}")
     args.job_args = {j: JOBS[j].args(str(args.device)) for j in JOBS}
     for item in args.fill_args:
         job, sep, text = item.partition("=")
