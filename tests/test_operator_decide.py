@@ -8,6 +8,8 @@ back, as the API server would, before the next round.
 from __future__ import annotations
 
 import datetime as dt
+import json
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -53,11 +55,12 @@ def fill_job(name: str = "fj", created: str = "2026-11-23T07:00:00Z", **spec: An
 def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[dict[str, Any]] | None = None,
          progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW,
          failed_pods: dict[str, str] | None = None, fill_pods: FillPodSettings | None = None,
-         ended_pods: dict[str, str] | None = None) -> Decisions:
+         ended_pods: dict[str, str] | None = None, acting_s: float = math.inf) -> Decisions:
     """One reconcile; the decided statuses are written into the objects (the API server's part)."""
     trainings = trainings if trainings is not None else [training()]
     d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}, failed_pods=failed_pods or {},
-                              ended_pods=ended_pods or {}, fill_pods=fill_pods or FillPodSettings()))
+                              ended_pods=ended_pods or {}, fill_pods=fill_pods or FillPodSettings(),
+                              acting_s=acting_s))
     for obj in jobs:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
         if key in d.fill_job_status:
@@ -189,6 +192,21 @@ def test_a_lost_training_pod_requeues_the_job_and_the_restart_limit_fails_it() -
     d = step([job], [stage(), stage(1, pod="llama-1", agent_up=False)])  # its agent stops answering
     assert job["status"]["phase"] == "Failed" and "spec.restartLimit" in job["status"]["message"]
     assert "stopped answering" in job["status"]["message"] and d.create_pods == []
+
+
+def test_a_just_started_operator_does_not_evict_a_job_whose_training_pod_it_has_not_listed_yet() -> None:
+    # A restarted operator's watches list the FillJobs and the Pods in their own time: in its first seconds a
+    # placed job's training Pod may not be in its store yet. That is not a Pod that is gone (seen in CI, 2026-11-24:
+    # the restarted operator deleted the running fill Pod and placed the job again).
+    from bubbles.operator.decide import STARTUP_GRACE_S
+
+    job = fill_job()
+    step([job], [stage()])
+    placed = json.loads(json.dumps(job["status"]))
+    d = step([job], [], acting_s=0.5)  # the training Pod not listed yet
+    assert job["status"] == placed and d.delete_pods == [] and d.cancel == [] and d.events == []
+    d = step([job], [], acting_s=STARTUP_GRACE_S + 1)  # still not there after the grace: gone
+    assert "is gone" in cond(job, "Evicted")["message"] and d.delete_pods == [("ml", "fj-fj-a0")]
 
 
 def test_a_stage_its_restarted_agent_does_not_report_says_so_not_that_the_pod_is_gone() -> None:

@@ -56,6 +56,11 @@ MAX_ETA_S = dt.datetime(9000, 1, 1, tzinfo=dt.UTC).timestamp()
 
 
 # -- what the operator sees ------------------------------------------------------------------------------
+# A replica's first seconds of reconciling: a placed job whose training Pod it has not seen is left as it is, not
+# evicted (its watches list the cluster as it starts; before 2026-11-24 a restarted operator could evict and
+# re-place a running job whose Pod was listed after its FillJob).
+STARTUP_GRACE_S = 10.0
+
 @dataclass(frozen=True)
 class StageView:
     """One pipeline stage of one training Pod: the Pod from the API server, its bubbles from its node's agent."""
@@ -94,6 +99,9 @@ class ClusterView:
     # for it then has lost its run (its agent restarted and the process left with the old one's channel).
     ended_pods: Mapping[str, str] = field(default_factory=dict)
     fill_pods: FillPodSettings = field(default_factory=lambda: FillPodSettings())
+    # How long this replica has been reconciling: its watches may not have listed every object yet in its first
+    # seconds (a training Pod it has not seen is not a Pod that is gone). inf: long enough.
+    acting_s: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -385,6 +393,8 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         prog = None  # an earlier attempt's run (stopped when this one was placed): not this run's progress
     lost = None
     ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
+    if stage is None and view.acting_s < STARTUP_GRACE_S:
+        return  # just started: the training Pod may not be in the watch's first listing yet; look again next round
     if stage is None:
         tkey, tpod = f"{job.namespace}/{a.get('training')}", a.get("trainingPod")
         if any(s.pod == tpod and s.training == tkey for s in view.stages):

@@ -109,6 +109,7 @@ class Operator:
         self.metrics = OperatorMetrics()
         self.wake = asyncio.Event()
         self.rounds = 0
+        self._started: float | None = None  # time.monotonic() of the first round (decide's acting_s)
         self._training_written: dict[str, float] = {}  # PipelineTraining key -> when its status was last written
         self.round_s: list[tuple[float, float, float]] = []  # per round: (see, decide, act) seconds, the last 1000
         self.writes_total: Counter[str] = Counter()  # API writes by kind since start
@@ -344,8 +345,11 @@ class Operator:
                 (failed if phase == "Failed" else ended)[key] = \
                     f"{why}{': ' + st['message'] if st.get('message') else ''}"
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
+        if self._started is None:
+            self._started = time.monotonic()
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
-                           failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods)
+                           failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods,
+                           acting_s=time.monotonic() - self._started)
 
     async def reconcile_once(self) -> Decisions:
         """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""
