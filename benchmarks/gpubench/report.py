@@ -95,6 +95,16 @@ def harvest_breakdown(stats: Mapping[str, Any]) -> dict[str, float] | None:
     return {key: d[key] / d["bubble_s"] for key, _ in BREAKDOWN}
 
 
+def harvest_steps_by_size(stats: Mapping[str, Any]) -> dict[str, int]:
+    """How many fill steps of each size ran in the harvest phases ("whole" for a job without step sizes)."""
+    out: dict[str, int] = {}
+    for st in stats.get("steps", []):
+        if st.get("mode") == FillMode.HARVEST.label:
+            key = "whole" if st.get("size") is None else str(st["size"])
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
+
+
 def fill_step_profile(stats: Mapping[str, Any]) -> str | None:
     """The fill job's step times as its runtime measured them at init (by step size), from the agent's events."""
     msgs = [str(e.get("message", "")) for e in stats.get("events", []) if e.get("kind") == "profile"
@@ -189,6 +199,7 @@ def build_report(*, config: Mapping[str, Any], solo: Mapping[str, Any], runs: Se
                 "guard": stats.get("guard", {}),
                 "hook": rec.get("hook", {}),
                 "fill_step_profile": fill_step_profile(stats),
+                "harvest_steps_by_size": harvest_steps_by_size(stats),
             })
             regimes += [dict(r, run=len(run_facts)) for r in regimes_of_run(
                 run, solo, settle=settle, price_training=price_training, price_fill=price_fill)]
@@ -260,7 +271,10 @@ def format_table(report: Mapping[str, Any]) -> str:
                          + " | ".join(_pct(r["breakdown"][k]) for k in keys) + " |")
     steps = [r for r in report["runs"] if r.get("fill_step_profile")]
     if steps:
-        lines += [""] + [f"- {r['job']} / {r['isolation_label']}, timed at init: {r['fill_step_profile']}"
+        lines += [""] + [f"- {r['job']} / {r['isolation_label']}, timed at init: {r['fill_step_profile']}; "
+                         "harvest steps by size: " + (", ".join(f"{k}: {n}" for k, n in
+                                                               (r.get("harvest_steps_by_size") or {}).items())
+                                                      or "none")
                          for r in steps]
     g = report["goals"]
     lines += ["", f"Goal: slowdown at most {g['max_slowdown'] * 100:g}% while filling at least "

@@ -651,7 +651,8 @@ class AgentCore:
             if len(self.steps) < MAX_STEP_RECORDS:
                 self.steps.append({"stage": job.stage, "job": job.name, "start_ns": ev["start_ns"],
                                    "end_ns": ev["end_ns"], "flops": ev["flops"], "mode": mode,
-                                   "signal_ns": ev.get("signal_ns", 0), "bubble_seq": ev.get("bubble_seq", -1)})
+                                   "signal_ns": ev.get("signal_ns", 0), "bubble_seq": ev.get("bubble_seq", -1),
+                                   "size": ev.get("size")})  # the step size, for a job with step_sizes
         elif ev.type == "state":
             if job.state is FillState.STOPPED:
                 return
