@@ -157,6 +157,18 @@ def built_cycle(inst: Any, schedule: str = "TrainSchedule") -> Any:
     return inst.cycles.get(schedule)
 
 
+def profiled_on_device(eng: Any, sockdir: Path, training: str) -> tuple[Any, Any, Path]:
+    """``eng`` instrumented with events on its fake stream (no warm-up, two profiled iterations) and run until the
+    event thread has built its cycle: the instrumentation, the cycle and the stage's socket directory."""
+    sdir = paths.make_private_dir(paths.stage_dir(sockdir, training, 0))
+    inst = instrument(eng, training=training, run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
+                      warmup_iterations=0, profile_iterations=2, timing="cuda",
+                      event_factory=lambda: FakeEvent(eng.stream))
+    eng.train_batch()
+    eng.train_batch()
+    return inst, built_cycle(inst), sdir  # built on the event thread
+
+
 def test_device_events_see_the_bubbles_that_host_stamps_miss(sockdir: Path) -> None:
     stream = FakeStream()
     host_eng = AsyncEngine(stream)
@@ -188,13 +200,7 @@ def test_device_events_see_the_bubbles_that_host_stamps_miss(sockdir: Path) -> N
 
 def test_bubble_signals_follow_the_device_not_the_host(sockdir: Path) -> None:
     eng = AsyncEngine(FakeStream())
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "s", 0))
-    inst = instrument(eng, training="s", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
-                      warmup_iterations=0, profile_iterations=2, timing="cuda",
-                      event_factory=lambda: FakeEvent(eng.stream))
-    eng.train_batch()
-    eng.train_batch()
-    built_cycle(inst)  # built on the event thread
+    inst, _cycle, sdir = profiled_on_device(eng, sockdir, "s")
     assert inst.cycle is not None and len(inst.cycle.slots) == 4
     listener = bind(sdir / "fill-x.sock")
     eng.train_batch()  # the listener is discovered at the end of this batch; the profile is sent then
@@ -280,14 +286,8 @@ def test_with_device_timing_the_iteration_length_is_the_device_s_not_the_host_s(
     # The guard and the profile read iteration lengths. The host only queues the work (here in microseconds), and
     # the device runs it later: 6 passes and 4 waits, about 48 ms. The ITERATION messages must say the latter.
     eng = RunAheadEngine(FakeStream())
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "it", 0))
-    inst = instrument(eng, training="it", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
-                      warmup_iterations=0, profile_iterations=2, timing="cuda",
-                      event_factory=lambda: FakeEvent(eng.stream))
     device_s = 2 * eng.micro_batches * COMPUTE_S + 4 * WAIT_S  # the passes and the waits (3 RecvGrad, the loss)
-    eng.train_batch()
-    eng.train_batch()
-    cycle = built_cycle(inst)
+    inst, cycle, sdir = profiled_on_device(eng, sockdir, "it")
     assert cycle.iteration_s == pytest.approx(device_s, rel=0.15)  # the profile's iteration: the device's
     listener = bind(sdir / "fill-x.sock")
     eng.train_batch()  # the listener is found at the end of this batch
@@ -324,13 +324,8 @@ def test_with_device_timing_predicted_lengths_follow_the_waits_the_device_measur
             return handler
 
     eng = Waits(FakeStream())
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "fol", 0))
-    inst = instrument(eng, training="fol", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
-                      warmup_iterations=0, profile_iterations=2, timing="cuda",
-                      event_factory=lambda: FakeEvent(eng.stream))
-    eng.train_batch()
-    eng.train_batch()
-    assert built_cycle(inst) is not None
+    inst, cycle, sdir = profiled_on_device(eng, sockdir, "fol")
+    assert cycle is not None
     listener = bind(sdir / "fill-x.sock")
 
     def settle() -> None:  # the device has run what was queued, the event thread has sent its signals
@@ -617,13 +612,7 @@ def test_a_fill_mode_switch_reaches_listeners_after_the_bubbles_the_device_has_y
     """The device runs behind the host: a switch sent at once would arrive before the previous phase's last
     bubbles, and the agent would count them in the new phase."""
     eng = RunAheadEngine(FakeStream())
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "m", 0))
-    inst = instrument(eng, training="m", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
-                      warmup_iterations=0, profile_iterations=2, timing="cuda",
-                      event_factory=lambda: FakeEvent(eng.stream))
-    eng.train_batch()
-    eng.train_batch()
-    built_cycle(inst)  # built on the event thread
+    inst, _cycle, sdir = profiled_on_device(eng, sockdir, "m")
     assert inst.cycle is not None and len(inst.cycle.slots) == 4
     listener = bind(sdir / "fill-m.sock")
     eng.train_batch()  # the listener is discovered at the end of this batch

@@ -615,6 +615,38 @@ def test_cuda_graphs_are_refused_with_a_clear_error_where_there_is_no_cuda_devic
     assert plain.step(plain.batch_size).samples == plain.batch_size and not plain.graphs
 
 
+def test_a_replayed_step_copies_its_batch_into_the_graphs_inputs_and_reads_its_output() -> None:
+    # The replay plumbing, with a stand-in for torch.cuda.CUDAGraph (no GPU here): the step's batch goes into the
+    # captured size's static inputs, in order, before the replay, and the step reports the graph's output.
+    from bubbles.fill_examples.image_classification import ImageClassification
+
+    job = ImageClassification(batch_size=4, steps=4)
+    job.create()
+    job.init()  # eager on CPU: no graphs
+
+    class StandInGraph:
+        def __init__(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            self.inputs, self.output, self.seen = inputs, output, []
+
+        def replay(self) -> None:
+            images, labels = self.inputs
+            self.seen.append((images.clone(), labels.clone()))
+            self.output.fill_(float(labels.sum()))
+
+    inputs = (torch.zeros_like(job.images[0][:2]), torch.zeros_like(job.labels[0][:2]))
+    graph = StandInGraph(inputs, torch.zeros(()))
+    job.graphs[2] = (graph, inputs, graph.output)
+    weights = [p.detach().clone() for p in job.model.parameters()]
+    i = job.steps_done % len(job.images)
+    job.step(2)
+    assert len(graph.seen) == 1
+    assert torch.equal(graph.seen[0][0], job.images[i][:2]) and torch.equal(graph.seen[0][1], job.labels[i][:2])
+    assert job.last_loss == float(job.labels[i][:2].sum())
+    assert all(torch.equal(a, p) for a, p in zip(weights, job.model.parameters(), strict=True))  # no eager step
+    job.step(4)  # no graph for a whole batch: the eager step
+    assert len(graph.seen) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_a_gpu_graph_replayed_inference_steps_compute_what_eager_ones_do(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -630,7 +662,7 @@ def test_on_a_gpu_graph_replayed_inference_steps_compute_what_eager_ones_do(monk
         before = job.steps_done
         result = job.step(size)
         assert result.samples == size and result.flops == job.flops_by_size[size] > 0
-        _graph, static, logits = job.graphs[size]
+        _graph, (static,), logits = job.graphs[size]
         with torch.no_grad():
             eager = job._forward(static.clone())
         torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
@@ -683,7 +715,7 @@ def test_a_checkpointed_image_job_restores_onto_its_device(monkeypatch: pytest.M
     devices = {p.device for p in again.model.parameters()}
     momentum = {st["momentum_buffer"].device for st in again.optimizer.state.values()}
     assert momentum == devices and again.steps_done >= 2
-    again.graphs[1] = (None, None, None, None)  # as after capturing: the graphs hold the momentum tensors
+    again.graphs[1] = (None, (), None)  # as after capturing: the graphs hold the momentum tensors
     with pytest.raises(RuntimeError, match=r"restore\(\) after the CUDA graphs.*restore before init"):
         again.restore(state)
 

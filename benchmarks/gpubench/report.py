@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share
+from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share, mode_records
 from bubbles.api import FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
 from bubbles.stats import median_interval, percentile
@@ -76,20 +76,16 @@ def round_slowdowns(record: Mapping[str, Any], mode: FillMode, settle: int) -> l
 
 def round_fill_shares(record: Mapping[str, Any], stats: Mapping[str, Any], mode: FillMode) -> list[float]:
     """Each phase of ``mode``'s share of bubble time filled, from the agent's bubble and step records in it."""
-    label = mode.label
-    bubbles = [b for b in stats.get("bubbles", []) if b.get("mode") == label]
-    steps = [st for st in stats.get("steps", []) if st.get("mode") == label]
+    bubbles, steps = mode_records(stats, mode.label)
     shares = (filled_share(bubbles, steps, ph["start_ns"], ph["end_ns"])
-              for ph in record.get("phases", []) if ph["mode"] == label)
+              for ph in record.get("phases", []) if ph["mode"] == mode.label)
     return [s for s in shares if s is not None]
 
 
 def harvest_breakdown(stats: Mapping[str, Any]) -> dict[str, float] | None:
     """Where the harvest phases' bubble time went, as shares of it (``ledger.BREAKDOWN``'s keys), from the agent's
     bubble and step records; None without bubble time."""
-    label = FillMode.HARVEST.label
-    d = bubble_breakdown([b for b in stats.get("bubbles", []) if b.get("mode") == label],
-                         [st for st in stats.get("steps", []) if st.get("mode") == label])
+    d = bubble_breakdown(*mode_records(stats, FillMode.HARVEST.label))
     if not d["bubble_s"]:
         return None
     return {key: d[key] / d["bubble_s"] for key, _ in BREAKDOWN}
@@ -98,10 +94,9 @@ def harvest_breakdown(stats: Mapping[str, Any]) -> dict[str, float] | None:
 def harvest_steps_by_size(stats: Mapping[str, Any]) -> dict[str, int]:
     """How many fill steps of each size ran in the harvest phases ("whole" for a job without step sizes)."""
     out: dict[str, int] = {}
-    for st in stats.get("steps", []):
-        if st.get("mode") == FillMode.HARVEST.label:
-            key = "whole" if st.get("size") is None else str(st["size"])
-            out[key] = out.get(key, 0) + 1
+    for st in mode_records(stats, FillMode.HARVEST.label)[1]:
+        key = "whole" if st.get("size") is None else str(st["size"])
+        out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
 
 

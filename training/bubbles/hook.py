@@ -274,7 +274,6 @@ class _ScheduleProfile:
         self.cycle: BubbleCycle | None = None
         self.signal_map: dict[int, tuple[int, int]] = {}  # position -> (slot, predicted length ns)
         self.recent: RecentLengths | None = None  # each signalled bubble's recent lengths
-        self.followed = 0  # device timing: iterations whose lengths were added (on the event thread)
 
 
 class _Hot:
@@ -381,6 +380,7 @@ class Instrumentation:
 
     @property
     def stats(self) -> dict[str, Any]:
+        lags = list(self._timer.wake_lag_ns) if self._timer else []
         return {
             "signals_sent": self._listeners.sent,
             "signals_dropped": self._listeners.dropped,
@@ -393,10 +393,8 @@ class Instrumentation:
             "device_waits_timed": self._timer.resolved if self._timer else 0,
             "device_waits_untimed": self._timer.overflowed if self._timer else 0,
             # device timing: how late the helper thread woke after each signalled event (taken out of the stamps)
-            "signal_wake_lag_us_p50": (percentile(list(self._timer.wake_lag_ns), 50) / 1e3
-                                       if self._timer and self._timer.wake_lag_ns else None),
-            "signal_wake_lag_us_p90": (percentile(list(self._timer.wake_lag_ns), 90) / 1e3
-                                       if self._timer and self._timer.wake_lag_ns else None),
+            "signal_wake_lag_us_p50": percentile(lags, 50) / 1e3 if lags else None,
+            "signal_wake_lag_us_p90": percentile(lags, 90) / 1e3 if lags else None,
             "event_wait": self.event_wait,  # device timing on CUDA: how the helper thread waits (block or spin)
             "switch_interval_us": (self.switch_interval_s * 1e6 if self.switch_interval_s else None),
             "device_iteration_s_p50": (percentile(list(self.device_iteration_times_s), 50)
@@ -849,8 +847,7 @@ class Instrumentation:
                     t0, took = span
                 self._listeners.send(wire.encode_iteration(self.stage, it, t0, took))
                 if follow is not None and follow.recent is not None:
-                    follow.followed += 1
-                    self._follow_lengths(follow, lengths_ns, follow.followed)
+                    self._follow_lengths(follow, lengths_ns, it)
         except Exception as exc:
             self._fail(exc)
 

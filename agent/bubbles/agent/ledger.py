@@ -216,6 +216,15 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
             "overrun_s": overrun_ns / _NS_PER_S}
 
 
+def mode_records(status: Mapping[str, Any] | None, mode: str) -> tuple[list[Mapping[str, Any]],
+                                                                      list[Mapping[str, Any]]]:
+    """The bubble and step records of one fill mode (its label) in the agent's status (``bubbles``, ``steps``).
+    Pure."""
+    status = status or {}
+    return ([b for b in status.get("bubbles", []) if b.get("mode") == mode],
+            [st for st in status.get("steps", []) if st.get("mode") == mode])
+
+
 def filled_share(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mapping[str, Any]], t0_ns: int,
                  t1_ns: int) -> float | None:
     """The share of the bubble time in a window (the bubbles and steps that start in ``[t0_ns, t1_ns)``) that fill

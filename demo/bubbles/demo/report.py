@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share
+from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share, mode_records
 from bubbles.api import FillMode
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
 from bubbles.orchestrate.phases import iteration_times_by_mode, iterations_by_round
@@ -93,9 +93,7 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
 
 def _harvest_records(agent_stats: Mapping[str, Any] | None) -> tuple[list[Any], list[Any]]:
     """The agent's bubble and step records of harvest mode."""
-    label = FillMode.HARVEST.label
-    return ([b for b in (agent_stats or {}).get("bubbles", []) if b.get("mode") == label],
-            [st for st in (agent_stats or {}).get("steps", []) if st.get("mode") == label])
+    return mode_records(agent_stats, FillMode.HARVEST.label)
 
 
 def round_figures(rank0: Mapping[str, Any], agent_stats: Mapping[str, Any] | None,

@@ -3,6 +3,7 @@ then reporting that count per step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bubbles.sdk import IterativeFillJob, StepResult, assigned_device
@@ -16,6 +17,13 @@ def check_dtype(dtype: Any) -> str:
         raise ValueError(f"dtype must be one of {', '.join(repr(d) for d in DTYPES)}, got {dtype!r}; "
                          "use 'bfloat16' on GPUs, 'float32' on CPUs")
     return str(dtype)
+
+
+def check_cuda_graphs(value: Any) -> bool:
+    """The examples' ``cuda_graphs`` argument; ValueError unless a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"cuda_graphs must be true or false, got {value!r}")
+    return value
 
 
 def default_step_sizes(batch_size: int) -> tuple[int, ...]:
@@ -53,6 +61,8 @@ class FlopCountedJob(IterativeFillJob):
     samples_done: int = 0
     step_flops: float | None = None  # a whole batch's
     flops_by_size: dict[int, float]
+    cuda_graphs: bool = False  # each step size's step replayed as a CUDA graph (``_capture_graphs``)
+    graphs: dict[int, tuple[Any, tuple[Any, ...], Any]]  # size -> (graph, static inputs, static output)
 
     def target_device(self) -> str:
         """The device the agent assigned this fill process (``$BUBBLES_DEVICE``; ``"cpu"`` when run alone).
@@ -61,6 +71,48 @@ class FlopCountedJob(IterativeFillJob):
         shares with which stage, and a CPU executor's fill job must stay on its core even if a GPU exists.
         """
         return assigned_device()
+
+    def _require_cuda_for_graphs(self, device: str) -> None:
+        if self.cuda_graphs and not device.startswith("cuda"):
+            raise RuntimeError(f"cuda_graphs needs a CUDA device, and this fill job was given {device!r}: "
+                               "set cuda_graphs to false, or run it on a GPU executor (bubbles agent --devices)")
+
+    def _capture_graphs(self, static_inputs: Callable[[int], tuple[Any, ...]], body: Callable[..., Any]) -> None:
+        """One CUDA graph per step size of ``body(*static_inputs(size))``, as PyTorch's CUDA graphs notes capture a
+        whole network: 3 warm-up calls on a side stream (which also create state a step creates lazily, such as
+        SGD's momentum), then the capture, each graph in its own memory pool. ``_replay`` runs them. The warm-up
+        calls are work outside the bubbles, not counted."""
+        import torch
+
+        if not hasattr(self, "graphs"):
+            self.graphs = {}
+        side = torch.cuda.Stream()
+        for size in (*self.step_sizes, self.batch_size):
+            if size in self.graphs:
+                continue
+            inputs = static_inputs(size)
+            side.wait_stream(torch.cuda.current_stream())  # after the copies: the warm-up reads them
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    body(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = body(*inputs)
+            self.graphs[size] = (graph, inputs, output)
+        torch.cuda.synchronize()
+
+    def _replay(self, size: int, batch: tuple[Any, ...]) -> Any:
+        """With a graph for ``size``: ``batch`` copied into its static inputs, the graph replayed, its static output;
+        otherwise None (run the step eagerly)."""
+        replay = getattr(self, "graphs", {}).get(size)
+        if replay is None:
+            return None
+        graph, inputs, output = replay
+        for static, value in zip(inputs, batch, strict=True):
+            static.copy_(value)
+        graph.replay()
+        return output
 
     def torch_dtype(self) -> Any:
         import torch

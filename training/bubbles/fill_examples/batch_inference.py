@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, parse_step_sizes
+from bubbles.fill_examples._counted import FlopCountedJob, check_cuda_graphs, check_dtype, parse_step_sizes
 
 
 class BatchInference(FlopCountedJob):
@@ -49,10 +49,8 @@ class BatchInference(FlopCountedJob):
         self.seed = seed
         self.dtype = check_dtype(dtype)
         self.step_sizes = parse_step_sizes(step_sizes, batch_size)
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
-        self.cuda_graphs = cuda_graphs
-        self.graphs: dict[int, tuple[Any, Any, Any]] = {}  # size -> (graph, static tokens, static logits)
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs)
+        self.graphs = {}  # size -> (graph, (static tokens,), static logits)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.predictions = 0
@@ -84,10 +82,10 @@ class BatchInference(FlopCountedJob):
         self.device = "cpu"
 
     def init(self) -> None:
+        import torch
+
         device = self.target_device()
-        if self.cuda_graphs and not device.startswith("cuda"):
-            raise RuntimeError(f"cuda_graphs needs a CUDA device, and this fill job was given {device!r}: "
-                               "set cuda_graphs to false, or run it on a GPU executor (bubbles agent --devices)")
+        self._require_cuda_for_graphs(device)
         if device != "cpu":
             self.device = device
             for m in (self.embed, self.encoder, self.head):
@@ -95,44 +93,19 @@ class BatchInference(FlopCountedJob):
             self.tokens = self.tokens.to(device)
         self._count_first_step()  # outside the bubbles: see the package doc (eager: the FLOP counter sees it)
         if self.cuda_graphs:
-            self._capture()
+            with torch.no_grad():
+                self._capture_graphs(lambda size: (self.tokens[0][:size].clone(),), self._forward)
 
     def _forward(self, tokens: Any) -> Any:
         x = self.embed(tokens)
         return self.head(self.encoder(x).mean(dim=1))
 
-    def _capture(self) -> None:
-        """One CUDA graph per step size, captured as PyTorch documents it: warm-up steps on a side stream, then
-        the capture, with static input and output tensors that every replay reuses."""
-        import torch
-
-        side = torch.cuda.Stream()
-        with torch.no_grad():
-            for size in (*self.step_sizes, self.batch_size):
-                if size in self.graphs:
-                    continue
-                static = self.tokens[0][:size].clone()
-                side.wait_stream(torch.cuda.current_stream())  # after the copy: the warm-up reads it
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        self._forward(static)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    logits = self._forward(static)
-                self.graphs[size] = (graph, static, logits)
-        torch.cuda.synchronize()
-
     def _work(self, size: int) -> None:
         import torch
 
         tokens = self.tokens[self.steps_done % self.tokens.shape[0]][:size]
-        replay = self.graphs.get(size)
-        if replay is not None:
-            graph, static, logits = replay
-            static.copy_(tokens)
-            graph.replay()
-        else:
+        logits = self._replay(size, (tokens,))
+        if logits is None:
             with torch.no_grad():
                 logits = self._forward(tokens)
         self.predictions += int(logits.argmax(dim=1).numel())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.fill_examples._counted import FlopCountedJob, check_dtype, parse_step_sizes
+from bubbles.fill_examples._counted import FlopCountedJob, check_cuda_graphs, check_dtype, parse_step_sizes
 
 ARCHS = ("small", "resnet")
 
@@ -47,10 +47,8 @@ class ImageClassification(FlopCountedJob):
         self.arch = arch
         self.dtype = check_dtype(dtype)
         self.step_sizes = parse_step_sizes(step_sizes, batch_size)
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
-        self.cuda_graphs = cuda_graphs
-        self.graphs: dict[int, tuple[Any, Any, Any, Any]] = {}  # size -> (graph, static images, labels, loss)
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs)
+        self.graphs = {}  # size -> (graph, (static images, labels), static loss)
         self.steps_done = 0
         self.step_flops: float | None = None
         self.last_loss = float("nan")
@@ -80,9 +78,7 @@ class ImageClassification(FlopCountedJob):
         import torch
 
         device = self.target_device()
-        if self.cuda_graphs and not device.startswith("cuda"):
-            raise RuntimeError(f"cuda_graphs needs a CUDA device, and this fill job was given {device!r}: "
-                               "set cuda_graphs to false, or run it on a GPU executor (bubbles agent --devices)")
+        self._require_cuda_for_graphs(device)
         if device != "cpu":
             self.device = device
             # Module.to keeps the parameters (and their layout); the optimizer's state, created on the first step
@@ -96,7 +92,10 @@ class ImageClassification(FlopCountedJob):
             self.labels = self.labels.to(device)
         self._count_first_step()  # outside the bubbles: see the package doc (eager: the FLOP counter sees it)
         if self.cuda_graphs:
-            self._capture()
+            # the whole step, zero_grad(set_to_none) included: each graph's backward writes gradients of its own
+            # (its memory pool), and its update reads them; parameters and momentum are shared by all sizes
+            self._capture_graphs(lambda size: (self.images[0][:size].clone(), self.labels[0][:size].clone()),
+                                 self._train_on)
 
     def _train_on(self, images: Any, labels: Any) -> Any:
         """One SGD step on a batch; the loss (a tensor on the device)."""
@@ -106,43 +105,12 @@ class ImageClassification(FlopCountedJob):
         self.optimizer.step()
         return loss
 
-    def _capture(self) -> None:
-        """One CUDA graph per step size of the whole step, with static images, labels and loss that every replay
-        reuses; warm-up steps on a side stream first (PyTorch's recipe; they also create the SGD momentum, which a
-        graph captured without it would reset at every replay). Each graph has its own memory pool, so the
-        gradients one writes are its own (``p.grad`` shows the last captured graph's: read it from nowhere else);
-        the parameters and the SGD momentum they update are shared."""
-        import torch
-
-        side = torch.cuda.Stream()
-        for size in (*self.step_sizes, self.batch_size):
-            if size in self.graphs:
-                continue
-            images, labels = self.images[0][:size].clone(), self.labels[0][:size].clone()
-            side.wait_stream(torch.cuda.current_stream())  # after the copies: the warm-up reads them
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self._train_on(images, labels)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            self.optimizer.zero_grad(set_to_none=True)
-            with torch.cuda.graph(graph):
-                loss = self.loss_fn(self.model(images).float(), labels)
-                loss.backward()
-                self.optimizer.step()
-            self.graphs[size] = (graph, images, labels, loss)
-        torch.cuda.synchronize()
-
     def _work(self, size: int) -> None:
         import torch
 
         i = self.steps_done % len(self.images)
-        replay = self.graphs.get(size)
-        if replay is not None:
-            graph, images, labels, loss = replay
-            images.copy_(self.images[i][:size])
-            labels.copy_(self.labels[i][:size])
-            graph.replay()
+        loss = self._replay(size, (self.images[i][:size], self.labels[i][:size]))
+        if loss is not None:
             self.last_loss = float(loss.detach())
             return
         # On CPU the ResNet preset runs without oneDNN: torch 2.13.0's oneDNN kernel for the backward pass of a
