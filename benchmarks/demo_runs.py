@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/demo_runs.py --runs 5 --out out/demo-runs
     .venv/bin/python benchmarks/demo_runs.py --runs 1 --busy-core 1 --out out/demo-busy   # a core kept busy
+    .venv/bin/python benchmarks/demo_runs.py --runs 6 --tail-risks 0,0.1 --out out/demo-tail  # A/B, in turn
 
 Each run is a fresh `bubbles demo` process with the default flags (6 rounds of baseline, naive and harvest); its
 report's figures over rounds (median and 95% interval) go in one row. ``--busy-core K`` keeps core K busy with an
@@ -21,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bubbles import control
+from bubbles.sdk import tail_risk
+
 
 def spin_on(core: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -28,14 +32,15 @@ def spin_on(core: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-def one_run(out: Path, k: int, busy_core: int | None) -> dict[str, Any]:
+def one_run(out: Path, k: int, busy_core: int | None, tail_risk: str | None = None) -> dict[str, Any]:
     report = out / f"report-{k}.json"
     busy = spin_on(busy_core) if busy_core is not None else None
     t0 = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "bubbles.cli", "demo", "--report", str(report),
                                "--workdir", str(out / f"run-{k}"), "--timeline", str(out / f"timeline-{k}.png")],
-                              capture_output=True, text=True, timeout=1800)
+                              capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, **({control.TAIL_RISK_ENV: tail_risk} if tail_risk else {})})
     finally:
         if busy is not None:
             busy.kill()
@@ -45,6 +50,7 @@ def one_run(out: Path, k: int, busy_core: int | None) -> dict[str, Any]:
         raise SystemExit(f"run {k} failed ({proc.returncode}); see {out / f'stdout-{k}.txt'}")
     r = json.loads(report.read_text())
     r["wall_s"] = time.monotonic() - t0
+    r["tail_risk"] = tail_risk or "default"
     return r
 
 
@@ -66,8 +72,11 @@ def row(k: int, r: dict[str, Any]) -> tuple[str, bool]:
     total = b["bubble_s"] or 1.0
     where = ", ".join(f"{k} {b[k] / total:.0%}" for k in ("guard", "no_job", "latency", "too_short",
                                                           "past_prediction") if b.get(k))
+    if b.get("tail_s"):
+        where += f"; tail steps filled {b['tail_s'] / total:.1%}, overran {b.get('tail_overrun_s', 0.0) * 1e3:.1f} ms"
     probes = r["guard"].get("probes") or {}
-    return (f"| {k} | {fig('harvest_filled_share', signed=False)} | {fig('harvest_slowdown')} | "
+    return (f"| {k} | {r.get('tail_risk', 'default')} | {fig('harvest_filled_share', signed=False)} | "
+            f"{fig('harvest_slowdown')} | "
             f"{fig('naive_slowdown')} | {o['harvest_verdict'].split(':')[0]} | "
             f"{'yes' if o['noise']['noisy'] else 'no'} | {(r['guard'].get('share') or 0):.2f} "
             f"({sum(probes.values())} probes) | {where} | {'met' if met else 'not met'} | {r['wall_s']:.0f} s |",
@@ -79,19 +88,28 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--busy-core", type=int, help="keep this core busy with an unrelated process during each run")
     p.add_argument("--out", type=Path, default=Path("out/demo-runs"))
+    p.add_argument("--tail-risks", default="",
+                   help="comma-separated $BUBBLES_TAIL_RISK values the runs take in turn (an A/B comparison), e.g. "
+                        "0,0.1; empty: the default")
     args = p.parse_args()
     if args.runs < 1:
         p.error(f"--runs {args.runs}: use 1 or more")
+    risks = [v.strip() for v in args.tail_risks.split(",") if v.strip()]
+    for v in risks:
+        try:
+            tail_risk(v)
+        except ValueError as exc:
+            p.error(f"--tail-risks: {exc}")
     if args.busy_core is not None and args.busy_core not in os.sched_getaffinity(0):
         p.error(f"--busy-core {args.busy_core}: this process may use cores {sorted(os.sched_getaffinity(0))}")
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = ["| run | bubble time filled | harvest slowdown | naive slowdown | verdict | noisy | guard share "
-             "| where the rest went | bar | wall |",
-             "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: |"]
+    lines = ["| run | tail risk | bubble time filled | harvest slowdown | naive slowdown | verdict | noisy "
+             "| guard share | where the rest went | bar | wall |",
+             "| --- | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: |"]
     met = 0
     for k in range(1, args.runs + 1):
         print(f"run {k}/{args.runs} ...", file=sys.stderr, flush=True)
-        text, ok = row(k, one_run(args.out, k, args.busy_core))
+        text, ok = row(k, one_run(args.out, k, args.busy_core, risks[(k - 1) % len(risks)] if risks else None))
         met += ok
         lines.append(text)
         print(text, flush=True)

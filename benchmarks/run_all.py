@@ -29,6 +29,7 @@ def main() -> int:
         ["scheduler_latency.py", "--decisions", "200" if args.quick else "2000"],
         ["simulator_speed.py", "--jobs", "5000" if args.quick else "50000"],
         ["guard_synthetic.py", "--seeds", "5" if args.quick else "30"],
+        ["gate_replay.py", "--seeds", "3" if args.quick else "20", "--out", str(args.out / "gate-replay.json")],
     ]
     failed = 0
     for script, *flags in runs:

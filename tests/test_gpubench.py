@@ -29,6 +29,7 @@ from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 import gpubench.emulator as emulator_mod
 from bubbles import paths
+from bubbles.agent.ledger import BREAKDOWN
 from bubbles.hook import candidate_slots, instruction_stream, instrument
 from bubbles.probes import StaticMemoryProbe
 from gpubench.emulator import CudaOps, DeviceOps, StageEmulator, StageShape
@@ -820,7 +821,8 @@ def test_smoke_run_harvests_and_the_baseline_does_no_fill_work(smoke: dict[str, 
             assert r["fill_steps"] > 0 and r["fill_share"] > 0, r
             # where the bubble time went: shares that add up to all of it, the filled one the run's own figure
             b = r["breakdown"]
-            assert sum(b.values()) == pytest.approx(1.0, abs=1e-6) and min(b.values()) >= 0, b
+            assert sum(b[k] for k, _ in BREAKDOWN) == pytest.approx(1.0, abs=1e-6) and min(b.values()) >= 0, b
+            assert b["tail"] <= b["filled"] + 1e-9, b  # what steps past the predicted end filled is part of it
             assert b["filled"] == pytest.approx(r["fill_share"], abs=0.05), (b, r["fill_share"])
         else:  # naive co-location and MPS only: the fill job runs freely, so it always does work
             assert r["fill_steps"] > 0, r
@@ -828,7 +830,7 @@ def test_smoke_run_harvests_and_the_baseline_does_no_fill_work(smoke: dict[str, 
 
 def test_smoke_report_says_where_bubble_time_went_and_the_fill_jobs_step_times(smoke: dict[str, Any]) -> None:
     md = (smoke["out"] / "report.md").read_text()
-    assert "Where the harvest phases' bubble time went" in md and "| past_prediction |" in md
+    assert "Where the harvest phases' bubble time went" in md and "| past_prediction | tail |" in md
     assert all(r["fill_step_profile"] and r["fill_step_profile"].startswith("step time")
                for r in smoke["report"]["runs"]), smoke["report"]["runs"]
     assert "timed at init: step time" in md and "harvest steps by size: " in md

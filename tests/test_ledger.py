@@ -190,9 +190,21 @@ def test_paused_unarmed_short_and_missed_bubbles_and_overruns() -> None:
     d = bubble_breakdown(records, steps((75, 83), (85, 86)))  # the last step is in no bubble: not counted here
     assert ms(d) == {"guard": 10, "no_job": 10, "too_short": 1, "latency": 10 + 5, "filled": 5, "overrun_s": 3,
                      "bubble_s": 41}
-    parts = sum(v for k, v in d.items() if k not in ("bubble_s", "overrun_s"))
+    parts = sum(d[k] for k, _ in BREAKDOWN)
     assert parts == pytest.approx(d["bubble_s"])
     assert [k for k, _ in BREAKDOWN] == ["filled", "guard", "no_job", "latency", "too_short", "past_prediction"]
+
+
+def test_what_steps_started_past_the_prediction_filled_and_overran_is_told_apart() -> None:
+    # A 10 ms bubble predicted at 6: steps 1-5 (predicted), 6-8 and 8-11 (past the prediction, on the tail's word).
+    records = steps((1, 5), (6, 8), (8, 11))
+    for r in records[1:]:
+        r["tail"] = True
+    d = bubble_breakdown([bubble(predicted_ms=6)], records)
+    assert ms(d) == {"filled": 8, "latency": 2, "bubble_s": 10, "overrun_s": 1, "tail_s": 4, "tail_overrun_s": 1}
+    assert sum(d[k] for k, _ in BREAKDOWN) == pytest.approx(d["bubble_s"])
+    untold = bubble_breakdown([bubble(predicted_ms=6)], steps((1, 5), (6, 8), (8, 11)))
+    assert untold["tail_s"] == 0 and untold["filled"] == d["filled"]  # records without the flag: no tail steps
 
 
 def test_steps_count_only_in_their_own_stages_bubbles() -> None:

@@ -17,6 +17,7 @@ from test_agent_jobs import BusyJob
 from bubbles import control, wire
 from bubbles.agent.ledger import HarvestLedger
 from bubbles.api import FillMode
+from bubbles.gating import StartPredictor, StepGates
 from bubbles.sdk import (
     INIT_PROFILE_STEPS,
     PROFILE_MARGIN,
@@ -24,8 +25,6 @@ from bubbles.sdk import (
     DeviceSync,
     FillRuntime,
     IterativeFillJob,
-    StartPredictor,
-    StepGates,
     StepResult,
     apply_process_limits,
     check_step_sizes,

@@ -88,7 +88,7 @@ def harvest_breakdown(stats: Mapping[str, Any]) -> dict[str, float] | None:
     d = bubble_breakdown(*mode_records(stats, FillMode.HARVEST.label))
     if not d["bubble_s"]:
         return None
-    return {key: d[key] / d["bubble_s"] for key, _ in BREAKDOWN}
+    return {**{key: d[key] / d["bubble_s"] for key, _ in BREAKDOWN}, "tail": d["tail_s"] / d["bubble_s"]}
 
 
 def harvest_steps_by_size(stats: Mapping[str, Any]) -> dict[str, int]:
@@ -255,15 +255,16 @@ def format_table(report: Mapping[str, Any]) -> str:
             f"{'—' if base else _pct(r['cost_savings'], sign=True)} | {goal} |")
     broken = [r for r in report["regimes"] if r.get("breakdown")]
     if broken:
-        keys = [key for key, _ in BREAKDOWN]
+        keys = [key for key, _ in BREAKDOWN] + ["tail"]
         lines += ["", "Where the harvest phases' bubble time went, from the agent's records (the columns: "
                   "`bubbles.agent.ledger.BREAKDOWN`; too_short: no step size fit in what was left, "
-                  "past_prediction: after the slot's predicted end, where no step starts):", "",
+                  "past_prediction: after the slot's predicted end, not filled; tail: of filled, what steps that "
+                  "started past the predicted end filled, `bubbles.gating.TailRisk`):", "",
                   "| fill job | isolation | " + " | ".join(keys) + " |",
                   "| --- | --- |" + " ---: |" * len(keys)]
         for r in broken:
             lines.append(f"| {r['job']} | {r['isolation_label']} | "
-                         + " | ".join(_pct(r["breakdown"][k]) for k in keys) + " |")
+                         + " | ".join(_pct(r["breakdown"].get(k, 0.0)) for k in keys) + " |")
     steps = [r for r in report["runs"] if r.get("fill_step_profile")]
     if steps:
         lines += [""] + [f"- {r['job']} / {r['isolation_label']}, timed at init: {r['fill_step_profile']}; "

@@ -37,6 +37,7 @@ MAX_STEPS_ENV = "BUBBLES_MAX_STEPS"  # stop after this many steps (the spec's `s
 # Set by the operator in a fill Pod: the process attaches to the node's agent instead of inheriting a channel.
 UID_ENV = "BUBBLES_FILL_JOB_UID"  # the FillJob's metadata.uid
 SPIN_US_ENV = "BUBBLES_SPIN_US"  # busy-poll this long either side of a predicted bubble start (0 or absent: never)
+TAIL_RISK_ENV = "BUBBLES_TAIL_RISK"  # accepted chance that a step started past a bubble's predicted end outlives it
 ATTEMPT_ENV = "BUBBLES_FILL_ATTEMPT"  # its status.restarts when placed
 ARGS_ENV = "BUBBLES_FILL_ARGS"  # the job's keyword arguments (a JSON object), when not given as --args
 CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job's state across attempts
@@ -72,6 +73,9 @@ EVENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         # informational: the step's end already includes it. Absent from runtimes before issue 3.
         "sync_ns": ((int,), False),
         "size": ((int,), False),  # the step's size, for a job with step_sizes
+        # "tail": the step started past its bubble's predicted end, on the runtime's estimate of the risk that it
+        # outlives the bubble (bubbles.gating.TailRisk); absent: it started where the prediction allowed it.
+        "gate": ((str,), False),
     },
     # step_s: the time the agent plans with (a job with step sizes: its smallest); sizes: [[size, step_s], ...]
     # of such a job, smallest first
@@ -127,6 +131,8 @@ def parse_command(line: bytes | str) -> ControlMessage:
 def parse_event(line: bytes | str) -> ControlMessage:
     """Parse one job->agent line; raise ControlError naming what is wrong."""
     msg = _parse(line, EVENTS, "event")
+    if msg.type == "step" and msg.get("gate", "tail") != "tail":
+        raise ControlError(f"step.gate must be 'tail' (or absent), got {msg['gate']!r}")
     if msg.type == "state" and msg["state"] not in STATES:
         raise ControlError(f"state.state must be one of {', '.join(STATES)}, got {msg['state']!r}")
     if msg.type == "step" and msg["end_ns"] < msg["start_ns"]:

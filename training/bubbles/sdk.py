@@ -38,12 +38,15 @@ from bubbles import control, paths, wire
 from bubbles.api import FillMode
 from bubbles.control import cuda_device_index
 from bubbles.cycle import robust_stats
+from bubbles.gating import StartPredictor, StepGates, TailRisk
 from bubbles.probes import gpu_uuid
-from bubbles.stats import percentile
 
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
 PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
+# How likely a step started past its bubble's predicted end may be to outlive the bubble (bubbles.gating.TailRisk;
+# $BUBBLES_TAIL_RISK overrides it, 0 turns such steps off).
+DEFAULT_TAIL_RISK = 0.1
 _NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
 _NAIVE_FLUSH_NS = 20_000_000
 
@@ -259,54 +262,12 @@ def check_step_sizes(sizes: Any) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-class StepGates:
-    """How long a step of each size may be expected to take where it would run, kept current. Pure.
-
-    Starts from the sizes' gates timed at init (FreeRide's profile, outside bubbles); once ``min_samples`` steps of
-    a size have run at a place (a bubble's first step, or a later one), its gate there is the 90th percentile of
-    its last ``window`` durations there. A bubble's first step pays for what the training evicted from the
-    caches while it computed (about +1 ms a step on the CPU demo, seen 2026-11-23), so it is tracked apart; a
-    gate from outside bubbles would let first steps overrun. ``size`` None: a job whose step takes no size.
-    ``floors`` (seconds by size): gates never go below them (a step time the job's spec states).
-    """
-
-    def __init__(self, profiled: Sequence[tuple[int | None, float]], *, window: int = 32,
-                 min_samples: int = 8, floors: dict[int | None, float] | None = None) -> None:
-        if not profiled or window < 1 or not 1 <= min_samples <= window:
-            raise ValueError("StepGates needs profiled gates, window >= 1 and 1 <= min_samples <= window")
-        self.sizes = [size for size, _ in profiled]  # smallest first
-        self._profiled = {size: int(t * 1e9) for size, t in profiled}
-        self._seen: dict[tuple[int | None, bool], list[int]] = {}
-        self._gate: dict[tuple[int | None, bool], int] = {}
-        self._floor = {size: int(t * 1e9) for size, t in (floors or {}).items()}
-        self.window = window
-        self.min_samples = min_samples
-
-    def gate_ns(self, size: int | None, first: bool) -> int:
-        return self._gate.get((size, first), self._profiled[size])
-
-    def observe(self, size: int | None, first: bool, duration_ns: int) -> None:
-        seen = self._seen.setdefault((size, first), [])
-        seen.append(duration_ns)
-        if len(seen) > self.window:
-            del seen[0]
-        if len(seen) >= self.min_samples:
-            self._gate[(size, first)] = max(int(percentile(seen, 90)), self._floor.get(size, 0))
-
-    def first_steps_s(self) -> list[tuple[int | None, float]]:
-        """Each size's gate for a bubble's first step, in seconds: what a bubble must offer to be used at all."""
-        return [(size, self.gate_ns(size, True) / 1e9) for size in self.sizes]
-
-    def fitting(self, left_ns: int, first: bool) -> list[int | None]:
-        """The sizes whose gate fits in ``left_ns``, smallest first (run the last); empty when none does."""
-        return [size for size in self.sizes if self.gate_ns(size, first) <= left_ns]
-
-
 class _Bubble:
-    __slots__ = ("ended", "predicted_end_ns", "seq", "start_ns")
+    __slots__ = ("ended", "predicted_end_ns", "seq", "slot", "start_ns")
 
-    def __init__(self, seq: int, start_ns: int, predicted_end_ns: int) -> None:
+    def __init__(self, seq: int, start_ns: int, predicted_end_ns: int, slot: int = 0) -> None:
         self.seq = seq
+        self.slot = slot
         self.start_ns = start_ns
         self.predicted_end_ns = predicted_end_ns
         self.ended = False
@@ -314,32 +275,6 @@ class _Bubble:
 
 class _Stop(Exception):
     pass
-
-
-class StartPredictor:
-    """When the next bubble should start: each slot recurs once per iteration, so its next start is its last start
-    plus the time between its last two. Pure (times are given); the runtime busy-polls around the prediction."""
-
-    def __init__(self) -> None:
-        self._last: dict[int, tuple[int, int | None]] = {}  # slot -> (last start, period or None)
-
-    def started(self, slot: int, start_ns: int) -> None:
-        prev = self._last.get(slot)
-        period = start_ns - prev[0] if prev is not None and start_ns > prev[0] else None
-        self._last[slot] = (start_ns, period if period is not None else (prev[1] if prev else None))
-
-    def next_start(self, now_ns: int, slack_ns: int) -> int | None:
-        """The earliest predicted start not more than ``slack_ns`` in the past; None without a prediction."""
-        best = None
-        for last, period in self._last.values():
-            if not period:
-                continue
-            nxt = last + period
-            if nxt < now_ns - slack_ns:  # missed (a skipped iteration): project forward
-                nxt += ((now_ns - slack_ns - nxt) // period + 1) * period
-            if best is None or nxt < best:
-                best = nxt
-        return best
 
 
 class FillRuntime:
@@ -383,6 +318,11 @@ class FillRuntime:
         self.spin_ns = 0
         self.predictor = StartPredictor()
         self.spin_caught = 0  # bubble starts read while busy-polling, not woken from the blocking poll
+        # Steps past a bubble's predicted end, at a risk of outliving it of at most $BUBBLES_TAIL_RISK (see
+        # bubbles.gating.TailRisk); fed every bubble's length and the END signals' lag.
+        self.tail = TailRisk(DEFAULT_TAIL_RISK)
+        self.tail_steps = 0
+        self._last_start: tuple[int, int, int] | None = None  # (seq, slot, stamp) of the last START read
 
     # -- channel ---------------------------------------------------------------------------------
     def _emit(self, type_: str, **fields: Any) -> None:
@@ -499,8 +439,9 @@ class FillRuntime:
         self.mode = FillMode.OFF
         self._bubble = None
 
-    def _drain_signals(self) -> None:
-        """Read every pending bubble signal; the newest START opens a bubble, its END closes it."""
+    def _drain_signals(self, fresh: bool = False) -> None:
+        """Read every pending bubble signal; the newest START opens a bubble, its END closes it. ``fresh``: the
+        socket was just found readable (not read after a step), so an END's lag is the signal's own."""
         sig = self._sig
         while sig is not None:
             try:
@@ -514,10 +455,18 @@ class FillRuntime:
                 continue
             kind, slot, seq, t1, t2 = fast
             if kind == wire.Kind.BUBBLE_START:
-                self._bubble = _Bubble(seq, t1, t2)
+                self._bubble = _Bubble(seq, t1, t2, slot)
+                self._last_start = (seq, slot, t1)
                 if self.spin_ns:  # only busy-polling needs the prediction: nothing more on the default path
                     self.predictor.started(slot, t1)
-            elif self._bubble is not None and self._bubble.seq == seq:
+                continue
+            last = self._last_start
+            if last is not None and last[0] == seq:
+                self._last_start = None
+                self.tail.ended(last[1], t1 - last[2])
+                if fresh:
+                    self.tail.end_lag(time.monotonic_ns() - t1)
+            if self._bubble is not None and self._bubble.seq == seq:
                 self._bubble.ended = True
 
     def _open_bubble(self) -> bool:
@@ -535,7 +484,7 @@ class FillRuntime:
             return False
         until = nxt + self.spin_ns
         while time.monotonic_ns() < until:
-            self._drain_signals()
+            self._drain_signals(fresh=True)
             if self._open_bubble():
                 self.spin_caught += 1
                 return True
@@ -553,7 +502,7 @@ class FillRuntime:
 
     # -- stepping --------------------------------------------------------------------------------
     def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None,
-                  size: int | None = None) -> float:
+                  size: int | None = None, tail: bool = False) -> float:
         """Run one step and wait for its device work, report it; return its duration in seconds.
 
         ``start`` is when the gate decided to run it (reported as the step's start, so the record
@@ -561,7 +510,8 @@ class FillRuntime:
         is after the device synchronize: on a GPU that is when the fill job stops occupying it, so the
         agent's overrun (step end - bubble end) measures how long fill work outlived the bubble.
         ``sync_ns`` is the part of the step spent waiting for queued device work. ``size``: the step's size
-        for a job with ``step_sizes`` (None: ``step()`` without one).
+        for a job with ``step_sizes`` (None: ``step()`` without one). ``tail``: started past the bubble's predicted
+        end on ``TailRisk``'s word (the record says ``gate: tail``).
         """
         if start is None:
             start = time.monotonic_ns()
@@ -582,7 +532,8 @@ class FillRuntime:
         self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
                    bubble_seq=bubble_seq, signal_ns=signal_ns,
                    mode=(FillMode.HARVEST if self.mode is FillMode.OFF else self.mode).label,
-                   sync_ns=end - sync_start, **({} if size is None else {"size": size}))
+                   sync_ns=end - sync_start, **({} if size is None else {"size": size}),
+                   **({"gate": "tail"} if tail else {}))
         return (end - start) / 1e9
 
     def _synchronize(self) -> None:
@@ -644,6 +595,12 @@ class FillRuntime:
         while self.mode is FillMode.HARVEST and self._bubble is b and not b.ended:
             now = time.monotonic_ns()
             fits = gates.fitting(usable_end - now, ran == 0)  # the program-directed limit
+            tail = False
+            if not fits and self.share >= 1.0:
+                # Past what the prediction allows, while the slowdown guard has not cut the share: a step whose
+                # chance of outliving this bubble, given how long it has lasted, is small enough.
+                fits = self.tail.fitting(b.slot, now - b.start_ns, gates, ran == 0)
+                tail = bool(fits)
             if not fits:
                 break
             size = fits[-1]
@@ -652,7 +609,8 @@ class FillRuntime:
             # Only a bubble's first step is announced (flushed with RUNNING): the agent's watchdog needs to
             # know a step of this bubble began; later step records travel together at the pass's end, so
             # the agent is not woken once per step while the training may need the core back.
-            took_s = self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now, size=size)
+            took_s = self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now, size=size, tail=tail)
+            self.tail_steps += tail
             gates.observe(size, ran == 0, int(took_s * 1e9))
             ran += 1
             self._check_finished()
@@ -719,7 +677,7 @@ class FillRuntime:
                 # Most wake-ups are bubble signals: poll the control channel only when it has data.
                 if any(fd == ctrl_fd for fd, _ in ready):
                     self._poll_control()
-                self._drain_signals()
+                self._drain_signals(fresh=True)
                 if self._open_bubble() and self.mode is FillMode.HARVEST:
                     self._harvest_bubble()
         except _Stop:
@@ -743,6 +701,20 @@ def spin_window_ns(text: str) -> int:
     if not 0 <= us <= 10_000:
         raise ValueError(f"${control.SPIN_US_ENV}={text!r}: give microseconds from 0 (off) to 10000, e.g. 150")
     return int(us * 1000)
+
+
+def tail_risk(text: str) -> float:
+    """``$BUBBLES_TAIL_RISK``: a probability from 0 (no steps past a bubble's predicted end) to 0.5; empty means
+    ``DEFAULT_TAIL_RISK``."""
+    try:
+        risk = float(text.strip()) if text.strip() else DEFAULT_TAIL_RISK
+    except ValueError:
+        risk = -1.0
+    if not 0.0 <= risk <= 0.5:  # NaN fails this too
+        raise ValueError(f"${control.TAIL_RISK_ENV}={text!r}: give the accepted chance that a step started past its "
+                         f"bubble's predicted end outlives the bubble, from 0 (never start one) to 0.5, e.g. "
+                         f"{DEFAULT_TAIL_RISK}")
+    return risk
 
 
 def _memory_limit(text: str) -> int | None:
@@ -897,6 +869,8 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
     try:
         cuda_device_index(device)
         memory = _memory_limit(os.environ.get(control.MEMORY_ENV, ""))
+        spin_ns = spin_window_ns(os.environ.get(control.SPIN_US_ENV, ""))
+        risk = tail_risk(os.environ.get(control.TAIL_RISK_ENV, ""))
     except ValueError as exc:
         print(f"bubbles.sdk: {exc}", file=sys.stderr)
         return 2
@@ -929,11 +903,6 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         ctrl = socket.socket(fileno=int(fd_text))
     step_text = os.environ.get(control.STEP_S_ENV)
     max_steps_text = os.environ.get(control.MAX_STEPS_ENV)
-    try:
-        spin_ns = spin_window_ns(os.environ.get(control.SPIN_US_ENV, ""))
-    except ValueError as exc:
-        print(f"bubbles.sdk: {exc}", file=sys.stderr)
-        return 2
     job = cls(**kwargs)
     assert isinstance(job, IterativeFillJob)
     runtime = FillRuntime(job, ctrl, name=name, socket_path=socket_path,
@@ -941,6 +910,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
                           max_steps=int(max_steps_text) if max_steps_text else None,
                           device=device, memory_bytes=memory)
     runtime.spin_ns = spin_ns
+    runtime.tail = TailRisk(risk)
     # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
     signal.signal(signal.SIGTERM, _raise_stop)
     state = CheckpointStore.from_environment()

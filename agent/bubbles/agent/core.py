@@ -652,7 +652,8 @@ class AgentCore:
                 self.steps.append({"stage": job.stage, "job": job.name, "start_ns": ev["start_ns"],
                                    "end_ns": ev["end_ns"], "flops": ev["flops"], "mode": mode,
                                    "signal_ns": ev.get("signal_ns", 0), "bubble_seq": ev.get("bubble_seq", -1),
-                                   "size": ev.get("size")})  # the step size, for a job with step_sizes
+                                   "size": ev.get("size"),  # the step size, for a job with step_sizes
+                                   "tail": ev.get("gate") == "tail"})  # started past the predicted end
         elif ev.type == "state":
             if job.state is FillState.STOPPED:
                 return

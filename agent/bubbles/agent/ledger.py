@@ -165,7 +165,8 @@ BREAKDOWN = (
     ("no_job", "no fill job armed on the stage"),
     ("latency", "signal and resume latency (before the first step, between steps)"),
     ("too_short", "too short for a step (a bubble, or the tail after the last step)"),
-    ("past_prediction", "past the predicted end (steps start only before the slot's 10th-percentile length)"),
+    ("past_prediction", "past the predicted end (the slot's 10th-percentile length), where a step starts only at a "
+                        "small risk of outliving its bubble (bubbles.gating.TailRisk)"),
 )
 
 
@@ -175,16 +176,21 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
 
     ``bubbles`` are the agent's bubble records (``stage``, ``start_ns``, ``end_ns``, ``predicted_end_ns``,
     ``guard_paused``, ``share``, ``job``, ``step_s``; the agent's ``status().bubbles``), ``steps`` its step records
-    (``stage``, ``start_ns``, ``end_ns``); pass one mode's of each. A step belongs to the bubble it started in. Pure.
+    (``stage``, ``start_ns``, ``end_ns``, ``tail``); pass one mode's of each. A step belongs to the bubble it started
+    in. Of the filled time and the overrun, ``tail_s`` and ``tail_overrun_s`` are the steps' that started past the
+    predicted end (``tail``: on ``bubbles.gating.TailRisk``'s word). Pure.
     """
     by_stage: dict[int, list[tuple[int, int]]] = {}
+    tails: set[tuple[int, int, int]] = set()
     for st in steps:
         by_stage.setdefault(int(st["stage"]), []).append((int(st["start_ns"]), int(st["end_ns"])))
+        if st.get("tail"):
+            tails.add((int(st["stage"]), int(st["start_ns"]), int(st["end_ns"])))
     for v in by_stage.values():
         v.sort()
     starts = {k: [a for a, _ in v] for k, v in by_stage.items()}
     out = dict.fromkeys((k for k, _ in BREAKDOWN), 0)
-    bubble_ns = overrun_ns = 0
+    bubble_ns = overrun_ns = tail_ns = tail_overrun_ns = 0
     for b in bubbles:
         s, e = int(b["start_ns"]), int(b["end_ns"])
         if e <= s:
@@ -192,9 +198,13 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
         bubble_ns += e - s
         stage = int(b["stage"])
         lo, hi = bisect_left(starts.get(stage, []), s), bisect_left(starts.get(stage, []), e)
-        mine = _merge(by_stage.get(stage, [])[lo:hi])
+        theirs = by_stage.get(stage, [])[lo:hi]
+        mine = _merge(theirs)
         filled = sum(min(b_, e) - a for a, b_ in mine)
-        overrun_ns += sum(max(0, b_ - e) for _, b_ in by_stage.get(stage, [])[lo:hi])
+        overrun_ns += sum(max(0, b_ - e) for _, b_ in theirs)
+        if tails:
+            tail_ns += sum(min(b_, e) - a for a, b_ in theirs if (stage, a, b_) in tails)
+            tail_overrun_ns += sum(max(0, b_ - e) for a, b_ in theirs if (stage, a, b_) in tails)
         out["filled"] += filled
         if b.get("guard_paused"):
             out["guard"] += e - s - filled
@@ -213,7 +223,8 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
                 _attribute(out, cursor, a, u=u, p=p, where=where, step_ns=step_ns)
             cursor = max(cursor, min(b_, e))
     return {**{k: v / _NS_PER_S for k, v in out.items()}, "bubble_s": bubble_ns / _NS_PER_S,
-            "overrun_s": overrun_ns / _NS_PER_S}
+            "overrun_s": overrun_ns / _NS_PER_S, "tail_s": tail_ns / _NS_PER_S,
+            "tail_overrun_s": tail_overrun_ns / _NS_PER_S}
 
 
 def mode_records(status: Mapping[str, Any] | None, mode: str) -> tuple[list[Mapping[str, Any]],

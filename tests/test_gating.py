@@ -1,0 +1,283 @@
+"""When a fill step may start past its bubble's predicted end (bubbles.gating.TailRisk), pure and in the runtime."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_agent_jobs import BusyJob
+from test_sdk import serving, wait_for_socket
+
+from bubbles import control, wire
+from bubbles.gating import StepGates, TailRisk
+from bubbles.sdk import DEFAULT_TAIL_RISK, run_fill_process, tail_risk
+from bubbles.stats import percentile
+
+MS = 1_000_000
+
+
+def brute_risk(lengths: list[int], elapsed: int, lag: int, durations: list[int]) -> float | None:
+    """The definition, pair by pair: of the bubbles that outlasted ``elapsed - lag``, how many end before a step
+    of each duration started at ``elapsed`` does."""
+    survivors = [n for n in lengths if n > elapsed - lag]
+    if len(survivors) < 8:
+        return None
+    short = sum(1 for n in survivors for d in durations if n < elapsed + d)
+    return short / (len(survivors) * len(durations))
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(-2, 60), min_size=0, max_size=90),
+       elapsed=st.integers(0, 60), durations=st.lists(st.integers(1, 20), min_size=1, max_size=6),
+       lags=st.lists(st.integers(0, 5), max_size=5))
+def test_the_risk_is_the_share_of_survivor_and_duration_pairs_that_overrun(
+        lengths: list[int], elapsed: int, durations: list[int], lags: list[int]) -> None:
+    t = TailRisk(0.05, window=64, min_survivors=8)
+    for n in lengths:
+        t.ended(3, n)
+    for lag in lags:
+        t.end_lag(lag)
+    kept = [n for n in lengths if n > 0][-64:]  # the window: the last 64 lengths
+    assert t.lag_ns == (int(percentile(lags, 90)) if lags else 0)
+    got, want = t.risk(3, elapsed, durations), brute_risk(kept, elapsed, t.lag_ns, durations)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got == pytest.approx(want)
+    assert t.risk(4, elapsed, durations) is None  # another slot has no lengths
+
+
+def test_past_the_prediction_a_step_may_start_while_the_bubbles_that_lasted_this_long_mostly_outlast_it() -> None:
+    t = TailRisk(0.05, min_survivors=8)
+    for n in range(36, 46):  # ten bubbles of 36, 37, ... 45 ms; predicted (p10) about 37 ms
+        t.ended(0, n * MS)
+    gates = StepGates([(1, 0.001), (4, 0.004)], min_samples=1)
+    # At 30 ms every bubble is still going, and none is shorter than 34 ms: both sizes fit.
+    assert t.fitting(0, 30 * MS, gates, first=False) == [1, 4]
+    # At 36.5 ms: nine survivors (37-45); a 1 ms step overruns one of them (37), a 4 ms step four.
+    assert t.risk(0, 36_500_000, [MS]) == pytest.approx(1 / 9)
+    assert t.fitting(0, 36_500_000, gates, first=False) == []  # 11% > 5%
+    assert TailRisk(0.2).fitting(0, 36_500_000, gates, first=False) == []  # too few survivors for the default 8...
+    loose = TailRisk(0.2, min_survivors=4)
+    for n in range(36, 46):
+        loose.ended(0, n * MS)
+    assert loose.fitting(0, 36_500_000, gates, first=False) == [1]  # ... at 20% the small size, not the large one
+    assert t.risk(0, 40 * MS, [MS]) is None  # five survivors: too few to tell
+    assert TailRisk(0.0).fitting(0, 0, gates, first=False) == []  # off
+    # Steps that were seen running long make the same point riskier (durations follow StepGates' window).
+    gates.observe(1, False, 3 * MS)
+    assert t.risk(0, 30 * MS, gates.durations_ns(1, False)) == 0.0
+    assert t.risk(0, 33_500_000, gates.durations_ns(1, False)) == pytest.approx(1 / 10)  # 36 < 33.5 + 3
+
+
+def test_a_later_steps_gate_inflated_at_init_gives_way_to_what_first_steps_showed_in_bubbles() -> None:
+    # The profile caught an outlier (50 ms for a 5 ms step): later steps, gated on it, would never fit and never
+    # learn. Once first steps (the slower kind) have a gate from bubbles, it bounds the later steps' gate.
+    g = StepGates([(None, 0.050)], min_samples=4)
+    assert g.gate_ns(None, False) == 50 * MS
+    for _ in range(4):
+        g.observe(None, True, 6 * MS)
+    assert g.gate_ns(None, True) == 6 * MS and g.gate_ns(None, False) == 6 * MS
+    for _ in range(4):
+        g.observe(None, False, 4 * MS)
+    assert g.gate_ns(None, False) == 4 * MS  # their own, once they have one
+    low = StepGates([(None, 0.003)], min_samples=1)
+    low.observe(None, True, 8 * MS)
+    assert low.gate_ns(None, False) == 3 * MS  # never above the profile's
+
+
+def test_an_end_not_read_yet_may_have_happened_the_lag_of_end_signals_widens_the_survivors() -> None:
+    t = TailRisk(0.05)
+    for n in range(36, 46):
+        t.ended(0, n * MS)
+    before = t.risk(0, 37 * MS, [MS])
+    for _ in range(10):
+        t.end_lag(2 * MS)  # END signals arrive 2 ms after their bubble ended
+    after = t.risk(0, 37 * MS, [MS])
+    assert before is not None and after is not None
+    assert t.lag_ns == 2 * MS
+    assert after > before  # the 36 ms bubble may have ended unseen: it counts, as an overrun
+
+
+def test_the_window_forgets_old_lengths_and_bad_lengths_are_ignored() -> None:
+    t = TailRisk(0.05, window=10, min_survivors=8)
+    for _ in range(10):
+        t.ended(0, 5 * MS)
+    for _ in range(10):
+        t.ended(0, 50 * MS)  # the training changed: the bubble is longer now
+    t.ended(0, 0)
+    t.ended(0, -3)
+    assert t.risk(0, 10 * MS, [MS]) == 0.0  # every kept length is 50 ms
+
+
+@pytest.mark.parametrize("kwargs", [{"max_risk": 1.0}, {"max_risk": -0.1}, {"max_risk": float("nan")},
+                                    {"max_risk": 0.1, "window": 0}, {"max_risk": 0.1, "min_survivors": 0},
+                                    {"max_risk": 0.1, "window": 4, "min_survivors": 5},
+                                    {"max_risk": 0.1, "lag_window": 0}])
+def test_bad_tail_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="TailRisk"):
+        TailRisk(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "risk"), [("", DEFAULT_TAIL_RISK), ("0", 0.0), (" 0.1 ", 0.1), ("0.5", 0.5)])
+def test_the_tail_risk_comes_from_the_environment(text: str, risk: float) -> None:
+    assert tail_risk(text) == risk
+
+
+@pytest.mark.parametrize("text", ["often", "-0.01", "0.6", "1", "nan", "inf"])
+def test_a_bad_tail_risk_says_what_to_give(text: str) -> None:
+    with pytest.raises(ValueError, match=r"BUBBLES_TAIL_RISK.*from 0 \(never start one\) to 0.5"):
+        tail_risk(text)
+
+
+def test_the_fill_process_refuses_a_bad_tail_risk_before_it_starts(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(control.TAIL_RISK_ENV, "lots")
+    monkeypatch.setenv(control.CONTROL_FD_ENV, "99999")  # never reached: the setting is checked first
+    assert run_fill_process(["--entry", "test_agent_jobs:BusyJob"]) == 2
+    assert "BUBBLES_TAIL_RISK='lots'" in capsys.readouterr().err
+
+
+def test_a_step_record_with_a_gate_other_than_tail_is_rejected() -> None:
+    line = control.encode("step", start_ns=1, end_ns=2, flops=0.0, gate="tail")
+    assert control.parse_event(line)["gate"] == "tail"
+    with pytest.raises(control.ControlError, match=r"step\.gate must be 'tail'"):
+        control.parse_event(control.encode("step", start_ns=1, end_ns=2, flops=0.0, gate="predicted"))
+    with pytest.raises(control.ControlError, match="gate must be str"):
+        control.parse_event(control.encode("step", start_ns=1, end_ns=2, flops=0.0, gate=1))
+
+
+def _bubbles(path: Path, count: int, length_s: float, predicted_s: float, first_seq: int = 1) -> None:
+    """``count`` bubbles of slot 0, each ``length_s`` long and predicted to end after ``predicted_s``."""
+    sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for seq in range(first_seq, first_seq + count):
+        start = time.monotonic_ns()
+        sig.sendto(wire.encode_bubble_start(0, 0, seq, start, start + int(predicted_s * 1e9)), str(path))
+        time.sleep(length_s)
+        sig.sendto(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()), str(path))
+        time.sleep(0.004)
+    sig.close()
+
+
+@pytest.mark.parametrize("risk", [0.0, 0.05])
+def test_the_runtime_starts_steps_past_the_prediction_only_on_the_tails_word(tmp_path: Path, risk: float) -> None:
+    """Bubbles of 20 ms predicted at 5 ms (a prediction far too low, as a p10 is for most bubbles): once the
+    runtime has seen 8 of them end, it fills their tails with 1 ms steps marked ``gate: tail``, none of which
+    outlives its bubble; with the tail off (risk 0) no step starts where the prediction does not allow it."""
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, BusyJob(step_ms=1.0), step_s=0.0012) as (ch, rt):
+        rt.tail = TailRisk(risk)
+        ch.send("init")
+        ch.wait("state", state="PAUSED")
+        ch.send("arm", mode="harvest", share=1.0)
+        wait_for_socket(path)
+        _bubbles(path, 12, 0.020, 0.005)
+        ch.wait_count(12, "state", state="PAUSED", timeout_s=10)
+        steps = [e for e in ch.events if e.type == "step"]
+        tails = [e for e in steps if e.get("gate") == "tail"]
+        gate_ns = 1_200_000
+        for e in steps:
+            bubble_start = e["signal_ns"]
+            if e.get("gate") != "tail":  # the program-directed limit held for every other step
+                assert e["start_ns"] + gate_ns <= bubble_start + 5_000_000 + 1
+        if risk == 0.0:
+            assert not tails and rt.tail_steps == 0
+        else:
+            assert tails, "no step filled the bubbles' tails"
+            assert {e["bubble_seq"] for e in tails} <= set(range(9, 13))  # only once 8 lengths were known
+            assert rt.tail_steps == len(tails)
+            for e in tails:
+                assert e["start_ns"] + gate_ns > e["signal_ns"] + 5_000_000  # past what the prediction allows
+                assert e["start_ns"] - e["signal_ns"] < 20 * MS  # ... and inside the 20 ms bubble
+        ch.send("stop")
+
+
+def test_a_guard_that_cut_the_share_turns_the_tail_off(tmp_path: Path) -> None:
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, BusyJob(step_ms=1.0), step_s=0.0012) as (ch, rt):
+        ch.send("init")
+        ch.wait("state", state="PAUSED")
+        ch.send("arm", mode="harvest", share=0.9)
+        wait_for_socket(path)
+        _bubbles(path, 12, 0.020, 0.005)
+        ch.wait_count(12, "state", state="PAUSED", timeout_s=10)
+        assert not [e for e in ch.events if e.type == "step" and e.get("gate") == "tail"]
+        assert rt.tail.risk(0, 5 * MS, [MS]) == 0.0  # it did learn the lengths: only the share held it back
+        ch.send("stop")
+
+
+# -- the gates replayed on recorded bubbles (benchmarks/gate_replay.py) --------------------------------------------
+def _recorded(lengths_ms: list[float], step_ms: float = 2.0, iteration_ms: float = 100.0):  # type: ignore[no-untyped-def]
+    import gate_replay  # benchmarks/ (on the path through conftest)
+
+    return gate_replay.Recorded("synthetic", tuple((0, int(n * MS)) for n in lengths_ms),
+                                tuple(int(step_ms * MS) for _ in range(50)), int(iteration_ms * MS))
+
+
+def test_the_replay_fills_what_the_gates_allow_and_the_tail_adds_to_it() -> None:
+    import gate_replay
+
+    # Steady 10 ms bubbles, 2 ms steps: 0.7 ms latency, then steps 2 ms + 0.17 ms apart while they fit the
+    # prediction (10 ms): 4 steps, 8 ms of 10; nothing past the prediction, no overrun.
+    steady = gate_replay.replay(_recorded([10.0] * 40), step_ms=2.0, risk=0.0, seed=1)
+    assert steady.filled == pytest.approx(0.8) and steady.overruns == 0 and steady.tail == 0.0
+    # Bubbles of 8 to 24 ms: predicted at their 10th percentile, the rest past it. The tail fills part of it.
+    spread = [8.0 + (k * 7) % 17 for k in range(200)]
+    off = gate_replay.replay(_recorded(spread), step_ms=2.0, risk=0.0, seed=1)
+    on = gate_replay.replay(_recorded(spread), step_ms=2.0, risk=0.2, seed=1)
+    assert off.tail == 0.0 and on.tail > 0.05
+    assert on.filled > off.filled + 0.05
+    assert on == gate_replay.replay(_recorded(spread), step_ms=2.0, risk=0.2, seed=1)  # seeded: repeatable
+
+
+def test_the_recorded_h100_bubbles_load_and_a_bad_file_says_how_to_make_one(tmp_path: Path) -> None:
+    import gate_replay
+
+    runs = gate_replay.load(gate_replay.DATA)
+    assert {r.name for r in runs} == {"image-classification-mps", "image-classification-contexts",
+                                      "batch-inference-mps", "batch-inference-contexts"}
+    assert all(len(r.bubbles) == 480 and r.iteration_ns > 0 for r in runs)
+    bad = tmp_path / "bad.json"
+    for text in ("not json", '{"runs": {"x": {"bubbles": [], "durations_ns": [1]}}}',
+                 '{"runs": {"x": {"bubbles": [[0, -5]], "durations_ns": [1]}}}'):
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match=r"gate_replay: .*bad\.json"):
+            gate_replay.load(bad)
+    with pytest.raises(SystemExit, match="--extract"):
+        gate_replay.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("argv", [["--step-ms", "fast"], ["--step-ms", "0"], ["--risks", "0.7"],
+                                  ["--risks", "nan"], ["--seeds", "0"], ["--extract", "somewhere"]])
+def test_the_replay_refuses_bad_flags(argv: list[str]) -> None:
+    import gate_replay
+
+    with pytest.raises(SystemExit, match="gate_replay: "):
+        gate_replay.main(argv)
+
+
+def test_a_fixture_extracted_from_run_directories_replays(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import gate_replay
+
+    run = tmp_path / "job-mps"
+    run.mkdir()
+    bubbles = [{"stage": 0, "slot": k % 2, "mode": "harvest", "start_ns": k * 20 * MS,
+                "end_ns": k * 20 * MS + (12 if k % 2 else 6) * MS} for k in range(40)]
+    bubbles.append({"stage": 0, "slot": 0, "mode": "naive", "start_ns": 0, "end_ns": 5 * MS})  # not harvest: left out
+    steps = [{"mode": "harvest", "start_ns": 0, "end_ns": 2 * MS}] * 10
+    (run / "agent-stats.json").write_text(json.dumps({"bubbles": bubbles, "steps": steps}))
+    (run / "train.json").write_text(json.dumps({"iteration_s": [0.1, 0.05, 0.06], "phase": ["off", "harvest",
+                                                                                              "harvest"]}))
+    fixture = tmp_path / "fixture.json"
+    assert gate_replay.main(["--extract", str(run), "--out", str(fixture)]) == 0
+    (loaded,) = gate_replay.load(fixture)
+    assert loaded.name == "job-mps" and len(loaded.bubbles) == 40 and loaded.iteration_ns == 55 * MS
+    out = tmp_path / "results.json"
+    assert gate_replay.main(["--data", str(fixture), "--step-ms", "2", "--risks", "0,0.1", "--seeds", "2",
+                             "--out", str(out)]) == 0
+    assert "| job-mps | 2 ms | 0.1 |" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["results"]) == 2
