@@ -761,11 +761,24 @@ def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> No
     (["--device", "cpu", "--wait-jitter", "-0.1"], "--wait-jitter -0.1: a coefficient of variation"),
     (["--device", "cpu", "--link-gb-per-s", "-5"], "--link-gb-per-s -5.0: a bandwidth >= 0"),
     (["--device", "cpu", "--stage-memory-gb", "-1"], "--stage-memory-gb -1.0: the GiB the training's stage holds"),
+    (["--device", "cpu", "--tail-risk", "0.9"], "--tail-risk: $BUBBLES_TAIL_RISK='0.9': give the accepted chance"),
 ])
 def test_bad_benchmark_flags_exit_2_saying_what_to_do(flags: list[str], message: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_tail_risk_reaches_the_agents_environment_and_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bubbles import control
+    from gpubench.run import _env, build_parser, resolve
+
+    monkeypatch.setenv(control.TAIL_RISK_ENV, "0.2")
+    args = build_parser().parse_args(["--device", "cpu"])
+    assert resolve(args) == [] and args.tail_risk == 0.2  # the environment's, when the flag is not given
+    args = build_parser().parse_args(["--device", "cpu", "--tail-risk", "0"])
+    assert resolve(args) == []
+    assert _env(args, None)[control.TAIL_RISK_ENV] == "0.0"  # the agent, and the fill processes it starts
 
 
 def test_unparseable_benchmark_flag_exits_2() -> None:
@@ -831,6 +844,7 @@ def test_smoke_run_harvests_and_the_baseline_does_no_fill_work(smoke: dict[str, 
 def test_smoke_report_says_where_bubble_time_went_and_the_fill_jobs_step_times(smoke: dict[str, Any]) -> None:
     md = (smoke["out"] / "report.md").read_text()
     assert "Where the harvest phases' bubble time went" in md and "| past_prediction | tail |" in md
+    assert smoke["report"]["config"]["tail_risk"] == 0.1 and ", tail risk 0.1;" in md
     assert all(r["fill_step_profile"] and r["fill_step_profile"].startswith("step time")
                for r in smoke["report"]["runs"]), smoke["report"]["runs"]
     assert "timed at init: step time" in md and "harvest steps by size: " in md

@@ -223,7 +223,8 @@ def format_table(report: Mapping[str, Any]) -> str:
                      "measurement.**\n")
     lines.append(f"device {cfg.get('device')}, stage {cfg.get('stage')} of {cfg.get('stages')}, "
                  f"{cfg.get('microbatches')} micro-batches, {cfg.get('iterations')} iterations per phase x "
-                 f"{cfg.get('repeats')} repeats (first {cfg.get('settle')} of each phase not counted); prices: "
+                 f"{cfg.get('repeats')} repeats (first {cfg.get('settle')} of each phase not counted), tail risk "
+                 f"{cfg.get('tail_risk', 'default')}; prices: "
                  f"P_I ${prices['training_gpu_hour']:.2f}/GPU-hour (training), P_II "
                  f"${prices['fill_gpu_hour']:.2f}/GPU-hour (dedicated fill GPU)")
     for name, s in report["solo"].items():

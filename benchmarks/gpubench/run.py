@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bubbles import control
 from bubbles.agent.mps import MpsControl, MpsError
 from bubbles.api import FillInterface, FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, format_phases
@@ -41,6 +42,7 @@ from bubbles.orchestrate.processes import (
     wait_for_file,
     wait_for_fill_jobs,
 )
+from bubbles.sdk import tail_risk
 
 TRAINING = "gpubench"
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent
@@ -129,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: P_I, as the solo throughput is measured on this same device)")
     p.add_argument("--slowdown-budget", type=float, default=0.01, help="the agent's slowdown guard (default 1%%)")
     p.add_argument("--grace-ms", type=float, default=50.0, help="the agent's kill grace after bubble end")
+    p.add_argument("--tail-risk", default=None,
+                   help="the fill runtime's $BUBBLES_TAIL_RISK: how likely a step started past a bubble's predicted "
+                        "end may be to outlive it (0: no such steps; default: the environment's, else the "
+                        "runtime's default)")
     p.add_argument("--mps-control", type=Path, default=None,
                    help="MPS control program (default: nvidia-cuda-mps-control on PATH; on CPU the stand-in)")
     p.add_argument("--run-timeout-s", type=float, default=None,
@@ -176,6 +182,12 @@ def resolve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--p2p-latency-ms {args.p2p_latency_ms}: must be >= 0")
     if not 0 <= args.wait_jitter <= 2:
         errors.append(f"--wait-jitter {args.wait_jitter}: a coefficient of variation from 0 (fixed waits) to 2")
+    if args.tail_risk is None:
+        args.tail_risk = os.environ.get(control.TAIL_RISK_ENV, "")
+    try:
+        args.tail_risk = tail_risk(str(args.tail_risk))
+    except ValueError as exc:
+        errors.append(f"--tail-risk: {exc}")
     if not args.link_gb_per_s >= 0:
         errors.append(f"--link-gb-per-s {args.link_gb_per_s}: a bandwidth >= 0 (0: sends cost nothing)")
     if not args.stage_memory_gb >= 0:
@@ -288,7 +300,7 @@ def _run_all(args: argparse.Namespace, work: Path) -> int:
         for isolation in args.isolation_list:
             runs.append(_run_one(args, work, job, isolation))
     config = {k: getattr(args, k) for k in (*SIZE_FLAGS, "device", "smoke", "slowdown_budget", "grace_ms",
-                                             "warmup_iterations", "profile_iterations")}
+                                             "warmup_iterations", "profile_iterations", "tail_risk")}
     config["jobs"] = {j: {"entry": JOBS[j].entry, "args": args.job_args[j]} for j in args.job_list}
     report = build_report(config=config, solo=solo, runs=runs, settle=args.settle,
                           price_training=args.price_training, price_fill=args.price_fill)
@@ -328,6 +340,8 @@ def _run_solo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def _env(args: argparse.Namespace, mps_pipe: Path | None, private: Path | None = None) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if isinstance(args.tail_risk, float):  # the agent passes its environment on to the fill processes
+        env[control.TAIL_RISK_ENV] = repr(args.tail_risk)
     # The benchmark's own processes (python -m gpubench.train / .solo) import it from benchmarks/: it is not installed.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS_DIR), env.get("PYTHONPATH", "")) if p)
     if args.device == "cpu":
