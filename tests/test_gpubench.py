@@ -335,6 +335,39 @@ def test_the_spin_kernel_s_clock_is_the_clock_under_load_not_an_idle_gpu_s() -> 
     assert ops.cycles_per_s == pytest.approx(FAKE_GPU_HZ, rel=0.2)  # one slow round would have made it 1/3
 
 
+def test_paired_waits_jitter_alike_under_the_same_key_and_differently_under_another() -> None:
+    """Common random numbers: the training passes (round, iteration index) before each iteration, so a round's
+    baseline and harvest iterations draw the same waits, and the comparison is not blurred by the jitter."""
+    def waits(keys: list[tuple[int, int]]) -> list[list[float]]:
+        sleeps: list[float] = []
+        emu = StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=TINY, sleep=sleeps.append,
+                            clock=_ticks(), wait_jitter=0.2)
+        emu.model_waits(forward_s=0.01, backward_s=0.02)
+        out = []
+        for key in keys:
+            emu.pair_waits(*key)
+            sleeps.clear()
+            emu.train_batch()
+            out.append(list(sleeps))
+        return out
+
+    # A baseline phase, then a harvest phase, of round 0: iteration i of each draws the same waits.
+    base, harvest = waits([(0, 0), (0, 1), (0, 2)]), waits([(0, 0), (0, 1), (0, 2)])
+    assert base == harvest
+    assert base[0] != base[1] and base[1] != base[2]  # still jittered from iteration to iteration
+    assert waits([(1, 0)])[0] != base[0]  # another round, other waits
+    # Without pairing (no key), the stream runs on: the same emulator's second pass differs from its first.
+    sleeps: list[float] = []
+    emu = StageEmulator(stage_id=0, num_stages=4, micro_batches=4, shape=TINY, sleep=sleeps.append,
+                        clock=_ticks(), wait_jitter=0.2)
+    emu.model_waits(forward_s=0.01, backward_s=0.02)
+    emu.train_batch()
+    first = list(sleeps)
+    sleeps.clear()
+    emu.train_batch()
+    assert sleeps != first
+
+
 def _ticks() -> Any:
     counter = itertools.count()
     return lambda: float(next(counter))
@@ -416,6 +449,26 @@ def test_training_process_rejects_a_stage_outside_the_pipeline(tmp_path: Path,
     with pytest.raises(SystemExit) as exc:
         train_main(["--phases", "off:x", "--out", str(tmp_path / "x.json")])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_the_training_pairs_each_rounds_waits_by_iteration_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  paired: bool) -> None:
+    from gpubench.train import main as train_main
+
+    keys: list[tuple[int, ...]] = []
+    real = StageEmulator.pair_waits
+    monkeypatch.setattr(StageEmulator, "pair_waits", lambda self, *key: (keys.append(key), real(self, *key))[1])
+    out = tmp_path / "train.json"
+    assert train_main(["--device", "cpu", "--stages", "2", "--microbatches", "2", "--hidden", "32", "--heads", "4",
+                       "--seq", "8", "--blocks", "1", "--calibration-steps", "1", "--warmup-iterations", "0",
+                       "--profile-iterations", "1", "--phases", "off:2,harvest:2,off:2,harvest:2",
+                       "--paired-waits" if paired else "--no-paired-waits", "--out", str(out)]) == 0
+    if paired:  # round 0's baseline and harvest iterations, then round 1's, keyed alike
+        assert keys == [(0, 0), (0, 1), (0, 0), (0, 1), (1, 0), (1, 1), (1, 0), (1, 1)]
+    else:
+        assert keys == []
+    assert json.loads(out.read_text())["model"]["paired_waits"] is paired
 
 
 @pytest.mark.parametrize("flags,reason", [

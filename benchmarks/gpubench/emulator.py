@@ -251,6 +251,7 @@ class StageEmulator:
         # Lognormal with mean 1 and coefficient of variation wait_jitter: sigma^2 = ln(1 + cv^2), mu = -sigma^2/2.
         self.wait_jitter = float(wait_jitter)
         self._jitter_sigma = math.sqrt(math.log1p(self.wait_jitter ** 2))
+        self.seed = seed
         self._jitter = random.Random(seed + 2)
         # DeepSpeed's attribute name and shape: the hook wraps a copy of it per instance, as on a real engine.
         self._INSTRUCTION_MAP = deepspeed_instruction_map()
@@ -393,6 +394,13 @@ class StageEmulator:
         k = (self.global_steps * self.micro_batches + self._micro) % POOL
         self._micro += 1
         return k
+
+    def pair_waits(self, *key: int) -> None:
+        """Draw the waits' jitter from here on from a stream of its own, keyed by ``key`` (the benchmark's training
+        passes the round and the iteration's index in its phase): iterations given the same key wait alike, so a
+        comparison of two phases is not blurred by the modelled jitter (common random numbers). Seeded as the rest:
+        the same seed and key draw the same waits on every run."""
+        self._jitter = random.Random(f"{self.seed}:" + ":".join(str(k) for k in key))
 
     def _wait(self, seconds: float) -> None:
         """A receive: once the device gets here, it waits ``seconds`` times this wait's jitter."""

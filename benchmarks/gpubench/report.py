@@ -239,6 +239,8 @@ def format_table(report: Mapping[str, Any]) -> str:
                          f"{m['bubble_share'] * 100:.1f}% of {m['iteration_s'] * 1e3:.1f} ms (F "
                          f"{m['forward_s'] * 1e3:.2f} ms, B {m['backward_s'] * 1e3:.2f} ms), profiled "
                          f"{r['profiled_bubble_share'] * 100:.1f}% in {r['profiled_bubbles']} bubbles"
+                         + (", waits jittered alike in a round's modes (common random numbers)"
+                            if m.get("paired_waits") and m.get("wait_jitter") else "")
                          + _signal_facts(r.get("hook") or {}))
     lines += ["", "| fill job | regime | isolation | iteration (median) | slowdown I median / p99 | slowdown, 95% "
               "interval over rounds | fill samples/s | recovered TFLOPS | bubble time filled (interval) | overruns "

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modelled time from a neighbour's send to the data's arrival (default 0.1)")
     p.add_argument("--wait-jitter", type=float, default=0.1,
                    help="coefficient of variation of each modelled wait (lognormal, mean 1; default 0.1, 0: fixed)")
+    p.add_argument("--paired-waits", action=argparse.BooleanOptionalAction, default=True,
+                   help="the i-th iteration of every mode's k-th phase draws the same wait jitter (common random "
+                        "numbers: a round's comparison of modes is not blurred by the modelled jitter; default on)")
     p.add_argument("--link-gb-per-s", type=float, default=200.0,
                    help="the link a send crosses: a send occupies the device for the activation's bytes over this "
                         "bandwidth (default 200 GB/s, NVLink-class; 0: sends cost nothing)")
@@ -174,10 +177,14 @@ def main(argv: list[str] | None = None) -> int:
          f"(host: {statistics.median(iteration_s) * 1e3:.1f} ms per iteration)")
     if args.start_file is not None:
         _hold_until(args.start_file, args.start_timeout_s)
+    rounds: dict[FillMode, int] = {}  # phases of each mode so far: the round a phase belongs to
     for mode, n in phases:
         inst.set_fill_mode(mode)
         start_ns = time.monotonic_ns()
-        for _ in range(n):
+        k = rounds[mode] = rounds.get(mode, -1) + 1
+        for i in range(n):
+            if args.paired_waits:
+                emulator.pair_waits(k, i)
             step(mode.label)
         phase_records.append({"mode": mode.label, "iterations": n, "start_ns": start_ns, "end_ns": time.monotonic_ns()})
         if n:
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "microbatches": args.microbatches,
         "shape": dataclasses.asdict(shape),
         "forward_flops_per_microbatch": shape.forward_flops(),
-        "model": {**model, "wait_jitter": args.wait_jitter, "send_s": send_s},
+        "model": {**model, "wait_jitter": args.wait_jitter, "send_s": send_s, "paired_waits": args.paired_waits},
         "losses": losses,
         "iteration_s": iteration_s,
         "phase": phase_of,
