@@ -815,6 +815,10 @@ def test_resnet_preset_trains_in_bf16_and_its_flops_scale_with_the_batch() -> No
     (["--device", "cpu", "--link-gb-per-s", "-5"], "--link-gb-per-s -5.0: a bandwidth >= 0"),
     (["--device", "cpu", "--stage-memory-gb", "-1"], "--stage-memory-gb -1.0: the GiB the training's stage holds"),
     (["--device", "cpu", "--tail-risk", "0.9"], "--tail-risk: $BUBBLES_TAIL_RISK='0.9': give the accepted chance"),
+    (["--device", "cpu", "--modes", "off,replay"], "--modes off,replay: unknown mode(s) replay"),
+    (["--device", "cpu", "--modes", "harvest,off"], "--modes harvest,off: give off (the baseline"),
+    (["--device", "cpu", "--modes", "off"], "--modes off: give off (the baseline"),
+    (["--device", "cpu", "--modes", "off,harvest,harvest"], "each once"),
 ])
 def test_bad_benchmark_flags_exit_2_saying_what_to_do(flags: list[str], message: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -832,6 +836,19 @@ def test_the_tail_risk_reaches_the_agents_environment_and_the_report(monkeypatch
     args = build_parser().parse_args(["--device", "cpu", "--tail-risk", "0"])
     assert resolve(args) == []
     assert _env(args, None)[control.TAIL_RISK_ENV] == "0.0"  # the agent, and the fill processes it starts
+
+
+def test_a_run_of_only_the_baseline_and_harvesting_reports_just_those(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_harvest.py"), "--device", "cpu",
+                           "--modes", "off,harvest", "--jobs", "batch-inference", "--isolations", "contexts",
+                           "--out", str(tmp_path / "report"), "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert [r["regime"] for r in report["regimes"]] == ["baseline", "harvesting (contexts)"]
+    record = json.loads((tmp_path / "work" / "batch-inference-contexts" / "train.json").read_text())
+    assert {p["mode"] for p in record["phases"]} == {"off", "harvest"}
+    assert report["config"]["modes"] == "off,harvest"
 
 
 def test_unparseable_benchmark_flag_exits_2() -> None:

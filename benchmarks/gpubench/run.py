@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill-args", action="append", default=[], metavar="JOB=JSON",
                    help="override a fill job's arguments, e.g. 'image-classification={\"batch_size\": 32}' "
                         "(repeatable)")
+    p.add_argument("--modes", default=",".join(m.label for m in COMPARED_MODES),
+                   help="the fill modes each round runs, the baseline (off) first: off,harvest leaves out naive "
+                        "co-location and MPS sharing (a third less time, or more rounds in the same time) "
+                        f"(default {','.join(m.label for m in COMPARED_MODES)})")
     p.add_argument("--isolations", default=",".join(ISOLATIONS),
                    help="comma list of isolations to run: contexts, mps (default both)")
     for name in SIZE_FLAGS:
@@ -211,6 +215,11 @@ def resolve(args: argparse.Namespace) -> list[str]:
             continue
         args.job_args[job.strip()].update(extra)
     args.isolation_list = _known_list("--isolations", args.isolations, ISOLATIONS, "isolation(s)", errors)
+    labels = _known_list("--modes", args.modes, tuple(m.label for m in COMPARED_MODES), "mode(s)", errors)
+    args.mode_list = [m for m in COMPARED_MODES if m.label in labels]
+    if labels and (labels[0] != FillMode.OFF.label or len(set(labels)) != len(labels) or len(labels) < 2):
+        errors.append(f"--modes {args.modes}: give off (the baseline every round is compared with) first, then "
+                      "one or both of naive and harvest, each once")
     if not args.price_training > 0:
         errors.append(f"--price-training {args.price_training}: give a price per GPU-hour > 0")
     if args.price_fill is None:
@@ -265,7 +274,8 @@ def estimate_s(args: argparse.Namespace) -> float:
     compute = args.microbatches * 3 * fwd / rate
     iteration = compute * (args.microbatches + args.stages - 1) / args.microbatches + overhead_s
     per_run = startup_s + iteration * (args.warmup_iterations + args.profile_iterations
-                                       + len(COMPARED_MODES) * args.repeats * args.iterations)
+                                       + len(getattr(args, "mode_list", COMPARED_MODES)) * args.repeats
+                                       * args.iterations)
     runs = len(args.job_list) * len(args.isolation_list)
     return runs * per_run + len(args.job_list) * (args.solo_seconds + 3) + startup_s / 2
 
@@ -300,7 +310,7 @@ def _run_all(args: argparse.Namespace, work: Path) -> int:
         for isolation in args.isolation_list:
             runs.append(_run_one(args, work, job, isolation))
     config = {k: getattr(args, k) for k in (*SIZE_FLAGS, "device", "smoke", "slowdown_budget", "grace_ms",
-                                             "warmup_iterations", "profile_iterations", "tail_risk")}
+                                             "warmup_iterations", "profile_iterations", "tail_risk", "modes")}
     config["jobs"] = {j: {"entry": JOBS[j].entry, "args": args.job_args[j]} for j in args.job_list}
     report = build_report(config=config, solo=solo, runs=runs, settle=args.settle,
                           price_training=args.price_training, price_fill=args.price_fill)
@@ -406,7 +416,7 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
     if isolation == "mps":
         agent_cmd += ["--mps-control", str(mps_control), "--mps-pipe-dir", str(pipe_dir),
                       "--mps-log-dir", str(short / "mps-log")]
-    phases = format_phases(args.iterations, args.repeats)
+    phases = format_phases(args.iterations, args.repeats, args.mode_list)
     train_cmd = [sys.executable, "-m", "gpubench.train", "--device", args.device,
                  "--stage", str(args.stage), "--stages", str(args.stages), "--microbatches", str(args.microbatches),
                  "--hidden", str(args.hidden), "--heads", str(args.heads), "--ffn-mult", str(args.ffn_mult),
