@@ -12,9 +12,11 @@ and ``TailRisk`` and the hook's prediction (``bubbles.cycle.RecentLengths``: eac
 ones scaled to a median of ``--step-ms`` (what a shorter step, such as a CUDA-graph replay, would take), independent
 of the training; the first step of a bubble starts ``--latency-ms`` after it (0.7 ms: the recorded median over the
 runs' first 15 s, before the clock drift fixed in 123a019 grew it), later ones ``--gap-ms`` after the last (0.17 ms,
-the recorded median); an overrun is charged in full to the training (an upper bound: under MPS the training's
-kernels share the SMs with the step's rather than wait). Not a measurement of a training: it says which step length
-and which tail risk reach which fill on these bubbles, for the next GPU run to confirm.
+the recorded median); the runtime learns of a bubble's end ``--end-lag-ms`` after it (0.3 ms: the p90 of a blocking
+helper's wake-up under Python load at the hook's 200 us switch interval, benchmarks/gpu_event_wake.py on the H100),
+and may start steps until then; an overrun is charged in full to the training (under MPS the training's kernels
+share the SMs with the step's rather than wait, so it costs less). Not a measurement of a training: it says which
+step length and which tail risk reach which fill on these bubbles, for the next GPU run to confirm.
 
 Per policy: the share of the bubble time filled (median and the range over ``--seeds`` draws of the durations), the
 share filled by steps started past the predicted end, and the overrun per iteration (ms; as a share of the recorded
@@ -62,7 +64,7 @@ class Outcome:
 
 
 def replay(run: Recorded, *, step_ms: float, risk: float, seed: int, latency_ms: float = 0.7,
-           gap_ms: float = 0.17) -> Outcome:
+           gap_ms: float = 0.17, end_lag_ms: float = 0.3) -> Outcome:
     """One pass over the recorded bubbles with the runtime's gates (see the module doc). Pure, seeded."""
     rng = random.Random(seed)
     scale = step_ms * 1e6 / statistics.median(run.durations_ns)
@@ -77,24 +79,25 @@ def replay(run: Recorded, *, step_ms: float, risk: float, seed: int, latency_ms:
     slots = sorted({slot for slot, _ in run.bubbles})
     seeds = {slot: [n for s, n in run.bubbles[:PROFILE_ITERATIONS * len(slots)] if s == slot] for slot in slots}
     recent = RecentLengths({slot: v or [1] for slot, v in seeds.items()})
-    latency_ns, gap_ns = int(latency_ms * 1e6), int(gap_ms * 1e6)
+    latency_ns, gap_ns, lag_ns = int(latency_ms * 1e6), int(gap_ms * 1e6), int(end_lag_ms * 1e6)
     total = filled = tail_filled = overrun = 0
     overruns = steps = 0
     for slot, length in run.bubbles:
         total += length
         predicted = recent.predicted_ns(slot)
-        t, ran = latency_ns, 0
-        while t < length:
+        t, ran, since = latency_ns, 0, None
+        while t < length + lag_ns:  # the runtime learns of the end only when its END signal arrives
             first = ran == 0
             fits = gates.fitting(predicted - t, first)
             past = False
             if not fits and tail is not None:
-                fits = tail.fitting(slot, t, gates, first)
+                since = t if since is None else since
+                fits = tail.fitting(slot, t, gates, first, since_ns=since)
                 past = bool(fits)
             if not fits:
                 break
             d = draw()
-            inside = min(t + d, length) - t
+            inside = max(0, min(t + d, length) - t)
             filled += inside
             tail_filled += inside if past else 0
             if t + d > length:
@@ -107,6 +110,7 @@ def replay(run: Recorded, *, step_ms: float, risk: float, seed: int, latency_ms:
         recent.add(slot, length)
         if tail is not None:
             tail.ended(slot, length)
+            tail.end_lag(lag_ns)
     iterations = max(1, len(run.bubbles) // max(1, len(slots)))
     return Outcome(filled=filled / total if total else 0.0, tail=tail_filled / total if total else 0.0,
                    overrun_ms_per_iteration=overrun / 1e6 / iterations, overruns=overruns, steps=steps)
@@ -171,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=20, help="draws of the step durations per policy")
     p.add_argument("--latency-ms", type=float, default=0.7, help="bubble start to its first step")
     p.add_argument("--gap-ms", type=float, default=0.17, help="one step's end to the next one's start")
+    p.add_argument("--end-lag-ms", type=float, default=0.3,
+                   help="a bubble's end to its END signal's arrival: until then steps may still start")
     p.add_argument("--extract", type=Path, nargs="+", metavar="RUN_DIR",
                    help="write a fixture from these gpu_harvest run directories to --out instead of replaying")
     p.add_argument("--out", type=Path, help="with --extract: the fixture; else the results as JSON")
@@ -185,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     risks = _floats(args.risks, "--risks")
     if any(s == 0 for s in steps_ms) or any(r >= 0.5 for r in risks):
         raise SystemExit("gate_replay: --step-ms must be > 0 and --risks below 0.5")
-    if args.seeds < 1 or not args.latency_ms >= 0 or not args.gap_ms >= 0:
-        raise SystemExit("gate_replay: --seeds must be >= 1, --latency-ms and --gap-ms >= 0")
+    if args.seeds < 1 or not args.latency_ms >= 0 or not args.gap_ms >= 0 or not args.end_lag_ms >= 0:
+        raise SystemExit("gate_replay: --seeds must be >= 1, --latency-ms, --gap-ms and --end-lag-ms >= 0")
     runs = load(args.data)
     results = []
     print("| recorded run | step (median) | tail risk | filled (range over seeds) | of it past the prediction | "
@@ -196,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step_ms in steps_ms:
             for risk in risks:
                 outs = [replay(run, step_ms=step_ms, risk=risk, seed=k, latency_ms=args.latency_ms,
-                               gap_ms=args.gap_ms) for k in range(args.seeds)]
+                               gap_ms=args.gap_ms, end_lag_ms=args.end_lag_ms) for k in range(args.seeds)]
                 fill = sorted(o.filled for o in outs)
                 over = statistics.median(o.overrun_ms_per_iteration for o in outs)
                 per100 = statistics.median(100 * o.overruns / max(1, o.steps) for o in outs)
@@ -211,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"results": results, "seeds": args.seeds, "latency_ms": args.latency_ms,
-                                        "gap_ms": args.gap_ms, "data": str(args.data)}, indent=1) + "\n")
+                                        "gap_ms": args.gap_ms, "end_lag_ms": args.end_lag_ms,
+                                        "data": str(args.data)}, indent=1) + "\n")
     return 0
 
 

@@ -82,22 +82,28 @@ class StepGates:
 
 
 class TailRisk:
-    """Whether a step may start past its bubble's predicted end: the chance it outlives the bubble, given that the
-    bubble has lasted ``elapsed`` so far. Pure.
+    """Whether a step may start past its bubble's predicted end: the chance that the bubble, having lasted past the
+    prediction, ends while a fill step runs. Pure.
 
-    A bubble's length is random (its neighbour's compute and the network jitter), and once it has lasted ``a``, what
-    is left of it follows the lengths of its slot's past bubbles that lasted longer than ``a`` (the survivors). A
-    step of duration ``d`` started now outlives the bubble if its length is under ``a + d``. Over the slot's last
-    ``window`` lengths and the step's recent durations (``StepGates.durations_ns``), the share of (length, duration)
-    pairs in which it would is the step's risk; sizes whose risk is at most ``max_risk`` may start. With fewer than
-    ``min_survivors`` survivors the tail is unknown and nothing starts there.
+    A bubble's length is random (its neighbour's compute and the network jitter). Once it has lasted ``a``, what is
+    left of it follows the lengths of its slot's past bubbles that lasted longer than ``a`` (the survivors). The
+    bound is per bubble, not per step: from the moment ``since`` the bubble entered its tail (the prediction first
+    refused a step), a step of duration ``d`` may start at ``a`` if at most ``max_risk`` of the bubbles that lasted
+    past ``since`` ended before ``a + d``. So of the bubbles whose tails are filled, at most that share (in the
+    slot's recent lengths) end while a tail step runs, however many tail steps a bubble takes; ending between two
+    of them counts too. Over the slot's last ``window`` lengths and the step's recent durations
+    (``StepGates.durations_ns``), the share of (length, duration) pairs for which it would is the risk. With fewer
+    than ``min_survivors`` survivors the tail is unknown and nothing starts there.
 
     A bubble whose end has not been read yet may have ended already: its END signal takes time to arrive. So the
-    survivors are the lengths above ``a`` less the END signals' lag (the 90th percentile of the recent ones,
+    survivors are the lengths above ``since`` less the END signals' lag (the 90th percentile of the recent ones,
     ``end_lag``), and the lengths between the two count as overruns for any step.
+
+    ``window`` is the hook's (``bubbles.cycle.RecentLengths``, 32), so the tail follows a change in the bubbles as
+    fast as the prediction does.
     """
 
-    def __init__(self, max_risk: float, *, window: int = 64, min_survivors: int = 8, lag_window: int = 64) -> None:
+    def __init__(self, max_risk: float, *, window: int = 32, min_survivors: int = 8, lag_window: int = 64) -> None:
         if not 0.0 <= max_risk < 1.0:
             raise ValueError(f"TailRisk's max_risk is a probability below 1 (0 turns it off), got {max_risk!r}")
         if window < 1 or not 1 <= min_survivors <= window or lag_window < 1:
@@ -131,29 +137,33 @@ class TailRisk:
     def lag_ns(self) -> int:
         return self._lag_ns
 
-    def risk(self, slot: int, elapsed_ns: int, durations_ns: Sequence[int]) -> float | None:
-        """The chance a step of one of ``durations_ns`` (equally likely) outlives a bubble of ``slot`` that has
-        lasted ``elapsed_ns``; None when too few of the slot's bubbles lasted that long to tell."""
+    def risk(self, slot: int, elapsed_ns: int, durations_ns: Sequence[int],
+             since_ns: int | None = None) -> float | None:
+        """The chance that a bubble of ``slot`` that lasted past ``since_ns`` (default: ``elapsed_ns``) ends before a
+        step of one of ``durations_ns`` (equally likely) started at ``elapsed_ns`` does; None when too few of the
+        slot's bubbles lasted that long to tell."""
         lengths = self._sorted.get(slot)
         if not lengths or not durations_ns:
             return None
-        lo = bisect_right(lengths, elapsed_ns - self._lag_ns)  # the survivors are lengths[lo:]
+        since = elapsed_ns if since_ns is None else min(since_ns, elapsed_ns)
+        lo = bisect_right(lengths, since - self._lag_ns)  # the survivors are lengths[lo:]
         survivors = len(lengths) - lo
         if survivors < self.min_survivors:
             return None
         short = sum(max(0, bisect_left(lengths, elapsed_ns + d) - lo) for d in durations_ns)
         return short / (survivors * len(durations_ns))
 
-    def fitting(self, slot: int, elapsed_ns: int, gates: StepGates, first: bool) -> list[int | None]:
+    def fitting(self, slot: int, elapsed_ns: int, gates: StepGates, first: bool,
+                since_ns: int | None = None) -> list[int | None]:
         """The sizes (smallest first, run the last) whose risk is at most ``max_risk``; empty when none is, when
-        the risk is unknown or when the tail is off (``max_risk`` 0). The scan stops at the first size that risks
-        too much: a larger one is not tried past a smaller one refused (launch-bound, their durations differ by
-        noise alone)."""
+        the risk is unknown or when the tail is off (``max_risk`` 0). ``since_ns``: when this bubble entered its
+        tail (see the class). The scan stops at the first size that risks too much: a larger one is not tried past a
+        smaller one refused (launch-bound, their durations differ by noise alone)."""
         if self.max_risk <= 0.0:
             return []
         out: list[int | None] = []
         for size in gates.sizes:
-            r = self.risk(slot, elapsed_ns, gates.durations_ns(size, first))
+            r = self.risk(slot, elapsed_ns, gates.durations_ns(size, first), since_ns)
             if r is None or r > self.max_risk:
                 break
             out.append(size)

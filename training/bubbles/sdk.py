@@ -591,15 +591,21 @@ class FillRuntime:
             self._bubble = None
             return
         usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
+        # The tail is used only at the full share: the guard's cut turns it off (a share within rounding of 1, as the
+        # guard's steps back up leave it, is the full share).
+        tail_ok = self.share >= 1.0 - 1e-6
+        tail_since: int | None = None  # when this bubble entered its tail: TailRisk's bound is per bubble
         ran = 0
         while self.mode is FillMode.HARVEST and self._bubble is b and not b.ended:
             now = time.monotonic_ns()
             fits = gates.fitting(usable_end - now, ran == 0)  # the program-directed limit
             tail = False
-            if not fits and self.share >= 1.0:
-                # Past what the prediction allows, while the slowdown guard has not cut the share: a step whose
-                # chance of outliving this bubble, given how long it has lasted, is small enough.
-                fits = self.tail.fitting(b.slot, now - b.start_ns, gates, ran == 0)
+            if not fits and tail_ok:
+                # Past what the prediction allows, while the slowdown guard has not cut the share: steps while the
+                # chance that this bubble, given how long it has lasted, ends during one is small enough.
+                if tail_since is None:
+                    tail_since = now - b.start_ns
+                fits = self.tail.fitting(b.slot, now - b.start_ns, gates, ran == 0, since_ns=tail_since)
                 tail = bool(fits)
             if not fits:
                 break
