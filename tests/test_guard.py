@@ -153,6 +153,18 @@ def test_below_its_maximum_the_share_rises_only_through_probes_and_bounds_hold()
     assert guard.share == 0.2 and min(s for _, s, _ in guard.history) == 0.2
 
 
+def test_after_a_cut_the_share_climbs_back_to_exactly_the_full_share() -> None:
+    """Steps of 0.1 from 0.5 add up to 0.9999999999999999 in floating point, which the fill runtime would not treat
+    as the full share (steps past the predicted end need it): the guard rounds its share."""
+    cfg = GuardConfig(window=8, initial_share=0.5, refresh_every=0, raise_every=2)
+    guard = SlowdownGuard(1.0, cfg)
+    for _ in range(1200):  # no harm: every probe clears, one step up each
+        drive(guard, 1, harm(0.0))
+        if guard.probes["clear"] == 5:
+            break
+    assert guard.share == 1.0  # five steps of 0.1 from 0.5, not 0.9999999999999999 (a sixth probe away)
+
+
 def test_at_the_least_share_a_slow_window_only_re_measures_the_baseline() -> None:
     cfg = GuardConfig(window=8, initial_share=0.0, refresh_every=0, refresh_window=3)
     guard = SlowdownGuard(1.0, cfg)

@@ -591,8 +591,8 @@ class FillRuntime:
             self._bubble = None
             return
         usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
-        # The tail is used only at the full share: the guard's cut turns it off (a share within rounding of 1, as the
-        # guard's steps back up leave it, is the full share).
+        # The tail is used only at the full share: the guard's cut turns it off. A share within rounding of 1 is the
+        # full share (an agent before the guard rounded its steps sent 0.9999999999999999 after one cut).
         tail_ok = self.share >= 1.0 - 1e-6
         tail_since: int | None = None  # when this bubble entered its tail: TailRisk's bound is per bubble
         ran = 0

@@ -295,11 +295,12 @@ class SlowdownGuard:
         harm = statistics.median(self._diffs)
         before = self.share
         if p_harm < alpha:
-            self.share = max(cfg.min_share, self.share * cfg.decrease)
+            # Rounded: steps of 0.1 back up from a cut would otherwise stop at 0.9999999999999999, not the full share.
+            self.share = max(cfg.min_share, round(self.share * cfg.decrease, 9))
             verdict, outcome = f"harm over budget (p={p_harm:.3f})", "cut"
         elif p_fine < alpha or p_harm > cfg.futility:
             # No harm over the budget at this share: what looked slow was drift or noise. One step up if allowed.
-            self.share = min(cfg.max_share, self.share + cfg.increase)
+            self.share = min(cfg.max_share, round(self.share + cfg.increase, 9))
             verdict = (f"harm under budget (p={p_fine:.3f})" if p_fine < alpha
                        else f"no sign of harm over budget (p={p_harm:.3f})")
             outcome = "clear"
