@@ -12,9 +12,12 @@ Cases:
   two events and queues them, and a helper thread waits on them and sends the datagrams. The events here
   complete when recorded (``HostEvent``): on a GPU add two ``cudaEventRecord`` calls (a few microseconds
   each, not measured here), and the helper thread's GIL time is counted as it falls on the training's;
+- ``bubble (CUDA events)``: on a machine with a CUDA GPU (or ``--cuda``), the same with real ``torch.cuda.Event``s on
+  the current stream, as the hook makes them: the training's thread pays the two ``cudaEventRecord`` calls; the
+  stream is idle, so each event completes at once and the helper thread's wake-up and sends overlap the next call;
 - ``schedule``: a whole 1F1B batch (4 stages, 8 micro-batches, stage 1), cost spread per instruction.
 
-Usage: ``python benchmarks/hook_overhead.py [--calls N] [--json PATH]`` (about 10-20 s).
+Usage: ``python benchmarks/hook_overhead.py [--calls N] [--json PATH] [--cuda | --no-cuda]`` (about 10-20 s).
 """
 
 from __future__ import annotations
@@ -87,7 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=100_000, help="timed calls per case (default 100000)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
+                    help="the case with real CUDA events (default: when a CUDA GPU is visible)")
     args = ap.parse_args(argv)
+    if args.calls < 1000:
+        ap.error(f"--calls {args.calls}: give at least 1000 (fewer say nothing about a p99)")
+    cuda_ok = _cuda_available()
+    if args.cuda and not cuda_ok:
+        print("hook_overhead: --cuda: no CUDA device is visible here (torch.cuda.is_available() is False); leave "
+              "--cuda out to measure the other cases", file=sys.stderr)
+        return 2
+    with_cuda = cuda_ok if args.cuda is None else args.cuda
 
     run_dir = Path(tempfile.mkdtemp(prefix="bbh-", dir="/tmp"))
     engine = StandInEngine(stage=1, stages=4, micro_batches=8)
@@ -128,6 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     results["bubble (device events)"] = _bubble_case(dev, dev_engine, direct, per, interleave, run_dir, "bench-dev")
     dev.detach()
 
+    if with_cuda:  # real CUDA events, made the way the hook makes them on a GPU (event_factory left to it)
+        cuda_engine = StandInEngine(stage=1, stages=4, micro_batches=8)
+        real = instrument(cuda_engine, training="bench-cuda", run_dir=run_dir, warmup_iterations=0,
+                          profile_iterations=1, min_bubble_s=0.0, timing="cuda")
+        cuda_engine.train_batch()
+        deadline = time.monotonic() + 10
+        while real.cycle is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        results["bubble (CUDA events)"] = _bubble_case(real, cuda_engine, direct, per, interleave, run_dir,
+                                                        "bench-cuda")
+        real.detach()
+
     # a whole batch through DeepSpeed's dispatch loop
     n_instr = len(instruction_stream(S.TrainSchedule(8, 4, 1))) + 1
     plain = StandInEngine(stage=1, stages=4, micro_batches=8)
@@ -157,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"unit": "us per instruction", "cpu_count": os.cpu_count(),
                                          "python": sys.version.split()[0], "results": results}, indent=2))
     return 0
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def _bubble_case(inst: Any, engine: Any, direct: dict[Any, Any], per: int, interleave: int, run_dir: Path,

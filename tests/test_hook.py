@@ -513,3 +513,40 @@ def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_nai
     assert min(predicted_ms()) >= 9  # every bubble now lasts 10 ms, and the prediction says so
     inst.detach()
     agent.close()
+
+
+# -- benchmarks/hook_overhead.py ---------------------------------------------------------------------------------
+def test_the_hook_overhead_benchmark_runs_its_cases_and_refuses_cuda_where_there_is_none(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    import hook_overhead  # benchmarks/ (on the path through conftest)
+
+    out = tmp_path / "overhead.json"
+    assert hook_overhead.main(["--calls", "1000", "--json", str(out), "--no-cuda"]) == 0
+    cases = json.loads(out.read_text())["results"]
+    assert set(cases) == {"compute", "wait", "bubble", "bubble (device events)", "schedule"}
+    assert all(r["hooked_median_us"] > 0 for r in cases.values())
+    with pytest.raises(SystemExit):
+        hook_overhead.main(["--calls", "10"])
+    assert "give at least 1000" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert hook_overhead.main(["--cuda"]) == 2
+        assert "no CUDA device is visible here" in capsys.readouterr().err
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_the_hook_overhead_benchmark_times_real_cuda_events_on_a_gpu(tmp_path: Path) -> None:
+    import hook_overhead
+
+    out = tmp_path / "overhead.json"
+    assert hook_overhead.main(["--calls", "2000", "--json", str(out), "--cuda"]) == 0
+    cuda = json.loads(out.read_text())["results"]["bubble (CUDA events)"]
+    assert cuda["hooked_median_us"] > 0 and cuda["hooked_p99_us"] >= cuda["hooked_median_us"]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in the order the project runs them whenever a GPU is available (docs/gpu.md, "Running the GPU
-# checks"): the machine's facts, `pytest -m gpu`, the helper thread's wake-up on CUDA events, and the one-GPU
-# harvesting benchmark at full size (about 10 minutes on an H100). Everything lands in one folder to paste from.
+# checks"): the machine's facts, `pytest -m gpu`, the hook's cost with real CUDA events, the helper thread's
+# wake-up on CUDA events, and the one-GPU harvesting benchmark at full size (about 10 minutes on an H100).
+# Everything lands in one folder to paste from.
 #
 #   tools/gpu-checks.sh [OUT]            default OUT: out/gpu-checks
 #   PYTHON=/path/to/python tools/gpu-checks.sh   the interpreter with CUDA torch, DeepSpeed and bubbles[agent]
@@ -37,6 +38,10 @@ echo "gpu-checks: pytest -m gpu" >&2
 "$PY" -m pytest -m gpu -v -p no:cacheprovider > "$OUT/pytest-gpu.txt" 2>&1 || failed+=("pytest -m gpu")
 tail -1 "$OUT/pytest-gpu.txt"
 
+echo "gpu-checks: what the hook costs the training's thread, with real CUDA events (benchmarks/hook_overhead.py)" >&2
+"$PY" benchmarks/hook_overhead.py --cuda --json "$OUT/hook-overhead.json" > "$OUT/hook-overhead.md" \
+  || failed+=("hook_overhead")
+
 echo "gpu-checks: the helper thread's wake-up on CUDA events (benchmarks/gpu_event_wake.py)" >&2
 "$PY" benchmarks/gpu_event_wake.py --out "$OUT/wake.json" > "$OUT/wake.md" || failed+=("gpu_event_wake")
 
@@ -47,7 +52,7 @@ if [ "${SKIP_HARVEST:-0}" != 1 ]; then
     || failed+=("gpu_harvest")
 fi
 
-echo "gpu-checks: results in $OUT (env.txt, pytest-gpu.txt, wake.md, harvest/report.md)" >&2
+echo "gpu-checks: results in $OUT (env.txt, pytest-gpu.txt, hook-overhead.md, wake.md, harvest/report.md)" >&2
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu-checks: FAILED: ${failed[*]}" >&2
   exit 1
