@@ -330,3 +330,26 @@ def test_a_fixture_extracted_from_run_directories_replays(tmp_path: Path, capsys
                              "--out", str(out)]) == 0
     assert "| job-mps | 2 ms | 0.1 |" in capsys.readouterr().out
     assert len(json.loads(out.read_text())["results"]) == 2
+
+
+# -- the runtime's gap between steps (benchmarks/step_gap.py) --------------------------------------------------------
+def test_the_step_gap_benchmark_measures_gaps_between_steps_of_real_fill_processes(tmp_path: Path) -> None:
+    import json
+
+    import step_gap  # benchmarks/
+
+    out = tmp_path / "gap.json"
+    assert step_gap.main(["--rounds", "1", "--bubbles", "5", "--bubble-ms", "10", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["median_us"] > 0 and result["p90_us"] >= result["median_us"]
+    assert 150 < result["step_median_us"] < 2000  # 200 us spins, as the records time them
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--step-us", "0"], ["--args", "[1]"], ["--device", "gpu"],
+                                  ["--bubble-ms", "0.1", "--step-us", "200"]])
+def test_the_step_gap_benchmark_refuses_bad_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    import step_gap
+
+    with pytest.raises(SystemExit) as exc:
+        step_gap.main(argv)
+    assert exc.value.code == 2 and "step_gap.py: error:" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in the order the project runs them whenever a GPU is available (docs/gpu.md, "Running the GPU
-# checks"): the machine's facts, `pytest -m gpu`, the hook's cost with real CUDA events, the helper thread's
-# wake-up on CUDA events, and the one-GPU harvesting benchmark at full size (about 10 minutes on an H100).
+# checks"): the machine's facts, `pytest -m gpu`, the hook's cost with real CUDA events, the fill runtime's gap
+# between steps, the helper thread's wake-up on CUDA events, and the one-GPU harvesting benchmark at full size
+# (about 10 minutes on an H100).
 # Everything lands in one folder to paste from.
 #
 #   tools/gpu-checks.sh [OUT]            default OUT: out/gpu-checks
@@ -42,6 +43,13 @@ echo "gpu-checks: what the hook costs the training's thread, with real CUDA even
 "$PY" benchmarks/hook_overhead.py --cuda --json "$OUT/hook-overhead.json" > "$OUT/hook-overhead.md" \
   || failed+=("hook_overhead")
 
+echo "gpu-checks: the fill runtime's gap between two steps of a bubble, eager and CUDA graphs (benchmarks/step_gap.py)" >&2
+for graphs in false true; do
+  "$PY" benchmarks/step_gap.py --device cuda:0 --entry bubbles.fill_examples.batch_inference:BatchInference \
+    --args "{\"cuda_graphs\": $graphs}" --json "$OUT/step-gap-graphs-$graphs.json" > "$OUT/step-gap-graphs-$graphs.md" \
+    || failed+=("step_gap (cuda_graphs $graphs)")
+done
+
 echo "gpu-checks: the helper thread's wake-up on CUDA events (benchmarks/gpu_event_wake.py)" >&2
 "$PY" benchmarks/gpu_event_wake.py --out "$OUT/wake.json" > "$OUT/wake.md" || failed+=("gpu_event_wake")
 
@@ -52,7 +60,7 @@ if [ "${SKIP_HARVEST:-0}" != 1 ]; then
     || failed+=("gpu_harvest")
 fi
 
-echo "gpu-checks: results in $OUT (env.txt, pytest-gpu.txt, hook-overhead.md, wake.md, harvest/report.md)" >&2
+echo "gpu-checks: results in $OUT (env.txt, pytest-gpu.txt, hook-overhead.md, step-gap-*.md, wake.md, harvest/report.md)" >&2
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu-checks: FAILED: ${failed[*]}" >&2
   exit 1
