@@ -3,9 +3,10 @@
 Real parts end to end, as in ``signal_latency.py``: the agent (``bubbles agent``) starts a real fill process (the SDK
 runtime with a ``SpinJob``), and this script plays the training's side with the hook's sender, signalling bubbles of
 ``--bubble-ms`` predicted to their full length. Within a bubble the runtime runs steps back to back; the gap after
-a step is the next step's start (taken when the runtime decides to run it) minus the step's end (taken when its work
-is done), both CLOCK_MONOTONIC, read from the agent's step records. What falls in it: the step's record, the gate's
-update, the checks for a finished job, for signals and for commands, and the gate's decision.
+a step is the next step's start minus the step's end (taken when its work is done), both CLOCK_MONOTONIC, read from
+the agent's step records. What falls in it: the step's record, the gate's update, and the checks for a finished
+job, for signals and for commands (the start is stamped just before the gate's decision, which so counts in the next
+step).
 
     .venv/bin/python benchmarks/step_gap.py [--rounds 6] [--bubbles 40] [--step-us 200] [--json PATH]
     python benchmarks/step_gap.py --device cuda:0 --entry bubbles.fill_examples.batch_inference:BatchInference \
@@ -54,16 +55,18 @@ def gaps_us(bubbles: int, bubble_ms: float, step_us: float, work: Path, entry: s
                                 **({"step_time": f"{step_us * 1.5 / 1000:g}ms"} if spinning else {})}))
     stats, ready = work / "stats.json", work / "ready"
     extra = ["--devices", device, "--isolation", "contexts"] if device != "cpu" else ["--no-pin-cores"]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
-         "--executors", "1", "--fill-job", str(spec), "--mode", FillMode.HARVEST.label, "--stats", str(stats),
-         "--ready-file", str(ready), "--log-level", "WARNING", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    log = work / "agent.log"  # a file, not a pipe: nobody reads while a round runs, and a full pipe blocks the agent
+    with log.open("w") as log_file:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", TRAINING,
+             "--executors", "1", "--fill-job", str(spec), "--mode", FillMode.HARVEST.label, "--stats", str(stats),
+             "--ready-file", str(ready), "--log-level", "WARNING", *extra],
+            stdout=subprocess.DEVNULL, stderr=log_file, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
             if agent.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"step_gap: the agent did not start: {agent.stderr.read() if agent.stderr else ''}")
+                raise SystemExit("step_gap: the agent did not start: " + _agent_said(agent, stats, log))
             time.sleep(0.05)
         listeners = Listeners(paths.stage_dir(run_dir, TRAINING, 0))
         length_s = bubble_ms / 1e3
@@ -77,7 +80,7 @@ def gaps_us(bubbles: int, bubble_ms: float, step_us: float, work: Path, entry: s
         while not fill_sock.exists():  # created, initialized (a GPU job profiles its steps) and armed
             if time.monotonic() > deadline or agent.poll() is not None:
                 raise SystemExit("step_gap: the fill job never armed; the agent said: "
-                                 + _agent_said(agent, stats))
+                                 + _agent_said(agent, stats, log))
             time.sleep(0.01)
         listeners.refresh()
         for seq in range(1, bubbles + 1):
@@ -87,8 +90,7 @@ def gaps_us(bubbles: int, bubble_ms: float, step_us: float, work: Path, entry: s
             listeners.send(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()))
             time.sleep(length_s / 2)
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
+        _stop(agent)
     steps = sorted(json.loads(stats.read_text())["steps"], key=lambda s: s["start_ns"])
     out = []
     for a, b in itertools.pairwise(steps):
@@ -97,17 +99,28 @@ def gaps_us(bubbles: int, bubble_ms: float, step_us: float, work: Path, entry: s
     return out, [(st["end_ns"] - st["start_ns"]) / 1e3 for st in steps]
 
 
-def _agent_said(agent: subprocess.Popen[str], stats: Path) -> str:
-    """The agent's last words on the job: its stats' job record (state, reason, last error) and its stderr."""
-    agent.send_signal(signal.SIGTERM)
+def _stop(agent: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the agent stops its fill process and writes its stats), SIGKILL after 30 s."""
+    if agent.poll() is None:
+        agent.send_signal(signal.SIGTERM)
     try:
-        _, err = agent.communicate(timeout=30)
+        agent.wait(timeout=30)
     except subprocess.TimeoutExpired:
         agent.kill()
-        _, err = agent.communicate()
-    jobs = json.loads(stats.read_text()).get("jobs", []) if stats.exists() else []
+        agent.wait()
+
+
+def _agent_said(agent: subprocess.Popen[bytes], stats: Path, log: Path) -> str:
+    """The agent's last words on the job, once it has stopped: its stats' job record (state, reason, last error)
+    and the end of its log."""
+    _stop(agent)
+    try:
+        jobs = json.loads(stats.read_text()).get("jobs", []) if stats.exists() else []
+    except ValueError:
+        jobs = []
+    err = log.read_text(errors="replace").strip() if log.exists() else ""
     return json.dumps([{k: j.get(k) for k in ("name", "state", "reason", "last_error")} for j in jobs]) + \
-        (f"; stderr: {err.strip()[-1500:]}" if err and err.strip() else "")
+        (f"; its log: {err[-1500:]}" if err else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                                    args.device)
         step_medians.append(statistics.median(durations) if durations else float("nan"))
         if len(g) < 10:
-            raise SystemExit(f"step_gap: round {k + 1} ran only {len(g) + 1} steps in {args.bubbles} bubbles")
+            raise SystemExit(f"step_gap: round {k + 1} ran only {len(durations)} steps in {args.bubbles} bubbles, "
+                             f"{len(g)} of them after another of the same bubble: lengthen --bubble-ms")
         medians.append(statistics.median(g))
         p90s.append(percentile(g, 90))
         counts.append(len(g))

@@ -44,8 +44,8 @@ echo "gpu-checks: what the hook costs the training's thread, with real CUDA even
   || failed+=("hook_overhead")
 
 echo "gpu-checks: the fill runtime's gap between two steps of a bubble, eager and CUDA graphs (benchmarks/step_gap.py)" >&2
-for graphs in false true; do
-  "$PY" benchmarks/step_gap.py --device cuda:0 --entry bubbles.fill_examples.batch_inference:BatchInference \
+for graphs in false true; do  # about a minute each; a job that never arms gives up after 60 s, saying why
+  STEP_GAP_ARM_TIMEOUT_S=60 "$PY" benchmarks/step_gap.py --device cuda:0 --entry bubbles.fill_examples.batch_inference:BatchInference \
     --args "{\"cuda_graphs\": $graphs}" --json "$OUT/step-gap-graphs-$graphs.json" > "$OUT/step-gap-graphs-$graphs.md" \
     || failed+=("step_gap (cuda_graphs $graphs)")
 done
