@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bubbles.api import FillMode
-from bubbles.demo.report import format_summary, over_rounds, round_figures
+from bubbles.demo.report import format_breakdown, format_summary, over_rounds, round_figures
 from bubbles.orchestrate.phases import format_phases, iterations_by_round
 from bubbles.stats import median_interval
 
@@ -130,3 +130,14 @@ def test_other_processes_taking_the_cpu_make_the_report_say_the_machine_was_nois
     busy = build_report([r], None, machine=load)
     assert busy["over_rounds"]["noise"]["noisy"] is True
     assert "other processes took 40% of its CPU time" in format_summary(busy)
+
+
+def test_the_breakdown_line_says_what_the_tails_steps_filled_and_overran() -> None:
+    base = {"filled": 0.4, "latency": 0.1, "too_short": 0.2, "past_prediction": 0.3, "bubble_s": 1.0,
+            "overrun_s": 0.02, "tail_s": 0.0, "tail_overrun_s": 0.0}
+    assert "tail" not in format_breakdown(base)  # no step the prediction refused: nothing to say
+    line = format_breakdown({**base, "tail_s": 0.05, "tail_overrun_s": 0.004})
+    assert "filled 40.0%" in line and "past the predicted end 30.0%" in line
+    assert "steps the prediction did not allow, started on the tail's risk, filled 5.0% and overran by 4.0 ms" in line
+    # A tail step that filled nothing but overran (it started as its bubble ended) is still reported.
+    assert "filled 0.0% and overran by 7.8 ms" in format_breakdown({**base, "tail_overrun_s": 0.0078})

@@ -262,7 +262,7 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines += ["", "Where the harvest phases' bubble time went, from the agent's records (the columns: "
                   "`bubbles.agent.ledger.BREAKDOWN`; too_short: no step size fit in what was left, "
                   "past_prediction: after the slot's predicted end, not filled; tail: of filled, what steps that "
-                  "started past the predicted end filled, `bubbles.gating.TailRisk`):", "",
+                  "the prediction did not allow filled, started on `bubbles.gating.TailRisk`'s word):", "",
                   "| fill job | isolation | " + " | ".join(keys) + " |",
                   "| --- | --- |" + " ---: |" * len(keys)]
         for r in broken:

@@ -510,7 +510,7 @@ class FillRuntime:
         is after the device synchronize: on a GPU that is when the fill job stops occupying it, so the
         agent's overrun (step end - bubble end) measures how long fill work outlived the bubble.
         ``sync_ns`` is the part of the step spent waiting for queued device work. ``size``: the step's size
-        for a job with ``step_sizes`` (None: ``step()`` without one). ``tail``: started past the bubble's predicted
+        for a job with ``step_sizes`` (None: ``step()`` without one). ``tail``: not allowed by the bubble's predicted
         end on ``TailRisk``'s word (the record says ``gate: tail``).
         """
         if start is None:

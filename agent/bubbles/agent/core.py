@@ -653,7 +653,7 @@ class AgentCore:
                                    "end_ns": ev["end_ns"], "flops": ev["flops"], "mode": mode,
                                    "signal_ns": ev.get("signal_ns", 0), "bubble_seq": ev.get("bubble_seq", -1),
                                    "size": ev.get("size"),  # the step size, for a job with step_sizes
-                                   "tail": ev.get("gate") == "tail"})  # started past the predicted end
+                                   "tail": ev.get("gate") == "tail"})  # on TailRisk's word, not the prediction's
         elif ev.type == "state":
             if job.state is FillState.STOPPED:
                 return

@@ -177,8 +177,8 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
     ``bubbles`` are the agent's bubble records (``stage``, ``start_ns``, ``end_ns``, ``predicted_end_ns``,
     ``guard_paused``, ``share``, ``job``, ``step_s``; the agent's ``status().bubbles``), ``steps`` its step records
     (``stage``, ``start_ns``, ``end_ns``, ``tail``); pass one mode's of each. A step belongs to the bubble it started
-    in. Of the filled time and the overrun, ``tail_s`` and ``tail_overrun_s`` are the steps' that started past the
-    predicted end (``tail``: on ``bubbles.gating.TailRisk``'s word). Pure.
+    in. Of the filled time and the overrun, ``tail_s`` and ``tail_overrun_s`` are those of the steps the predicted end
+    did not allow (``tail``: started on ``bubbles.gating.TailRisk``'s word). Pure.
     """
     by_stage: dict[int, list[tuple[int, int]]] = {}
     tails: set[tuple[int, int, int]] = set()

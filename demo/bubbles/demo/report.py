@@ -172,8 +172,9 @@ def format_breakdown(d: Mapping[str, float]) -> str:
              "latency": "signal/resume latency", "too_short": "too short for a step",
              "past_prediction": "past the predicted end"}
     parts = [f"{short[k]} {d[k] / total:.1%}" for k, _ in BREAKDOWN if d.get(k)]
-    tail = (f" (steps started past the predicted end filled {d['tail_s'] / total:.1%} and overran by "
-            f"{d.get('tail_overrun_s', 0.0) * 1e3:.1f} ms)") if d.get("tail_s") else ""
+    tail = (f" (steps the prediction did not allow, started on the tail's risk, filled {d['tail_s'] / total:.1%} "
+            f"and overran by {d.get('tail_overrun_s', 0.0) * 1e3:.1f} ms)") \
+        if d.get("tail_s") or d.get("tail_overrun_s") else ""
     return (f"{', '.join(parts)} of {total * 1e3:.0f} ms; fill steps overran their bubbles by "
             f"{d.get('overrun_s', 0.0) * 1e3:.1f} ms in all{tail}")
 
