@@ -30,6 +30,7 @@ def main() -> int:
         ["simulator_speed.py", "--jobs", "5000" if args.quick else "50000"],
         ["guard_synthetic.py", "--seeds", "5" if args.quick else "30"],
         ["gate_replay.py", "--seeds", "3" if args.quick else "20", "--out", str(args.out / "gate-replay.json")],
+        ["step_gap.py", "--rounds", "2" if args.quick else "6", "--json", str(args.out / "step-gap.json")],
     ]
     failed = 0
     for script, *flags in runs:
