@@ -19,8 +19,9 @@ share the SMs with the step's rather than wait, so it costs less). Not a measure
 step length and which tail risk reach which fill on these bubbles, for the next GPU run to confirm.
 
 Per policy: the share of the bubble time filled (median and the range over ``--seeds`` draws of the durations), the
-share filled by steps started past the predicted end, and the overrun per iteration (ms; as a share of the recorded
-iteration when the fixture states one).
+share filled by steps the prediction did not allow (the tail's), the overrun per iteration (ms; as a share of the
+recorded iteration when the fixture states one), and of the bubbles whose tails got steps, the share that ended
+while one ran (what ``TailRisk``'s per-bubble bound estimates), over all draws.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ class Recorded:
 @dataclass(frozen=True)
 class Outcome:
     filled: float  # share of the bubble time
-    tail: float  # of it, what steps started past the predicted end filled
+    tail: float  # of it, what the steps the prediction did not allow filled (started on TailRisk's word)
     overrun_ms_per_iteration: float
     overruns: int
     steps: int
+    tail_bubbles: int = 0  # bubbles in which such a step ran
+    tail_overran: int = 0  # of those, the ones that ended while such a step ran (TailRisk bounds this share)
 
 
 def replay(run: Recorded, *, step_ms: float, risk: float, seed: int, latency_ms: float = 0.7,
@@ -81,11 +84,11 @@ def replay(run: Recorded, *, step_ms: float, risk: float, seed: int, latency_ms:
     recent = RecentLengths({slot: v or [1] for slot, v in seeds.items()})
     latency_ns, gap_ns, lag_ns = int(latency_ms * 1e6), int(gap_ms * 1e6), int(end_lag_ms * 1e6)
     total = filled = tail_filled = overrun = 0
-    overruns = steps = 0
+    overruns = steps = tail_bubbles = tail_overran = 0
     for slot, length in run.bubbles:
         total += length
         predicted = recent.predicted_ns(slot)
-        t, ran, since = latency_ns, 0, None
+        t, ran, since, tailed = latency_ns, 0, None, False
         while t < length + lag_ns:  # the runtime learns of the end only when its END signal arrives
             first = ran == 0
             fits = gates.fitting(predicted - t, first)
@@ -100,9 +103,12 @@ def replay(run: Recorded, *, step_ms: float, risk: float, seed: int, latency_ms:
             inside = max(0, min(t + d, length) - t)
             filled += inside
             tail_filled += inside if past else 0
+            tail_bubbles += past and not tailed
+            tailed = tailed or past
             if t + d > length:
                 overrun += t + d - length
                 overruns += 1
+                tail_overran += past
             gates.observe(None, first, d)
             steps += 1
             ran += 1
@@ -113,7 +119,8 @@ def replay(run: Recorded, *, step_ms: float, risk: float, seed: int, latency_ms:
             tail.end_lag(lag_ns)
     iterations = max(1, len(run.bubbles) // max(1, len(slots)))
     return Outcome(filled=filled / total if total else 0.0, tail=tail_filled / total if total else 0.0,
-                   overrun_ms_per_iteration=overrun / 1e6 / iterations, overruns=overruns, steps=steps)
+                   overrun_ms_per_iteration=overrun / 1e6 / iterations, overruns=overruns, steps=steps,
+                   tail_bubbles=tail_bubbles, tail_overran=tail_overran)
 
 
 def load(path: Path) -> list[Recorded]:
@@ -196,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = load(args.data)
     results = []
     print("| recorded run | step (median) | tail risk | filled (range over seeds) | of it past the prediction | "
-          "overrun per iteration | overruns per 100 steps |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "overrun per iteration | overruns per 100 steps | tail bubbles that overran |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for run in runs:
         for step_ms in steps_ms:
             for risk in risks:
@@ -206,14 +213,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fill = sorted(o.filled for o in outs)
                 over = statistics.median(o.overrun_ms_per_iteration for o in outs)
                 per100 = statistics.median(100 * o.overruns / max(1, o.steps) for o in outs)
+                tailed = sum(o.tail_bubbles for o in outs)
+                tail_share = sum(o.tail_overran for o in outs) / tailed if tailed else None
                 share = f" ({over * 1e6 / run.iteration_ns:.2%})" if run.iteration_ns else ""
                 row = {"run": run.name, "step_ms": step_ms, "risk": risk, "filled_median": statistics.median(fill),
                        "filled_range": [fill[0], fill[-1]], "tail_median": statistics.median(o.tail for o in outs),
-                       "overrun_ms_per_iteration": over, "overruns_per_100_steps": per100}
+                       "overrun_ms_per_iteration": over, "overruns_per_100_steps": per100,
+                       "tail_bubbles": tailed, "tail_bubbles_overran_share": tail_share}
                 results.append(row)
                 print(f"| {run.name} | {step_ms:g} ms | {risk:g} | {row['filled_median']:.1%} "
                       f"[{fill[0]:.1%}, {fill[-1]:.1%}] | {row['tail_median']:.1%} | {over:.2f} ms{share} | "
-                      f"{per100:.1f} |")
+                      f"{per100:.1f} | {'—' if tail_share is None else f'{tail_share:.1%} of {tailed}'} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"results": results, "seeds": args.seeds, "latency_ms": args.latency_ms,

@@ -353,3 +353,18 @@ def test_the_step_gap_benchmark_refuses_bad_flags(argv: list[str], capsys: pytes
     with pytest.raises(SystemExit) as exc:
         step_gap.main(argv)
     assert exc.value.code == 2 and "step_gap.py: error:" in capsys.readouterr().err
+
+
+def test_on_the_h100s_recorded_bubbles_the_tail_adds_fill_and_keeps_its_overruns_near_its_bound() -> None:
+    """The policy on real data: at risk 0.1 with 2 ms steps the tail fills more than the prediction alone, few of the
+    bubbles whose tails got steps end during one, and the overrun per iteration grows little. A TailRisk that allowed
+    everything, or nothing, fails this."""
+    import gate_replay
+
+    run = next(r for r in gate_replay.load(gate_replay.DATA) if r.name == "image-classification-mps")
+    off = gate_replay.replay(run, step_ms=2.0, risk=0.0, seed=0)
+    on = gate_replay.replay(run, step_ms=2.0, risk=0.1, seed=0)
+    assert off.tail_bubbles == 0 and on.tail_bubbles > 100
+    assert on.filled > off.filled + 0.01
+    assert on.tail_overran / on.tail_bubbles < 0.2
+    assert on.overrun_ms_per_iteration < off.overrun_ms_per_iteration + 0.3
