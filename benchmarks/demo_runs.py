@@ -83,7 +83,7 @@ def row(k: int, r: dict[str, Any]) -> tuple[str, bool]:
             met)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--busy-core", type=int, help="keep this core busy with an unrelated process during each run")
@@ -91,7 +91,7 @@ def main() -> int:
     p.add_argument("--tail-risks", default="",
                    help="comma-separated $BUBBLES_TAIL_RISK values the runs take in turn (an A/B comparison), e.g. "
                         "0,0.1; empty: the default")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs {args.runs}: use 1 or more")
     risks = [v.strip() for v in args.tail_risks.split(",") if v.strip()]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_agent_jobs import BusyJob
-from test_sdk import serving, wait_for_socket
+from test_sdk import init_and_arm, serving
 
 from bubbles import control, wire
 from bubbles.gating import StepGates, TailRisk
@@ -214,10 +214,7 @@ def test_the_runtime_starts_steps_past_the_prediction_only_on_the_tails_word(tmp
     path = tmp_path / "fill-busy.sock"
     with serving(path, BusyJob(step_ms=1.0), step_s=0.0012) as (ch, rt):
         rt.tail = TailRisk(risk)
-        ch.send("init")
-        ch.wait("state", state="PAUSED")
-        ch.send("arm", mode="harvest", share=share)
-        wait_for_socket(path)
+        init_and_arm(ch, path, share=share)
         ends = _bubbles(path, 12, 0.020, 0.008)
         _settle(ch)
         steps = [e for e in ch.events if e.type == "step"]
@@ -244,10 +241,7 @@ def test_the_runtime_starts_steps_past_the_prediction_only_on_the_tails_word(tmp
 def test_a_guard_that_cut_the_share_turns_the_tail_off(tmp_path: Path) -> None:
     path = tmp_path / "fill-busy.sock"
     with serving(path, BusyJob(step_ms=1.0), step_s=0.0012) as (ch, rt):
-        ch.send("init")
-        ch.wait("state", state="PAUSED")
-        ch.send("arm", mode="harvest", share=0.9)
-        wait_for_socket(path)
+        init_and_arm(ch, path, share=0.9)
         _bubbles(path, 12, 0.020, 0.008)
         _settle(ch)
         assert [e for e in ch.events if e.type == "step"], "no step ran at all"
@@ -368,3 +362,14 @@ def test_on_the_h100s_recorded_bubbles_the_tail_adds_fill_and_keeps_its_overruns
     assert on.filled > off.filled + 0.01
     assert on.tail_overran / on.tail_bubbles < 0.2
     assert on.overrun_ms_per_iteration < off.overrun_ms_per_iteration + 0.3
+
+
+@pytest.mark.parametrize("risks", ["0,lots", "0.7", "0,nan"])
+def test_demo_runs_refuses_a_bad_tail_risk_before_any_run(risks: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import demo_runs  # benchmarks/
+
+    with pytest.raises(SystemExit) as exc:
+        demo_runs.main(["--runs", "2", "--tail-risks", risks, "--out", str(tmp_path / "runs")])
+    assert exc.value.code == 2 and "--tail-risks: $BUBBLES_TAIL_RISK=" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing was started

@@ -98,6 +98,14 @@ def runtime(tmp_path: Path):  # type: ignore[no-untyped-def]
         yield ch, rt, path
 
 
+def init_and_arm(ch: Channel, path: Path, share: float = 1.0) -> None:
+    """Initialize the runtime, arm it in harvest mode at ``share`` and wait until it listens on ``path``."""
+    ch.send("init")
+    ch.wait("state", state="PAUSED")
+    ch.send("arm", mode="harvest", share=share)
+    wait_for_socket(path)
+
+
 def wait_for_socket(path: Path) -> None:
     deadline = time.monotonic() + 5
     while not path.exists():
@@ -641,10 +649,7 @@ def test_a_spinning_runtime_catches_a_predicted_bubble_and_still_obeys_commands(
     path = tmp_path / "fill-busy.sock"
     with serving(path, BusyJob(step_ms=0.2), step_s=0.0005) as (ch, rt):
         rt.spin_ns = 2_000_000  # 2 ms either side: the test's sleeps are not precise
-        ch.send("init")
-        ch.wait("state", state="PAUSED")
-        ch.send("arm", mode="harvest", share=1.0)
-        wait_for_socket(path)
+        init_and_arm(ch, path)
         sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         period = 0.010
         t0 = time.monotonic_ns()
@@ -679,10 +684,7 @@ def test_a_bubble_that_opens_while_the_last_step_of_the_previous_one_runs_is_har
     harvest the bubble already open, not go back to sleep until that bubble's END arrives."""
     path = tmp_path / "fill-busy.sock"
     with serving(path, SleepStepJob(step_ms=6.0), step_s=0.006) as (ch, _rt):
-        ch.send("init")
-        ch.wait("state", state="PAUSED")
-        ch.send("arm", mode="harvest", share=1.0)
-        wait_for_socket(path)
+        init_and_arm(ch, path)
         sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         t0 = time.monotonic_ns()
         sig.sendto(wire.encode_bubble_start(0, 1, 1, t0, t0 + 30_000_000), str(path))

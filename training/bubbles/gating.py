@@ -114,7 +114,7 @@ class TailRisk:
         self._order: dict[int, deque[int]] = {}  # slot -> its last lengths, oldest first
         self._sorted: dict[int, list[int]] = {}  # slot -> the same lengths, sorted
         self._lags: deque[int] = deque(maxlen=lag_window)
-        self._lag_ns = 0
+        self._lag_ns: int | None = 0  # their 90th percentile; None: to be computed (when a risk is asked for)
 
     def ended(self, slot: int, length_ns: int) -> None:
         """A bubble of ``slot`` lasted ``length_ns`` (from its START's stamp to its END's)."""
@@ -131,10 +131,12 @@ class TailRisk:
     def end_lag(self, lag_ns: int) -> None:
         """An END signal was read ``lag_ns`` after its stamp (read at once, not after a step)."""
         self._lags.append(max(0, lag_ns))
-        self._lag_ns = int(percentile(list(self._lags), 90))
+        self._lag_ns = None  # not computed here: the END path stays light; most bubbles never ask for a risk
 
     @property
     def lag_ns(self) -> int:
+        if self._lag_ns is None:
+            self._lag_ns = int(percentile(list(self._lags), 90))
         return self._lag_ns
 
     def risk(self, slot: int, elapsed_ns: int, durations_ns: Sequence[int],
@@ -146,7 +148,7 @@ class TailRisk:
         if not lengths or not durations_ns:
             return None
         since = elapsed_ns if since_ns is None else min(since_ns, elapsed_ns)
-        lo = bisect_right(lengths, since - self._lag_ns)  # the survivors are lengths[lo:]
+        lo = bisect_right(lengths, since - self.lag_ns)  # the survivors are lengths[lo:]
         survivors = len(lengths) - lo
         if survivors < self.min_survivors:
             return None

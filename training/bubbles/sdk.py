@@ -322,7 +322,7 @@ class FillRuntime:
         # bubbles.gating.TailRisk); fed every bubble's length and the END signals' lag.
         self.tail = TailRisk(DEFAULT_TAIL_RISK)
         self.tail_steps = 0
-        self._last_start: tuple[int, int, int] | None = None  # (seq, slot, stamp) of the last START read
+        self._started: _Bubble | None = None  # the last START read, until its END (``_bubble`` is dropped after a pass)
 
     # -- channel ---------------------------------------------------------------------------------
     def _emit(self, type_: str, **fields: Any) -> None:
@@ -455,15 +455,14 @@ class FillRuntime:
                 continue
             kind, slot, seq, t1, t2 = fast
             if kind == wire.Kind.BUBBLE_START:
-                self._bubble = _Bubble(seq, t1, t2, slot)
-                self._last_start = (seq, slot, t1)
+                self._bubble = self._started = _Bubble(seq, t1, t2, slot)
                 if self.spin_ns:  # only busy-polling needs the prediction: nothing more on the default path
                     self.predictor.started(slot, t1)
                 continue
-            last = self._last_start
-            if last is not None and last[0] == seq:
-                self._last_start = None
-                self.tail.ended(last[1], t1 - last[2])
+            started = self._started
+            if started is not None and started.seq == seq:
+                self._started = None
+                self.tail.ended(started.slot, t1 - started.start_ns)
                 if fresh:
                     self.tail.end_lag(time.monotonic_ns() - t1)
             if self._bubble is not None and self._bubble.seq == seq:
