@@ -294,6 +294,33 @@ def test_slowdown_guard_cuts_the_share_sent_to_jobs(start_agent: StartAgent) -> 
     assert stats["guard"]["slowdown_held"] == pytest.approx(0.2)
 
 
+@pytest.mark.parametrize("limit", [None, 0.0])
+def test_the_agents_tail_risk_reaches_the_fill_process_and_0_keeps_steps_inside_the_prediction(
+        start_agent: StartAgent, limit: float | None) -> None:
+    """Bubbles predicted to end after 8 ms last 20: with no limit the fill process's own risk (0.1) fills their tails
+    once it has seen 8 end; ``--tail-risk 0`` (a PipelineTraining's ``tailRisk: 0``) keeps every step inside the
+    prediction, in a real fill process."""
+    h = start_agent([spec("busy", "test_agent_jobs:BusyJob", args={"step_ms": 1.0}, step_time="1.2ms")],
+                    grace_s=0.5, tail_risk=limit)
+    hook = Hook(h.run_dir)
+    hook.send(wire.encode_profile(0, cycle(slots=((0.008, 1 << 30),))))
+    h.wait_state("busy", "PAUSED")
+    wait_for(lambda: hook.fill_armed("busy"), what="fill socket bound")
+    for _ in range(16):
+        hook.bubble(0.008, end_late_s=0.012)
+        time.sleep(0.004)
+    wait_for(lambda: len(h.agent.stats()["bubbles"]) == 16, what="16 bubbles accounted")
+    steps = wait_for(lambda: (s := h.agent.stats()["steps"]) and s[-1]["bubble_seq"] >= 12 and s,
+                     what="steps of the last bubbles reported")
+    tails = [st for st in steps if st["tail"]]
+    predicted = {seq: p for seq, _, p, _ in hook.sent}
+    assert all(st["start_ns"] + 1_200_000 <= predicted[st["bubble_seq"]] for st in steps if not st["tail"])
+    if limit is None:
+        assert tails and all(st["bubble_seq"] >= 9 for st in tails)
+    else:
+        assert not tails
+
+
 def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: StartAgent) -> None:
     imperative = parse_spec({"name": "imp", "interface": "imperative",
                              "entry": "test_agent_jobs:CountingImperativeJob"})

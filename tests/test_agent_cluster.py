@@ -158,14 +158,16 @@ def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancell
 
 def test_the_trainings_limits_from_an_assignment_reach_its_guard_before_and_after_it_starts(
         node: NodeAgent) -> None:
-    limited = dataclasses.replace(assignment(), slowdown_budget=0.2, max_fill_share=0.5)
+    limited = dataclasses.replace(assignment(), slowdown_budget=0.2, max_fill_share=0.5, tail_risk=0.05)
     node.assign(limited)  # before the training's hook has written its card
     write_card(node.run_dir)
     node.scan()
     core = node.trainings[TRAINING].agent.core
     assert (core.config.guard.budget, core.config.guard.max_share, core.share) == (0.2, 0.5, 0.5)
-    node.assign(dataclasses.replace(limited, uid="uid-2", slowdown_budget=0.05, max_fill_share=None))
+    assert core.config.tail_risk == 0.05
+    node.assign(dataclasses.replace(limited, uid="uid-2", slowdown_budget=0.05, max_fill_share=None, tail_risk=0.0))
     assert (core.config.guard.budget, core.config.guard.max_share) == (0.05, 0.5)  # None: unchanged
+    assert core.config.tail_risk == 0.0
     text = generate_latest(node.trainings[TRAINING].agent.metrics.registry).decode()
     assert f'bubbles_slowdown_budget{{training="{TRAINING}"}} 0.05' in text
 

@@ -38,12 +38,21 @@ def test_defaults_and_the_two_names_of_metrics(tmp_path: Path) -> None:
         off.executors = 3  # type: ignore[misc]
 
 
+def test_the_tail_risk_is_no_cap_unless_given_and_reaches_the_core(tmp_path: Path) -> None:
+    assert load_settings({"run_dir": tmp_path}, {}).config.core().tail_risk is None  # the fill jobs' own
+    s = load_settings({"run_dir": tmp_path}, {"BUBBLES_AGENT_TAIL_RISK": "0.05"})
+    assert s.config.tail_risk == 0.05 and s.config.core().tail_risk == 0.05
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "needle"),
     [
         ({"executors": 0}, {}, "--executors must be >= 1"),
         ({"grace_ms": 0.0}, {}, "--grace-ms must be > 0"),
         ({"slowdown_budget": 1.5}, {}, "--slowdown-budget must be a fraction in (0, 1)"),
+        ({"tail_risk": 0.8}, {}, "--tail-risk must be the accepted chance"),
+        ({"tail_risk": float("nan")}, {}, "from 0 (never start one) to 0.5"),
+        ({}, {"BUBBLES_AGENT_TAIL_RISK": "low"}, "--tail-risk from $BUBBLES_AGENT_TAIL_RISK"),
         ({"metrics_port": 70000}, {}, "--metrics-port must be a TCP port"),
         ({"mode": "sometimes"}, {}, "--mode must be one of off, naive, harvest"),
         ({"training": "Bad_Name"}, {}, "training name 'Bad_Name' is not valid"),

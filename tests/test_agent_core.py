@@ -300,6 +300,34 @@ def test_a_trainings_own_limits_cap_the_share_and_set_the_guards_budget() -> Non
     assert core.share == 0.0 and Send(job, "share", {"share": 0.0}) in core.take_actions()
 
 
+def test_the_trainings_tail_risk_reaches_each_fill_process_before_it_is_armed_and_again_when_it_changes() -> None:
+    core, _, _ = make_core(tail_risk=0.05)  # the agent's --tail-risk
+    job = started(core)
+    assert core.take_actions() == [Send(job, "init")]
+    core.on_control_line(job, line("state", state="PAUSED"))
+    assert [(a.type, a.fields.get("tail_risk")) for a in core.take_actions()] == [("limits", 0.05), ("arm", None)]
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.OFF))
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.HARVEST))
+    assert [a.type for a in core.take_actions()] == ["disarm", "arm"]  # re-armed: the process has it already
+    # A PipelineTraining's spec.tailRisk replaces it, and goes to the armed process at once; told again: nothing.
+    assert core.set_guard_limits(None, None, "PipelineTraining ml/t", tail_risk=0.0) is True
+    assert core.take_actions() == [Send(job, "limits", {"tail_risk": 0.0})]
+    assert core.set_guard_limits(None, None, "PipelineTraining ml/t", tail_risk=0.0) is False
+    assert core.take_actions() == []
+    assert any(e["kind"] == "guard" and "tail risk from PipelineTraining ml/t: 0" in e["message"] for e in core.events)
+
+
+def test_without_a_trainings_tail_risk_nothing_is_sent_and_a_bad_one_changes_nothing() -> None:
+    core, _, _ = make_core()
+    job = armed(core)
+    assert [a.type for a in core.take_actions()] == ["init", "arm"]  # no limits: the process keeps its own
+    for bad in (0.6, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"from 0 \(never start one\) to 0\.5"):
+            core.set_guard_limits(0.5, 0.5, "PipelineTraining ml/t", tail_risk=bad)
+    assert core.config.tail_risk is None and core.config.guard.budget == 0.01 and core.share == 1.0
+    assert core.take_actions() == [] and job.tail_risk_sent is None
+
+
 def test_the_guard_skips_the_iterations_after_a_mode_switch_and_takes_its_baseline_from_off_mode() -> None:
     core, clock, _ = make_core(guard=GuardConfig(refresh_every=0, refresh_window=3))
     armed(core)

@@ -156,7 +156,9 @@ def test_watch_streams_a_report_on_each_change(node: NodeAgent, pki: Pki) -> Non
 
 def operator_assignment(node_name: str = NODE) -> Assignment:
     spec = parse_spec({"name": "fj", "entry": "bubbles.fill_examples.spin:SpinJob", "memory": "16Mi"})
-    return Assignment("uid-9", 1, "ml", "fj", "ml/t", 0, node_name, "llama-0", "cpu", "fj-fj-a0", 0, None, spec)
+    # With the PipelineTraining's limits, as the operator sends them (decide._limits).
+    return Assignment("uid-9", 1, "ml", "fj", "ml/t", 0, node_name, "llama-0", "cpu", "fj-fj-a0", 0, None, spec,
+                      slowdown_budget=0.02, max_fill_share=0.5, tail_risk=0.03)
 
 
 def test_the_operators_client_reports_assigns_and_cancels(node: NodeAgent, pki: Pki) -> None:
@@ -177,6 +179,8 @@ def test_the_operators_client_reports_assigns_and_cancels(node: NodeAgent, pki: 
             assert report is not None
             (job,) = report.jobs
             assert (job.uid, job.state) == ("uid-9", FillState.SUBMITTED)
+            core = node.trainings["t"].agent.core  # the training's limits crossed the wire to its agent
+            assert (core.config.guard.budget, core.config.guard.max_share, core.config.tail_risk) == (0.02, 0.5, 0.03)
             await agents.cancel(NODE, "uid-9")
             report = await agents.report(NODE)
             assert report is not None and report.jobs == ()

@@ -96,8 +96,9 @@ def _assign_request(**limits: float) -> pb.AssignRequest:
 
 def test_an_assignment_carries_the_trainings_guard_limits_or_none() -> None:
     spec = FillJobSpec("a", FillInterface.ITERATIVE, "m:C", None, {}, 10, 0, None, (), None, None)
-    with_limits = agentapi.AssignmentMessage("u", 2, 1, "ml", "fj", "t", 0, "p", "cpu", "fp", spec, None, 0.02, 0.5)
-    without = dataclasses.replace(with_limits, slowdown_budget=None, max_fill_share=None)
+    with_limits = agentapi.AssignmentMessage("u", 2, 1, "ml", "fj", "t", 0, "p", "cpu", "fp", spec, None, 0.02, 0.5,
+                                             0.0)
+    without = dataclasses.replace(with_limits, slowdown_budget=None, max_fill_share=None, tail_risk=None)
     for msg in (with_limits, without):
         wire = agentapi.assignment_to_pb(msg).SerializeToString()
         assert agentapi.assignment_from_pb(pb.AssignRequest.FromString(wire)) == msg
@@ -109,6 +110,9 @@ def test_an_assignment_carries_the_trainings_guard_limits_or_none() -> None:
     ({"slowdown_budget": float("nan")}, "slowdown_budget is nan"),
     ({"max_fill_share": -0.5}, "max_fill_share is -0.5; it must be in \\[0, 1\\]"),
     ({"max_fill_share": 1.01}, "spec.maxFillShare"),
+    ({"tail_risk": 0.51}, "tail_risk \\(the PipelineTraining's spec.tailRisk\\) must be the accepted chance"),
+    ({"tail_risk": -0.01}, "from 0 \\(never start one\\) to 0.5"),
+    ({"tail_risk": float("nan")}, "got nan"),
 ])
 def test_guard_limits_out_of_range_are_refused_with_the_field(limits: dict[str, float], error: str) -> None:
     with pytest.raises(agentapi.ApiError, match=error):

@@ -31,6 +31,11 @@ def test_round_trip_commands_and_events() -> None:
         (b'{"type": "share", "share": 2}', "share must be in [0, 1]"),
         (b'{"type": "share", "share": true}', "must be int or float"),
         (b'{"type": "stop", "extra": 1}', "unknown field 'extra'"),
+        (b'{"type": "limits", "tail_risk": 0.6}', "limits.tail_risk must be the accepted chance"),
+        (b'{"type": "limits", "tail_risk": -0.1}', "from 0 (never start one) to 0.5"),
+        (b'{"type": "limits", "tail_risk": "0.1"}', "limits.tail_risk must be int or float"),
+        (b'{"type": "limits", "tail_risk": true}', "limits.tail_risk must be int or float"),
+        (b'{"type": "limits", "tail_risk": NaN}', "limits.tail_risk must be finite"),
         (b"\xff\xfe", "not UTF-8"),
     ],
 )

@@ -250,6 +250,28 @@ def test_a_guard_that_cut_the_share_turns_the_tail_off(tmp_path: Path) -> None:
         ch.send("stop")
 
 
+def test_the_trainings_limit_caps_the_processs_own_tail_risk_and_turns_the_tail_off_at_0(tmp_path: Path) -> None:
+    """The agent's ``limits`` command (a PipelineTraining's spec.tailRisk): the lower of it and the process's own
+    risk applies, so a training can turn the tail off for a fill job whose image asks for it, never on."""
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, BusyJob(step_ms=1.0), step_s=0.0012) as (ch, rt):
+        rt.own_tail_risk = 0.1
+        rt.tail = TailRisk(0.1)
+        ch.send("limits", tail_risk=0.3)
+        ch.send("limits", tail_risk=0.7)  # refused: the last good limit stays
+        assert "limits.tail_risk must be the accepted chance" in ch.wait("error")["message"]
+        assert (rt.tail_risk_limit, rt.tail.max_risk) == (0.3, 0.1)  # a higher limit does not raise the own risk
+        ch.send("limits", tail_risk=0.0)
+        init_and_arm(ch, path)
+        _bubbles(path, 12, 0.020, 0.008)
+        _settle(ch)
+        assert rt.tail.max_risk == 0.0
+        assert [e for e in ch.events if e.type == "step"], "no step ran at all"
+        assert not [e for e in ch.events if e.type == "step" and e.get("gate") == "tail"]
+        assert rt.tail.risk(0, 5 * MS, [MS]) == 0.0  # it learned the lengths: only the limit held it back
+        ch.send("stop")
+
+
 # -- the gates replayed on recorded bubbles (benchmarks/gate_replay.py) --------------------------------------------
 def _recorded(lengths_ms: list[float], step_ms: float = 2.0, iteration_ms: float = 100.0):  # type: ignore[no-untyped-def]
     import gate_replay  # benchmarks/ (on the path through conftest)

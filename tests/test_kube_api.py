@@ -18,6 +18,7 @@ from bubbles.resources import (
     API_VERSION,
     FILL_JOB_SPEC,
     FILL_JOB_STATUS,
+    PIPELINE_TRAINING_SPEC,
     Field,
     FillJobPhase,
     apply_defaults,
@@ -81,6 +82,22 @@ def test_the_server_and_the_operator_refuse_the_same_bad_fill_jobs(kube: ApiServ
     assert proc.returncode != 0 and server_says in proc.stderr, proc.stderr
     assert validate(FILL_JOB_SPEC, spec), f"the operator's validation accepts what the server refuses: {spec}"
     assert kube.kubectl("get", "fj", "bad", check=False).returncode != 0  # nothing was stored
+
+
+@pytest.mark.parametrize("risk", [0.9, -0.1])
+def test_the_server_and_the_operator_refuse_a_tail_risk_out_of_range_and_default_it(kube: ApiServer,
+                                                                                    risk: float) -> None:
+    spec = {"selector": {"matchLabels": {"app": "t"}}, "tailRisk": risk}
+    proc = kube.kubectl("create", "--validate=false", "-f", "-", check=False, input_text=json.dumps(
+        {"apiVersion": API_VERSION, "kind": "PipelineTraining", "metadata": {"name": "risky"}, "spec": spec}))
+    assert proc.returncode != 0 and f"spec.tailRisk: Invalid value: {risk}" in proc.stderr, proc.stderr
+    assert validate(PIPELINE_TRAINING_SPEC, spec) == [
+        f"spec.tailRisk must be {'<= 0.5' if risk > 0 else '>= 0'}, got {risk}"]
+    del spec["tailRisk"]
+    name = f"plain-{'a' if risk > 0 else 'b'}"
+    made = json.loads(kube.kubectl("create", "-o", "json", "-f", "-", input_text=json.dumps(
+        {"apiVersion": API_VERSION, "kind": "PipelineTraining", "metadata": {"name": name}, "spec": spec})).stdout)
+    assert made["spec"]["tailRisk"] == 0.1 == apply_defaults(PIPELINE_TRAINING_SPEC, spec)["tailRisk"]
 
 
 def test_a_spec_without_its_required_fields_is_refused(kube: ApiServer) -> None:

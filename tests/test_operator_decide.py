@@ -146,13 +146,13 @@ def test_a_placed_job_is_never_placed_twice_even_by_a_restarted_operator() -> No
 
 def test_every_assignment_carries_its_trainings_slowdown_budget_and_largest_share() -> None:
     job = fill_job()
-    trainings = [training(slowdownBudget=0.05, maxFillShare=0.5)]
+    trainings = [training(slowdownBudget=0.05, maxFillShare=0.5, tailRisk=0.02)]
     (placed,) = step([job], [stage()], trainings).assign
     (told_again,) = step([job], [stage()], trainings).assign  # until the agent reports the run
-    assert (placed.slowdown_budget, placed.max_fill_share) == (told_again.slowdown_budget,
-                                                               told_again.max_fill_share) == (0.05, 0.5)
+    assert (placed.slowdown_budget, placed.max_fill_share, placed.tail_risk) == (
+        told_again.slowdown_budget, told_again.max_fill_share, told_again.tail_risk) == (0.05, 0.5, 0.02)
     (default,) = step([fill_job("other")], [stage()]).assign
-    assert (default.slowdown_budget, default.max_fill_share) == (0.01, 1.0)  # the CRD's defaults
+    assert (default.slowdown_budget, default.max_fill_share, default.tail_risk) == (0.01, 1.0, 0.1)  # the defaults
 
 
 def test_progress_of_an_earlier_attempt_is_not_this_runs() -> None:

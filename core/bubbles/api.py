@@ -251,6 +251,24 @@ class SpecError(ValueError):
     """A fill-job spec that cannot be run; the message names the field and what to do."""
 
 
+# Steps past a bubble's predicted end (the fill runtime's tail, ``bubbles.gating.TailRisk``): the accepted chance that
+# such a step outlives its bubble. The fill process's ``$BUBBLES_TAIL_RISK`` sets its own (default below); the
+# training's limit (a PipelineTraining's ``spec.tailRisk``, the agent's ``--tail-risk``) caps it.
+DEFAULT_TAIL_RISK = 0.1
+MAX_TAIL_RISK = 0.5
+
+
+def check_tail_risk(value: Any, where: str) -> float:
+    """``value`` as a tail risk, a number from 0 (no steps past a bubble's predicted end) to ``MAX_TAIL_RISK``;
+    ValueError naming ``where`` and the range otherwise (NaN, booleans and strings included)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= MAX_TAIL_RISK
+    if not ok:
+        raise ValueError(f"{where} must be the accepted chance that a fill step started past a bubble's predicted "
+                         f"end outlives the bubble, from 0 (never start one) to {MAX_TAIL_RISK}, e.g. "
+                         f"{DEFAULT_TAIL_RISK}; got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class FillJobSpec:
     """A fill job as the user describes it; ``parse_spec`` is the one place that validates it."""

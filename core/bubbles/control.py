@@ -2,7 +2,7 @@
 
 Low rate by design: the per-bubble signals go from the hook straight to the fill job's datagram
 socket (``bubbles.wire``); this channel carries the agent's commands (init, arm, disarm, share,
-stop) and the fill job's reports (state, step_begin, step, profile, finished, error). Each line is
+limits, stop) and the fill job's reports (state, step_begin, step, profile, finished, error). Each line is
 one JSON object with a ``type`` and that type's fields. ``parse_command``/``parse_event`` are the
 only parsers; they reject anything else with ``ControlError`` saying what is wrong.
 
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bubbles.api import FillMode
+from bubbles.api import FillMode, check_tail_risk
 
 # Environment the agent gives a fill process (the runtime in bubbles.sdk reads it).
 CONTROL_FD_ENV = "BUBBLES_CONTROL_FD"  # inherited socketpair end
@@ -56,6 +56,10 @@ COMMANDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "arm": {"mode": ((str,), True), "share": (_NUM, False), "socket": ((str,), False)},
     "disarm": {},
     "share": {"share": (_NUM, True)},
+    # The training's limit on steps past a bubble's predicted end: the runtime takes the lower of this and its own
+    # $BUBBLES_TAIL_RISK. Its own command, not a field of arm: a runtime older than it answers an error line and
+    # goes on, where an arm with a field it does not know would be refused whole.
+    "limits": {"tail_risk": (_NUM, False)},
     "stop": {},
 }
 EVENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -125,6 +129,11 @@ def parse_command(line: bytes | str) -> ControlMessage:
         parse_mode(msg["mode"], "arm.mode")
     if "share" in msg.fields and not 0 <= msg["share"] <= 1:
         raise ControlError(f"{msg.type}.share must be in [0, 1], got {msg['share']!r}")
+    if "tail_risk" in msg.fields:
+        try:
+            check_tail_risk(msg["tail_risk"], f"{msg.type}.tail_risk")
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
     return msg
 
 

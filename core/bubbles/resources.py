@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bubbles.api import (
+    DEFAULT_TAIL_RISK,
+    MAX_TAIL_RISK,
     FillInterface,
     FillJobSpec,
     FillState,
@@ -202,6 +204,9 @@ PIPELINE_TRAINING_SPEC: tuple[Field, ...] = (
           minimum=0.0, maximum=1.0),
     Field("memoryReserve", "quantity", "accelerator memory fill jobs never touch, on top of what the hook "
           "measured free", default="0"),
+    Field("tailRisk", "number", "the most risk a fill step started past a bubble's predicted end may take of "
+          "outliving the bubble (0: never start one); caps each fill job's own setting, applies to running fill "
+          "jobs at once", default=DEFAULT_TAIL_RISK, minimum=0.0, maximum=MAX_TAIL_RISK),
 )
 
 
@@ -462,6 +467,7 @@ class PipelineTrainingResource:
     max_fill_share: float
     memory_reserve_bytes: int
     labels: dict[str, str] = field(default_factory=dict)
+    tail_risk: float = DEFAULT_TAIL_RISK
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PipelineTrainingResource:
@@ -475,7 +481,7 @@ class PipelineTrainingResource:
             microbatches=s.get("microbatches"), slowdown_budget=float(s["slowdownBudget"]),
             max_fill_share=float(s["maxFillShare"]),
             memory_reserve_bytes=parse_quantity(s["memoryReserve"], "spec.memoryReserve"),
-            labels=dict(meta.get("labels") or {}),
+            labels=dict(meta.get("labels") or {}), tail_risk=float(s["tailRisk"]),
         )
 
 

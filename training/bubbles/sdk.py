@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles import control, paths, wire
-from bubbles.api import FillMode
+from bubbles.api import DEFAULT_TAIL_RISK, MAX_TAIL_RISK, FillMode
 from bubbles.control import cuda_device_index
 from bubbles.cycle import robust_stats
 from bubbles.gating import StartPredictor, StepGates, TailRisk
@@ -44,9 +44,6 @@ from bubbles.probes import gpu_uuid
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
 PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
-# How likely a step started past its bubble's predicted end may be to outlive the bubble (bubbles.gating.TailRisk;
-# $BUBBLES_TAIL_RISK overrides it, 0 turns such steps off).
-DEFAULT_TAIL_RISK = 0.1
 _NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
 _NAIVE_FLUSH_NS = 20_000_000
 
@@ -322,6 +319,10 @@ class FillRuntime:
         # bubbles.gating.TailRisk); fed every bubble's length and the END signals' lag.
         self.tail = TailRisk(DEFAULT_TAIL_RISK)
         self.tail_steps = 0
+        # This process's own risk ($BUBBLES_TAIL_RISK) and the training's limit (the agent's ``limits`` command: a
+        # PipelineTraining's spec.tailRisk, the agent's --tail-risk; None until one comes): the lower one applies.
+        self.own_tail_risk = DEFAULT_TAIL_RISK
+        self.tail_risk_limit: float | None = None
         self._started: _Bubble | None = None  # the last START read, until its END (``_bubble`` is dropped after a pass)
 
     # -- channel ---------------------------------------------------------------------------------
@@ -408,6 +409,15 @@ class FillRuntime:
                 self._flush()
         elif cmd.type == "share":
             self.share = float(cmd["share"])
+        elif cmd.type == "limits" and "tail_risk" in cmd.fields:
+            self.tail_risk_limit = float(cmd["tail_risk"])
+            self.tail.max_risk = self.tail_risk()
+
+    def tail_risk(self) -> float:
+        """The risk the tail takes: this process's own, capped by the training's limit when the agent sent one."""
+        if self.tail_risk_limit is None:
+            return self.own_tail_risk
+        return min(self.own_tail_risk, self.tail_risk_limit)
 
     def _report_step_time(self, step_s: float, sized: Sequence[tuple[int | None, float]]) -> None:
         self._reported_s = step_s
@@ -709,16 +719,16 @@ def spin_window_ns(text: str) -> int:
 
 
 def tail_risk(text: str) -> float:
-    """``$BUBBLES_TAIL_RISK``: a probability from 0 (no steps past a bubble's predicted end) to 0.5; empty means
-    ``DEFAULT_TAIL_RISK``."""
+    """``$BUBBLES_TAIL_RISK``: a probability from 0 (no steps past a bubble's predicted end) to ``MAX_TAIL_RISK``;
+    empty means ``DEFAULT_TAIL_RISK``."""
     try:
         risk = float(text.strip()) if text.strip() else DEFAULT_TAIL_RISK
     except ValueError:
         risk = -1.0
-    if not 0.0 <= risk <= 0.5:  # NaN fails this too
+    if not 0.0 <= risk <= MAX_TAIL_RISK:  # NaN fails this too
         raise ValueError(f"${control.TAIL_RISK_ENV}={text!r}: give the accepted chance that a step started past its "
-                         f"bubble's predicted end outlives the bubble, from 0 (never start one) to 0.5, e.g. "
-                         f"{DEFAULT_TAIL_RISK}")
+                         f"bubble's predicted end outlives the bubble, from 0 (never start one) to {MAX_TAIL_RISK}, "
+                         f"e.g. {DEFAULT_TAIL_RISK}")
     return risk
 
 
@@ -915,6 +925,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
                           max_steps=int(max_steps_text) if max_steps_text else None,
                           device=device, memory_bytes=memory)
     runtime.spin_ns = spin_ns
+    runtime.own_tail_risk = risk
     runtime.tail = TailRisk(risk)
     # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
     signal.signal(signal.SIGTERM, _raise_stop)

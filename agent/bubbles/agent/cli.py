@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SIGKILL a fill job still in a step this long after its bubble ended (default 50)")
     parser.add_argument("--slowdown-budget", type=float, default=None,
                         help="training slowdown the guard tolerates (default 0.01 = 1%%)")
+    parser.add_argument("--tail-risk", type=float, default=None,
+                        help="the most risk a fill step started past a bubble's predicted end may take of outliving "
+                             "the bubble, 0 to 0.5 (0: never start one); caps each fill job's own $BUBBLES_TAIL_RISK "
+                             "(default: no cap, the jobs' own, 0.1 unless set)")
     parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=None,
                         help="pin executor k's fill processes to CPU core k %% cores (default on)")
     parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None,

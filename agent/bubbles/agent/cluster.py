@@ -212,7 +212,8 @@ class NodeAgent:
         self.launcher = AttachLauncher()
         self.trainings: dict[str, _Training] = {}
         self.failures: dict[str, str] = {}  # uid -> why its process could not be queued
-        self.limits: dict[str, tuple[float | None, float | None, str]] = {}  # training -> its guard's limits
+        # training -> its guard's limits: slowdown budget, largest fill share, source, tail risk
+        self.limits: dict[str, tuple[float | None, float | None, str, float | None]] = {}
         self.changed = threading.Condition(self.lock)
         self.version = 0
         self._stop = threading.Event()
@@ -355,8 +356,9 @@ class NodeAgent:
             if decision.stop is not None:
                 self._stop_run(decision.stop, f"superseded: {decision.message}")
             self.failures.pop(msg.uid, None)
-            if msg.slowdown_budget is not None or msg.max_fill_share is not None:
-                limits = (msg.slowdown_budget, msg.max_fill_share, f"PipelineTraining {msg.namespace}/{msg.training}")
+            if msg.slowdown_budget is not None or msg.max_fill_share is not None or msg.tail_risk is not None:
+                limits = (msg.slowdown_budget, msg.max_fill_share, f"PipelineTraining {msg.namespace}/{msg.training}",
+                          msg.tail_risk)
                 self.limits[msg.training] = limits
                 if (tr := self.trainings.get(msg.training)) is not None:
                     tr.agent.set_guard_limits(*limits)

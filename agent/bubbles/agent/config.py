@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles import paths
-from bubbles.api import FillMode, IsolationMode, read_yaml
+from bubbles.api import FillMode, IsolationMode, check_tail_risk, read_yaml
 
 from .core import CoreConfig
 from .guard import GuardConfig
@@ -40,6 +40,7 @@ class AgentConfig:
     mode: FillMode = FillMode.HARVEST
     grace_s: float = 0.050
     budget: float = 0.01
+    tail_risk: float | None = None  # the training's limit on fill steps past a predicted end; None: the jobs' own
     pin_cores: bool = True
     metrics: bool = False  # serve Prometheus metrics
     metrics_port: int = 9400  # its TCP port; 0: any free port (the ready file says which)
@@ -63,6 +64,11 @@ class AgentConfig:
             raise ConfigError(f"--grace-ms must be > 0, got {self.grace_s * 1e3:g}")
         if not 0 < self.budget < 1:
             raise ConfigError(f"--slowdown-budget must be a fraction in (0, 1) (0.01 = 1%), got {self.budget}")
+        if self.tail_risk is not None:
+            try:
+                check_tail_risk(self.tail_risk, "--tail-risk")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port (0 = any free port), got {self.metrics_port}")
 
@@ -78,7 +84,8 @@ class AgentConfig:
         """What the pure core needs of this configuration."""
         return CoreConfig(run_dir=self.run_dir, training=self.training, executors=self.executor_devices(),
                           mode=self.mode, grace_s=self.grace_s, guard=self.guard_config,
-                          isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated)
+                          isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated,
+                          tail_risk=self.tail_risk)
 
 
 @dataclass(frozen=True)
@@ -195,7 +202,8 @@ def _as_paths(value: Any) -> tuple[Path, ...]:
 # key -> how a value from the file or the environment is read (flags arrive typed from argparse)
 KEYS: dict[str, Callable[[Any], Any]] = {
     "run_dir": _as_path, "training": _as_str, "executors": _as_int, "fill_job": _as_paths, "mode": _as_str,
-    "grace_ms": _as_float, "slowdown_budget": _as_float, "pin_cores": _as_bool, "metrics": _as_bool,
+    "grace_ms": _as_float, "slowdown_budget": _as_float, "tail_risk": _as_float, "pin_cores": _as_bool,
+    "metrics": _as_bool,
     "metrics_port": _as_int, "metrics_addr": _as_str, "stats": _as_path, "ready_file": _as_path,
     "log_level": _as_str, "devices": _as_devices, "isolation": _as_str, "allow_unisolated": _as_bool,
     "mps_control": _as_str, "mps_pipe_dir": _as_path, "mps_log_dir": _as_path, "mps_thread_percentage": _as_int,
@@ -270,6 +278,7 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         mode=v.get("mode", FillMode.HARVEST),
         grace_s=v.get("grace_ms", 50.0) / 1e3,
         budget=v.get("slowdown_budget", 0.01),
+        tail_risk=v.get("tail_risk"),
         pin_cores=v.get("pin_cores", True),
         # --metrics-port alone turns the endpoint on; --no-metrics turns it off whatever the port.
         metrics=v.get("metrics", metrics_port is not None),

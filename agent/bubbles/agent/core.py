@@ -42,6 +42,7 @@ from bubbles.api import (
     IsolationStatus,
     JobStatus,
     ModeTotals,
+    check_tail_risk,
 )
 from bubbles.cycle import BubbleCycle
 from bubbles.lifecycle import InvalidTransition, transition
@@ -144,6 +145,7 @@ class JobRecord:
     has_control: bool = False  # the process speaks the control protocol (SDK jobs)
     in_step: tuple[int, int] | None = None  # (step start ns, bubble seq) between step_begin and step
     armed: FillMode | None = None  # the mode the job was armed in; None: disarmed
+    tail_risk_sent: float | None = None  # the last ``limits.tail_risk`` sent to its process
     step_s: float | None = None
     planned_with_step: bool = False
     finished: bool = False
@@ -207,6 +209,9 @@ class CoreConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     isolation_mode: IsolationMode = IsolationMode.CONTEXTS
     allow_unisolated: bool = False
+    # The training's limit on fill steps past a bubble's predicted end (``limits`` command; the agent's --tail-risk,
+    # a PipelineTraining's spec.tailRisk). None: none sent, each fill process uses its own $BUBBLES_TAIL_RISK.
+    tail_risk: float | None = None
 
 
 @dataclass(frozen=True)
@@ -384,18 +389,23 @@ class AgentCore:
                 return True
         return False
 
-    def set_guard_limits(self, budget: float | None, max_share: float | None, source: str) -> bool:
-        """Apply a training's own slowdown budget and largest fill share (None keeps the agent's); True if changed.
+    def set_guard_limits(self, budget: float | None, max_share: float | None, source: str,
+                         tail_risk: float | None = None) -> bool:
+        """Apply a training's own slowdown budget, largest fill share and tail risk (None keeps the agent's); True if
+        anything changed. The tail risk goes to every running fill process at once (``limits``).
 
-        ValueError (from ``GuardConfig``) if they are out of range; nothing changes then.
+        ValueError (from ``GuardConfig``, ``check_tail_risk``) if they are out of range; nothing changes then.
         """
         g = self.config.guard
         budget = g.budget if budget is None else budget
         max_share = g.max_share if max_share is None else max_share
+        if tail_risk is not None:
+            check_tail_risk(tail_risk, "the tail risk")
         if (budget, max_share) == (g.budget, g.max_share):
-            return False
+            return self._set_tail_risk(tail_risk, source)
         new = replace(g, budget=budget, max_share=max_share, initial_share=min(g.initial_share, max_share),
                       min_share=min(g.min_share, max_share))
+        self._set_tail_risk(tail_risk, source)
         self.config = replace(self.config, guard=new)
         if self.guard is not None:
             self.guard.retune(new)
@@ -405,6 +415,24 @@ class AgentCore:
                  max_share)
         self._set_share(min(self.share, max_share) if self.guard is not None else new.initial_share)
         return True
+
+    def _set_tail_risk(self, risk: float | None, source: str) -> bool:
+        if risk is None or risk == self.config.tail_risk:
+            return False
+        self.config = replace(self.config, tail_risk=risk)
+        self._event(self.guard_stage or 0, "", "guard", f"tail risk from {source}: {risk:g}")
+        log.info("fill steps past a bubble's predicted end: risk %g from %s", risk, source)
+        for e in self.executors:
+            if e.active is not None and e.active.armed is not None:
+                self._send_limits(e.active)
+        return True
+
+    def _send_limits(self, job: JobRecord) -> None:
+        """The training's tail risk to ``job``'s process, unless it has it already (or there is none to send)."""
+        risk = self.config.tail_risk
+        if risk is not None and job.tail_risk_sent != risk and job.launched and job.has_control:
+            self._send(job, "limits", tail_risk=risk)
+            job.tail_risk_sent = risk
 
     def _set_share(self, share: float) -> None:
         """A new share of each bubble for fill work: exported, and sent to every armed job."""
@@ -819,6 +847,7 @@ class AgentCore:
         if want is None:
             self._send(job, "disarm")
         else:
+            self._send_limits(job)  # before arm: the first bubble already follows the training's limit
             self._send(job, "arm", mode=want.label, share=self.share, socket=str(self._fill_socket(job)))
         job.armed = want
         job.in_step = None

@@ -135,10 +135,11 @@ class Agent:
             self._execute()
             return found
 
-    def set_guard_limits(self, budget: float | None, max_share: float | None, source: str) -> None:
-        """The training's own slowdown budget and largest fill share (``AgentCore.set_guard_limits``)."""
+    def set_guard_limits(self, budget: float | None, max_share: float | None, source: str,
+                         tail_risk: float | None = None) -> None:
+        """The training's own slowdown budget, largest fill share and tail risk (``AgentCore.set_guard_limits``)."""
         with self.lock:
-            self.core.set_guard_limits(budget, max_share, source)
+            self.core.set_guard_limits(budget, max_share, source, tail_risk)
             self._execute()
 
     def reset_stage(self, stage: int, reason: str) -> None:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from bubbles.api import FillInterface, FillJobSpec, FillNode, FillState, WorkloadKind
+from bubbles.api import FillInterface, FillJobSpec, FillNode, FillState, WorkloadKind, check_tail_risk
 from bubbles.resources import JobProgress, NodeReport, StageReport
 
 from .v1alpha1 import agent_pb2 as pb
@@ -45,6 +45,7 @@ class AssignmentMessage:
     # agent's own --slowdown-budget and a share of 1).
     slowdown_budget: float | None = None
     max_fill_share: float | None = None
+    tail_risk: float | None = None  # the PipelineTraining's spec.tailRisk (caps the fill processes' own)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -97,6 +98,8 @@ def assignment_to_pb(a: AssignmentMessage) -> pb.AssignRequest:
         msg.slowdown_budget = a.slowdown_budget
     if a.max_fill_share is not None:
         msg.max_fill_share = a.max_fill_share
+    if a.tail_risk is not None:
+        msg.tail_risk = a.tail_risk
     return msg
 
 
@@ -179,5 +182,11 @@ def assignment_from_pb(m: pb.AssignRequest) -> AssignmentMessage:
     if share is not None and not 0 <= share <= 1:
         raise ApiError(f"Assign for {m.uid}: max_fill_share is {share}; it must be in [0, 1] "
                        "(the PipelineTraining's spec.maxFillShare)")
+    tail = m.tail_risk if m.HasField("tail_risk") else None
+    if tail is not None:
+        try:
+            check_tail_risk(tail, f"Assign for {m.uid}: tail_risk (the PipelineTraining's spec.tailRisk)")
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
     return AssignmentMessage(m.uid, m.generation, m.attempt, m.namespace, m.name, m.training, m.stage, m.pod,
-                             m.device, m.fill_pod, spec_from_pb(m.spec), m.gpu_uuid or None, budget, share)
+                             m.device, m.fill_pod, spec_from_pb(m.spec), m.gpu_uuid or None, budget, share, tail)

@@ -140,6 +140,7 @@ class Assignment:
     job: FillJobSpec | None = field(default=None, compare=False)  # what the agent plans and drives
     slowdown_budget: float | None = None  # the PipelineTraining's limits, for the agent's slowdown guard
     max_fill_share: float | None = None
+    tail_risk: float | None = None  # and for the fill processes' steps past a bubble's predicted end
 
 
 @dataclass(frozen=True)
@@ -604,10 +605,11 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
 
 
 def _limits(training: PipelineTrainingResource | None) -> dict[str, float | None]:
-    """The training's slowdown budget and largest fill share, which the agent's guard on its node applies."""
+    """The training's slowdown budget, largest fill share and tail risk, which the agent on its node applies."""
     if training is None:
-        return {"slowdown_budget": None, "max_fill_share": None}
-    return {"slowdown_budget": training.slowdown_budget, "max_fill_share": training.max_fill_share}
+        return {"slowdown_budget": None, "max_fill_share": None, "tail_risk": None}
+    return {"slowdown_budget": training.slowdown_budget, "max_fill_share": training.max_fill_share,
+            "tail_risk": training.tail_risk}
 
 
 def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageView, end_s: float,

@@ -151,7 +151,8 @@ class GrpcAgents:
         msg = AssignmentMessage(assignment.uid, assignment.generation, assignment.attempt, assignment.namespace,
                                 assignment.name, assignment.training.split("/", 1)[-1], assignment.stage,
                                 assignment.pod, assignment.device, assignment.fill_pod, assignment.job,
-                                assignment.gpu_uuid, assignment.slowdown_budget, assignment.max_fill_share)
+                                assignment.gpu_uuid, assignment.slowdown_budget, assignment.max_fill_share,
+                                assignment.tail_risk)
         try:
             await stub.Assign(assignment_to_pb(msg), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:

@@ -108,7 +108,7 @@ class FillJobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., interface: _Optional[str] = ..., entry: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., args_json: _Optional[str] = ..., steps: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[FillNode, _Mapping]]] = ..., stage: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("uid", "generation", "attempt", "namespace", "name", "training", "stage", "pod", "device", "gpu_uuid", "fill_pod", "spec", "slowdown_budget", "max_fill_share")
+    __slots__ = ("uid", "generation", "attempt", "namespace", "name", "training", "stage", "pod", "device", "gpu_uuid", "fill_pod", "spec", "slowdown_budget", "max_fill_share", "tail_risk")
     UID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class AssignRequest(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_FILL_SHARE_FIELD_NUMBER: _ClassVar[int]
+    TAIL_RISK_FIELD_NUMBER: _ClassVar[int]
     uid: str
     generation: int
     attempt: int
@@ -137,7 +138,8 @@ class AssignRequest(_message.Message):
     spec: FillJobSpec
     slowdown_budget: float
     max_fill_share: float
-    def __init__(self, uid: _Optional[str] = ..., generation: _Optional[int] = ..., attempt: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., training: _Optional[str] = ..., stage: _Optional[int] = ..., pod: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., fill_pod: _Optional[str] = ..., spec: _Optional[_Union[FillJobSpec, _Mapping]] = ..., slowdown_budget: _Optional[float] = ..., max_fill_share: _Optional[float] = ...) -> None: ...
+    tail_risk: float
+    def __init__(self, uid: _Optional[str] = ..., generation: _Optional[int] = ..., attempt: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., training: _Optional[str] = ..., stage: _Optional[int] = ..., pod: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., fill_pod: _Optional[str] = ..., spec: _Optional[_Union[FillJobSpec, _Mapping]] = ..., slowdown_budget: _Optional[float] = ..., max_fill_share: _Optional[float] = ..., tail_risk: _Optional[float] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("outcome", "message")
