@@ -317,6 +317,20 @@ def test_the_trainings_tail_risk_reaches_each_fill_process_before_it_is_armed_an
     assert any(e["kind"] == "guard" and "tail risk from PipelineTraining ml/t: 0" in e["message"] for e in core.events)
 
 
+def test_a_step_record_with_a_field_this_agent_does_not_know_is_counted_and_the_field_named_once() -> None:
+    core, clock, _ = make_core()
+    job = armed(core)
+    core.take_actions()
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, clock.now, clock.now + 5 * MS))
+    for k in range(2):  # a newer SDK's records: a field it adds on every step
+        t = clock.now + k * MS
+        core.on_control_line(job, line("step", start_ns=t, end_ns=t + MS // 2, flops=1e6, bubble_seq=1,
+                                       signal_ns=clock.now, joules=0.2))
+    assert core.rejected_messages == 0 and sum(j.steps for j in core.snapshot().jobs) == 2
+    notes = [e["message"] for e in core.events if e["kind"] == "control"]
+    assert len(notes) == 1 and "step.joules" in notes[0] and "upgrade the agent" in notes[0]
+
+
 def test_without_a_trainings_tail_risk_nothing_is_sent_and_a_bad_one_changes_nothing() -> None:
     core, _, _ = make_core()
     job = armed(core)

@@ -30,7 +30,7 @@ def test_round_trip_commands_and_events() -> None:
         (b'{"type": "arm", "mode": "sometimes"}', "arm.mode must be one of"),
         (b'{"type": "share", "share": 2}', "share must be in [0, 1]"),
         (b'{"type": "share", "share": true}', "must be int or float"),
-        (b'{"type": "stop", "extra": 1}', "unknown field 'extra'"),
+        (b'{"type": "share", "share": 2, "future": 1}', "share must be in [0, 1]"),  # known fields still checked
         (b'{"type": "limits", "tail_risk": 0.6}', "limits.tail_risk must be the accepted chance"),
         (b'{"type": "limits", "tail_risk": -0.1}', "from 0 (never start one) to 0.5"),
         (b'{"type": "limits", "tail_risk": "0.1"}', "limits.tail_risk must be int or float"),
@@ -107,3 +107,15 @@ def test_bad_step_sizes_in_events_are_refused_with_a_reason(line: str) -> None:
         control.parse_event(line)
     ok = control.parse_event('{"type": "profile", "step_s": 0.001, "sizes": [[1, 0.001], [4, 0.003]]}')
     assert ok["sizes"] == [[1, 0.001], [4, 0.003]]
+
+
+def test_fields_a_newer_peer_adds_are_left_out_and_named_while_known_ones_are_still_checked() -> None:
+    cmd = control.parse_command(b'{"type": "arm", "mode": "harvest", "priority": 3, "colour": "red"}')
+    assert cmd.fields == {"mode": "harvest"} and cmd.unknown == ("colour", "priority")
+    ev = control.parse_event(control.encode("step", start_ns=1, end_ns=5, flops=2.0, gate="tail", energy_j=0.1))
+    assert ev.unknown == ("energy_j",) and "energy_j" not in ev.fields and ev["gate"] == "tail"
+    assert control.parse_command(b'{"type": "stop"}').unknown == ()
+    with pytest.raises(control.ControlError, match="unknown command type 'pause'"):  # a new type is still refused
+        control.parse_command(b'{"type": "pause", "for_ms": 3}')
+    with pytest.raises(control.ControlError, match="missing field 'mode'"):
+        control.parse_command(b'{"type": "arm", "mood": "harvest"}')

@@ -802,3 +802,22 @@ def test_example_part_batches_count_their_own_flops_and_their_share_of_the_work(
     assert r.samples == 2 and r.flops == flops[2] and job.is_finished()  # 16 samples = 2 batches
     with pytest.raises(ValueError, match="between 1 and the batch size"):
         job.step(9)
+
+
+def test_a_field_a_newer_agent_adds_is_ignored_and_named_once_on_stderr(runtime, capfd) -> None:  # type: ignore[no-untyped-def]
+    ch, rt, path = runtime
+    ch.send("init", trace=True)
+    ch.wait("state", state="PAUSED")
+    ch.send("arm", mode="harvest", share=1.0, trace=True)
+    wait_for_socket(path)  # armed: the command was not refused for its extra field
+    ch.send("share", share=0.5, trace=False)
+    deadline = time.monotonic() + 5
+    while rt.share != 0.5:
+        assert time.monotonic() < deadline, "the share command was not applied"
+        time.sleep(0.001)
+    assert not [e for e in ch.events if e.type == "error"]
+    err = capfd.readouterr().err
+    assert err.count("bubbles.sdk: ignored field(s)") == 3  # init.trace, arm.trace, share.trace: each once
+    assert "arm.trace" in err and "upgrade the fill job's image" in err
+    ch.send("arm", mode="harvest", share=1.0, trace=True)  # again: already said
+    ch.send("stop")

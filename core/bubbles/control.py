@@ -6,6 +6,13 @@ limits, stop) and the fill job's reports (state, step_begin, step, profile, fini
 one JSON object with a ``type`` and that type's fields. ``parse_command``/``parse_event`` are the
 only parsers; they reject anything else with ``ControlError`` saying what is wrong.
 
+Versions: the agent (a DaemonSet) and the SDK (in each fill job's image) are upgraded apart, so each side reads
+the other's lines the way protobuf reads messages: a field it does not know is left out of the parsed message
+and named in ``ControlMessage.unknown`` (the receiver says so once), while a known field with a bad value, an
+unknown type or a missing required field is still refused. New fields therefore reach an older peer harmlessly;
+a new command or event type is refused by it with a message, and the line is dropped. (Agents and SDKs before
+2026-11-24 refused unknown fields too: with those, run matching versions.)
+
 The fill process inherits its end of the socketpair; its number is in ``$BUBBLES_CONTROL_FD``.
 
 In a cluster the agent does not start fill processes: the operator creates each fill job's Pod, and its process
@@ -109,6 +116,7 @@ class ControlMessage:
 
     type: str
     fields: dict[str, Any] = field(default_factory=dict)
+    unknown: tuple[str, ...] = ()  # fields left out: a newer peer's (see the module's documentation)
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -216,9 +224,9 @@ def _parse(line: bytes | str, schema: dict[str, dict[str, tuple[tuple[type, ...]
     if type_ not in schema:
         raise ControlError(f"unknown {what} type {type_!r}; expected one of {', '.join(schema)}")
     spec = schema[type_]
-    for name in obj:
-        if name not in spec:
-            raise ControlError(f"{what} {type_!r} has unknown field {name!r}")
+    unknown = tuple(sorted(name for name in obj if name not in spec))
+    for name in unknown:
+        del obj[name]
     for name, (types, required) in spec.items():
         if name not in obj:
             if required:
@@ -230,7 +238,7 @@ def _parse(line: bytes | str, schema: dict[str, dict[str, tuple[tuple[type, ...]
             raise ControlError(f"{what} {type_}.{name} must be {names}, got {v!r}")
         if isinstance(v, float) and not math.isfinite(v):
             raise ControlError(f"{what} {type_}.{name} must be finite, got {v!r}")
-    return ControlMessage(type_, obj)
+    return ControlMessage(type_, obj, unknown)
 
 
 class LineBuffer:

@@ -323,6 +323,7 @@ class FillRuntime:
         # PipelineTraining's spec.tailRisk, the agent's --tail-risk; None until one comes): the lower one applies.
         self.own_tail_risk = DEFAULT_TAIL_RISK
         self.tail_risk_limit: float | None = None
+        self.unknown_fields: set[str] = set()  # "type.field" the agent sent that this SDK does not know
         self._started: _Bubble | None = None  # the last START read, until its END (``_bubble`` is dropped after a pass)
 
     # -- channel ---------------------------------------------------------------------------------
@@ -359,7 +360,17 @@ class FillRuntime:
                     self._emit("error", message=f"rejected command: {exc}")
                     self._flush()
                     continue
+                if cmd.unknown:
+                    self._note_unknown(cmd)
                 self._handle(cmd)
+
+    def _note_unknown(self, cmd: control.ControlMessage) -> None:
+        """Say once per field, on stderr (the fill Pod's log), that the agent sent a field this SDK ignores."""
+        new = {f"{cmd.type}.{name}" for name in cmd.unknown} - self.unknown_fields
+        if new:
+            self.unknown_fields |= new
+            print(f"bubbles.sdk: ignored field(s) {', '.join(sorted(new))} from the agent, which is newer than this "
+                  "SDK: upgrade the fill job's image to use them", file=sys.stderr, flush=True)
 
     def _handle(self, cmd: control.ControlMessage) -> None:
         if cmd.type == "stop":

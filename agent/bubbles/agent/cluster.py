@@ -460,6 +460,9 @@ class NodeAgent:
             self.metrics.refused.inc()
             return None
         uid, attempt = hello["uid"], hello["attempt"]
+        if hello.unknown:
+            log.info("fill job %s: its hello carries field(s) %s this agent does not know (a newer SDK): ignored",
+                     uid, ", ".join(hello.unknown))
         with self.lock:
             have = self.book.jobs.get(uid)
             try:

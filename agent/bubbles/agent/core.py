@@ -146,6 +146,7 @@ class JobRecord:
     in_step: tuple[int, int] | None = None  # (step start ns, bubble seq) between step_begin and step
     armed: FillMode | None = None  # the mode the job was armed in; None: disarmed
     tail_risk_sent: float | None = None  # the last ``limits.tail_risk`` sent to its process
+    unknown_fields: set[str] = field(default_factory=set)  # "type.field" it sent that this agent does not know
     step_s: float | None = None
     planned_with_step: bool = False
     finished: bool = False
@@ -465,6 +466,14 @@ class AgentCore:
         except control.ControlError as exc:
             self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
             return
+        if ev.unknown:
+            new = {f"{ev.type}.{name}" for name in ev.unknown} - job.unknown_fields
+            if new:  # once per field and job: a newer SDK sends them on every step
+                job.unknown_fields |= new
+                message = (f"ignored field(s) {', '.join(sorted(new))} this agent does not know (the fill job's "
+                           "SDK is newer than the agent: upgrade the agent to use them)")
+                log.warning("stage %d: fill job %r: %s", job.stage, job.name, message)
+                self._event(job.stage, job.name, "control", message)
         self._on_event(job, ev)
 
     def launched(self, job: JobRecord, *, has_control: bool) -> None:
