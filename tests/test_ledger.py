@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bubbles.agent.ledger import BREAKDOWN, HarvestLedger, LedgerTotals, StepRecord, bubble_breakdown, filled_share
@@ -152,6 +154,78 @@ def test_order_independent_and_conserving(
     assert first.overruns == sum(1 for s, a, b in steps if any((s, t) not in covered for t in range(a, b)))
 
 
+# -- bounded memory: folding settled records ---------------------------------------------------------------------
+def _same(a: LedgerTotals, b: LedgerTotals) -> None:
+    for name in ("bubble_s", "filled_s", "fill_steps", "overruns", "overrun_s", "overrun_p99_ms", "max_overrun_ms",
+                 "step_s"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert a.fill_flops == pytest.approx(b.fill_flops)
+
+
+@settings(max_examples=200, deadline=None)
+@given(timelines(), st.integers(1, 4), st.randoms(use_true_random=False))
+@example(([(0, 0, 0)], [(0, 0, 0), (0, 20, 40)]), 3, random.Random(0))  # a 0-length step at the cut: counted once
+def test_folding_changes_no_total_while_records_arrive_within_the_settling_window(
+    timeline: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]], fold_at: int, rnd: random.Random
+) -> None:
+    """Records arrive in order of their end, each up to 10 ms late (lengths up to 20 ms): a ledger folding all the
+    time (every ``fold_at`` records, 40 ms settling) gives the totals of one that holds everything, steps and
+    bubbles cut at the folds included."""
+    bubbles, steps = timeline
+    records = [("b", x) for x in bubbles] + [("s", x) for x in steps]
+    records.sort(key=lambda r: r[1][2] + rnd.uniform(0, 10))
+    held, folding = HarvestLedger(), HarvestLedger(settle_ns=40 * MS, fold_at=fold_at)
+    for kind, (stage, a, b) in records:
+        for led in (held, folding):
+            if kind == "b":
+                led.add_bubble(stage, a * MS, b * MS)
+            else:
+                led.add_step(stage, "j", a * MS, b * MS, 1.5)
+    _same(folding.totals(), held.totals())
+    for stage in held.stages():
+        _same(folding.totals(stage), held.totals(stage))
+    assert folding.late() == 0
+
+
+def test_a_long_run_holds_a_bounded_number_of_records_and_totals_stay_exact() -> None:
+    """An hour of 10 ms iterations: a 4 ms bubble with two 1.5 ms steps in it, the second overrunning by 0.5 ms at
+    every tenth; with 2 s settling the ledger holds about 2 s of records, not an hour's."""
+    led = HarvestLedger(settle_ns=2_000 * MS, fold_at=1_000)
+    most = 0
+    for i in range(360_000):
+        t = i * 10 * MS
+        led.add_bubble(0, t, t + 4 * MS)
+        led.add_step(0, "j", t + MS // 2, t + 2 * MS, 1.0)
+        led.add_step(0, "j", t + 2 * MS + MS // 2, t + 4 * MS + (MS // 2 if i % 10 == 0 else 0), 1.0)
+        most = max(most, led.held())
+    assert most <= 2_000, f"held {most} records"
+    t = led.totals()
+    assert t.bubble_s == pytest.approx(360_000 * 0.004)
+    assert t.fill_steps == 720_000 and t.fill_flops == 720_000.0
+    assert t.overruns == 36_000 and t.overrun_s == pytest.approx(36_000 * 0.0005)
+    assert t.filled_s + t.overrun_s == pytest.approx(t.step_s)
+    assert t.max_overrun_ms == pytest.approx(0.5) and t.overrun_p99_ms == pytest.approx(0.5)
+
+
+def test_a_record_that_comes_after_its_time_was_folded_errs_against_fill_work_and_is_counted() -> None:
+    led = HarvestLedger(settle_ns=10 * MS, fold_at=1)
+    led.add_bubble(0, 0, 5 * MS)
+    led.add_bubble(0, 100 * MS, 105 * MS)  # folds up to 95 ms
+    led.add_step(0, "j", MS, 2 * MS, 7.0)  # it ran inside the first bubble, but reports 98 ms late
+    led.add_bubble(0, 50 * MS, 60 * MS)  # a bubble as late: its time counts
+    t = led.totals()
+    assert (t.fill_steps, t.fill_flops, t.filled_s, t.overruns) == (1, 7.0, 0.0, 1)
+    assert t.overrun_s == pytest.approx(0.001) and t.bubble_s == pytest.approx(0.020)
+    assert led.late() == 2
+
+
+def test_bad_folding_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="settle_ns >= 0 and fold_at >= 1"):
+        HarvestLedger(settle_ns=-1)
+    with pytest.raises(ValueError, match="settle_ns >= 0 and fold_at >= 1"):
+        HarvestLedger(fold_at=0)
+
+
 # -- where the bubble time went ---------------------------------------------------------------------------------
 MS_NS = 1_000_000
 
@@ -232,3 +306,37 @@ def test_the_filled_share_counts_steps_that_run_through_a_bubble_they_did_not_st
     for record in naive:
         ledger.add_step(0, "j", record["start_ns"], record["end_ns"], 0.0)
     assert ledger.totals().filled_s / ledger.totals().bubble_s == pytest.approx(1.0)
+
+
+# -- benchmarks/ledger_scale.py ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--hours", "0"], "--hours must be in (0, 48]"),
+    (["--bubble-ms", "300"], "--bubble-ms must be > 0 and below --iteration-ms"),
+    (["--step-ms", "50"], "--step-ms must be > 0 and at most --bubble-ms"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_ledger_scale_refuses_bad_flags_saying_which(flags: list[str], needle: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import ledger_scale  # benchmarks/ (on the path through conftest)
+
+    with pytest.raises(SystemExit) as exit_:
+        ledger_scale.main(flags)
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_ledger_scale_finds_the_same_totals_holding_fewer_records(tmp_path: Path) -> None:
+    import ledger_scale
+
+    out = tmp_path / "scale.json"
+    assert ledger_scale.main(["--hours", "0.02", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    last = result["rows"][-1]
+    assert result["totals_identical"] and last["held_all"] == last["records"] > 3 * last["held_folding"]
+
+
+def test_the_filled_share_of_a_long_run_read_back_in_any_order_folds_nothing() -> None:
+    """A finished run's records, every bubble first and then every step (the stats file's order): 60 s and 12,000
+    records, past what a live ledger holds before folding, and still half of each bubble filled."""
+    bubbles = [{"stage": 0, "start_ns": i * 10 * MS, "end_ns": i * 10 * MS + 4 * MS} for i in range(6000)]
+    steps_ = [{"stage": 0, "start_ns": i * 10 * MS + MS, "end_ns": i * 10 * MS + 3 * MS} for i in range(6000)]
+    assert filled_share(bubbles, steps_, 0, 61_000 * MS) == pytest.approx(0.5)

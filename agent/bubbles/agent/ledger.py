@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
@@ -29,6 +30,10 @@ class StepRecord:
     start_ns: int
     end_ns: int
     flops: float
+    # A step the ledger cut at a fold (see ``HarvestLedger``): this record is its rest, from the cut; how long it ran
+    # before, and how much of that was outside every bubble, are already in the folded totals.
+    carried_ns: int = 0
+    carried_overrun_ns: int = 0
 
     @property
     def duration_ns(self) -> int:
@@ -52,17 +57,80 @@ class LedgerTotals:
 
 
 
-class HarvestLedger:
-    """Bubble and fill-step intervals per stage, totalled on demand."""
+SETTLE_NS = 10 * _NS_PER_S  # records older than this (behind a stage's newest) are folded into running totals
+FOLD_MIN_RECORDS = 5_000  # ... once this many records are held (then each time the count has doubled)
+NEVER_FOLD = 1 << 62
+OVERRUN_SAMPLES = 50_000  # folded overruns kept per stage for the p99: the most recent
 
-    def __init__(self) -> None:
+
+@dataclass
+class _Folded:
+    """A stage's settled records, summed: what ``totals`` adds to the records still held."""
+
+    bubble_ns: int = 0
+    filled_ns: int = 0
+    step_ns: int = 0
+    steps: int = 0
+    flops: float = 0.0
+    overrun_ns: int = 0
+    overruns: int = 0  # steps with any time outside every bubble, counted when the step is complete
+    max_overrun_ns: int = 0
+    late: int = 0  # records that arrived after their time had been folded (see ``HarvestLedger``)
+    overrun_samples: deque[int] = field(default_factory=lambda: deque(maxlen=OVERRUN_SAMPLES))
+
+    def step_overran(self, ns: int) -> None:
+        """A whole step spent ``ns`` > 0 outside every bubble."""
+        self.overruns += 1
+        self.max_overrun_ns = max(self.max_overrun_ns, ns)
+        self.overrun_samples.append(ns)
+
+
+class HarvestLedger:
+    """Bubble and fill-step intervals per stage, totalled on demand, in bounded memory.
+
+    An agent runs for weeks; holding every record would grow without end, and every scrape and report (under the
+    agent's lock) would sort them all. So once ``fold_at`` records are held, each stage's records are *folded* up to
+    a cut ``settle_ns`` before its newest record: what lies before the cut is summed into running totals and let go.
+    A bubble or a step that spans the cut is split there (a step's rest carries what it ran before, so it is still
+    counted once, with its whole overrun). The fold is exact: the totals are what they would have been with every
+    record held, as long as no record arrives after its time was folded (a step reported more than ``settle_ns``
+    after it started: the runtime reports a bubble's steps at its end, and naive steps every 20 ms, so only a naive
+    step that long does). Such a late record cannot be matched with the
+    records it overlapped any more: a late step is counted as overrun whole (the side that errs against fill work),
+    the part of a late bubble before the cut as bubble time, and both in ``late``. The overrun p99 covers the last
+    ``OVERRUN_SAMPLES`` folded overruns per stage and those held.
+    """
+
+    def __init__(self, settle_ns: int = SETTLE_NS, fold_at: int = FOLD_MIN_RECORDS) -> None:
+        if settle_ns < 0 or fold_at < 1:
+            raise ValueError("HarvestLedger needs settle_ns >= 0 and fold_at >= 1")
+        self.settle_ns = settle_ns
+        self.fold_at = fold_at
         self._bubbles: dict[int, list[tuple[int, int]]] = {}
-        self._steps: list[StepRecord] = []
+        self._steps: dict[int, list[StepRecord]] = {}
+        self._folded: dict[int, _Folded] = {}
+        self._cut: dict[int, int] = {}  # stage -> everything before it is folded
+        self._held = 0
+        self._next_fold = fold_at
+
+    @classmethod
+    def holding_all(cls) -> HarvestLedger:
+        """A ledger that never folds: for records added in any order (a finished run's, read back)."""
+        return cls(fold_at=NEVER_FOLD)
 
     def add_bubble(self, stage: int, start_ns: int, end_ns: int) -> None:
         """Record one bubble of ``stage`` (from its BUBBLE_START to its BUBBLE_END)."""
         _check_interval(stage, start_ns, end_ns)
+        cut = self._cut.get(stage)
+        if cut is not None and start_ns < cut:
+            f = self._folded[stage]
+            f.late += 1
+            f.bubble_ns += min(end_ns, cut) - start_ns
+            if end_ns <= cut:
+                return
+            start_ns = cut  # the rest meets the steps still held
         self._bubbles.setdefault(stage, []).append((start_ns, end_ns))
+        self._added()
 
     def add_step(self, stage: int, job: str, start_ns: int, end_ns: int, flops: float) -> None:
         """Record one fill-job step that ran on ``stage``'s accelerator."""
@@ -70,53 +138,138 @@ class HarvestLedger:
         valid = isinstance(flops, int | float) and not isinstance(flops, bool) and math.isfinite(flops)
         if not valid or flops < 0:
             raise ValueError(f"flops must be a finite number >= 0, got {flops!r}")
-        self._steps.append(StepRecord(stage, job, start_ns, end_ns, float(flops)))
+        cut = self._cut.get(stage)
+        if cut is not None and start_ns < cut:
+            f = self._folded[stage]
+            f.late += 1
+            f.steps += 1
+            f.flops += float(flops)
+            f.step_ns += end_ns - start_ns
+            f.overrun_ns += end_ns - start_ns
+            if end_ns > start_ns:
+                f.step_overran(end_ns - start_ns)
+            return
+        self._steps.setdefault(stage, []).append(StepRecord(stage, job, start_ns, end_ns, float(flops)))
+        self._added()
 
     def stages(self) -> tuple[int, ...]:
         """Stages with any bubble or step recorded, ascending."""
-        return tuple(sorted(set(self._bubbles) | {s.stage for s in self._steps}))
+        return tuple(sorted(set(self._bubbles) | set(self._steps) | set(self._folded)))
+
+    def held(self) -> int:
+        """How many records are held (not folded yet)."""
+        return self._held
+
+    def late(self) -> int:
+        """Records that arrived after their time was folded (see the class)."""
+        return sum(f.late for f in self._folded.values())
 
     def bubble_intervals(self, stage: int) -> tuple[tuple[int, int], ...]:
-        """The stage's bubbles as (start_ns, end_ns), sorted by start, as recorded (not merged)."""
+        """The stage's held bubbles as (start_ns, end_ns), sorted by start, as recorded (not merged)."""
         return tuple(sorted(self._bubbles.get(stage, ())))
 
     def step_records(self) -> tuple[StepRecord, ...]:
-        """All fill steps, sorted by (stage, start)."""
-        return tuple(sorted(self._steps, key=lambda r: (r.stage, r.start_ns, r.end_ns)))
+        """The held fill steps, sorted by (stage, start)."""
+        return tuple(sorted((r for rs in self._steps.values() for r in rs),
+                            key=lambda r: (r.stage, r.start_ns, r.end_ns)))
 
     def totals(self, stage: int | None = None) -> LedgerTotals:
-        """Sum up every stage, or only ``stage``; O(n log n) in the records."""
+        """Sum up every stage, or only ``stage``: the folded totals plus a sweep of the held records, O(n log n)."""
         stages = self.stages() if stage is None else (stage,)
-        bubble_ns = filled_ns = step_ns = 0
-        flops = 0.0
-        steps = 0
-        overruns_ns: list[int] = []
-        by_stage: dict[int, list[StepRecord]] = {}
-        for r in self._steps:
-            by_stage.setdefault(r.stage, []).append(r)
+        sums = _Folded()
+        samples: list[int] = []
         for st in stages:
-            covered = _Coverage(self._bubbles.get(st, []))
-            bubble_ns += covered.total_ns
-            for r in by_stage.get(st, []):
-                inside = covered.between(r.start_ns, r.end_ns)
-                filled_ns += inside
-                step_ns += r.duration_ns
-                flops += r.flops
-                steps += 1
-                if r.duration_ns - inside > 0:
-                    overruns_ns.append(r.duration_ns - inside)
-        overruns_ms = [ns / 1e6 for ns in overruns_ns]
+            for part in (_sweep(self._bubbles.get(st, ()), self._steps.get(st, ())), self._folded.get(st)):
+                if part is None:
+                    continue
+                sums.bubble_ns += part.bubble_ns
+                sums.filled_ns += part.filled_ns
+                sums.step_ns += part.step_ns
+                sums.flops += part.flops
+                sums.steps += part.steps
+                sums.overruns += part.overruns
+                sums.overrun_ns += part.overrun_ns
+                sums.max_overrun_ns = max(sums.max_overrun_ns, part.max_overrun_ns)
+                samples += part.overrun_samples
         return LedgerTotals(
-            bubble_s=bubble_ns / _NS_PER_S,
-            filled_s=filled_ns / _NS_PER_S,
-            fill_steps=steps,
-            fill_flops=flops,
-            overruns=len(overruns_ns),
-            overrun_s=sum(overruns_ns) / _NS_PER_S,
-            overrun_p99_ms=percentile(overruns_ms, 99) if overruns_ms else 0.0,
-            max_overrun_ms=max(overruns_ms, default=0.0),
-            step_s=step_ns / _NS_PER_S,
+            bubble_s=sums.bubble_ns / _NS_PER_S,
+            filled_s=sums.filled_ns / _NS_PER_S,
+            fill_steps=sums.steps,
+            fill_flops=sums.flops,
+            overruns=sums.overruns,
+            overrun_s=sums.overrun_ns / _NS_PER_S,
+            overrun_p99_ms=percentile([ns / 1e6 for ns in samples], 99) if samples else 0.0,
+            max_overrun_ms=sums.max_overrun_ns / 1e6,
+            step_s=sums.step_ns / _NS_PER_S,
         )
+
+    # -- folding ------------------------------------------------------------------------------------------------
+    def _added(self) -> None:
+        self._held += 1
+        if self._held >= self._next_fold:
+            for stage in self.stages():
+                self.fold(stage)
+            # Amortized: where most records are within the settling window a fold frees little; wait for twice as many
+            # before the next.
+            self._next_fold = max(self.fold_at, 2 * self._held)
+
+    def fold(self, stage: int) -> None:
+        """Fold ``stage``'s records up to ``settle_ns`` before its newest (see the class)."""
+        bubbles = self._bubbles.get(stage, [])
+        steps = self._steps.get(stage, [])
+        newest = max([b for _, b in bubbles] + [r.end_ns for r in steps], default=None)
+        if newest is None:
+            return
+        cut = newest - self.settle_ns
+        if stage in self._cut and cut <= self._cut[stage]:
+            return
+        covered = _Coverage([(a, min(b, cut)) for a, b in bubbles if a < cut])
+        done = _sweep((), [r for r in steps if r.end_ns <= cut], covered)
+        rests: list[StepRecord] = []
+        for r in steps:
+            if r.start_ns < cut < r.end_ns:  # split: the part before the cut is counted now, the step when complete
+                inside = covered.between(r.start_ns, cut)
+                done.filled_ns += inside
+                done.step_ns += cut - r.start_ns
+                done.overrun_ns += cut - r.start_ns - inside
+                rests.append(replace(r, start_ns=cut, carried_ns=r.carried_ns + cut - r.start_ns,
+                                     carried_overrun_ns=r.carried_overrun_ns + cut - r.start_ns - inside))
+        f = self._folded.setdefault(stage, _Folded())
+        f.bubble_ns += covered.total_ns
+        f.filled_ns += done.filled_ns
+        f.step_ns += done.step_ns
+        f.steps += done.steps
+        f.flops += done.flops
+        f.overrun_ns += done.overrun_ns
+        f.overruns += done.overruns
+        f.max_overrun_ns = max(f.max_overrun_ns, done.max_overrun_ns)
+        f.overrun_samples.extend(done.overrun_samples)
+        kept_b = [(max(a, cut), b) for a, b in bubbles if b > cut]
+        kept_s = [r for r in steps if r.start_ns >= cut and r.end_ns > cut] + rests  # one of whole, split, kept
+        self._held -= len(bubbles) + len(steps) - len(kept_b) - len(kept_s)
+        self._bubbles[stage] = kept_b
+        self._steps[stage] = kept_s
+        self._cut[stage] = cut
+
+
+def _sweep(bubbles: Iterable[tuple[int, int]], steps: Iterable[StepRecord],
+           covered: _Coverage | None = None) -> _Folded:
+    """One stage's records summed: bubble time as the union of its bubbles (or ``covered``'s), each step's time inside
+    and outside it; a step's overrun includes what it carried from before a fold."""
+    if covered is None:
+        covered = _Coverage(list(bubbles))
+    out = _Folded(bubble_ns=covered.total_ns)
+    for r in steps:
+        inside = covered.between(r.start_ns, r.end_ns)
+        out.filled_ns += inside
+        out.step_ns += r.duration_ns
+        out.overrun_ns += r.duration_ns - inside
+        out.flops += r.flops
+        out.steps += 1
+        whole = r.duration_ns - inside + r.carried_overrun_ns
+        if whole > 0:
+            out.step_overran(whole)
+    return out
 
 
 class _Coverage:
@@ -242,7 +395,7 @@ def filled_share(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mapping[s
     steps covered, as ``Ledger.totals`` counts it (a step's time inside any bubble of its stage, wherever the step
     started: under naive co-location steps run through bubbles without starting in them); None when no bubble time
     falls there. Pure."""
-    ledger = HarvestLedger()
+    ledger = HarvestLedger.holding_all()  # records in no particular order: none may count as late
     for b in bubbles:
         if t0_ns <= int(b["start_ns"]) < t1_ns:
             ledger.add_bubble(int(b["stage"]), int(b["start_ns"]), int(b["end_ns"]))
