@@ -31,6 +31,7 @@ def main() -> int:
         ["guard_synthetic.py", "--seeds", "5" if args.quick else "30"],
         ["gate_replay.py", "--seeds", "3" if args.quick else "20", "--out", str(args.out / "gate-replay.json")],
         ["step_gap.py", "--rounds", "2" if args.quick else "6", "--json", str(args.out / "step-gap.json")],
+        ["ledger_scale.py", "--hours", "0.1" if args.quick else "1", "--json", str(args.out / "ledger-scale.json")],
     ]
     failed = 0
     for script, *flags in runs:

@@ -280,3 +280,16 @@ def test_iterations_without_any_fill_work_keep_the_baseline_current_but_not_duri
     assert guard.baseline_s == pytest.approx(1.2)
     with pytest.raises(ValueError, match="iteration_s"):
         guard.observe_unfilled(-1.0)
+
+
+def test_a_weeks_long_guard_keeps_the_latest_decisions_and_their_median() -> None:
+    """40,000 iterations of 8-iteration windows at 1% slowdown (5,000 decisions), then 2% for another 40,000: the
+    history holds the latest HISTORY decisions, and slowdown_held is the median of the latest measured ones."""
+    from bubbles.agent.guard import HISTORY
+
+    guard = SlowdownGuard(1.0, GuardConfig(budget=0.05, window=8, refresh_every=0))
+    drive(guard, 40_000, lambda _i, _s: 1.01)
+    assert len(guard.history) == HISTORY and guard.slowdown_held() == pytest.approx(0.01)
+    drive(guard, 40_000, lambda _i, _s: 1.02)
+    assert len(guard.history) == HISTORY and guard.history[-1][0] >= 79_990
+    assert guard.slowdown_held() == pytest.approx(0.02)  # the 1% decisions have left the window

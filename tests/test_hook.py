@@ -25,7 +25,15 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles import hook, paths, wire
 from bubbles.cycle import BUBBLE_KINDS, BubbleCycle
-from bubbles.hook import Candidate, Listeners, build_cycle, candidate_slots, instruction_stream, instrument
+from bubbles.hook import (
+    ITERATION_HISTORY,
+    Candidate,
+    Listeners,
+    build_cycle,
+    candidate_slots,
+    instruction_stream,
+    instrument,
+)
 from bubbles.probes import CudaAllocatorProbe, MemoryProbe, MemorySample, StaticMemoryProbe, default_probe
 
 SHAPES = [(p, m) for p in (2, 3, 4) for m in (1, 2, 4, 8)]
@@ -296,6 +304,8 @@ def test_instrument_profiles_signals_and_detaches(sockdir: Path) -> None:
     assert set(inst.cycles) == {"TrainSchedule", "InferenceSchedule"}
     assert [s.instruction for s in inst.cycles["InferenceSchedule"].slots] == ["LossBroadcast"]
     assert len(inst.iteration_times_s) == 9
+    # Bounded: a training runs for weeks (5 iterations a second kept every one: 14 MB a day per stage).
+    assert inst.iteration_times_s.maxlen == inst.device_iteration_times_s.maxlen == ITERATION_HISTORY
     events = inst.trace_events()
     assert {e[0] for e in events} == set(range(9))
     assert all(e[2] <= e[3] for e in events)

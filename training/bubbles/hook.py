@@ -65,6 +65,7 @@ WAIT_INSTRUCTIONS = frozenset({"RecvActivation", "RecvGrad"})
 # profiled like receives, and one that stalls long enough is a bubble. (On CPU/gloo a send returns once its data
 # is handed over: host timing leaves sends out.)
 SEND_INSTRUCTIONS = frozenset({"SendActivation", "SendGrad"})
+ITERATION_HISTORY = 4096  # iteration times kept per stage (host and device timing): bounded over a weeks-long training
 TRACE_ITERATIONS = 256  # iterations of per-instruction trace kept when trace=True (a ring)
 RECENT_ITERATIONS = 32  # host timing: predicted bubble lengths follow the last this many iterations' lengths ...
 REPREDICT_EVERY = 4  # ... recomputed every this many iterations
@@ -315,8 +316,9 @@ class Instrumentation:
         self.profile_iterations = profile_iterations
         self.min_bubble_s = min_bubble_s
         self.trace = trace
-        self.iteration_times_s: list[float] = []  # on the host: from train_batch's call to its return
-        self.device_iteration_times_s: deque[float] = deque(maxlen=4096)  # device timing: as the device ran them
+        # On the host: from train_batch's call to its return; the latest ITERATION_HISTORY (a training runs for weeks).
+        self.iteration_times_s: deque[float] = deque(maxlen=ITERATION_HISTORY)
+        self.device_iteration_times_s: deque[float] = deque(maxlen=ITERATION_HISTORY)  # device timing: as it ran them
         self.cycles: dict[str, BubbleCycle] = {}
         self.fill_mode: wire.FillMode | None = None
         self._profiles: dict[tuple[str, int], _ScheduleProfile] = {}

@@ -36,8 +36,11 @@ from __future__ import annotations
 import enum
 import math
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+HISTORY = 4096  # guard decisions kept (history, and the slowdowns slowdown_held takes the median of)
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,10 @@ class SlowdownGuard:
         self.share = self.config.initial_share
         # (iteration index, share after the event, slowdown measured; None for a baseline refresh). A watch window
         # records its median against the baseline; a probe the median of its pairs' differences.
-        self.history: list[tuple[int, float, float | None]] = []
+        # The latest HISTORY of them (an agent runs for weeks: about 54,000 a day at 5 iterations a second).
+        self.history: deque[tuple[int, float, float | None]] = deque(maxlen=HISTORY)
+        self._measured: deque[float] = deque(maxlen=HISTORY)  # their slowdowns, after the first decision's
+        self._decided = False
         self.probes = {"cut": 0, "clear": 0, "undecided": 0}
         self._iterations = 0
         self._windows = 0  # watch windows decided
@@ -203,8 +209,15 @@ class SlowdownGuard:
 
     def slowdown_held(self) -> float | None:
         """Median slowdown over the measurements after the first decision (None before any)."""
-        measured = [s for _, _, s in self.history if s is not None][1:]
-        return statistics.median(measured) if measured else None
+        return statistics.median(self._measured) if self._measured else None
+
+    def _record(self, index: int, slowdown: float | None) -> None:
+        """One decision in the history: the share after it and the slowdown it measured (None: a refresh)."""
+        self.history.append((index, self.share, slowdown))
+        if slowdown is not None:
+            if self._decided:
+                self._measured.append(slowdown)
+            self._decided = True
 
     # -- watch ------------------------------------------------------------------------------------------------
     def _observe_harvest(self, index: int, iteration_s: float) -> GuardDecision:
@@ -224,18 +237,18 @@ class SlowdownGuard:
         suspicious = p_slow < cfg.watch_alpha
         if suspicious and self.share <= cfg.min_share:
             # Nothing left to cut (or no fill work to compare): only the baseline can be wrong.
-            self.history.append((index, self.share, slowdown))
+            self._record(index, slowdown)
             self._phase = _Phase.REFRESH
             self._refresh.clear()
             return GuardDecision(self.share, True, slowdown, f"{head}: at the least share; re-measuring baseline",
                                  event="baseline refresh: fill paused")
         if suspicious:
-            self.history.append((index, self.share, slowdown))
+            self._record(index, slowdown)
             self._start_probe()
             return GuardDecision(self.share, self.fill_paused, slowdown,
                                  f"{head}: probing with and without fill work before deciding",
                                  event=f"slowdown {slowdown:+.2%} over the {cfg.budget:.2%} budget: probing")
-        self.history.append((index, self.share, slowdown))
+        self._record(index, slowdown)
         self._since_probe += 1
         if self.share < cfg.max_share and self._since_probe >= cfg.raise_every:
             # Only a paired probe raises the share: a window's median against a baseline measured minutes ago is as
@@ -315,7 +328,7 @@ class SlowdownGuard:
         self.baseline_s = statistics.median(self._off)
         self._phase = _Phase.HARVEST
         self._window.clear()
-        self.history.append((index, self.share, harm))
+        self._record(index, harm)
         reason = (f"probe of {n} pairs: harm {harm:+.2%} vs budget {cfg.budget:.2%}, {verdict}: share "
                   f"{before:.3f} -> {self.share:.3f}; baseline {old * 1e3:.1f} -> {self.baseline_s * 1e3:.1f} ms")
         return GuardDecision(self.share, False, harm, reason, event=f"probe {outcome}: {reason}")
@@ -336,7 +349,7 @@ class SlowdownGuard:
         self.baseline_s = statistics.median(measured)
         self._refresh.clear()
         self._phase = _Phase.HARVEST
-        self.history.append((index, self.share, None))
+        self._record(index, None)
         reason = f"baseline refreshed: {old * 1e3:.1f} ms -> {self.baseline_s * 1e3:.1f} ms"
         return GuardDecision(self.share, False, None, reason, event=f"{reason}: fill resumed")
 
