@@ -340,3 +340,34 @@ def test_a_card_naming_a_known_gpu_gets_the_agents_own_device_for_it(tmp_path: P
         assert (stage.device, stage.gpu_uuid) == ("cuda:3", "GPU-5")
     finally:
         n.stop()
+
+
+def test_a_training_whose_processes_are_gone_loses_its_cards_and_its_agent(node: NodeAgent) -> None:
+    """A training Pod deleted or crashed leaves its hook's card on the node. The hook holds its stage's hook.lock
+    while it lives (the lock, across PID namespaces, is how the agent tells): once nothing holds it, the card is
+    removed and the training's agent stops, rather than serve it (and check its isolation every second) for good."""
+    lock = paths.hook_lock(node.run_dir, TRAINING, 0)
+    paths.make_private_dir(lock.parent)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        card = write_card(node.run_dir, stages=2, lock=True)
+        legacy = write_card(node.run_dir, stage=1, stages=2, lock=False)  # a hook before the lock: always live
+        node.scan()
+        tr = node.trainings[TRAINING]
+        node.scan()
+        assert node.trainings.get(TRAINING) is tr and card.exists()  # the process lives: nothing changes
+    finally:
+        holder.kill()
+        holder.wait()
+    node.scan()
+    assert not card.exists() and legacy.exists() and node.trainings.get(TRAINING) is tr  # stage 1 still there
+    legacy.unlink()  # the old hook detached
+    node.scan()
+    assert TRAINING not in node.trainings and not tr.thread.is_alive()
+    write_card(node.run_dir)  # it comes back: served afresh
+    node.scan()
+    assert node.trainings[TRAINING] is not tr

@@ -364,3 +364,17 @@ def test_the_guard_skips_the_iterations_after_a_mode_switch_and_takes_its_baseli
     for _ in range(8):
         iteration(41)
     assert core.guard.iterations == 8 and core.guard.phase == "harvest" and core.share == 1.0
+
+
+def test_an_agent_serving_thousands_of_jobs_keeps_the_latest_finished_records_and_every_live_one() -> None:
+    from bubbles.agent.core import MAX_STOPPED_JOBS
+
+    core, _, _ = make_core()
+    live = core.submit(job_spec("live"))
+    for k in range(MAX_STOPPED_JOBS + 50):
+        job = core.submit(job_spec(f"done-{k}"))
+        core.cancel(job.name, "done")  # a queued job: STOPPED at once, never launched
+    core.submit(job_spec("last"))  # records are let go of when one is added
+    names = [j.name for j in core.jobs]
+    assert len(names) == MAX_STOPPED_JOBS + 2 and names[0] == "live" and live.state is not FillState.STOPPED
+    assert names[1] == "done-50" and names[-2:] == [f"done-{MAX_STOPPED_JOBS + 49}", "last"]  # the oldest went

@@ -8,6 +8,7 @@ of computing. Sockets are real AF_UNIX datagram sockets.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -476,8 +477,21 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
         {"training": "t7", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3", "device": "cpu",
          "gpu_uuid": None}
     assert card["pid"] == os.getpid() and card["started_ns"] > 0
+    # The hook holds the stage's lock while it lives: a node agent takes its card for live.
+    from bubbles.agent.cluster import Card, card_is_stale
+
+    assert card["lock"] is True and not card_is_stale(tmp_path, Card.parse(card, "card"))
+    # A second hook of the same stage (a twin that should not be) waits at most 0.5 s for the lock, then goes on
+    # without it, and says so in its card.
+    twin = instrument(StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001), training="t7",
+                      run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
+    assert json.loads(card_path.read_text())["lock"] is False
+    twin.detach()
     inst.detach()
     assert not card_path.exists()  # a training that is gone leaves no card behind
+    fd = os.open(paths.hook_lock(tmp_path, "t7", 1), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with it
+    os.close(fd)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     eng2 = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)

@@ -177,6 +177,9 @@ def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
     d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.STOPPED, 1000, 1e13, "finished")})
     assert job["status"]["phase"] == "Succeeded" and cond(job, "Finished")["status"] == "True"
     assert "eta" not in job["status"] and [e.reason for e in d.events] == ["Succeeded"]
+    # The agent is told to let go of it (it would hold and report the assignment until the FillJob is deleted), once.
+    assert d.cancel == [(job["status"]["assignment"]["node"], "uid-fj")] and d.delete_pods == []
+    assert step([job], [stage()]).cancel == []
 
 
 def test_a_lost_training_pod_requeues_the_job_and_the_restart_limit_fails_it() -> None:

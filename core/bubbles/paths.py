@@ -26,6 +26,9 @@ AGENT_SOCKET_NAME = "agent.sock"
 FILL_SOCKET_PREFIX = "fill-"
 SOCKET_SUFFIX = ".sock"
 HOOK_CARD_NAME = "hook.json"
+# Held (flock) by the hook's process while it lives, so a node's agent can tell a card whose process is gone (a Pod
+# deleted or crashed leaves its card on the node) from a live one, across PID namespaces.
+HOOK_LOCK_NAME = "hook.lock"
 ATTACH_SOCKET_NAME = "attach.sock"
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -96,6 +99,10 @@ def make_private_dir(path: Path) -> Path:
 
 def hook_card(run_dir: Path | str, training: str, stage: int) -> Path:
     return stage_dir(run_dir, training, stage) / HOOK_CARD_NAME
+
+
+def hook_lock(run_dir: Path | str, training: str, stage: int) -> Path:
+    return stage_dir(run_dir, training, stage) / HOOK_LOCK_NAME
 
 
 def attach_socket(run_dir: Path | str) -> Path:

@@ -371,6 +371,7 @@ class Instrumentation:
             self.switch_interval_s = SWITCH_INTERVAL.acquire(interval)
             self._holds_switch_interval = True
         self._card: Path | None = None
+        self._lock_fd: int | None = None
         self._write_card()
 
     # -- public ----------------------------------------------------------------------------------------
@@ -460,6 +461,27 @@ class Instrumentation:
             with contextlib.suppress(OSError):
                 self._card.unlink()
             self._card = None
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _take_lock(self, path: Path) -> int | None:
+        """Hold ``hook.lock`` for this process's life (``paths.HOOK_LOCK_NAME``); None if it cannot be had within
+        0.5 s (another live process of this stage holds it): the card then says so and is never taken for stale."""
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + 0.5
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:  # the agent checks it for microseconds; a live twin holds it for good
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    return None
+                time.sleep(0.005)
 
     def _write_card(self) -> None:
         """Tell the node's agent (cluster mode) which Pod and GPU this stage runs on: ``hook.json`` in the stage's
@@ -476,6 +498,12 @@ class Instrumentation:
             }
             path = paths.hook_card(self.run_dir, self.training, self.stage)
             paths.make_private_dir(path.parent)
+            # The lock before the card: a card is never on disk, new, with its lock not yet held.
+            try:
+                self._lock_fd = self._take_lock(paths.hook_lock(self.run_dir, self.training, self.stage))
+            except OSError:
+                self._lock_fd = None
+            card["lock"] = self._lock_fd is not None
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps(card) + "\n")
             tmp.replace(path)

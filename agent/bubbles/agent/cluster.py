@@ -62,6 +62,7 @@ class Card:
     device: str
     gpu_uuid: str | None
     instance: str = ""  # which process wrote it (pid and start time): a restarted training writes a new one
+    lock: bool = False  # its process holds the stage's hook.lock while it lives (hooks before 2026-11-24 do not)
 
     @classmethod
     def parse(cls, d: Any, where: str) -> Card:
@@ -83,7 +84,39 @@ class Card:
             raise ValueError(f"{where}: the card has no {exc.args[0]!r}") from None
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        return cls(training, stage, stages, ns, pod, device, uuid, f"{d.get('pid', '')}@{d.get('started_ns', '')}")
+        return cls(training, stage, stages, ns, pod, device, uuid, f"{d.get('pid', '')}@{d.get('started_ns', '')}",
+                   d.get("lock") is True)
+
+
+def card_is_stale(run_dir: Path, card: Card) -> bool:
+    """Whether ``card``'s process is gone: nothing holds its stage's ``hook.lock`` (a card that says its process
+    holds none, or whose lock file cannot be read, is taken as live). A stale card is removed, under the lock, unless
+    a new process has written its own meanwhile."""
+    if not card.lock:
+        return False
+    import fcntl
+
+    try:
+        fd = os.open(paths.hook_lock(run_dir, card.training, card.stage), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: the hook's process (or a child it forked) lives
+            return False
+        path = paths.hook_card(run_dir, card.training, card.stage)
+        try:
+            now = Card.parse(json.loads(path.read_text()), str(path))
+        except (OSError, ValueError):
+            return True  # gone or unreadable already
+        if now.instance != card.instance:
+            return False  # a new process took over between the read and the lock: its card stays
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def read_cards(run_dir: Path) -> tuple[list[Card], list[str]]:
@@ -298,7 +331,16 @@ class NodeAgent:
             if p not in self._problems_seen:
                 self._problems_seen.add(p)
                 log.warning("ignoring a hook card: %s", p)
+        live = []
+        for card in cards:
+            if card_is_stale(self.run_dir, card):
+                log.info("training %s stage %d: the process of Pod %s/%s is gone; its hook card is removed",
+                         card.training, card.stage, card.namespace, card.pod)
+            else:
+                live.append(card)
+        cards = live
         changed = False
+        retired: list[_Training] = []
         with self.lock:
             for card in cards:
                 tr = self.trainings.get(card.training)
@@ -321,8 +363,16 @@ class NodeAgent:
                 elif old is not None and old.instance != card.instance:
                     tr.agent.reset_stage(card.stage, f"the training process of {card.pod} restarted: the stage's "
                                                      "bubbles are measured again")
+            # A training with no card left ended (its hooks detached, or their processes are gone): its agent stops,
+            # rather than serve (and check the isolation of) a training that is not there, for good.
+            for name in [n for n in self.trainings if not any(c.training == n for c in cards)]:
+                retired.append(self.trainings.pop(name))
             self.book.forget_before(self.clock() - int(FORGET_AFTER_S * 1e9))
-        if changed:
+        for tr in retired:  # outside the node's lock: the training's loop may be waiting for it
+            log.info("training %s: no stage of it runs on this node any more; its agent stops", tr.name)
+            tr.agent.request_stop()
+            tr.thread.join(10.0)
+        if changed or retired:
             self._bump()
 
     def _device(self, card: Card) -> str:

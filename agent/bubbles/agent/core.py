@@ -58,6 +58,7 @@ MAX_BUBBLE_RECORDS = 200_000
 # Iterations after a fill-mode change the slowdown guard does not see: fill work of the old mode may still run.
 MODE_SETTLE_ITERATIONS = 2
 MAX_EVENTS = 10_000
+MAX_STOPPED_JOBS = 1_000  # finished job records kept (stats, reports); the oldest go first
 MAX_OPEN_BUBBLES = 256
 MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
 UNISOLATED = "unisolated"  # JobRecord.isolation of a job launched without working isolation
@@ -351,7 +352,7 @@ class AgentCore:
                              "a GPU fill job must set 'memory', a hard limit (e.g. memory: 2Gi), so that it "
                              "cannot take the training's memory")
         job = JobRecord(next(self._ids), spec, ex.index)
-        self.jobs.append(job)
+        self._add_job(job)
         ex.queue.append(job)
         self._event(ex.index, job.name, "submitted", "queued")
         if self.serving:
@@ -739,6 +740,15 @@ class AgentCore:
         self._stop_job(job, f"killed: did not pause within {grace_ms} ms of bubble end", sig=signal.SIGKILL)
 
     # -- jobs ----------------------------------------------------------------------------------------------
+    def _add_job(self, job: JobRecord) -> None:
+        """Keep ``job``'s record, and let go of the oldest finished ones beyond MAX_STOPPED_JOBS: an agent on a cluster
+        node serves hundreds of fill jobs a day for weeks (their totals stay in the ledgers)."""
+        self.jobs.append(job)
+        done = [j for j in self.jobs if j.state is FillState.STOPPED and not j.launched]
+        if len(done) > MAX_STOPPED_JOBS:
+            drop = {id(j) for j in done[:len(done) - MAX_STOPPED_JOBS]}
+            self.jobs = [j for j in self.jobs if id(j) not in drop]
+
     def _hold(self, ex: ExecutorState) -> None:
         """Fail closed: queued jobs stay SUBMITTED and say what they wait for."""
         for job in ex.queue:
@@ -757,7 +767,7 @@ class AgentCore:
             return
         again = JobRecord(next(self._ids), job.spec, job.stage, resubmission=count)
         again.reason = f"resubmitted after isolation loss ({count}/{MAX_ISOLATION_RESUBMISSIONS})"
-        self.jobs.append(again)
+        self._add_job(again)
         self.executors[job.stage].queue.appendleft(again)
         log.warning("stage %d: fill job %r resubmitted after isolation loss (%d/%d)", job.stage, job.name, count,
                     MAX_ISOLATION_RESUBMISSIONS)

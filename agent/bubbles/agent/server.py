@@ -325,6 +325,9 @@ class Agent:
             self.core.launch_failed(job, str(exc))
             return
         self._channels[job] = _Channel(proc)
+        if len(self._started) > len(self.core.jobs):  # the core let go of finished records: so does this
+            kept = set(self.core.jobs)
+            self._started = {j: p for j, p in self._started.items() if j in kept}
         self._started[job] = proc
         self._sel.register(proc.exit_fd, selectors.EVENT_READ, lambda _m: self._on_exit(job))
         if proc.control is not None:

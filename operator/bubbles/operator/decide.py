@@ -429,6 +429,8 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
             st.condition(ConditionType.RUNNING, False, "Finished", "the job finished")
             st.phase(FillJobPhase.SUCCEEDED, f"finished {job.steps} steps in the bubbles of {a.get('training')}",
                      event="Succeeded")
+            if a.get("node"):  # the agent lets go of the assignment (else it holds and reports it for good)
+                out.cancel.append((str(a["node"]), job.uid))
             return
         lost = f"the fill process stopped: {prog.reason}"
         ended_itself = True
