@@ -7,6 +7,7 @@ back, as the API server would, before the next round.
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import math
@@ -180,6 +181,11 @@ def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
     # The agent is told to let go of it (it would hold and report the assignment until the FillJob is deleted), once.
     assert d.cancel == [(job["status"]["assignment"]["node"], "uid-fj")] and d.delete_pods == []
     assert step([job], [stage()]).cancel == []
+    # Final: an edit of its spec, even into an invalid one, changes nothing (it is not even parsed again).
+    job["spec"]["profile"] = {"memory": "lots"}
+    before = copy.deepcopy(job["status"])
+    d = step([job], [stage()])
+    assert job["status"] == before and (d.cancel, d.delete_pods, d.events) == ([], [], [])
 
 
 def test_a_lost_training_pod_requeues_the_job_and_the_restart_limit_fails_it() -> None:

@@ -331,6 +331,10 @@ def reconcile(view: ClusterView) -> Decisions:
             _clean_up(obj, out)
             continue
         st = _JobState(obj, view.now, out)
+        phase = _phase(st.status)
+        if phase is not None and phase.terminal:  # final: neither parsed nor looked at again (thousands pile up)
+            st.finish()
+            continue
         try:
             job = _parse(obj)
         except ResourceError as exc:
@@ -342,10 +346,6 @@ def reconcile(view: ClusterView) -> Decisions:
             st.status.pop("eta", None)
             st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
             st.phase(FillJobPhase.FAILED, f"invalid spec: {exc}", event="InvalidSpec", warning=True)
-            st.finish()
-            continue
-        phase = _phase(st.status)
-        if phase is not None and phase.terminal:
             st.finish()
             continue
         if phase is None or phase is FillJobPhase.PENDING:
