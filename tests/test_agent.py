@@ -315,10 +315,13 @@ def test_the_agents_tail_risk_reaches_the_fill_process_and_0_keeps_steps_inside_
     tails = [st for st in steps if st["tail"]]
     predicted = {seq: p for seq, _, p, _ in hook.sent}
     assert all(st["start_ns"] + 1_200_000 <= predicted[st["bubble_seq"]] for st in steps if not st["tail"])
+    with h.agent.lock:
+        (stage,) = [s for s in h.agent.core.snapshot().stages if s.mode == "harvest"]  # what Prometheus exports
     if limit is None:
         assert tails and all(st["bubble_seq"] >= 9 for st in tails)
+        assert 0 < stage.tail_filled_s <= stage.filled_s and stage.tail_overrun_s <= stage.overrun_s
     else:
-        assert not tails
+        assert not tails and stage.tail_filled_s == stage.tail_overrun_s == 0
 
 
 def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: StartAgent) -> None:

@@ -97,3 +97,8 @@ def test_a_fill_job_that_was_never_killed_exports_zero_kills_not_no_data() -> No
     generate_latest(agent.registry)  # the first scrape sees the job
     body = generate_latest(agent.registry).decode()
     assert 'bubbles_fill_kills_total{device="cuda:0",fill_job="fj",stage="0",training="t"} 0.0' in body
+    # A training without tail steps exports the tail's counters at 0, so its panel draws 0, not "No data".
+    assert 'bubbles_tail_filled_bubble_seconds_total{device="cuda:0",mode="harvest",stage="0",training="t"} 0.0' in body
+    tail = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01, 0.2, 0.004)], [], [], None)
+    body = generate_latest(AgentMetrics("t", lambda: tail).registry).decode()
+    assert 'bubbles_tail_overrun_seconds_total{device="cuda:0",mode="harvest",stage="0",training="t"} 0.004' in body

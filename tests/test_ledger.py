@@ -157,7 +157,7 @@ def test_order_independent_and_conserving(
 # -- bounded memory: folding settled records ---------------------------------------------------------------------
 def _same(a: LedgerTotals, b: LedgerTotals) -> None:
     for name in ("bubble_s", "filled_s", "fill_steps", "overruns", "overrun_s", "overrun_p99_ms", "max_overrun_ms",
-                 "step_s"):
+                 "step_s", "tail_filled_s", "tail_overrun_s"):
         assert getattr(a, name) == getattr(b, name), name
     assert a.fill_flops == pytest.approx(b.fill_flops)
 
@@ -180,7 +180,7 @@ def test_folding_changes_no_total_while_records_arrive_within_the_settling_windo
             if kind == "b":
                 led.add_bubble(stage, a * MS, b * MS)
             else:
-                led.add_step(stage, "j", a * MS, b * MS, 1.5)
+                led.add_step(stage, "j", a * MS, b * MS, 1.5, tail=a % 3 == 0)
     _same(folding.totals(), held.totals())
     for stage in held.stages():
         _same(folding.totals(stage), held.totals(stage))
@@ -217,6 +217,17 @@ def test_a_record_that_comes_after_its_time_was_folded_errs_against_fill_work_an
     assert (t.fill_steps, t.fill_flops, t.filled_s, t.overruns) == (1, 7.0, 0.0, 1)
     assert t.overrun_s == pytest.approx(0.001) and t.bubble_s == pytest.approx(0.020)
     assert led.late() == 2
+
+
+def test_the_tail_steps_filled_time_and_overrun_are_told_apart_from_the_rest() -> None:
+    led = HarvestLedger()
+    led.add_bubble(0, 0, 10 * MS)
+    led.add_step(0, "j", MS, 4 * MS, 1.0)  # allowed by the prediction: inside
+    led.add_step(0, "j", 8 * MS, 12 * MS, 1.0, tail=True)  # started past the predicted end: 2 ms in, 2 ms over
+    led.add_step(0, "j", 20 * MS, 21 * MS, 1.0)  # outside any bubble, not a tail step
+    t = led.totals()
+    assert (t.filled_s, t.overrun_s) == (pytest.approx(0.005), pytest.approx(0.003))
+    assert (t.tail_filled_s, t.tail_overrun_s) == (pytest.approx(0.002), pytest.approx(0.002))
 
 
 def test_bad_folding_settings_are_refused() -> None:

@@ -61,6 +61,8 @@ def build() -> dict[str, Any]:
     bubble = f"rate(bubbles_bubble_seconds_total{{{HARVEST}}}[{RATE}])"
     filled = f"rate(bubbles_filled_bubble_seconds_total{{{HARVEST}}}[{RATE}])"
     overrun = f"rate(bubbles_overrun_seconds_total{{{HARVEST}}}[{RATE}])"
+    tail_filled = f"rate(bubbles_tail_filled_bubble_seconds_total{{{HARVEST}}}[{RATE}])"
+    tail_overrun = f"rate(bubbles_tail_overrun_seconds_total{{{HARVEST}}}[{RATE}])"
     d = (dashboard.Dashboard("bubbles: recovered GPU work in pipeline bubbles").uid(UID)
          .tags(["bubbles", "gpu", "pipeline-parallel"]).refresh("30s").time("now-6h", "now").timezone("browser")
          .editable()
@@ -81,12 +83,19 @@ def build() -> dict[str, Any]:
     d = d.with_row(dashboard.Row("Bubbles and where their time went").grid_pos(GridPos(h=1, w=24, x=0, y=13)))
     d = d.with_panel(ts("Bubble ratio per stage", "Share of each stage's time its GPU waits in a bubble",
                         "percentunit", q(f"sum by (training, stage) ({bubble})", "{{training}} stage {{stage}}"),
-                        x=0, y=14))
+                        w=8, x=0, y=14))
     d = d.with_panel(ts("Bubble time: filled, idle, overrun", "Of all bubble time: filled by fill steps, left idle; "
                         "overrun is fill-step time past a bubble's end (it costs the training)", "percentunit",
                         q(f"sum({filled}) / sum({bubble})", "filled", "A"),
                         q(f"clamp_min(sum({bubble}) - sum({filled}), 0) / sum({bubble})", "idle", "B"),
-                        q(f"sum({overrun}) / sum({bubble})", "overrun", "C"), x=12, y=14, stack=True))
+                        q(f"sum({overrun}) / sum({bubble})", "overrun", "C"), w=8, x=8, y=14, stack=True))
+    d = d.with_panel(ts("Past the predicted end (the tail)", "Of all bubble time: what fill steps started past a "
+                        "bubble's predicted end filled, and how far they ran past its end. Each training's "
+                        "spec.tailRisk bounds the risk they take; 0 turns them off", "percentunit",
+                        q(f"sum by (training) ({tail_filled}) / sum by (training) ({bubble})",
+                          "{{training}} filled", "A"),
+                        q(f"sum by (training) ({tail_overrun}) / sum by (training) ({bubble})",
+                          "{{training}} overrun", "B"), w=8, x=16, y=14))
     d = d.with_row(dashboard.Row("What harvesting costs the trainings").grid_pos(GridPos(h=1, w=24, x=0, y=22)))
     d = d.with_panel(ts("Slowdown against budget", "Each training's latest iteration time over its guard's baseline, "
                         "minus 1; the dashed line is its budget", "percentunit",

@@ -224,6 +224,8 @@ class StageTotals:
     bubble_s: float
     filled_s: float
     overrun_s: float
+    tail_filled_s: float = 0.0  # of filled_s and overrun_s, the tail steps' (gate: tail)
+    tail_overrun_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -683,7 +685,8 @@ class AgentCore:
             totals[0] += 1
             totals[1] += ev["flops"]
             try:
-                self.ledgers[mode].add_step(job.stage, job.name, ev["start_ns"], ev["end_ns"], float(ev["flops"]))
+                self.ledgers[mode].add_step(job.stage, job.name, ev["start_ns"], ev["end_ns"], float(ev["flops"]),
+                                            tail=ev.get("gate") == "tail")
             except ValueError as exc:
                 self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
             if len(self.steps) < MAX_STEP_RECORDS:
@@ -911,7 +914,8 @@ class AgentCore:
             for st in ledger.stages():
                 t = ledger.totals(st)
                 dev = self.executors[st].device if st < len(self.executors) else "cpu"
-                stages.append(StageTotals(st, dev, mode, t.bubble_s, t.filled_s, t.overrun_s))
+                stages.append(StageTotals(st, dev, mode, t.bubble_s, t.filled_s, t.overrun_s, t.tail_filled_s,
+                                          t.tail_overrun_s))
         jobs = [JobTotals(j.stage, self.executors[j.stage].device, mode, j.name, int(v[0]), float(v[1]))
                 for j in self.jobs for mode, v in j.job_totals.items()]
         states = [(j.stage, self.executors[j.stage].device, str(j.state)) for j in self.jobs]

@@ -34,6 +34,7 @@ class StepRecord:
     # before, and how much of that was outside every bubble, are already in the folded totals.
     carried_ns: int = 0
     carried_overrun_ns: int = 0
+    tail: bool = False  # started past its bubble's predicted end, on the tail's risk (``gate: tail``)
 
     @property
     def duration_ns(self) -> int:
@@ -53,6 +54,9 @@ class LedgerTotals:
     overrun_p99_ms: float  # 99th percentile of the positive overruns; 0.0 if none
     max_overrun_ms: float
     step_s: float = 0.0  # total fill-step time; filled_s + overrun_s == step_s
+    # Of filled_s and overrun_s, the tail steps' (started past a bubble's predicted end on the tail's risk).
+    tail_filled_s: float = 0.0
+    tail_overrun_s: float = 0.0
 
 
 
@@ -73,6 +77,8 @@ class _Folded:
     steps: int = 0
     flops: float = 0.0
     overrun_ns: int = 0
+    tail_filled_ns: int = 0
+    tail_overrun_ns: int = 0
     overruns: int = 0  # steps with any time outside every bubble, counted when the step is complete
     max_overrun_ns: int = 0
     late: int = 0  # records that arrived after their time had been folded (see ``HarvestLedger``)
@@ -132,8 +138,9 @@ class HarvestLedger:
         self._bubbles.setdefault(stage, []).append((start_ns, end_ns))
         self._added()
 
-    def add_step(self, stage: int, job: str, start_ns: int, end_ns: int, flops: float) -> None:
-        """Record one fill-job step that ran on ``stage``'s accelerator."""
+    def add_step(self, stage: int, job: str, start_ns: int, end_ns: int, flops: float, tail: bool = False) -> None:
+        """Record one fill-job step that ran on ``stage``'s accelerator (``tail``: started past its bubble's predicted
+        end, on the tail's risk)."""
         _check_interval(stage, start_ns, end_ns)
         valid = isinstance(flops, int | float) and not isinstance(flops, bool) and math.isfinite(flops)
         if not valid or flops < 0:
@@ -146,10 +153,11 @@ class HarvestLedger:
             f.flops += float(flops)
             f.step_ns += end_ns - start_ns
             f.overrun_ns += end_ns - start_ns
+            f.tail_overrun_ns += (end_ns - start_ns) if tail else 0
             if end_ns > start_ns:
                 f.step_overran(end_ns - start_ns)
             return
-        self._steps.setdefault(stage, []).append(StepRecord(stage, job, start_ns, end_ns, float(flops)))
+        self._steps.setdefault(stage, []).append(StepRecord(stage, job, start_ns, end_ns, float(flops), tail=tail))
         self._added()
 
     def stages(self) -> tuple[int, ...]:
@@ -189,6 +197,8 @@ class HarvestLedger:
                 sums.steps += part.steps
                 sums.overruns += part.overruns
                 sums.overrun_ns += part.overrun_ns
+                sums.tail_filled_ns += part.tail_filled_ns
+                sums.tail_overrun_ns += part.tail_overrun_ns
                 sums.max_overrun_ns = max(sums.max_overrun_ns, part.max_overrun_ns)
                 samples += part.overrun_samples
         return LedgerTotals(
@@ -201,6 +211,8 @@ class HarvestLedger:
             overrun_p99_ms=percentile([ns / 1e6 for ns in samples], 99) if samples else 0.0,
             max_overrun_ms=sums.max_overrun_ns / 1e6,
             step_s=sums.step_ns / _NS_PER_S,
+            tail_filled_s=sums.tail_filled_ns / _NS_PER_S,
+            tail_overrun_s=sums.tail_overrun_ns / _NS_PER_S,
         )
 
     # -- folding ------------------------------------------------------------------------------------------------
@@ -232,6 +244,9 @@ class HarvestLedger:
                 done.filled_ns += inside
                 done.step_ns += cut - r.start_ns
                 done.overrun_ns += cut - r.start_ns - inside
+                if r.tail:
+                    done.tail_filled_ns += inside
+                    done.tail_overrun_ns += cut - r.start_ns - inside
                 rests.append(replace(r, start_ns=cut, carried_ns=r.carried_ns + cut - r.start_ns,
                                      carried_overrun_ns=r.carried_overrun_ns + cut - r.start_ns - inside))
         f = self._folded.setdefault(stage, _Folded())
@@ -241,6 +256,8 @@ class HarvestLedger:
         f.steps += done.steps
         f.flops += done.flops
         f.overrun_ns += done.overrun_ns
+        f.tail_filled_ns += done.tail_filled_ns
+        f.tail_overrun_ns += done.tail_overrun_ns
         f.overruns += done.overruns
         f.max_overrun_ns = max(f.max_overrun_ns, done.max_overrun_ns)
         f.overrun_samples.extend(done.overrun_samples)
@@ -264,6 +281,9 @@ def _sweep(bubbles: Iterable[tuple[int, int]], steps: Iterable[StepRecord],
         out.filled_ns += inside
         out.step_ns += r.duration_ns
         out.overrun_ns += r.duration_ns - inside
+        if r.tail:
+            out.tail_filled_ns += inside
+            out.tail_overrun_ns += r.duration_ns - inside
         out.flops += r.flops
         out.steps += 1
         whole = r.duration_ns - inside + r.carried_overrun_ns

@@ -43,11 +43,19 @@ class _HarvestCollector(Collector):
         overrun = CounterMetricFamily("bubbles_overrun_seconds",
                                       "Fill-step time outside every bubble (costs the training)",
                                       labels=labels)
+        tail_filled = CounterMetricFamily("bubbles_tail_filled_bubble_seconds",
+                                          "Of the filled bubble time, what fill steps started past a bubble's "
+                                          "predicted end filled (the tail: the training's tailRisk)", labels=labels)
+        tail_overrun = CounterMetricFamily("bubbles_tail_overrun_seconds",
+                                           "Of the overrun, the tail steps' (started past a bubble's predicted end)",
+                                           labels=labels)
         for s in snap.stages:
             lv = [self.training, str(s.stage), s.device, s.mode]
             bubble.add_metric(lv, s.bubble_s)
             filled.add_metric(lv, s.filled_s)
             overrun.add_metric(lv, s.overrun_s)
+            tail_filled.add_metric(lv, s.tail_filled_s)
+            tail_overrun.add_metric(lv, s.tail_overrun_s)
         jl = [*labels, "fill_job"]
         steps = CounterMetricFamily("bubbles_fill_steps", "Fill-job steps completed", labels=jl)
         flops = CounterMetricFamily("bubbles_recovered_flops", "FLOPs of completed fill steps", labels=jl)
@@ -63,7 +71,7 @@ class _HarvestCollector(Collector):
             counts[key] = counts.get(key, 0) + 1
         for (stage, device, state), n in sorted(counts.items()):
             jobs.add_metric([self.training, str(stage), device, state], n)
-        yield from (bubble, filled, overrun, steps, flops, jobs)
+        yield from (bubble, filled, overrun, tail_filled, tail_overrun, steps, flops, jobs)
         budget = GaugeMetricFamily("bubbles_slowdown_budget", "The training slowdown the guard tolerates (0.01 = 1%)",
                                    labels=["training"])
         budget.add_metric([self.training], snap.budget)
