@@ -102,3 +102,14 @@ def test_a_fill_job_that_was_never_killed_exports_zero_kills_not_no_data() -> No
     tail = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01, 0.2, 0.004)], [], [], None)
     body = generate_latest(AgentMetrics("t", lambda: tail).registry).decode()
     assert 'bubbles_tail_overrun_seconds_total{device="cuda:0",mode="harvest",stage="0",training="t"} 0.004' in body
+
+
+def test_the_kill_series_of_a_job_the_agent_let_go_of_goes_with_it() -> None:
+    jobs = [JobTotals(0, "cuda:0", "harvest", "old", 10, 1e12), JobTotals(0, "cuda:0", "harvest", "new", 1, 1e11)]
+    snap = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01)], jobs, [], None)
+    agent = AgentMetrics("t", lambda: snap)
+    agent.kill(0, "cuda:0", "old")
+    assert 'fill_job="old",stage="0",training="t"} 1.0' in generate_latest(agent.registry).decode()
+    snap.jobs.pop(0)  # the core kept only the latest finished records
+    body = generate_latest(agent.registry).decode()
+    assert 'fill_job="old"' not in body and 'bubbles_fill_kills_total{device="cuda:0",fill_job="new"' in body

@@ -9,6 +9,7 @@ state (``bubbles_isolation_ready``, ``bubbles_isolation_state``, ``bubbles_isola
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,10 +29,12 @@ ISOLATION_STATES = IsolationState.labels()
 
 class _HarvestCollector(Collector):
     def __init__(self, training: str, snapshot: Callable[[], Snapshot],
-                 seen_job: Callable[[int, str, str], object] = lambda stage, device, job: None) -> None:
+                 seen_job: Callable[[int, str, str], object] = lambda stage, device, job: None,
+                 jobs_now: Callable[[set[tuple[int, str, str]]], object] = lambda jobs: None) -> None:
         self.training = training
         self.snapshot = snapshot
         self.seen_job = seen_job
+        self.jobs_now = jobs_now
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
@@ -64,6 +67,7 @@ class _HarvestCollector(Collector):
             steps.add_metric(lv, j.steps)
             self.seen_job(j.stage, j.device, j.job)
             flops.add_metric(lv, j.flops)
+        self.jobs_now({(j.stage, j.device, j.job) for j in snap.jobs})
         jobs = GaugeMetricFamily("bubbles_fill_jobs", "Fill jobs by life-cycle state",
                                  labels=["training", "stage", "device", "state"])
         counts: dict[tuple[int, str, str], int] = {}
@@ -113,7 +117,7 @@ class AgentMetrics:
         r = self.registry
         self.kills = Counter("bubbles_fill_kills",
                              "Fill jobs SIGKILLed for not pausing within the grace period",
-                             ["training", "stage", "device", "fill_job"], registry=r)
+                             ["training", "stage", "device", "fill_job"], registry=None)  # after the collector
         self.rejected_total = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped",
                                 ["training", "stage", "source"], registry=r)
         self.iteration_s = Gauge("bubbles_main_iteration_seconds", "Latest training iteration time",
@@ -123,13 +127,27 @@ class AgentMetrics:
         self.share_gauge.labels(training).set(1.0)
         # Every fill job's kill counter exists from its first scrape, at 0: "no kills" is a 0 on the dashboard,
         # not "No data" (a labelled counter is otherwise born only at its first increment).
-        r.register(_HarvestCollector(training, snapshot,
-                                     lambda stage, device, job: self.kills.labels(training, str(stage), device, job)))
+        self._kill_series: set[tuple[int, str, str]] = set()
+        r.register(_HarvestCollector(training, snapshot, self._seen_job, self._jobs_now))
+        r.register(self.kills)  # collected after the jobs are: a job's series is born and let go of in one scrape
         self._server: Any = None
+
+    def _seen_job(self, stage: int, device: str, job: str) -> None:
+        self.kills.labels(self.training, str(stage), device, job)
+        self._kill_series.add((stage, device, job))
+
+    def _jobs_now(self, jobs: set[tuple[int, str, str]]) -> None:
+        """Drop the kill series of jobs the core has let go of (it keeps the latest finished ones): one series per
+        job ever would grow for good. The dashboard sums their rates, which a series that ends does not upset."""
+        for stage, device, job in self._kill_series - jobs:
+            with contextlib.suppress(KeyError):
+                self.kills.remove(self.training, str(stage), device, job)
+        self._kill_series &= jobs
 
     # The core's MetricsSink: what is counted rather than derived from the core's state.
     def kill(self, stage: int, device: str, job: str) -> None:
         self.kills.labels(self.training, str(stage), device, job).inc()
+        self._kill_series.add((stage, device, job))
 
     def rejected(self, stage: int, source: str) -> None:
         self.rejected_total.labels(self.training, str(stage), source).inc()
