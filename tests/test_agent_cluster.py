@@ -346,6 +346,7 @@ def test_a_training_whose_processes_are_gone_loses_its_cards_and_its_agent(node:
     """A training Pod deleted or crashed leaves its hook's card on the node. The hook holds its stage's hook.lock
     while it lives (the lock, across PID namespaces, is how the agent tells): once nothing holds it, the card is
     removed and the training's agent stops, rather than serve it (and check its isolation every second) for good."""
+    node.config = dataclasses.replace(node.config, retire_after_s=0.5)
     lock = paths.hook_lock(node.run_dir, TRAINING, 0)
     paths.make_private_dir(lock.parent)
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
@@ -365,9 +366,13 @@ def test_a_training_whose_processes_are_gone_loses_its_cards_and_its_agent(node:
         holder.wait()
     node.scan()
     assert not card.exists() and legacy.exists() and node.trainings.get(TRAINING) is tr  # stage 1 still there
+    assert [s.stage for s in node.report().stages] == [1]  # the gone stage is no longer reported
     legacy.unlink()  # the old hook detached
     node.scan()
-    assert TRAINING not in node.trainings and not tr.thread.is_alive()
+    assert node.trainings.get(TRAINING) is tr  # not at once: a restarting process writes a new card within the grace
+    wait_for(lambda: TRAINING not in node.trainings, 10, "the training without cards to be retired")
+    tr.thread.join(10)
+    assert not tr.thread.is_alive()
     write_card(node.run_dir)  # it comes back: served afresh
     node.scan()
     assert node.trainings[TRAINING] is not tr

@@ -378,3 +378,30 @@ def test_an_agent_serving_thousands_of_jobs_keeps_the_latest_finished_records_an
     names = [j.name for j in core.jobs]
     assert len(names) == MAX_STOPPED_JOBS + 2 and names[0] == "live" and live.state is not FillState.STOPPED
     assert names[1] == "done-50" and names[-2:] == [f"done-{MAX_STOPPED_JOBS + 49}", "last"]  # the oldest went
+
+
+def test_a_record_stamped_in_the_future_is_refused_before_it_reaches_the_ledger() -> None:
+    """One step stamped with the wall clock (about 1.8e18 ns) would move the ledger's fold past every later record."""
+    core, clock, _ = make_core()
+    job = armed(core)
+    core.take_actions()
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, clock.now, clock.now + 5 * MS))
+    wall = 1_800_000_000 * 10**9
+    core.on_control_line(job, line("step", start_ns=wall, end_ns=wall + MS, flops=1.0, bubble_seq=1))
+    core.on_datagram(0, wire.encode_bubble_end(0, 0, 1, wall))
+    assert core.rejected_messages == 2
+    assert core.ledgers["harvest"].totals().fill_steps == 0 and core.ledgers["harvest"].totals().bubble_s == 0
+
+
+def test_an_sdk_older_than_the_limits_command_is_said_once_and_its_later_errors_stay_its_own() -> None:
+    core, _, _ = make_core(tail_risk=0.0)
+    job = armed(core)
+    core.take_actions()
+    old = "rejected command: unknown command type 'limits'; expected one of init, arm, disarm, share, stop"
+    for _ in range(2):
+        core.on_control_line(job, line("error", message=old))
+    assert job.last_error == ""
+    notes = [e["message"] for e in core.events if e["kind"] == "control"]
+    assert len(notes) == 1 and "older than the limits command" in notes[0]
+    core.on_control_line(job, line("error", message="CUDA out of memory"))
+    assert job.last_error == "CUDA out of memory"

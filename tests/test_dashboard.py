@@ -113,3 +113,9 @@ def test_the_kill_series_of_a_job_the_agent_let_go_of_goes_with_it() -> None:
     snap.jobs.pop(0)  # the core kept only the latest finished records
     body = generate_latest(agent.registry).decode()
     assert 'fill_job="old"' not in body and 'bubbles_fill_kills_total{device="cuda:0",fill_job="new"' in body
+    # A job killed in its first step has no totals yet, but its record is held: its kill is exported.
+    first = Snapshot([], [], [], None, held_jobs=((0, "cuda:0", "big"),))
+    agent = AgentMetrics("t", lambda: first)
+    agent.kill(0, "cuda:0", "big")
+    assert 'bubbles_fill_kills_total{device="cuda:0",fill_job="big",stage="0",training="t"} 1.0' in \
+        generate_latest(agent.registry).decode()

@@ -351,3 +351,28 @@ def test_the_filled_share_of_a_long_run_read_back_in_any_order_folds_nothing() -
     bubbles = [{"stage": 0, "start_ns": i * 10 * MS, "end_ns": i * 10 * MS + 4 * MS} for i in range(6000)]
     steps_ = [{"stage": 0, "start_ns": i * 10 * MS + MS, "end_ns": i * 10 * MS + 3 * MS} for i in range(6000)]
     assert filled_share(bubbles, steps_, 0, 61_000 * MS) == pytest.approx(0.5)
+
+
+def test_no_fold_cuts_past_the_oldest_bubble_still_open() -> None:
+    """A 60 s bubble (a peer's checkpoint) is recorded at its END; meanwhile naive steps report every 20 ms. Held
+    back by the open bubble's start, the fold leaves the steps inside it to meet it: they count as filled, not
+    overrun, as in a ledger holding every record."""
+    opened: dict[int, int | None] = {0: 0}
+    folding = HarvestLedger(settle_ns=10 * MS * 1000, fold_at=10, floor=opened.get)
+    held = HarvestLedger.holding_all()
+    for i in range(3000):  # 20 ms steps for 60 s
+        for led in (folding, held):
+            led.add_step(0, "j", i * 20 * MS, i * 20 * MS + 10 * MS, 1.0)
+    opened[0] = None
+    for led in (folding, held):
+        led.add_bubble(0, 0, 60_000 * MS)
+    _same(folding.totals(), held.totals())
+    assert folding.totals().overrun_s == 0.0 and folding.late() == 0
+
+
+def test_the_overrun_p99_is_left_out_where_it_is_not_asked_for() -> None:
+    led = HarvestLedger()
+    led.add_bubble(0, 0, MS)
+    led.add_step(0, "j", 0, 3 * MS, 1.0)
+    assert led.totals().overrun_p99_ms == pytest.approx(2.0)
+    assert led.totals(0, percentiles=False).overrun_p99_ms == 0.0 and led.totals(0, percentiles=False).overruns == 1

@@ -178,9 +178,15 @@ def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
     d = step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.STOPPED, 1000, 1e13, "finished")})
     assert job["status"]["phase"] == "Succeeded" and cond(job, "Finished")["status"] == "True"
     assert "eta" not in job["status"] and [e.reason for e in d.events] == ["Succeeded"]
-    # The agent is told to let go of it (it would hold and report the assignment until the FillJob is deleted), once.
-    assert d.cancel == [(job["status"]["assignment"]["node"], "uid-fj")] and d.delete_pods == []
-    assert step([job], [stage()]).cancel == []
+    # Once the final status is stored, the agent is told to let go of the run (it would hold and report it until the
+    # FillJob is deleted), each round while it still reports it: a lost call, or a status write that failed (the job
+    # is then still Running to the next round, and the agent still reports it), costs a round, never a rerun.
+    assert d.cancel == [] and d.delete_pods == []
+    node = job["status"]["assignment"]["node"]
+    finished = {"uid-fj": JobProgress("uid-fj", FillState.STOPPED, 1000, 1e13, "finished")}
+    assert step([job], [stage()], progress=finished).cancel == [(node, "uid-fj")]
+    assert step([job], [stage()], progress=finished).cancel == [(node, "uid-fj")]  # the call was lost: again
+    assert step([job], [stage()]).cancel == []  # the agent let go of it
     # Final: an edit of its spec, even into an invalid one, changes nothing (it is not even parsed again).
     job["spec"]["profile"] = {"memory": "lots"}
     before = copy.deepcopy(job["status"])

@@ -482,6 +482,9 @@ class Instrumentation:
                     os.close(fd)
                     return None
                 time.sleep(0.005)
+            except OSError:  # a file system without flock: no lock, and no leaked descriptor
+                os.close(fd)
+                raise
 
     def _write_card(self) -> None:
         """Tell the node's agent (cluster mode) which Pod and GPU this stage runs on: ``hook.json`` in the stage's

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tail-risk", type=float, default=None,
                         help="the most risk a fill step started past a bubble's predicted end may take of outliving "
                              "the bubble, 0 to 0.5 (0: never start one); caps each fill job's own $BUBBLES_TAIL_RISK "
-                             "(default: no cap, the jobs' own, 0.1 unless set)")
+                             "(default: no cap, the jobs' own, 0.1 unless set). In a cluster a PipelineTraining's "
+                             "spec.tailRisk replaces it for that training")
     parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=None,
                         help="pin executor k's fill processes to CPU core k %% cores (default on)")
     parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None,

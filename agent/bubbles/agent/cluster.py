@@ -217,12 +217,13 @@ class ClusterConfig:
     gpus: Mapping[str, str] = field(default_factory=dict)  # GPU UUID -> this process's device ("cuda:N")
     scan_interval_s: float = 1.0
     hook_silence_s: float = 30.0  # a stage whose hook has been silent this long does not report a hook
+    retire_after_s: float = 30.0  # a training with no card for this long is stopped (a restart writes a new one)
 
     def __post_init__(self) -> None:
         if not self.node:
             raise ValueError("the node's name is required (--node, or $NODE_NAME from the downward API)")
-        if not self.scan_interval_s > 0 or not self.hook_silence_s > 0:
-            raise ValueError("scan interval and hook silence must be > 0 seconds")
+        if not self.scan_interval_s > 0 or not self.hook_silence_s > 0 or self.retire_after_s < 0:
+            raise ValueError("scan interval and hook silence must be > 0 seconds, the retirement grace >= 0")
 
 
 @dataclass(eq=False)
@@ -253,6 +254,7 @@ class NodeAgent:
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
         self._problems_seen: set[str] = set()
+        self._cardless_since: dict[str, int] = {}  # training -> when its last card went
         self.metrics = NodeMetrics(self._registries, self._assignment_counts)
         self.metrics_port: int | None = None
 
@@ -363,10 +365,22 @@ class NodeAgent:
                 elif old is not None and old.instance != card.instance:
                     tr.agent.reset_stage(card.stage, f"the training process of {card.pod} restarted: the stage's "
                                                      "bubbles are measured again")
-            # A training with no card left ended (its hooks detached, or their processes are gone): its agent stops,
-            # rather than serve (and check the isolation of) a training that is not there, for good.
-            for name in [n for n in self.trainings if not any(c.training == n for c in cards)]:
-                retired.append(self.trainings.pop(name))
+            # A stage whose card went (its process is gone) is no longer reported. A training with no card left for
+            # retire_after_s ended (its hooks detached, or their processes are gone; a restart writes a new card
+            # within that): its agent stops, rather than serve (and check the isolation of) it for good.
+            now = self.clock()
+            on_disk = {(c.training, c.stage) for c in cards}
+            for name, tr in list(self.trainings.items()):
+                for stage in [k for k in tr.cards if (name, k) not in on_disk]:
+                    del tr.cards[stage]
+                    changed = True
+                if tr.cards:
+                    self._cardless_since.pop(name, None)
+                    continue
+                since = self._cardless_since.setdefault(name, now)
+                if now - since >= int(self.config.retire_after_s * 1e9):
+                    retired.append(self.trainings.pop(name))
+                    del self._cardless_since[name]
             self.book.forget_before(self.clock() - int(FORGET_AFTER_S * 1e9))
         for tr in retired:  # outside the node's lock: the training's loop may be waiting for it
             log.info("training %s: no stage of it runs on this node any more; its agent stops", tr.name)
@@ -449,7 +463,7 @@ class NodeAgent:
                     for k, card in sorted(tr.cards.items()):
                         ex = core.executors[k]
                         heard = ex.last_message_ns is not None and now - ex.last_message_ns <= silence_ns
-                        totals = ledger.totals(k) if k in ledger.stages() else None
+                        totals = ledger.totals(k, percentiles=False) if k in ledger.stages() else None
                         stages.append(StageReport(
                             card.namespace, tr.name, card.pod, k, ex.device,
                             ex.cycle.to_dict() if ex.cycle is not None else None, heard, ex.last_iteration_s,

@@ -58,6 +58,7 @@ MAX_BUBBLE_RECORDS = 200_000
 # Iterations after a fill-mode change the slowdown guard does not see: fill work of the old mode may still run.
 MODE_SETTLE_ITERATIONS = 2
 MAX_EVENTS = 10_000
+FUTURE_SLACK_NS = 1_000_000_000  # a record stamped later than now plus this is refused (a wrong clock)
 MAX_STOPPED_JOBS = 1_000  # finished job records kept (stats, reports); the oldest go first
 MAX_OPEN_BUBBLES = 256
 MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
@@ -256,6 +257,7 @@ class Snapshot:
     isolation: IsolationTotals | None = None
     baseline_s: float | None = None  # the slowdown guard's baseline iteration time (no fill work)
     budget: float = 0.0  # the slowdown the guard tolerates
+    held_jobs: tuple[tuple[int, str, str], ...] = ()  # (stage, device, name) of every job record held, steps or not
 
 
 def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationStatus:
@@ -300,7 +302,8 @@ class AgentCore:
         self.executors = [ExecutorState(k, device, core, config.mode)
                           for k, (device, core) in enumerate(config.executors)]
         self.jobs: list[JobRecord] = []
-        self.ledgers = {m.label: HarvestLedger() for m in FillMode}
+        # A ledger folds no further back than the oldest bubble still open: its record comes at its END.
+        self.ledgers = {m.label: HarvestLedger(floor=self._oldest_open_bubble) for m in FillMode}
         self.steps: list[dict[str, Any]] = []
         self.bubbles: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -597,7 +600,10 @@ class AgentCore:
                 self._set_state(job, FillState.RUNNING)
         elif isinstance(msg, wire.BubbleEnd):
             ob = ex.open_bubbles.pop(msg.seq, None)
-            if ob is not None and msg.end_ns >= ob.start.start_ns:
+            if ob is not None and msg.end_ns > self.clock() + FUTURE_SLACK_NS:
+                self._reject(ex.index, "datagram", f"BUBBLE_END stamped {(msg.end_ns - self.clock()) / 1e9:.1f} s in "
+                             "the future (the hook must stamp CLOCK_MONOTONIC)")
+            elif ob is not None and msg.end_ns >= ob.start.start_ns:
                 self.ledgers[ex.mode.label].add_bubble(ex.index, ob.start.start_ns, msg.end_ns)
                 if len(self.bubbles) < MAX_BUBBLE_RECORDS:
                     self.bubbles.append({"stage": ex.index, "slot": msg.slot, "start_ns": ob.start.start_ns,
@@ -685,6 +691,9 @@ class AgentCore:
             totals[0] += 1
             totals[1] += ev["flops"]
             try:
+                if ev["end_ns"] > self.clock() + FUTURE_SLACK_NS:  # one such stamp would fold the stage's ledger away
+                    raise ValueError(f"step ends {(ev['end_ns'] - self.clock()) / 1e9:.1f} s in the future (steps are "
+                                     "stamped with CLOCK_MONOTONIC)")
                 self.ledgers[mode].add_step(job.stage, job.name, ev["start_ns"], ev["end_ns"], float(ev["flops"]),
                                             tail=ev.get("gate") == "tail")
             except ValueError as exc:
@@ -719,6 +728,15 @@ class AgentCore:
         elif ev.type == "finished":
             job.finished = True
             self._stop_job(job, "finished")
+        elif ev.type == "error" and ev["message"].startswith("rejected command: unknown command type 'limits'"):
+            # An SDK older than the training's tail limit: it keeps its own risk. Said once; not the job's error (a
+            # later failure of the job must not be reported as this).
+            if "limits" not in job.unknown_fields:
+                job.unknown_fields.add("limits")
+                message = ("its SDK is older than the limits command: the training's tailRisk does not reach it (it "
+                           "keeps its own BUBBLES_TAIL_RISK; upgrade the fill job's image)")
+                log.warning("stage %d: fill job %r: %s", job.stage, job.name, message)
+                self._event(job.stage, job.name, "control", message)
         elif ev.type == "error":
             job.last_error = ev["message"]
             log.error("stage %d: fill job %r reports: %s", job.stage, job.name, job.last_error)
@@ -743,6 +761,10 @@ class AgentCore:
         self._stop_job(job, f"killed: did not pause within {grace_ms} ms of bubble end", sig=signal.SIGKILL)
 
     # -- jobs ----------------------------------------------------------------------------------------------
+    def _oldest_open_bubble(self, stage: int) -> int | None:
+        opened = self.executors[stage].open_bubbles if stage < len(self.executors) else {}
+        return min((ob.start.start_ns for ob in opened.values()), default=None)
+
     def _add_job(self, job: JobRecord) -> None:
         """Keep ``job``'s record, and let go of the oldest finished ones beyond MAX_STOPPED_JOBS: an agent on a cluster
         node serves hundreds of fill jobs a day for weeks (their totals stay in the ledgers)."""
@@ -912,7 +934,7 @@ class AgentCore:
         stages: list[StageTotals] = []
         for mode, ledger in self.ledgers.items():
             for st in ledger.stages():
-                t = ledger.totals(st)
+                t = ledger.totals(st, percentiles=False)  # under the agent's lock: no sort it does not need
                 dev = self.executors[st].device if st < len(self.executors) else "cpu"
                 stages.append(StageTotals(st, dev, mode, t.bubble_s, t.filled_s, t.overrun_s, t.tail_filled_s,
                                           t.tail_overrun_s))
@@ -922,8 +944,9 @@ class AgentCore:
         iso_st = self.isolation_status
         restarts = iso_st.daemon.restarts if iso_st.daemon is not None else None
         iso = IsolationTotals(str(iso_st.mode), str(iso_st.state), self.isolation_losses, restarts)
+        held = tuple((j.stage, self.executors[j.stage].device, j.name) for j in self.jobs)
         return Snapshot(stages, jobs, states, iso, self.guard.baseline_s if self.guard else None,
-                        self.config.guard.budget)
+                        self.config.guard.budget, held)
 
     def status(self) -> AgentStatus:
         """Everything the agent reports, typed (``stats()`` is its JSON form)."""

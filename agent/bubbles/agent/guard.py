@@ -208,7 +208,8 @@ class SlowdownGuard:
         self._window.clear()  # a window must not straddle a stretch without fill work
 
     def slowdown_held(self) -> float | None:
-        """Median slowdown over the measurements after the first decision (None before any)."""
+        """Median slowdown over the measurements after the first decision, the latest HISTORY of them (None before
+        any)."""
         return statistics.median(self._measured) if self._measured else None
 
     def _record(self, index: int, slowdown: float | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
@@ -64,7 +64,7 @@ class LedgerTotals:
 SETTLE_NS = 10 * _NS_PER_S  # records older than this (behind a stage's newest) are folded into running totals
 FOLD_MIN_RECORDS = 5_000  # ... once this many records are held (then each time the count has doubled)
 NEVER_FOLD = 1 << 62
-OVERRUN_SAMPLES = 50_000  # folded overruns kept per stage for the p99: the most recent
+OVERRUN_SAMPLES = 10_000  # folded overruns kept per stage for the p99: the most recent
 
 
 @dataclass
@@ -107,11 +107,15 @@ class HarvestLedger:
     ``OVERRUN_SAMPLES`` folded overruns per stage and those held.
     """
 
-    def __init__(self, settle_ns: int = SETTLE_NS, fold_at: int = FOLD_MIN_RECORDS) -> None:
+    def __init__(self, settle_ns: int = SETTLE_NS, fold_at: int = FOLD_MIN_RECORDS,
+                 floor: Callable[[int], int | None] = lambda stage: None) -> None:
+        """``floor(stage)``: a time no fold may cut past (the start of the stage's oldest bubble still open, whose
+        record comes at its END: a bubble longer than ``settle_ns`` would otherwise arrive late)."""
         if settle_ns < 0 or fold_at < 1:
             raise ValueError("HarvestLedger needs settle_ns >= 0 and fold_at >= 1")
         self.settle_ns = settle_ns
         self.fold_at = fold_at
+        self.floor = floor
         self._bubbles: dict[int, list[tuple[int, int]]] = {}
         self._steps: dict[int, list[StepRecord]] = {}
         self._folded: dict[int, _Folded] = {}
@@ -181,8 +185,9 @@ class HarvestLedger:
         return tuple(sorted((r for rs in self._steps.values() for r in rs),
                             key=lambda r: (r.stage, r.start_ns, r.end_ns)))
 
-    def totals(self, stage: int | None = None) -> LedgerTotals:
-        """Sum up every stage, or only ``stage``: the folded totals plus a sweep of the held records, O(n log n)."""
+    def totals(self, stage: int | None = None, percentiles: bool = True) -> LedgerTotals:
+        """Sum up every stage, or only ``stage``: the folded totals plus a sweep of the held records, O(n log n).
+        ``percentiles=False`` leaves the overrun p99 at 0 (it sorts up to ``OVERRUN_SAMPLES`` per stage)."""
         stages = self.stages() if stage is None else (stage,)
         sums = _Folded()
         samples: list[int] = []
@@ -200,7 +205,8 @@ class HarvestLedger:
                 sums.tail_filled_ns += part.tail_filled_ns
                 sums.tail_overrun_ns += part.tail_overrun_ns
                 sums.max_overrun_ns = max(sums.max_overrun_ns, part.max_overrun_ns)
-                samples += part.overrun_samples
+                if percentiles:
+                    samples += part.overrun_samples
         return LedgerTotals(
             bubble_s=sums.bubble_ns / _NS_PER_S,
             filled_s=sums.filled_ns / _NS_PER_S,
@@ -208,7 +214,7 @@ class HarvestLedger:
             fill_flops=sums.flops,
             overruns=sums.overruns,
             overrun_s=sums.overrun_ns / _NS_PER_S,
-            overrun_p99_ms=percentile([ns / 1e6 for ns in samples], 99) if samples else 0.0,
+            overrun_p99_ms=percentile([ns / 1e6 for ns in samples], 99) if samples and percentiles else 0.0,
             max_overrun_ms=sums.max_overrun_ns / 1e6,
             step_s=sums.step_ns / _NS_PER_S,
             tail_filled_s=sums.tail_filled_ns / _NS_PER_S,
@@ -233,6 +239,8 @@ class HarvestLedger:
         if newest is None:
             return
         cut = newest - self.settle_ns
+        if (floor := self.floor(stage)) is not None:
+            cut = min(cut, floor)
         if stage in self._cut and cut <= self._cut[stage]:
             return
         covered = _Coverage([(a, min(b, cut)) for a, b in bubbles if a < cut])

@@ -10,6 +10,7 @@ state (``bubbles_isolation_ready``, ``bubbles_isolation_state``, ``bubbles_isola
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -67,7 +68,8 @@ class _HarvestCollector(Collector):
             steps.add_metric(lv, j.steps)
             self.seen_job(j.stage, j.device, j.job)
             flops.add_metric(lv, j.flops)
-        self.jobs_now({(j.stage, j.device, j.job) for j in snap.jobs})
+        # Every job still held, killed in its first step (no totals yet) included.
+        self.jobs_now({(j.stage, j.device, j.job) for j in snap.jobs} | set(snap.held_jobs))
         jobs = GaugeMetricFamily("bubbles_fill_jobs", "Fill jobs by life-cycle state",
                                  labels=["training", "stage", "device", "state"])
         counts: dict[tuple[int, str, str], int] = {}
@@ -128,26 +130,30 @@ class AgentMetrics:
         # Every fill job's kill counter exists from its first scrape, at 0: "no kills" is a 0 on the dashboard,
         # not "No data" (a labelled counter is otherwise born only at its first increment).
         self._kill_series: set[tuple[int, str, str]] = set()
+        self._kill_lock = threading.Lock()
         r.register(_HarvestCollector(training, snapshot, self._seen_job, self._jobs_now))
         r.register(self.kills)  # collected after the jobs are: a job's series is born and let go of in one scrape
         self._server: Any = None
 
     def _seen_job(self, stage: int, device: str, job: str) -> None:
-        self.kills.labels(self.training, str(stage), device, job)
-        self._kill_series.add((stage, device, job))
+        with self._kill_lock:
+            self.kills.labels(self.training, str(stage), device, job)
+            self._kill_series.add((stage, device, job))
 
     def _jobs_now(self, jobs: set[tuple[int, str, str]]) -> None:
         """Drop the kill series of jobs the core has let go of (it keeps the latest finished ones): one series per
         job ever would grow for good. The dashboard sums their rates, which a series that ends does not upset."""
-        for stage, device, job in self._kill_series - jobs:
-            with contextlib.suppress(KeyError):
-                self.kills.remove(self.training, str(stage), device, job)
-        self._kill_series &= jobs
+        with self._kill_lock:  # the scrape thread; kill() comes from the agent's
+            for stage, device, job in self._kill_series - jobs:
+                with contextlib.suppress(KeyError):
+                    self.kills.remove(self.training, str(stage), device, job)
+            self._kill_series &= jobs
 
     # The core's MetricsSink: what is counted rather than derived from the core's state.
     def kill(self, stage: int, device: str, job: str) -> None:
-        self.kills.labels(self.training, str(stage), device, job).inc()
-        self._kill_series.add((stage, device, job))
+        with self._kill_lock:
+            self.kills.labels(self.training, str(stage), device, job).inc()
+            self._kill_series.add((stage, device, job))
 
     def rejected(self, stage: int, source: str) -> None:
         self.rejected_total.labels(self.training, str(stage), source).inc()

@@ -333,6 +333,12 @@ def reconcile(view: ClusterView) -> Decisions:
         st = _JobState(obj, view.now, out)
         phase = _phase(st.status)
         if phase is not None and phase.terminal:  # final: neither parsed nor looked at again (thousands pile up)
+            a = st.status.get("assignment") or {}
+            uid = str(meta.get("uid", ""))
+            if a.get("node") and uid in view.progress:
+                # The agent still holds the run: it lets go of it now that the final status is stored (told every
+                # round until it stops reporting the job, so a lost call costs a round).
+                out.cancel.append((str(a["node"]), uid))
             st.finish()
             continue
         try:
@@ -429,8 +435,6 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
             st.condition(ConditionType.RUNNING, False, "Finished", "the job finished")
             st.phase(FillJobPhase.SUCCEEDED, f"finished {job.steps} steps in the bubbles of {a.get('training')}",
                      event="Succeeded")
-            if a.get("node"):  # the agent lets go of the assignment (else it holds and reports it for good)
-                out.cancel.append((str(a["node"]), job.uid))
             return
         lost = f"the fill process stopped: {prog.reason}"
         ended_itself = True

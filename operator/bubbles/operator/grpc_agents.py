@@ -164,7 +164,7 @@ class GrpcAgents:
         if stub is None:
             return
         try:
-            await stub.Cancel(pb.CancelRequest(uid=uid, reason="the FillJob was deleted or evicted"),
+            await stub.Cancel(pb.CancelRequest(uid=uid, reason="the FillJob was deleted, evicted or finished"),
                               timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             self._warn(node, f"cancelling {uid} on the agent on {node} failed ({exc.code().name}: {exc.details()})")
