@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 from test_agent import TRAINING, Hook, cycle, wait_for
 
 from bubbles import control, paths, wire
-from bubbles.agent.cluster import Card, ClusterConfig, NodeAgent, read_cards
+from bubbles.agent.cluster import Card, ClusterConfig, NodeAgent, card_is_stale, read_cards
 from bubbles.agent.config import AgentConfig
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.node import NodeBook, Outcome, StaleAssignment
@@ -116,6 +116,13 @@ def test_cards_that_cannot_be_used_are_reported_not_fatal(tmp_path: Path) -> Non
     assert len(problems) == 2 and any("not its directory" in p for p in problems)
     with pytest.raises(ValueError, match="stage 3 of 2 stages"):
         Card.parse({"training": "t", "stage": 3, "stages": 2, "pod": "p"}, "x")
+    # "lock" other than true: the card is taken for one whose process holds no lock, never judged stale.
+    for lock in ("yes", 1, None):
+        card = Card.parse({"training": "t", "stage": 0, "stages": 1, "pod": "p", "lock": lock}, "x")
+        assert card.lock is False and not card_is_stale(tmp_path, card)
+    template = AgentConfig(run_dir=tmp_path, training="placeholder")
+    with pytest.raises(ValueError, match="the retirement grace >= 0"):
+        ClusterConfig(NODE, template, retire_after_s=-1.0)
 
 
 # -- the node, for real ----------------------------------------------------------------------------------------

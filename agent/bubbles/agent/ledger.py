@@ -76,13 +76,40 @@ class _Folded:
     step_ns: int = 0
     steps: int = 0
     flops: float = 0.0
-    overrun_ns: int = 0
     tail_filled_ns: int = 0
     tail_overrun_ns: int = 0
     overruns: int = 0  # steps with any time outside every bubble, counted when the step is complete
     max_overrun_ns: int = 0
     late: int = 0  # records that arrived after their time had been folded (see ``HarvestLedger``)
     overrun_samples: deque[int] = field(default_factory=lambda: deque(maxlen=OVERRUN_SAMPLES))
+
+    @property
+    def overrun_ns(self) -> int:
+        """Step time outside every bubble: all step time is filled or overrun."""
+        return self.step_ns - self.filled_ns
+
+    def ran(self, inside_ns: int, duration_ns: int, tail: bool) -> None:
+        """Step time: ``duration_ns``, of which ``inside_ns`` in a bubble (the rest overrun); a tail step's too."""
+        self.filled_ns += inside_ns
+        self.step_ns += duration_ns
+        if tail:
+            self.tail_filled_ns += inside_ns
+            self.tail_overrun_ns += duration_ns - inside_ns
+
+    def add(self, other: _Folded, samples: bool = True) -> None:
+        """Add ``other``'s sums (and its overrun samples, unless ``samples`` is False)."""
+        self.bubble_ns += other.bubble_ns
+        self.filled_ns += other.filled_ns
+        self.step_ns += other.step_ns
+        self.tail_filled_ns += other.tail_filled_ns
+        self.tail_overrun_ns += other.tail_overrun_ns
+        self.steps += other.steps
+        self.flops += other.flops
+        self.overruns += other.overruns
+        self.max_overrun_ns = max(self.max_overrun_ns, other.max_overrun_ns)
+        self.late += other.late
+        if samples:
+            self.overrun_samples.extend(other.overrun_samples)
 
     def step_overran(self, ns: int) -> None:
         """A whole step spent ``ns`` > 0 outside every bubble."""
@@ -155,9 +182,7 @@ class HarvestLedger:
             f.late += 1
             f.steps += 1
             f.flops += float(flops)
-            f.step_ns += end_ns - start_ns
-            f.overrun_ns += end_ns - start_ns
-            f.tail_overrun_ns += (end_ns - start_ns) if tail else 0
+            f.ran(0, end_ns - start_ns, tail)  # none of it matched with a bubble any more: all overrun
             if end_ns > start_ns:
                 f.step_overran(end_ns - start_ns)
             return
@@ -195,16 +220,7 @@ class HarvestLedger:
             for part in (_sweep(self._bubbles.get(st, ()), self._steps.get(st, ())), self._folded.get(st)):
                 if part is None:
                     continue
-                sums.bubble_ns += part.bubble_ns
-                sums.filled_ns += part.filled_ns
-                sums.step_ns += part.step_ns
-                sums.flops += part.flops
-                sums.steps += part.steps
-                sums.overruns += part.overruns
-                sums.overrun_ns += part.overrun_ns
-                sums.tail_filled_ns += part.tail_filled_ns
-                sums.tail_overrun_ns += part.tail_overrun_ns
-                sums.max_overrun_ns = max(sums.max_overrun_ns, part.max_overrun_ns)
+                sums.add(part, samples=False)  # the samples of every stage: more than one deque holds
                 if percentiles:
                     samples += part.overrun_samples
         return LedgerTotals(
@@ -249,26 +265,10 @@ class HarvestLedger:
         for r in steps:
             if r.start_ns < cut < r.end_ns:  # split: the part before the cut is counted now, the step when complete
                 inside = covered.between(r.start_ns, cut)
-                done.filled_ns += inside
-                done.step_ns += cut - r.start_ns
-                done.overrun_ns += cut - r.start_ns - inside
-                if r.tail:
-                    done.tail_filled_ns += inside
-                    done.tail_overrun_ns += cut - r.start_ns - inside
+                done.ran(inside, cut - r.start_ns, r.tail)
                 rests.append(replace(r, start_ns=cut, carried_ns=r.carried_ns + cut - r.start_ns,
                                      carried_overrun_ns=r.carried_overrun_ns + cut - r.start_ns - inside))
-        f = self._folded.setdefault(stage, _Folded())
-        f.bubble_ns += covered.total_ns
-        f.filled_ns += done.filled_ns
-        f.step_ns += done.step_ns
-        f.steps += done.steps
-        f.flops += done.flops
-        f.overrun_ns += done.overrun_ns
-        f.tail_filled_ns += done.tail_filled_ns
-        f.tail_overrun_ns += done.tail_overrun_ns
-        f.overruns += done.overruns
-        f.max_overrun_ns = max(f.max_overrun_ns, done.max_overrun_ns)
-        f.overrun_samples.extend(done.overrun_samples)
+        self._folded.setdefault(stage, _Folded()).add(done)  # done.bubble_ns: covered's
         kept_b = [(max(a, cut), b) for a, b in bubbles if b > cut]
         kept_s = [r for r in steps if r.start_ns >= cut and r.end_ns > cut] + rests  # one of whole, split, kept
         self._held -= len(bubbles) + len(steps) - len(kept_b) - len(kept_s)
@@ -286,12 +286,7 @@ def _sweep(bubbles: Iterable[tuple[int, int]], steps: Iterable[StepRecord],
     out = _Folded(bubble_ns=covered.total_ns)
     for r in steps:
         inside = covered.between(r.start_ns, r.end_ns)
-        out.filled_ns += inside
-        out.step_ns += r.duration_ns
-        out.overrun_ns += r.duration_ns - inside
-        if r.tail:
-            out.tail_filled_ns += inside
-            out.tail_overrun_ns += r.duration_ns - inside
+        out.ran(inside, r.duration_ns, r.tail)
         out.flops += r.flops
         out.steps += 1
         whole = r.duration_ns - inside + r.carried_overrun_ns
