@@ -196,6 +196,23 @@ def test_malformed_input_is_counted_and_dropped_and_nothing_else_changes() -> No
     assert core.take_actions() == [] and job.state is FillState.PAUSED and job.steps == 0
 
 
+def test_a_newer_hooks_messages_are_read_where_known_and_said_once_where_not(caplog: pytest.LogCaptureFixture) -> None:
+    core, clock, sink = make_core()
+    armed(core)
+    core.take_actions()
+    v2 = bytes([wire.VERSION + 1])
+    start = wire.encode_bubble_start(0, 0, 7, clock.now, clock.now + 5 * MS)
+    core.on_datagram(0, start[:2] + v2 + start[3:] + b"appended field")
+    assert 7 in core.executors[0].open_bubbles  # the fields this agent knows are read
+    unknown = b"BB" + v2 + bytes([42]) + bytes(40)
+    for _ in range(3):
+        core.on_datagram(0, unknown)
+    said = [e for e in core.events if e["kind"] == "datagram"]
+    assert len(said) == 1 and "newer hook" in said[0]["message"] and "kind 42" in said[0]["message"]
+    assert caplog.text.count("newer than this agent") == 1
+    assert core.rejected_messages == 0 and ("rejected", 0, "datagram") not in sink.calls
+
+
 def test_fill_mode_switches_disarm_and_rearm_the_job() -> None:
     core, _, _ = make_core()
     job = armed(core)

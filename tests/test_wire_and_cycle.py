@@ -35,7 +35,9 @@ def test_every_message_round_trips() -> None:
     (b"", "truncated"),
     (b"BB\x01", "truncated"),
     (b"XX\x01\x02\x00\x00" + bytes(20), "bad magic"),
-    (b"BB\x09\x02\x00\x00" + bytes(20), "version 9 not supported"),
+    (b"BB\x00\x02\x00\x00" + bytes(22), "version 0 does not exist"),
+    (b"BB\x09\x02\x00\x00" + bytes(20), "BUBBLE_START must be at least 28 bytes"),  # newer, but truncated
+    (struct.pack("<2sBBH", b"BB", 9, 5, 0), "FILL_MODE must be at least 7 bytes"),
     (b"BB\x01\x63\x00\x00" + bytes(20), "unknown message kind 99"),
     (wire.encode_bubble_start(0, 0, 1, 10, 20)[:-1], f"must be {wire.SIGNAL_BYTES} bytes"),
     (wire.encode_bubble_start(0, 0, 1, 10, 20) + b"x", f"must be {wire.SIGNAL_BYTES} bytes"),
@@ -49,6 +51,41 @@ def test_every_message_round_trips() -> None:
 def test_malformed_datagrams_are_refused_with_the_reason(data: bytes, reason: str) -> None:
     with pytest.raises(wire.WireError, match=reason):
         wire.decode(data)
+
+
+def newer(data: bytes, tail: bytes = b"\x01\x02\x03\x04") -> bytes:
+    """``data`` as a sender speaking protocol version 2 would send it, with fields appended."""
+    return data[:2] + bytes([wire.VERSION + 1]) + data[3:] + tail
+
+
+def test_a_newer_senders_records_read_as_the_fields_this_side_knows() -> None:
+    assert wire.decode(newer(wire.encode_bubble_start(1, 2, 3, 10, 20))) == wire.BubbleStart(1, 2, 3, 10, 20)
+    assert wire.decode(newer(wire.encode_bubble_end(1, 2, 3, 30))) == wire.BubbleEnd(1, 2, 3, 30)
+    assert wire.decode(newer(wire.encode_iteration(0, 7, 10, 50))) == wire.Iteration(0, 7, 10, 50)
+    assert wire.decode(newer(wire.encode_fill_mode(1, wire.FillMode.OFF))) == wire.FillModeChange(1, wire.FillMode.OFF)
+    profile = wire.encode_profile(0, cycle_dict(future_field={"x": 1}))
+    msg = wire.decode(newer(profile, tail=b""))
+    assert isinstance(msg, wire.Profile) and BubbleCycle.from_dict(msg.cycle).wait_s == 0.006
+    # The fast path agrees: a newer START or END wakes the fill runtime as a version-1 one does.
+    start = newer(wire.encode_bubble_start(1, 2, 3, 10, 20))
+    assert wire.decode_signal(start) == (wire.Kind.BUBBLE_START, 2, 3, 10, 20)
+    assert wire.decode_signal(newer(wire.encode_bubble_end(1, 2, 3, 30))) == (wire.Kind.BUBBLE_END, 2, 3, 30, 0)
+    # ...and it still refuses what decode refuses: a newer record's known fields are checked as before.
+    bad = newer(struct.pack("<2sBBHHIqq", b"BB", 1, 2, 0, 0, 1, 20, 10))
+    assert wire.decode_signal(bad) is None
+    with pytest.raises(wire.WireError, match="end before its start"):
+        wire.decode(bad)
+
+
+def test_a_kind_from_a_newer_sender_is_told_apart_from_garbage() -> None:
+    with pytest.raises(wire.NewerMessage, match="kind 42 from protocol version 2") as caught:
+        wire.decode(struct.pack("<2sBBH", b"BB", 2, 42, 0) + bytes(30))
+    assert isinstance(caught.value, wire.WireError) and (caught.value.version, caught.value.kind) == (2, 42)
+    with pytest.raises(wire.WireError, match="unknown message kind 42") as refused:  # from this version: garbage
+        wire.decode(struct.pack("<2sBBH", b"BB", wire.VERSION, 42, 0) + bytes(30))
+    assert not isinstance(refused.value, wire.NewerMessage)
+    # Appended bytes are a newer sender's right only: a version-1 record must have its exact size.
+    assert wire.decode_signal(wire.encode_bubble_start(1, 2, 3, 10, 20) + b"x") is None
 
 
 @given(st.binary(max_size=200))

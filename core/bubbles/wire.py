@@ -7,7 +7,14 @@ is JSON. Every record carries the stage, a sequence number and absolute CLOCK_MO
 and cannot leave a listener believing a bubble is still open.
 
 ``decode`` is the only way bytes become messages; it rejects garbage, truncated, oversized and
-unknown-version input with ``WireError`` and never raises anything else.
+malformed input with ``WireError`` and never raises anything else.
+
+Versions. The hook runs inside training images and the agent in a DaemonSet, and the two are upgraded apart, so
+the protocol only grows: a later version may add message kinds and append fields to a kind's record, never change
+or remove what is there. A receiver therefore reads any version from 1 up: from a newer sender it takes the fields
+it knows (a record's first bytes) and ignores the rest, and it drops a kind it does not know with ``NewerMessage``
+(a ``WireError`` its receivers say once rather than count as garbage). Version-1 records must have their exact
+size. A change that an older receiver would misread needs a new magic, which older receivers refuse outright.
 """
 
 from __future__ import annotations
@@ -44,6 +51,17 @@ class Kind(enum.IntEnum):
 
 class WireError(ValueError):
     """A datagram that is not a valid bubble message; the receiver drops it and keeps serving."""
+
+
+class NewerMessage(WireError):
+    """A message kind this side does not know, from a sender speaking a newer version: not garbage, just not for
+    this receiver. ``version`` and ``kind`` say what it was."""
+
+    def __init__(self, version: int, kind: int) -> None:
+        super().__init__(f"message kind {kind} from protocol version {version} (this side speaks {VERSION}): "
+                         "ignored; upgrade this side to use it")
+        self.version = version
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -124,10 +142,12 @@ def decode_signal(data: bytes) -> tuple[int, int, int, int, int] | None:
     """The fill runtime's fast path for the two messages it waits on: ``(kind, slot, seq, t_ns, predicted_end_ns)``
     of a valid BUBBLE_START or BUBBLE_END, as plain integers (no message object on the wake-up path); None for
     anything else, which ``decode`` then handles (and rejects, if invalid), so both agree on every input."""
-    if len(data) != SIGNAL_BYTES:
+    size = len(data)
+    if size < SIGNAL_BYTES:
         return None
-    magic, version, kind, _stage, slot, seq, t1, t2 = _BUBBLE.unpack(data)
-    if magic != MAGIC or version != VERSION or kind not in _START_END or t1 < 0 or t2 < 0:
+    magic, version, kind, _stage, slot, seq, t1, t2 = _BUBBLE.unpack_from(data)
+    if magic != MAGIC or not (version == VERSION if size == SIGNAL_BYTES else version > VERSION) \
+            or kind not in _START_END or t1 < 0 or t2 < 0:
         return None
     if kind == Kind.BUBBLE_START and t2 < t1:
         return None
@@ -146,17 +166,26 @@ def decode(data: bytes) -> Message:
     magic, version, kind_code, stage = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}: not a bubbles message")
-    if version != VERSION:
-        raise WireError(f"protocol version {version} not supported (this side speaks {VERSION}); "
-                        "run the same bubbles version in the training and the agent")
+    if version < 1:
+        raise WireError(f"protocol version {version} does not exist (versions start at 1)")
+    newer = version > VERSION
     try:
         kind = Kind(kind_code)
     except ValueError:
+        if newer:
+            raise NewerMessage(version, kind_code) from None
         raise WireError(f"unknown message kind {kind_code}") from None
+
+    def record(layout: struct.Struct) -> tuple[Any, ...]:
+        # A newer sender may append fields: read the ones this side knows. Version 1's records are exact.
+        too_short = len(data) < layout.size
+        if too_short or (len(data) != layout.size and not newer):
+            raise WireError(f"{kind.name} must be {'at least ' if newer else ''}{layout.size} bytes, "
+                            f"got {len(data)}")
+        return layout.unpack_from(data)
+
     if kind in (Kind.BUBBLE_START, Kind.BUBBLE_END, Kind.ITERATION):
-        if len(data) != _BUBBLE.size:
-            raise WireError(f"{kind.name} must be {_BUBBLE.size} bytes, got {len(data)}")
-        _, _, _, stage, a, b, t1, t2 = _BUBBLE.unpack(data)
+        _, _, _, stage, a, b, t1, t2 = record(_BUBBLE)
         if t1 < 0 or t2 < 0:
             raise WireError(f"{kind.name} has a negative timestamp")
         if kind is Kind.BUBBLE_START:
@@ -167,9 +196,7 @@ def decode(data: bytes) -> Message:
             return BubbleEnd(stage=stage, slot=a, seq=b, end_ns=t1)
         return Iteration(stage=stage, iteration=b, start_ns=t1, duration_ns=t2)
     if kind is Kind.FILL_MODE:
-        if len(data) != _MODE.size:
-            raise WireError(f"FILL_MODE must be {_MODE.size} bytes, got {len(data)}")
-        mode_code = _MODE.unpack(data)[4]
+        mode_code = record(_MODE)[4]
         try:
             return FillModeChange(stage=stage, mode=FillMode(mode_code))
         except ValueError:

@@ -324,6 +324,7 @@ class AgentCore:
         self._tie = itertools.count()
         self._ids = itertools.count()
         self._rejected_log = _RateLimitedLog(clock)
+        self._newer_seen: set[tuple[int, int]] = set()  # (version, kind) of messages from a newer hook, said once
 
     # -- the shell's side of the conversation --------------------------------------------------------------
     def take_actions(self) -> list[Action]:
@@ -373,6 +374,13 @@ class AgentCore:
         ex = self.executors[stage]
         try:
             msg = wire.decode(data)
+        except wire.NewerMessage as exc:
+            # A newer hook in the training's image: not garbage, and it does not stop the kinds this agent knows.
+            if (exc.version, exc.kind) not in self._newer_seen and len(self._newer_seen) < 64:
+                self._newer_seen.add((exc.version, exc.kind))
+                log.warning("stage %d: the training's hook is newer than this agent: %s", ex.index, exc)
+                self._event(ex.index, "", "datagram", f"from a newer hook: {exc}")
+            return
         except wire.WireError as exc:
             self._reject(ex.index, "datagram", str(exc))
             return
