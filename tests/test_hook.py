@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import statistics
 import time
@@ -500,6 +501,32 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
         assert eng2.train_batch() == 1.5  # the training goes on
     assert "could not write its card" in caplog.text
     inst2.detach()
+
+
+def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path) -> None:
+    """A DataLoader worker forked by the training shares the lock's open file; if it kept it, a dead training's card
+    would be taken for live until the worker exited too. The child lets go of its copy at the fork."""
+    inst = instrument(StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001), training="t9",
+                      run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the "worker": outlives the training's hold on the lock, then leaves without cleanup
+        os.write(ready_w, b"x")  # os.fork has returned here, so the fork handlers have run
+        time.sleep(3)
+        os._exit(0)
+    try:
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"x"
+        inst.detach()  # stands in for the training's process ending (its descriptor closes)
+        fd = os.open(paths.hook_lock(tmp_path, "t9", 0), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the child still held it
+        finally:
+            os.close(fd)
+    finally:
+        os.close(ready_r)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_naive_iterations(sockdir: Path) -> None:

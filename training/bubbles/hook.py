@@ -291,6 +291,21 @@ class _Hot:
 _ENGINE_ATTRS = ("_INSTRUCTION_MAP", "_exec_schedule", "_aggregate_total_loss", "train_batch", "eval_batch")
 _MARK = "_bubbles_instrumentation"
 
+# The hook.lock descriptors this process holds. A child forked from the training (a DataLoader worker) shares each
+# lock's open file and would keep the lock, and so the card, alive after the training died. Children close their
+# copies right after the fork: the lock lives exactly as long as the training's own process.
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_locks_in_child() -> None:
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
+
 
 class Instrumentation:
     """What ``instrument`` returns: the profiled cycles, timings, statistics and ``detach()``."""
@@ -462,8 +477,10 @@ class Instrumentation:
                 self._card.unlink()
             self._card = None
         if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._lock_fd)
+            if self._lock_fd in _HELD_LOCKS:  # not in a forked child, which closed its copy (and may reuse the number)
+                _HELD_LOCKS.discard(self._lock_fd)
+                with contextlib.suppress(OSError):
+                    os.close(self._lock_fd)
             self._lock_fd = None
 
     def _take_lock(self, path: Path) -> int | None:
@@ -476,6 +493,7 @@ class Instrumentation:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _HELD_LOCKS.add(fd)
                 return fd
             except BlockingIOError:  # the agent checks it for microseconds; a live twin holds it for good
                 if time.monotonic() > deadline:
