@@ -9,7 +9,9 @@ Per instruction the hook takes two ``time.monotonic_ns()`` stamps and appends on
 else (which positions are bubbles, their predicted lengths, the encoded datagrams' shapes) is decided
 once per iteration or once per profile. Candidate bubbles are the waits that really block a stage:
 ``RecvActivation``, ``RecvGrad`` and the end-of-batch loss broadcast (reported as ``LossBroadcast`` at
-position ``len(instruction stream)``). Sends are not signalled (see docs/design.md).
+position ``len(instruction stream)``). With device timing, ``SendActivation`` and ``SendGrad`` are timed and
+profiled like receives (with NCCL a send can hold the GPU until the peer posts its receive); with host timing
+sends are not signalled (see docs/design.md).
 
 Fail open: listeners are reached with a non-blocking ``sendto`` on a datagram socket; a missing or
 dead listener is dropped, a full one loses that datagram. Any exception in the hook's own bookkeeping
@@ -19,9 +21,10 @@ unchanged. The hook never touches tensors, so the training's losses are bit-iden
 On GPUs (``timing="cuda"``, chosen by ``"auto"`` when the engine's device is a CUDA device) host
 timestamps do not see the waits: with NCCL a ``recv`` returns to the host before the data arrives. There
 each candidate wait is bracketed by device events, and a helper thread (``bubbles.gpu_timing``) signals
-the bubble when the device reaches it and measures its length as the device saw it. For timing, the
-training's thread only records the events; the memory probe it calls while profiling is the exception (see
-``bubbles.gpu_timing``). On CPU (gloo) the host blocks in the wait, and host time is what is measured.
+the bubble when the device reaches it and measures its length as the device saw it. The training's thread
+only records the events; the memory probe is read on the helper thread once a profiled wait has ended on the
+device (``_sample_on_helper``). On CPU (gloo) the host blocks in the wait, host time is what is measured, and
+the probe is read on the training's thread.
 
 The classification of waits into bubble kinds and the aggregation of profiled samples are pure
 functions over instruction streams (``candidate_slots``, ``build_cycle``), tested directly on the

@@ -1,8 +1,10 @@
-"""How the agent starts fill processes: a ``Launcher`` interface, local subprocesses for now.
+"""How the agent starts fill processes: a ``Launcher`` interface and ``ProcessLauncher``, local subprocesses.
 
-Cluster mode will add a launcher that creates Pods; the executor only sees ``FillProcess``. What
-isolates a fill process from the training (MPS client variables, a private MPS pipe directory) comes
-from ``bubbles.agent.isolation`` as ``LaunchRequest.env``: a launcher only passes it on.
+In cluster mode the launcher is ``bubbles.agent.cluster.AttachLauncher``: it starts nothing and hands over
+the fill Pod's process that attached to the agent, whose environment is the Pod's, set by the operator. The
+executor only sees ``FillProcess``. What isolates a locally started fill process from the training (MPS client
+variables, a private MPS pipe directory) comes from ``bubbles.agent.isolation`` as ``LaunchRequest.env``:
+``ProcessLauncher`` only passes it on.
 """
 
 from __future__ import annotations
