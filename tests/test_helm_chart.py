@@ -140,14 +140,18 @@ def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str
     assert str(op.agent_port) == settings.cluster.listen.rsplit(":", 1)[1]
 
 
-def test_mps_gets_host_ipc_shared_memory_and_the_pipe_directory() -> None:
-    docs = render({"agent": {"isolation": "mps", "mps": {"shmSize": "2Gi"}}})
+def test_mps_gets_the_nodes_shared_memory_and_pipe_directory_for_the_agent_and_the_fill_pods() -> None:
+    """MPS keeps its shared state in /dev/shm: the agent (its daemon) and every client must have the node's, which
+    host IPC gives and a /dev/shm volume of the Pod's own would hide. The operator is told, so its fill Pods join."""
+    docs = render({"agent": {"isolation": "mps", "mps": {"pipeDir": "/run/nvidia-mps", "threadPercentage": 30}}})
     spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
     assert spec["hostIPC"] is True
-    shm = next(v for v in spec["volumes"] if v["name"] == "shm")
-    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
-    assert any(m["mountPath"] == "/dev/shm" for m in spec["containers"][0]["volumeMounts"])
-    assert "--mps-pipe-dir=/tmp/nvidia-mps" in spec["containers"][0]["args"]
+    assert not any(m["mountPath"] == "/dev/shm" for m in spec["containers"][0]["volumeMounts"])
+    assert {"--mps-pipe-dir=/run/nvidia-mps", "--mps-thread-percentage=30"} <= set(spec["containers"][0]["args"])
+    op = parse_operator(container(docs, "Deployment")["args"])
+    assert (op.fill_mps_pipe_dir, op.fill_mps_thread_percentage) == ("/run/nvidia-mps", 30)
+    plain = parse_operator(container(render(), "Deployment")["args"])  # contexts: fill Pods are not MPS clients
+    assert plain.fill_mps_pipe_dir is None and "hostIPC" not in one(render(), "DaemonSet")["spec"]["template"]["spec"]
 
 
 def test_service_monitors_follow_the_switch_and_a_custom_namespace_is_used_throughout() -> None:
@@ -182,6 +186,8 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"operator": {"extraEnv": [{"value": "x"}]}}, "/operator/extraEnv/0"),
     ({"agent": {"extraEnv": {"A": "b"}}}, "/agent/extraEnv"),
     ({"agent": {"runDir": "run/bubbles"}}, "/agent/runDir"),
+    ({"agent": {"mps": {"threadPercentage": 0}}}, "/agent/mps/threadPercentage"),
+    ({"agent": {"mps": {"shmSize": "1Gi"}}}, "shmSize"),  # gone: the node's /dev/shm is shared through host IPC
 ])
 def test_contradictory_or_malformed_values_are_refused_with_what_to_change(values: dict[str, Any],
                                                                           message: str) -> None:

@@ -100,6 +100,9 @@ def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Pat
         (["--agent-ca", "/no/ca", "--agent-client-cert", "/no/c"], "go together"),
         (["--node-run-dir", "run/bubbles"], "the node's run directory must be an absolute path"),
         (["--fill-uid", "-3"], "fill Pods' user id must be >= 0, got -3"),
+        (["--fill-mps-pipe-dir", "nvidia-mps"], "the MPS pipe directory must be an absolute path"),
+        (["--fill-mps-pipe-dir", "/tmp/m", "--fill-mps-thread-percentage", "0"], "from 1 to 100, got 0"),
+        (["--fill-mps-thread-percentage", "50"], "--fill-mps-thread-percentage needs --fill-mps-pipe-dir"),
     ],
 )
 def test_bad_operator_flags_exit_2_with_the_fix(flags: list[str], needle: str,

@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import math
 from dataclasses import replace
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -123,10 +124,41 @@ def test_fill_pods_mount_the_agents_run_dir_and_run_as_its_user() -> None:
     assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
 
 
+def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
+    """The agents run --isolation mps: a fill Pod on a GPU gets what makes it a client of the node's MPS server (the
+    pipe directory, host IPC for the server's /dev/shm, the CUDA_MPS_* variables); on a CPU stage nothing of it."""
+    settings = FillPodSettings(mps_pipe_dir="/run/nvidia-mps", mps_thread_percentage=40)
+    (pod,) = step([fill_job()], [stage(gpu_uuid="GPU-1234")], fill_pods=settings).create_pods
+    spec, (container,) = pod["spec"], pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")} == {
+        "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
+        "CUDA_MPS_CLIENT_PRIORITY": "1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=64M"}  # the job's 64Mi, on cuda:0
+    assert spec["hostIPC"] is True
+    assert {"name": "mps-pipe", "mountPath": "/run/nvidia-mps"} in container["volumeMounts"]
+    assert {"name": "mps-pipe", "hostPath": {"path": "/run/nvidia-mps", "type": "Directory"}} in spec["volumes"]
+    # The same variables the agent gives the fill processes it starts itself, for the device they see.
+    from bubbles.mps_client import fill_client_env
+
+    assert fill_client_env(PurePosixPath("/run/nvidia-mps"), 40, 0, 64 * MIB) == \
+        {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")}
+    (cpu_pod,) = step([fill_job("on-cpu")], [stage()], fill_pods=settings).create_pods
+    cpu_env = {e["name"] for e in cpu_pod["spec"]["containers"][0]["env"]}
+    assert "hostIPC" not in cpu_pod["spec"] and not any(n.startswith("CUDA_MPS_") for n in cpu_env)
+    assert [v["name"] for v in cpu_pod["spec"]["volumes"]] == ["bubbles-run"]
+    (plain,) = step([fill_job("no-mps")], [stage(gpu_uuid="GPU-1234")]).create_pods  # agents on contexts
+    assert "hostIPC" not in plain["spec"] and not any(e["name"].startswith("CUDA_MPS_")
+                                                      for e in plain["spec"]["containers"][0]["env"])
+
+
 @pytest.mark.parametrize(("kwargs", "needle"), [
     ({"node_run_dir": "run/bubbles"}, "must be an absolute path"),
     ({"run_as_user": -1}, "user id must be >= 0"),
     ({"run_as_group": -5}, "group id must be >= 0"),
+    ({"mps_pipe_dir": "tmp/nvidia-mps"}, "MPS pipe directory must be an absolute path"),
+    ({"mps_pipe_dir": "/" + "d" * 120}, "over the 107-byte limit of a Unix socket path"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_thread_percentage": 0}, "whole number from 1 to 100, got 0"),
+    ({"mps_thread_percentage": 101}, "whole number from 1 to 100, got 101"),
 ])
 def test_fill_pod_settings_refuse_what_no_node_has(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

@@ -17,6 +17,7 @@ from typing import Any
 
 from bubbles import paths
 from bubbles.api import FillMode, IsolationMode, check_tail_risk, read_yaml
+from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
 
 from .core import CoreConfig
 from .guard import GuardConfig
@@ -262,7 +263,7 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         isolation = IsolationConfig(
             mode=v.get("isolation", IsolationMode.CONTEXTS), allow_unisolated=v.get("allow_unisolated", False),
             mps_control=v.get("mps_control"), mps_pipe_dir=v.get("mps_pipe_dir"), mps_log_dir=v.get("mps_log_dir"),
-            mps_thread_percentage=v.get("mps_thread_percentage", 50),
+            mps_thread_percentage=v.get("mps_thread_percentage", DEFAULT_FILL_THREAD_PERCENTAGE),
             check_interval_s=v.get("mps_check_interval", 1.0))
     except ValueError as exc:
         message = str(exc)

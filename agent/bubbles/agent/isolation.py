@@ -34,6 +34,7 @@ from pathlib import Path
 from bubbles import paths
 from bubbles.api import DaemonStatus, IsolationMode, IsolationState, IsolationStatus
 from bubbles.control import cuda_device_index
+from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE, fill_client_env
 
 from . import mps
 from .core import effective_status as effective_status  # re-exported beside the backends
@@ -57,7 +58,7 @@ class IsolationConfig:
     mps_control: str | None = None  # None: nvidia-cuda-mps-control on PATH
     mps_pipe_dir: Path | None = None  # None: $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps
     mps_log_dir: Path | None = None  # None: $CUDA_MPS_LOG_DIRECTORY or /var/log/nvidia-mps
-    mps_thread_percentage: int = 50
+    mps_thread_percentage: int = DEFAULT_FILL_THREAD_PERCENTAGE
     check_interval_s: float = 1.0
     command_timeout_s: float = 2.0
     nvidia_smi: str | None = None  # None: nvidia-smi on PATH (not checked if absent)
@@ -292,14 +293,9 @@ class MpsIsolation(Isolation):
         self.backoff_s = 0.5
 
     def client_env(self, device: str, memory_bytes: int) -> dict[str, str]:
-        env = self.control.env()
-        env[mps.THREAD_PERCENTAGE_ENV] = str(self.thread_percentage)
-        # The training runs at the default priority 0; fill clients at 1 (below normal).
-        env[mps.PRIORITY_ENV] = "1"
-        index = cuda_device_index(device)
-        if index is not None:
-            env[mps.PINNED_LIMIT_ENV] = mps.pinned_limit(index, memory_bytes)
-        return env
+        # The fill Pods the operator makes get the same (mps_client.fill_client_env), with the device as they see it.
+        return {**self.control.env(), **fill_client_env(self.control.pipe_dir, self.thread_percentage,
+                                                         cuda_device_index(device), memory_bytes)}
 
     def _daemon(self) -> DaemonStatus:
         return DaemonStatus(self.owned, self.pid, self.restarts, str(self.control.pipe_dir))

@@ -22,19 +22,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bubbles.mps_client import (  # noqa: F401 - the client's side, defined once in the core; re-exported here
+    CONTROL_SOCKET,
+    DEFAULT_PIPE_DIR,
+    LOG_ENV,
+    PINNED_LIMIT_ENV,
+    PIPE_ENV,
+    PRIORITY_ENV,
+    THREAD_PERCENTAGE_ENV,
+    check_pipe_dir,
+    pinned_limit,
+)
+
 CONTROL_PROGRAM = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"
-CONTROL_SOCKET = "control"
-DEFAULT_PIPE_DIR = Path("/tmp/nvidia-mps")
 DEFAULT_LOG_DIR = Path("/var/log/nvidia-mps")
-PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
-LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
-THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-PINNED_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
-PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
-# AF_UNIX paths hold at most 107 bytes on Linux; with a longer pipe directory the daemon cannot bind its
-# control socket, and the only symptom is "Cannot find MPS control daemon process".
-_SUN_PATH_MAX = 107
 
 
 class MpsError(Exception):
@@ -173,15 +175,6 @@ class MpsControl:
         return False
 
 
-def check_pipe_dir(pipe_dir: Path) -> None:
-    """ValueError if the daemon could not bind its control socket in ``pipe_dir`` (a path too long)."""
-    socket_path = pipe_dir / CONTROL_SOCKET
-    if len(os.fsencode(socket_path)) > _SUN_PATH_MAX:
-        raise ValueError(f"MPS pipe directory {pipe_dir} is too long: its control socket path would be "
-                         f"{len(os.fsencode(socket_path))} bytes, over the {_SUN_PATH_MAX}-byte limit of a Unix "
-                         "socket path; choose a shorter --mps-pipe-dir")
-
-
 def resolve_program(path: str | None, search_path: str | None = None) -> str | None:
     """``path`` if given, else ``nvidia-cuda-mps-control`` found on PATH; None if not found."""
     import shutil
@@ -189,15 +182,3 @@ def resolve_program(path: str | None, search_path: str | None = None) -> str | N
     if path is not None:
         return path
     return shutil.which(CONTROL_PROGRAM, path=search_path)
-
-
-def pinned_limit(device_index: int, memory_bytes: int) -> str:
-    """The value of ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for one device: ``"<index>=<MiB>M"``.
-
-    Rounded down to whole MiB so the limit never exceeds what the spec declared; at least 1M.
-    """
-    if device_index < 0:
-        raise ValueError(f"device index must be >= 0, got {device_index}")
-    if memory_bytes <= 0:
-        raise ValueError(f"a pinned memory limit needs memory > 0 bytes, got {memory_bytes}")
-    return f"{device_index}={max(1, memory_bytes // 2**20)}M"

@@ -18,8 +18,10 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
+from bubbles import mps_client
 from bubbles.api import FillJobSpec, FillState, WorkloadKind
 from bubbles.cycle import BubbleCycle
 from bubbles.plan import Bubble, FillNode
@@ -111,6 +113,9 @@ class FillPodSettings:
     node_run_dir: str = RUN_DIR  # the agent's run directory on the node (a hostPath), mounted at RUN_DIR in the Pod
     run_as_user: int | None = None  # the UID the agent runs as: its sockets are private to it
     run_as_group: int | None = None
+    # The agents run --isolation mps with this pipe directory: fill Pods on a GPU join that MPS server.
+    mps_pipe_dir: str | None = None
+    mps_thread_percentage: int = mps_client.DEFAULT_FILL_THREAD_PERCENTAGE
 
     def __post_init__(self) -> None:
         if not self.node_run_dir.startswith("/"):
@@ -118,6 +123,11 @@ class FillPodSettings:
         for what, v in (("user", self.run_as_user), ("group", self.run_as_group)):
             if v is not None and v < 0:
                 raise ValueError(f"fill Pods' {what} id must be >= 0, got {v}")
+        if self.mps_pipe_dir is not None:
+            if not self.mps_pipe_dir.startswith("/"):
+                raise ValueError(f"the MPS pipe directory must be an absolute path, got {self.mps_pipe_dir!r}")
+            mps_client.check_pipe_dir(PurePosixPath(self.mps_pipe_dir))
+        mps_client.check_thread_percentage(self.mps_thread_percentage)
 
 
 # -- what it decides ----------------------------------------------------------------------------------------
@@ -661,6 +671,14 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         # runtime exposes the GPU this names to a Pod that requests none. Inside, it is the only GPU: cuda:0.
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": a.gpu_uuid})
         env = [e if e["name"] != "BUBBLES_DEVICE" else {"name": "BUBBLES_DEVICE", "value": "cuda:0"} for e in env]
+    mps = settings.mps_pipe_dir if a.gpu_uuid else None
+    if mps:
+        # The node's MPS server, as the agent's own fill processes join it: its pipe directory, the SM share, priority
+        # below the training's, and the job's memory pinned on the one GPU the Pod sees (device 0). Variables the
+        # CUDA driver reads when the process initializes CUDA: the Pod's environment has them from the start.
+        mps_env = mps_client.fill_client_env(PurePosixPath(mps), settings.mps_thread_percentage, 0,
+                                             job.job.memory_bytes)
+        env += [{"name": k, "value": v} for k, v in sorted(mps_env.items())]
     if job.job.gating_step_s is not None:
         env.append({"name": "BUBBLES_STEP_S", "value": repr(job.job.gating_step_s)})
     if job.checkpoint_path:
@@ -681,6 +699,9 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
                 if v is not None}
     volumes: list[dict[str, Any]] = [{"name": "bubbles-run",
                                       "hostPath": {"path": settings.node_run_dir, "type": "Directory"}}]
+    if mps:
+        container["volumeMounts"].append({"name": "mps-pipe", "mountPath": mps})
+        volumes.append({"name": "mps-pipe", "hostPath": {"path": mps, "type": "Directory"}})
     if job.checkpoint_path and job.checkpoint_claim:
         # The job's state outlives its Pod: the next attempt (another node, maybe) restores from it.
         container["volumeMounts"].append({"name": "checkpoint", "mountPath": job.checkpoint_path})
@@ -701,6 +722,8 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             **({"securityContext": security} if security else {}),
+            # MPS clients share the server's /dev/shm: with host IPC the Pod has the node's (as the agent has).
+            **({"hostIPC": True} if mps else {}),
             "containers": [container],
             "volumes": volumes,
         },

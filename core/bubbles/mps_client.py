@@ -1,0 +1,63 @@
+"""What makes a process a client of a node's MPS server: the variables and their values, defined once for the agent
+(the fill processes it starts) and the operator (the fill Pods it makes).
+
+A CUDA process joins MPS when it initializes CUDA with a control daemon answering in ``$CUDA_MPS_PIPE_DIRECTORY``
+(the same directory for the daemon, its servers and every client), under the same UID as the server, and, across
+containers, with the same ``/dev/shm`` (host IPC). NVIDIA, *Multi-Process Service*, "Environment variables".
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePath
+
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PINNED_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+DEFAULT_PIPE_DIR = Path("/tmp/nvidia-mps")
+CONTROL_SOCKET = "control"
+FILL_PRIORITY = 1  # the training runs at the default priority 0; fill clients below it
+DEFAULT_FILL_THREAD_PERCENTAGE = 50
+# AF_UNIX paths hold at most 107 bytes on Linux; with a longer pipe directory the daemon cannot bind its
+# control socket, and the only symptom is "Cannot find MPS control daemon process".
+SUN_PATH_MAX = 107
+
+
+def check_pipe_dir(pipe_dir: PurePath) -> None:
+    """ValueError if the daemon could not bind its control socket in ``pipe_dir`` (a path too long)."""
+    socket_path = pipe_dir / CONTROL_SOCKET
+    if len(os.fsencode(socket_path)) > SUN_PATH_MAX:
+        raise ValueError(f"MPS pipe directory {pipe_dir} is too long: its control socket path would be "
+                         f"{len(os.fsencode(socket_path))} bytes, over the {SUN_PATH_MAX}-byte limit of a Unix "
+                         "socket path; choose a shorter --mps-pipe-dir")
+
+
+def check_thread_percentage(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise ValueError(f"an MPS active thread percentage is a whole number from 1 to 100, got {value!r}")
+    return value
+
+
+def pinned_limit(device_index: int, memory_bytes: int) -> str:
+    """The value of ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for one device: ``"<index>=<MiB>M"``.
+
+    Rounded down to whole MiB so the limit never exceeds what the spec declared; at least 1M.
+    """
+    if device_index < 0:
+        raise ValueError(f"device index must be >= 0, got {device_index}")
+    if memory_bytes <= 0:
+        raise ValueError(f"a pinned memory limit needs memory > 0 bytes, got {memory_bytes}")
+    return f"{device_index}={max(1, memory_bytes // 2**20)}M"
+
+
+def fill_client_env(pipe_dir: PurePath, thread_percentage: int, device_index: int | None,
+                    memory_bytes: int) -> dict[str, str]:
+    """A fill process's MPS variables: the node's pipe directory, a share of the SMs, priority below the training's
+    and, on a CUDA device, its memory pinned to ``memory_bytes`` (``device_index`` as the process numbers it)."""
+    env = {PIPE_ENV: str(pipe_dir), THREAD_PERCENTAGE_ENV: str(check_thread_percentage(thread_percentage)),
+           PRIORITY_ENV: str(FILL_PRIORITY)}
+    if device_index is not None:
+        env[PINNED_LIMIT_ENV] = pinned_limit(device_index, memory_bytes)
+    return env
