@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bubbles import control, wire
-from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch, Release, Send, Signal
+from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch, Release, Send, Signal, VerifyIsolation
 from bubbles.agent.guard import GuardConfig
 from bubbles.api import FillMode, FillState, IsolationMode, IsolationState, IsolationStatus, parse_spec
 
@@ -211,6 +211,70 @@ def test_a_newer_hooks_messages_are_read_where_known_and_said_once_where_not(cap
     assert len(said) == 1 and "newer hook" in said[0]["message"] and "kind 42" in said[0]["message"]
     assert caplog.text.count("newer than this agent") == 1
     assert core.rejected_messages == 0 and ("rejected", 0, "datagram") not in sink.calls
+
+
+MPS_READY = IsolationStatus(IsolationMode.MPS, IsolationState.READY, "daemon answers", epoch=1)
+
+
+def mps_gpu_core() -> tuple[AgentCore, JobRecord]:
+    """An MPS node's GPU stage with one SDK job, launched and initialized (its PAUSED just reported)."""
+    core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),)), Clock(), Sink())
+    core.on_isolation(MPS_READY)
+    core.start_serving()
+    job = core.submit(job_spec())
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.take_actions()
+    core.launched(job, has_control=True)
+    core.take_actions()
+    core.on_control_line(job, line("state", state="PAUSED"))
+    return core, job
+
+
+def test_an_mps_fill_job_on_a_gpu_is_armed_only_once_its_membership_is_verified() -> None:
+    core, job = mps_gpu_core()
+    assert core.take_actions() == [VerifyIsolation(job, "cuda:0")] and job.armed is None
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))  # a mode switch meanwhile arms nothing either
+    assert not [a for a in core.take_actions() if isinstance(a, Send) and a.type == "arm"]
+    core.isolation_verified(job, None)
+    arms = [a for a in core.take_actions() if isinstance(a, Send) and a.type == "arm"]
+    assert len(arms) == 1 and arms[0].fields["mode"] == "naive" and job.armed is FillMode.NAIVE
+    assert any(e["kind"] == "isolation" and "verified" in e["message"] for e in core.events)
+    core.isolation_verified(job, "late answer")  # a second answer changes nothing
+    assert job.state is not FillState.STOPPED
+
+
+def test_an_mps_fill_job_that_did_not_join_the_server_is_stopped_not_armed() -> None:
+    core, job = mps_gpu_core()
+    core.take_actions()
+    core.isolation_verified(job, "process 42 is not a client of the MPS server")
+    actions = core.take_actions()
+    assert job.state is FillState.STOPPED and job.armed is None
+    assert job.reason == "isolation not verified: process 42 is not a client of the MPS server"
+    assert Send(job, "stop") in actions and not [a for a in actions if isinstance(a, Send) and a.type == "arm"]
+
+
+def test_jobs_with_nothing_to_join_are_armed_at_once() -> None:
+    """CPU devices, contexts isolation, plain commands: no verification, as before."""
+    core, _, _ = make_core()  # contexts, cpu
+    job = started(core)
+    core.on_control_line(job, line("state", state="PAUSED"))
+    assert [a.type for a in core.take_actions() if isinstance(a, Send)][-1] == "arm"
+    cpu = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cpu", None),)), Clock(), Sink())
+    cpu.on_isolation(MPS_READY)
+    cpu.start_serving()
+    job = started(cpu)
+    cpu.on_control_line(job, line("state", state="PAUSED"))
+    assert not [a for a in cpu.take_actions() if isinstance(a, VerifyIsolation)] and job.armed is FillMode.HARVEST
+    gpu = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),)), Clock(), Sink())
+    gpu.on_isolation(MPS_READY)
+    gpu.start_serving()
+    # A plain command: no init, so no moment by which it must have joined.
+    plain = gpu.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"],
+                                   "memory": "16Mi"}))
+    gpu.on_datagram(0, wire.encode_profile(0, cycle()))
+    gpu.take_actions()
+    gpu.launched(plain, has_control=False)
+    assert gpu.take_actions() == [Signal(plain, signal.SIGSTOP)] and plain.state is FillState.PAUSED
 
 
 def test_fill_mode_switches_disarm_and_rearm_the_job() -> None:

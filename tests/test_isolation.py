@@ -9,6 +9,7 @@ process (SIGKILLed to lose it). On the CPU build of torch the MPS variables are 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -40,9 +41,17 @@ from bubbles.agent.isolation import (
     make_isolation,
     parse_compute_modes,
 )
-from bubbles.agent.launcher import assign_device, default_device, parse_devices
+from bubbles.agent.launcher import (
+    FillProcess,
+    Launcher,
+    LaunchRequest,
+    ProcessLauncher,
+    assign_device,
+    default_device,
+    parse_devices,
+)
 from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
-from bubbles.api import parse_spec
+from bubbles.api import FillState, parse_spec
 
 __all__ = ["start_agent"]  # the fixture, shared with test_agent
 
@@ -345,6 +354,38 @@ def test_closing_leaves_an_owned_daemon_running_while_a_live_client_uses_it(
     assert status.state == UNAVAILABLE and f"left running for its clients (pids {os.getpid()})" in status.detail
 
 
+def test_a_fill_process_is_verified_as_a_client_of_the_daemons_server_or_refused_with_what_to_fix(
+        mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    member = os.getpid()  # the fill process the server lists (the stand-in lists FAKE_MPS_CLIENTS)
+    monkeypatch.setenv("FAKE_MPS_CLIENTS", str(member))
+    iso = mps_isolation(mps_dirs)
+    assert iso.start().state == READY and iso.owned
+    iso.control.run("start_server -uid 0")
+    assert iso.verify_client(member, "cuda:0") is None
+    problem = iso.verify_client(member + 1, "cuda:0")
+    assert problem is not None and f"process {member + 1} is not a client of the MPS server in {mps_dirs.pipe}" \
+        in problem and f"{member}" in problem and "--fill-mps-pipe-dir" in problem
+    assert iso.verify_client(member + 1, "cpu") is None  # nothing to join on a CPU device
+    iso.close()  # leaves the daemon running: its "client" (this process) is alive
+    mps_dirs.cleanup()
+    assert iso.verify_client(member, "cuda:0") is not None  # no daemon answers: refused, not assumed
+    assert "did not list its clients" in (iso.verify_client(member, "cuda:0") or "")
+
+
+def test_a_daemon_this_agent_did_not_start_is_not_taken_at_its_word_about_pids(
+        mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Another daemon (the device plugin's) may list PIDs of another PID namespace: a PID missing from its lists
+    is said, not refused."""
+    monkeypatch.setenv("FAKE_MPS_CLIENTS", "1")
+    assert mps_dirs.run("-d").returncode == 0
+    iso = mps_isolation(mps_dirs)
+    assert iso.start().state == READY and not iso.owned
+    iso.control.run("start_server -uid 0")
+    with caplog.at_level("WARNING", logger="bubbles.agent.isolation"):
+        assert iso.verify_client(os.getpid(), "cuda:0") is None
+    assert "not this agent's" in caplog.text
+
+
 def test_closing_quits_an_owned_daemon_whose_clients_have_all_exited(
         mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch) -> None:
     gone = subprocess.Popen(["true"])
@@ -407,6 +448,45 @@ def test_mps_clients_get_the_mps_environment_and_an_owned_daemon_is_quit(
     h.thread.join(10)
     assert mps_dirs.commands()[-1] == "quit" and not mps_dirs.alive()
     assert daemon_pid is not None and (not Path(f"/proc/{daemon_pid}").exists() or _zombie(daemon_pid))
+
+
+class CpuStandIn(Launcher):
+    """This machine has no GPU: the fill process runs on the CPU while the agent's executor is ``cuda:0``; the rest
+    (the agent's shell, its check through the control program) is the real path. ``joins=False`` launches it without
+    the isolation's variables, as a fill Pod made without the operator's --fill-mps-pipe-dir runs."""
+
+    def __init__(self, joins: bool) -> None:
+        self.joins = joins
+
+    def launch(self, request: LaunchRequest) -> FillProcess:
+        env = request.env if self.joins else {}
+        return ProcessLauncher().launch(dataclasses.replace(request, device="cpu", env=env))
+
+
+@pytest.mark.parametrize("joins", [True, False], ids=["joined", "not-joined"])
+def test_an_mps_fill_job_on_a_gpu_is_armed_only_once_the_daemon_lists_it_as_a_client(
+        joins: bool, mps_dirs: MpsDirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_MPS_CLIENTS_FROM_ENV", "1")  # the stand-in lists the processes on its pipe directory
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    cfg = AgentConfig(run_dir=tmp_path / "run", training=TRAINING, pin_cores=False, devices=("cuda:0",),
+                      isolation=mps_config(mps_dirs))
+    h = Harness(Agent(cfg, [busy(memory="64Mi")], launcher=CpuStandIn(joins)), tmp_path / "run")
+    h.agent.start()
+    h.thread.start()
+    try:
+        Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
+        job = h.agent.jobs[0]
+        if joins:
+            wait_for(lambda: job.armed is not None, what="the verified job armed")
+            assert job.verification == "verified" and job.state is not FillState.STOPPED
+            assert any(e["kind"] == "isolation" and "verified" in e["message"] for e in h.agent.core.events)
+        else:
+            stopped = h.wait_state("busy", "STOPPED")
+            assert stopped["reason"].startswith("isolation not verified: process ")
+            assert "is not a client of the MPS server" in stopped["reason"] and job.armed is None
+    finally:
+        h.agent.request_stop()
+        h.thread.join(10)
 
 
 def test_losing_the_daemon_stops_its_clients_and_resubmits_them_after_the_restart(

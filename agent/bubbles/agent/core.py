@@ -103,7 +103,17 @@ class Release:
     socket_path: Path
 
 
-Action = Launch | Send | Signal | Release
+@dataclass(frozen=True)
+class VerifyIsolation:
+    """Check, off the loop (it may call the MPS control program), that ``job``'s process, which has initialized
+    ``device``, is isolated as its mode promises: under MPS, a client of the node's server. Report back with
+    ``AgentCore.isolation_verified``; the job is not armed until then."""
+
+    job: JobRecord
+    device: str
+
+
+Action = Launch | Send | Signal | Release | VerifyIsolation
 
 
 class MetricsSink(Protocol):
@@ -157,6 +167,7 @@ class JobRecord:
     isolation: str | None = None  # at launch: the isolation mode it was a client of, or "unisolated"
     isolation_epoch: int = 0  # IsolationStatus.epoch at launch
     resubmission: int = 0  # how often this spec was resubmitted after losing isolation
+    verification: str = ""  # "" (none asked), "pending" (a VerifyIsolation out), "verified"
 
     @property
     def name(self) -> str:
@@ -724,6 +735,11 @@ class AgentCore:
                 self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
                 return
             if target is FillState.PAUSED and job.armed is None:
+                if self._must_verify(ex, job):
+                    # Its init is done, so it has initialized CUDA: now it is an MPS client, or it never will be.
+                    job.verification = "pending"
+                    self._actions.append(VerifyIsolation(job, ex.device))
+                    return
                 self._apply_mode(ex, job)
         elif ev.type == "profile":
             job.step_s = float(ev["step_s"])
@@ -878,9 +894,30 @@ class AgentCore:
                  plan.steps_per_cycle(), sorted(plan.usable_bubbles()))
         return True
 
+    def _must_verify(self, ex: ExecutorState, job: JobRecord) -> bool:
+        """Whether ``job`` waits for ``VerifyIsolation`` before it is armed: an SDK job on a GPU, launched as an MPS
+        client (a plain command has no moment at which it must have joined; CPU processes have nothing to join)."""
+        return (job.verification == "" and job.has_control and job.isolation == IsolationMode.MPS.label
+                and ex.device.startswith("cuda"))
+
+    def isolation_verified(self, job: JobRecord, problem: str | None) -> None:
+        """The answer to ``VerifyIsolation``: None, the process is isolated as promised (it is armed now); else why
+        not, and the job is stopped (fail closed: a fill job outside the isolation it was admitted under could take
+        memory the training needs)."""
+        if job.verification != "pending" or job.state is FillState.STOPPED:
+            return
+        if problem is None:
+            job.verification = "verified"
+            self._event(job.stage, job.name, "isolation", f"verified: a client of the node's {job.isolation} server")
+            self._apply_mode(self.executors[job.stage], job)
+            return
+        job.verification = ""
+        log.error("stage %d: fill job %r stopped: isolation not verified: %s", job.stage, job.name, problem)
+        self._stop_job(job, f"isolation not verified: {problem}")
+
     def _apply_mode(self, ex: ExecutorState, job: JobRecord) -> None:
         """Arm, re-arm or disarm the active job for the executor's mode and the guard's pause."""
-        if not job.launched or job.state not in (FillState.PAUSED, FillState.RUNNING):
+        if not job.launched or job.state not in (FillState.PAUSED, FillState.RUNNING) or job.verification == "pending":
             return
         want: FillMode | None = None if ex.mode is FillMode.OFF else ex.mode
         if self.fill_paused and want is FillMode.HARVEST:

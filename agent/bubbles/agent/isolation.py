@@ -191,6 +191,12 @@ class Isolation(ABC):
     def close(self) -> None:  # noqa: B027 - a do-nothing default: most modes set up nothing to undo
         """Undo what ``start()`` set up (called once every fill process has stopped)."""
 
+    def verify_client(self, pid: int, device: str) -> str | None:
+        """None if the fill process ``pid``, which has initialized ``device``, is isolated as this mode promises;
+        otherwise why not. May block for a bounded time: called off the event loop. Most modes have nothing to
+        check beyond the environment they gave the process."""
+        return None
+
     def status(self) -> IsolationStatus:
         with self._status_lock:
             return self._status
@@ -374,6 +380,32 @@ class MpsIsolation(Isolation):
                 log.warning("the MPS control daemon (pid %s) did not quit (%s): killed it", self.pid, exc)
         self.owned = False
         self._set(UNAVAILABLE, "stopped", self._daemon())
+
+    def verify_client(self, pid: int, device: str) -> str | None:
+        """Whether ``pid`` is a client of one of the daemon's servers (``get_client_list``). A process joins MPS only
+        if, when it initialized CUDA, the daemon answered in its ``$CUDA_MPS_PIPE_DIRECTORY``, it ran as the server's
+        UID and (in a Pod) it shared the node's /dev/shm; otherwise it runs in a context of its own, with none of the
+        limits it was admitted under. The PIDs are the daemon's: a daemon this agent started sees the agent's PIDs;
+        one it did not start may run in another PID namespace, so a PID missing from its lists is said, not refused."""
+        if cuda_device_index(device) is None:
+            return None  # nothing to join on a CPU device
+        try:
+            clients = self.control.clients()
+        except mps.MpsError as exc:
+            return f"the MPS control daemon in {self.control.pipe_dir} did not list its clients ({exc})"
+        if any(pid in pids for pids in clients.values()):
+            return None
+        listed = "; ".join(f"server {server}: {', '.join(map(str, pids)) or 'no clients'}"
+                           for server, pids in sorted(clients.items())) or "no server running"
+        if not self.owned:
+            log.warning("fill process %d is not among the clients of the MPS daemon in %s (%s); that daemon is not "
+                        "this agent's and may list PIDs of another PID namespace, so the process was not refused",
+                        pid, self.control.pipe_dir, listed)
+            return None
+        return (f"process {pid} is not a client of the MPS server in {self.control.pipe_dir} ({listed}), so it runs "
+                "without its pinned memory limit and SM share. It must initialize CUDA with $CUDA_MPS_PIPE_DIRECTORY "
+                "set to that directory, as the agent's UID; a fill Pod also needs host IPC and the directory mounted "
+                "(the operator's --fill-mps-pipe-dir, set by the chart when agent.isolation is mps)")
 
     def live_clients(self) -> list[int]:
         """The PIDs of the processes connected to the daemon's servers that are still alive."""

@@ -40,6 +40,7 @@ from .core import (
     Send,
     Signal,
     Snapshot,
+    VerifyIsolation,
 )
 from .isolation import Isolation, make_isolation
 from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher
@@ -84,6 +85,7 @@ class Agent:
         self._started: dict[JobRecord, FillProcess] = {}  # every process started, for callers and tests
         self._socks: dict[int, socket.socket] = {}
         self._isolation_update: IsolationStatus | None = None  # from the supervisor thread, for the loop
+        self._verified: list[tuple[JobRecord, str | None]] = []  # VerifyIsolation answers, from their threads
         self._supervisor: threading.Thread | None = None
         self._supervisor_stop = threading.Event()
         self._sel = selectors.DefaultSelector()
@@ -288,6 +290,10 @@ class Agent:
         if update is not None:
             self.core.on_isolation(update)
             self._execute()
+        verified, self._verified = self._verified, []
+        for job, problem in verified:
+            self.core.isolation_verified(job, problem)
+            self._execute()
 
     # -- carrying out the core's actions -----------------------------------------------------------------
     def _execute(self) -> None:
@@ -308,11 +314,31 @@ class Agent:
                 channel.proc.send_signal(action.sig)
         elif isinstance(action, Launch):
             self._launch(action)
+        elif isinstance(action, VerifyIsolation):
+            channel = self._channels.get(action.job)
+            if channel is None:
+                self.core.isolation_verified(action.job, "its process is gone")
+                return
+            threading.Thread(target=self._verify, args=(action.job, channel.proc.pid, action.device),
+                             name="bubbles-verify", daemon=True).start()
         elif isinstance(action, Release):
             self._close(action.job)
             # Leave no stale socket behind for the hook if the job died while armed.
             with contextlib.suppress(FileNotFoundError):
                 action.socket_path.unlink()
+
+    def _verify(self, job: JobRecord, pid: int, device: str) -> None:
+        """A VerifyIsolation, on a thread of its own: the check may block on the MPS control program (bounded by
+        its timeout). Any failure of the check itself counts as not verified (fail closed)."""
+        try:
+            problem = self.isolation.verify_client(pid, device)
+        except Exception as exc:
+            log.exception("verifying fill process %d's isolation failed", pid)
+            problem = f"the check failed: {exc!r}"
+        with self.lock:
+            self._verified.append((job, problem))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"v")
 
     def _launch(self, action: Launch) -> None:
         job = action.job
