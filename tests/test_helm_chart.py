@@ -308,20 +308,26 @@ def test_the_run_dir_init_container_works_with_only_its_capability_and_again_aft
     """The init container's own command, as root with CAP_CHOWN only (its securityContext): it gives the kubelet's
     root-owned directory to the agent's user, and succeeds again when the agent Pod is replaced (the directory is
     the agent's by then: the cluster tier found the second start failing with EPERM)."""
-    docs = render({"agent": {"runAsUser": 1000, "runAsGroup": 1000}})
+    docs = render({"agent": {"runAsUser": 1000, "runAsGroup": 1000, "isolation": "mps"}})
     (init,) = one(docs, "DaemonSet")["spec"]["template"]["spec"]["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
-    d = tmp_path / "run"
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {"/run/bubbles", "/tmp/nvidia-mps"}
+    d, pipe = tmp_path / "run", tmp_path / "nvidia-mps"  # with MPS the daemon's pipe directory too
     d.mkdir(mode=0o700)
+    pipe.mkdir(mode=0o755)
     argv = [sys.executable, *init["command"][1:]]
     argv[argv.index("/run/bubbles")] = str(d)
+    argv[argv.index("/tmp/nvidia-mps")] = str(pipe)
     only_chown = ["setpriv", "--inh-caps=-all", "--bounding-set=-all,+chown", "--"]
     r = subprocess.run([*only_chown, *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    st = d.stat()
-    assert (st.st_uid, st.st_gid) == (1000, 1000) and st.st_mode & 0o777 == 0o755
+    for owned in (d, pipe):
+        st = owned.stat()
+        assert (st.st_uid, st.st_gid) == (1000, 1000) and st.st_mode & 0o777 == 0o755
     d.chmod(0o700)  # what the agent does once it runs: the directory is private to it
     r = subprocess.run([*only_chown, *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"a replaced agent Pod's init container failed: {r.stderr}"
     st = d.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, 0o700)
+    (plain,) = one(render(), "DaemonSet")["spec"]["template"]["spec"]["initContainers"]  # contexts: the run dir only
+    assert plain["command"][-1] == "/run/bubbles" and len(plain["volumeMounts"]) == 1

@@ -509,13 +509,15 @@ def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path)
     inst = instrument(StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001), training="t9",
                       run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
     ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
     child = os.fork()
     if child == 0:  # the "worker": outlives the training's hold on the lock, then leaves without cleanup
         os.write(ready_w, b"x")  # os.fork has returned here, so the fork handlers have run
-        time.sleep(3)
+        os.read(done_r, 1)  # lives until the parent has checked (EOF when the parent closes its end)
         os._exit(0)
     try:
         os.close(ready_w)
+        os.close(done_r)
         assert os.read(ready_r, 1) == b"x"
         inst.detach()  # stands in for the training's process ending (its descriptor closes)
         fd = os.open(paths.hook_lock(tmp_path, "t9", 0), os.O_RDWR)
@@ -525,6 +527,7 @@ def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path)
             os.close(fd)
     finally:
         os.close(ready_r)
+        os.close(done_w)
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
 

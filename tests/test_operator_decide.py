@@ -142,6 +142,13 @@ def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
 
     assert fill_client_env(PurePosixPath("/run/nvidia-mps"), 40, 0, 64 * MIB) == \
         {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")}
+    # A job with no memory to pin fails validation with the reason; the round goes on (before, the pinned limit's
+    # ValueError escaped reconcile and stopped every round, for every job).
+    zero = fill_job("zero", profile={"memory": "0", "stepTime": "2ms"})
+    d = step([zero, fill_job("next")], [stage(gpu_uuid="GPU-1234")], fill_pods=settings)
+    assert zero["status"]["phase"] == "Failed"
+    assert "spec.profile.memory must be more than 0" in zero["status"]["message"]
+    assert [p["metadata"]["name"] for p in d.create_pods] == ["fj-next-a0"]
     (cpu_pod,) = step([fill_job("on-cpu")], [stage()], fill_pods=settings).create_pods
     cpu_env = {e["name"] for e in cpu_pod["spec"]["containers"][0]["env"]}
     assert "hostIPC" not in cpu_pod["spec"] and not any(n.startswith("CUDA_MPS_") for n in cpu_env)

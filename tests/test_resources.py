@@ -89,6 +89,7 @@ GOOD: dict[str, Any] = {"image": "img:1", "entry": "m:C", "profile": {"memory": 
         ({"interface": "sometimes"}, "spec.interface must be one of iterative, imperative"),
         ({"profile": {}}, "spec.profile.memory is required"),
         ({"profile": {"memory": "lots"}}, "spec.profile.memory must be bytes or a Kubernetes quantity"),
+        ({"profile": {"memory": "0"}}, "spec.profile.memory must be more than 0, got '0'"),
         ({"profile": {"memory": "1Gi", "stepTime": "soon"}}, "spec.profile.stepTime must be a duration"),
         ({"work": {}}, "spec.work needs exactly one of steps, samples, got none"),
         ({"work": {"steps": 1, "samples": 5}}, "spec.work needs exactly one of steps, samples, got steps, samples"),

@@ -86,6 +86,28 @@ def test_a_kind_from_a_newer_sender_is_told_apart_from_garbage() -> None:
     assert not isinstance(refused.value, wire.NewerMessage)
     # Appended bytes are a newer sender's right only: a version-1 record must have its exact size.
     assert wire.decode_signal(wire.encode_bubble_start(1, 2, 3, 10, 20) + b"x") is None
+    # A fill mode added after this version is a newer sender's too, not garbage.
+    with pytest.raises(wire.NewerMessage, match="fill mode 9 from protocol version 2"):
+        wire.decode(struct.pack("<2sBBHB", b"BB", 2, 5, 0, 9))
+
+
+@given(st.integers(0, 4), st.sampled_from([2, 3, 4, 5, 42]), st.binary(min_size=22, max_size=22),
+       st.binary(max_size=6))
+def test_the_fast_path_and_decode_agree_on_every_version(version: int, kind: int, body: bytes, tail: bytes) -> None:
+    """What wakes a fill job (``decode_signal``) is exactly what ``decode`` reads as a START or END, for every
+    version and size: a newer hook's bubbles wake fill jobs as the agent sees them, garbage wakes none."""
+    data = struct.pack("<2sBBH", b"BB", version, kind, 0) + body[:22] + tail
+    fast = wire.decode_signal(data)
+    try:
+        msg: wire.Message | None = wire.decode(data)
+    except wire.WireError:
+        msg = None
+    if isinstance(msg, wire.BubbleStart):
+        assert fast == (wire.Kind.BUBBLE_START, msg.slot, msg.seq, msg.start_ns, msg.predicted_end_ns)
+    elif isinstance(msg, wire.BubbleEnd):
+        assert fast is not None and fast[:4] == (wire.Kind.BUBBLE_END, msg.slot, msg.seq, msg.end_ns)
+    else:
+        assert fast is None
 
 
 @given(st.binary(max_size=200))

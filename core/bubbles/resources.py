@@ -439,6 +439,9 @@ class FillJobResource:
             job = parse_spec(agent_spec, "spec")
         except ValueError as exc:
             raise ResourceError(str(exc)) from None
+        if job.memory_bytes <= 0:
+            raise ResourceError(f"spec.profile.memory must be more than 0, got {profile['memory']!r}: it is the job's "
+                                "hard limit of accelerator memory (e.g. 4Gi)")
         deadline = _parse_time(s["deadline"]) if s.get("deadline") else None
         return cls(
             name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),

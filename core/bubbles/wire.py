@@ -54,12 +54,13 @@ class WireError(ValueError):
 
 
 class NewerMessage(WireError):
-    """A message kind this side does not know, from a sender speaking a newer version: not garbage, just not for
-    this receiver. ``version`` and ``kind`` say what it was."""
+    """A message kind (or a value of a known field, ``what``) this side does not know, from a sender speaking a newer
+    version: not garbage, just not for this receiver. ``version`` and ``kind`` say what it was."""
 
-    def __init__(self, version: int, kind: int) -> None:
-        super().__init__(f"message kind {kind} from protocol version {version} (this side speaks {VERSION}): "
-                         "ignored; upgrade this side to use it")
+    def __init__(self, version: int, kind: int, what: str = "") -> None:
+        said = what or f"message kind {kind}"
+        super().__init__(f"{said} from protocol version {version} (this side speaks {VERSION}): ignored; upgrade "
+                         "this side to use it")
         self.version = version
         self.kind = kind
 
@@ -146,7 +147,8 @@ def decode_signal(data: bytes) -> tuple[int, int, int, int, int] | None:
     if size < SIGNAL_BYTES:
         return None
     magic, version, kind, _stage, slot, seq, t1, t2 = _BUBBLE.unpack_from(data)
-    if magic != MAGIC or not (version == VERSION if size == SIGNAL_BYTES else version > VERSION) \
+    # Version 1 at its exact size; a newer version at that size or longer (fields appended), as ``decode`` reads them.
+    if magic != MAGIC or not (version > VERSION or (version == VERSION and size == SIGNAL_BYTES)) \
             or kind not in _START_END or t1 < 0 or t2 < 0:
         return None
     if kind == Kind.BUBBLE_START and t2 < t1:
@@ -200,6 +202,8 @@ def decode(data: bytes) -> Message:
         try:
             return FillModeChange(stage=stage, mode=FillMode(mode_code))
         except ValueError:
+            if newer:  # a mode added after this version
+                raise NewerMessage(version, kind_code, f"fill mode {mode_code}") from None
             raise WireError(f"unknown fill mode {mode_code}") from None
     # PROFILE
     try:

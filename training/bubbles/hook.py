@@ -296,7 +296,9 @@ _MARK = "_bubbles_instrumentation"
 
 # The hook.lock descriptors this process holds. A child forked from the training (a DataLoader worker) shares each
 # lock's open file and would keep the lock, and so the card, alive after the training died. Children close their
-# copies right after the fork: the lock lives exactly as long as the training's own process.
+# copies right after the fork: the lock lives exactly as long as the training's own process. (A child that carries
+# on as the training after its parent exits has no lock then: its card is taken for stale, which stops fill work for
+# that stage and never the training.)
 _HELD_LOCKS: set[int] = set()
 
 
@@ -492,18 +494,20 @@ class Instrumentation:
         import fcntl
 
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        _HELD_LOCKS.add(fd)  # from the open on: a fork while it waits must not leave the child sharing the lock
         deadline = time.monotonic() + 0.5
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                _HELD_LOCKS.add(fd)
                 return fd
             except BlockingIOError:  # the agent checks it for microseconds; a live twin holds it for good
                 if time.monotonic() > deadline:
+                    _HELD_LOCKS.discard(fd)
                     os.close(fd)
                     return None
                 time.sleep(0.005)
             except OSError:  # a file system without flock: no lock, and no leaked descriptor
+                _HELD_LOCKS.discard(fd)
                 os.close(fd)
                 raise
 

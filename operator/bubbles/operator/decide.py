@@ -676,7 +676,10 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         # The node's MPS server, as the agent's own fill processes join it: its pipe directory, the SM share, priority
         # below the training's, and the job's memory pinned on the one GPU the Pod sees (device 0). Variables the
         # CUDA driver reads when the process initializes CUDA: the Pod's environment has them from the start.
-        mps_env = mps_client.fill_client_env(PurePosixPath(mps), settings.mps_thread_percentage, 0,
+        # A job that declares no memory gets no pinned limit here: the node's agent refuses a GPU job without one,
+        # with the reason, once its Pod attaches (raising here would stop every reconcile round).
+        pinned_on = 0 if job.job.memory_bytes > 0 else None
+        mps_env = mps_client.fill_client_env(PurePosixPath(mps), settings.mps_thread_percentage, pinned_on,
                                              job.job.memory_bytes)
         env += [{"name": k, "value": v} for k, v in sorted(mps_env.items())]
     if job.job.gating_step_s is not None:
