@@ -172,6 +172,27 @@ def test_fill_pod_settings_refuse_what_no_node_has(kwargs: dict[str, Any], needl
         FillPodSettings(**kwargs)
 
 
+def test_a_job_whose_pod_the_api_server_refused_says_why_and_is_placed_again_later() -> None:
+    job = fill_job()
+    refused_at = NOW.timestamp() - 10
+    msg = "403 pods \"fj-fj-a0\" is forbidden: maximum memory usage per Container is 1Mi, but limit is 2Mi"
+    view = dict(refused_pods={"uid-fj": (msg, refused_at)}, pod_retry_s=30.0)
+    d = reconcile(ClusterView(NOW, [job], [training()], [stage()], **view))  # type: ignore[arg-type]
+    st = d.fill_job_status["ml/fj"]
+    assert st["phase"] == "Queued" and d.create_pods == [] and d.assign == []
+    assert "the API server refused its Pod: 403 pods" in st["message"] and "LimitRange" in st["message"]
+    assert next(c for c in st["conditions"] if c["type"] == "Placed")["reason"] == "PodRefused"
+    # Admitted (its status was never written: the round that placed it had its Pod refused), then why it waits.
+    assert [(e.type, e.reason) for e in d.events] == [("Normal", "Queued"), ("Warning", "PodRefused")]
+    job["status"] = st
+    again = reconcile(ClusterView(NOW, [job], [training()], [stage()], **view))  # type: ignore[arg-type]
+    assert again.events == [] and again.create_pods == []  # said once; still waiting
+    later = NOW + dt.timedelta(seconds=21)  # 31 s after the refusal: tried again
+    d = reconcile(ClusterView(later, [job], [training()], [stage()], **view))  # type: ignore[arg-type]
+    assert [p["metadata"]["name"] for p in d.create_pods] == ["fj-fj-a0"] and d.fill_job_status["ml/fj"]["phase"] == \
+        "Placed"
+
+
 def test_a_placed_job_is_never_placed_twice_even_by_a_restarted_operator() -> None:
     job = fill_job()
     (first,) = step([job], [stage()]).assign

@@ -154,6 +154,37 @@ def test_place_then_delete_on_a_real_api_server_under_rbac(cluster: ApiServer) -
         op.close()
 
 
+def test_a_pod_the_api_server_refuses_is_said_on_its_fill_job_and_placed_once_admitted(cluster: ApiServer) -> None:
+    """A LimitRange (admission, as a ResourceQuota or Pod Security would be) refuses the fill Pod: its container gets
+    the namespace's default memory limit, over the namespace's limit per Pod. The FillJob says so in its status and a
+    Warning Event, with the API server's words, instead of waiting in silence; once the LimitRange is gone, the job
+    is placed."""
+    limits = json.dumps({"apiVersion": "v1", "kind": "LimitRange", "metadata": {"name": "tiny", "namespace": NS},
+                         "spec": {"limits": [{"type": "Container", "default": {"memory": "2Mi"}},
+                                             {"type": "Pod", "max": {"memory": "1Mi"}}]}})
+    cluster.kubectl("apply", "-f", "-", input_text=limits)
+    op = operator(cluster, agents_with_bubbles(), pod_retry_s=1.0)
+    try:
+        cluster.kubectl("create", "-f", "-", input_text=fill_job("refused"))
+        fj = until("the refusal on the FillJob", lambda: (f := get(cluster, "fj", "refused")) and "refused its Pod"
+                   in ((f.get("status") or {}).get("message") or "") and f)
+        assert fj["status"]["phase"] == "Queued"
+        assert "403" in fj["status"]["message"] and "maximum memory usage per Pod is 1Mi" in fj["status"]["message"]
+        events = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
+        assert [e["type"] for e in events if e["involvedObject"]["name"] == "refused"
+                and e["reason"] == "PodRefused"] == ["Warning"]
+        assert get(cluster, "pod", "fj-refused-a0") is None
+        cluster.kubectl("delete", "limitrange", "tiny", "-n", NS)
+        until("placed once the Pod is admitted", lambda: phase(cluster, "refused") == "Placed", 20)
+        assert get(cluster, "pod", "fj-refused-a0") is not None
+        assert op.op.pod_refusals == {}
+    finally:
+        cluster.kubectl("delete", "limitrange", "tiny", "-n", NS, "--ignore-not-found")
+        cluster.kubectl("delete", "fj", "refused", "-n", NS, "--wait=false", "--ignore-not-found")
+        until("the FillJob gone (its finalizer released)", lambda: get(cluster, "fj", "refused") is None)
+        op.close()
+
+
 def test_two_replicas_elect_one_leader_and_the_other_takes_over(cluster: ApiServer) -> None:
     agents = agents_with_bubbles()
     a = operator(cluster, agents, leader_election=True, identity="replica-a", lease_s=4, renew_s=0.5)

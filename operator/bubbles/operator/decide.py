@@ -101,6 +101,10 @@ class ClusterView:
     # for it then has lost its run (its agent restarted and the process left with the old one's channel).
     ended_pods: Mapping[str, str] = field(default_factory=dict)
     fill_pods: FillPodSettings = field(default_factory=lambda: FillPodSettings())
+    # Fill Pods the API server refused to create (admission: a quota, a LimitRange, Pod Security), by FillJob uid ->
+    # (its message, when: epoch seconds): the job stays queued saying why, and is placed again after pod_retry_s.
+    refused_pods: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    pod_retry_s: float = 30.0
     # How long this replica has been reconciling: its watches may not have listed every object yet in its first
     # seconds (a training Pod it has not seen is not a Pod that is gone). inf: long enough.
     acting_s: float = math.inf
@@ -575,6 +579,14 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
     training_keys = sorted(trainings)
     selector_memo: dict[str, list[str]] = {}
     for obj, job, st in queued:
+        refused = view.refused_pods.get(job.uid)
+        if refused is not None and now_s - refused[1] < view.pod_retry_s:
+            why = (f"the API server refused its Pod: {refused[0]}. It is placed again every {view.pod_retry_s:g} s "
+                   "until its Pod is admitted: change what refuses it (a ResourceQuota, a LimitRange, the namespace's "
+                   "Pod Security level)")
+            st.condition(ConditionType.PLACED, False, "PodRefused", why)
+            st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="PodRefused", warning=True)
+            continue
         allowed = _eligible(job, training_keys, trainings, selector_memo)
         if not allowed:
             why = "no PipelineTraining in this namespace matches spec.trainingSelector"

@@ -9,6 +9,7 @@ always exactly what ``bubbles.operator.decide`` computed. A create that finds it
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import threading
 import time
@@ -144,6 +145,21 @@ class PodConflict(RuntimeError):
     """A fill Pod's name is taken by a Pod of another placement (deleted; the next round places again)."""
 
 
+class PodRefused(RuntimeError):
+    """The API server refused to create a fill Pod (admission: a quota, a LimitRange, Pod Security; or an invalid
+    spec): the message is the API server's, for the FillJob's status."""
+
+
+def _api_message(exc: Exception) -> str:
+    """What the API server said in a refusal: its Status message, else the exception's reason."""
+    body = getattr(exc, "body", None)
+    try:
+        message = json.loads(body).get("message") if body else None
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or getattr(exc, "reason", None) or exc)[:1000]
+
+
 class KubeWriter:
     """Carries out the operator's writes; synchronous (the operator calls it from a worker thread)."""
 
@@ -221,6 +237,8 @@ class KubeWriter:
                                                    _preload_content=False))
             return True
         except Exception as exc:
+            if self._ok(exc, 400, 403, 422):
+                raise PodRefused(f"{exc.status} {_api_message(exc)}") from None  # type: ignore[attr-defined]
             if not self._ok(exc, 409):
                 raise
         have = self.core.read_namespaced_pod(meta["name"], meta["namespace"], _request_timeout=self.timeout)

@@ -36,7 +36,7 @@ from bubbles.resources import (
 
 from .agents import AgentDirectory
 from .decide import ClusterView, Decisions, FillPodSettings, StageView, key_of, reconcile
-from .kube import Connection, FinalizerConflict, KubeWriter, PodConflict
+from .kube import Connection, FinalizerConflict, KubeWriter, PodConflict, PodRefused
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
 
@@ -56,6 +56,7 @@ class OperatorConfig:
     lease_s: int = 15  # a Lease not renewed for this long may be taken over
     renew_s: float = 5.0
     write_concurrency: int = 16  # API writes in flight at once
+    pod_retry_s: float = 30.0  # a FillJob whose Pod the API server refused is placed again after this long
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
     metrics_interval_s: float = 1.0  # the per-job gauges are recomputed at most this often (scrapes are far rarer)
     metrics_port: int | None = None
@@ -111,6 +112,7 @@ class Operator:
         self.rounds = 0
         self._started: float | None = None  # time.monotonic() of the first round (decide's acting_s)
         self._training_written: dict[str, float] = {}  # PipelineTraining key -> when its status was last written
+        self.pod_refusals: dict[str, tuple[str, float]] = {}  # FillJob uid -> (the API server's refusal, when)
         self.round_s: list[tuple[float, float, float]] = []  # per round: (see, decide, act) seconds, the last 1000
         self.writes_total: Counter[str] = Counter()  # API writes by kind since start
         self.last: Decisions | None = None
@@ -347,8 +349,11 @@ class Operator:
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
         if self._started is None:
             self._started = time.monotonic()
+        live = {str((o.get("metadata") or {}).get("uid", "")) for o in self.store.fill_jobs.values()}
+        self.pod_refusals = {uid: r for uid, r in self.pod_refusals.items() if uid in live}  # gone jobs: forgotten
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
                            failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods,
+                           refused_pods=dict(self.pod_refusals), pod_retry_s=self.config.pod_retry_s,
                            acting_s=time.monotonic() - self._started)
 
     async def reconcile_once(self) -> Decisions:
@@ -393,6 +398,20 @@ class Operator:
             deleted_pods.setdefault(owner, []).append((ns, name))
         cancels = {uid: node for node, uid in d.cancel}
 
+        refused_now: set[str] = set()  # FillJob keys whose Pod the API server refused this round
+
+        async def create_pod(key: str, uid: str, pod: dict[str, Any]) -> bool:
+            """False if the API server refused the Pod: remembered, so that the next rounds say why on the FillJob."""
+            try:
+                await write(w.create_pod, pod)
+            except PodRefused as exc:
+                refused_now.add(key)
+                self.pod_refusals[uid] = (str(exc), now.timestamp())
+                log.warning("fill job %s: the API server refused its Pod %s: %s", key, pod["metadata"]["name"], exc)
+                return False
+            self.pod_refusals.pop(uid, None)
+            return True
+
         async def fill_job(key: str) -> None:
             async with sem:
                 obj = self.store.fill_jobs.get(key)
@@ -412,7 +431,7 @@ class Operator:
                     steps.append(write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], True,
                                        list(meta.get("finalizers") or []), meta.get("resourceVersion")))
                 if key in pods:
-                    steps.append(write(w.create_pod, pods[key]))
+                    steps.append(create_pod(key, uid, pods[key]))
                 if steps:
                     done = await asyncio.gather(*steps)
                     if key in d.add_finalizer:
@@ -420,6 +439,8 @@ class Operator:
                             self.store.put("fill_jobs", obj, deleted=True)  # gone (a watch gap may hide it)
                             return
                         self.store.put("fill_jobs", done[0])
+                    if key in pods and done[-1] is False:
+                        return  # not placed: no assignment, no status saying Placed; the next round says why
                 if key in assignments:
                     if not self.acting:
                         raise LeadershipLost()
@@ -466,12 +487,14 @@ class Operator:
                                            return_exceptions=True)
             lost = [r for r in results if isinstance(r, LeadershipLost)]
             errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, LeadershipLost)]
-            if not lost and d.events:
+            # A job whose Pod was refused was not placed: none of its Events of this round (Placed) tell the truth.
+            events = [e for e in d.events if not (e.kind == "FillJob" and f"{e.namespace}/{e.name}" in refused_now)]
+            if not lost and events:
                 # Events are best effort and not on a job's path to Placed: posted beside the next round (at most
                 # one batch in flight: the next round waits for this one before it posts its own).
                 if self._events is not None:
                     await self._events
-                self._events = asyncio.create_task(self._post_events(list(d.events), now))
+                self._events = asyncio.create_task(self._post_events(events, now))
             if lost:
                 log.warning("stopped mid-round: this replica no longer holds the lease")
             if errors:
