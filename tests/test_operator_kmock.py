@@ -1,14 +1,16 @@
 """The whole operator process (kopf watches, store, reconcile loop, writes) against KMock, kopf's API emulator.
 
-Fast end-to-end scenarios; the node agents are ``InMemoryAgents`` whose reports each test sets (the agent's
-gRPC service is not built yet). What KMock cannot do (uids, resourceVersions, schema validation, pruning)
-is the real-API-server tier's (tests/test_kube_api.py, tests/test_operator_kube.py).
+Fast end-to-end scenarios; the node agents are ``InMemoryAgents`` whose reports each test sets (the agents'
+gRPC service has tests of its own, and the real-API-server tier runs a real node agent). What KMock cannot do
+(uids, resourceVersions, schema validation, pruning) is the real-API-server tier's (tests/test_kube_api.py,
+tests/test_operator_kube.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -140,6 +142,31 @@ async def test_apply_queue_place_run_succeed(cluster: Cluster, operator: tuple[O
     pt = cluster.get("bubbles.dev/v1alpha1/pipelinetrainings", "ml", "llama")
     assert pt["status"]["pods"] == 1 and pt["status"]["bubbleRatio"] == 0.1
     assert op.op.writes_total["pod"] == 1  # placed once
+
+
+async def test_a_refused_fill_pod_is_said_on_its_job_and_the_job_placed_once_admitted(cluster: Cluster) -> None:
+    agents = InMemoryAgents()
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, True),))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    # The API server's admission refuses the first fill Pod (as a quota or Pod Security would), then admits.
+    status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+              "message": 'pods "fj-fj-a0" is forbidden: exceeded quota: compute, requested: pods=1, used: pods=4, '
+                         "limited: pods=4"}
+    fill_pod = cluster.kmock.body(re.compile(r'.*"name": ?"fj-fj-a0".*', re.DOTALL))  # the count is per match
+    cluster.kmock["post /api/v1/namespaces/ml/pods", fill_pod][:1] << 403 << status
+    op = OperatorThread(Operator(OperatorConfig(interval_s=0.2, pod_retry_s=1.0), Connection(cluster.base,
+                                                                                              insecure=True), agents))
+    try:
+        await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job())
+        st = await cluster.until("the refusal said", lambda: "refused its Pod" in
+                                 ((cluster.get(FJ, "ml", "fj") or {}).get("status") or {}).get("message", "") and
+                                 cluster.get(FJ, "ml", "fj")["status"])
+        assert st["phase"] == "Queued" and "exceeded quota: compute" in st["message"] and agents.assigned == []
+        await cluster.until("Placed once admitted", lambda: phase(cluster, "fj") == "Placed")
+        assert [a.fill_pod for a in agents.assigned] == ["fj-fj-a0"] and cluster.get(PODS, "ml", "fj-fj-a0")
+    finally:
+        await asyncio.to_thread(op.close)
 
 
 async def test_invalid_jobs_fail_and_the_rest_of_the_queue_is_untouched(
