@@ -28,7 +28,7 @@ from bubbles.agentapi.v1alpha1 import agent_pb2 as pb
 from bubbles.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
 from bubbles.api import FillState, IsolationMode, parse_spec
 from bubbles.operator.decide import Assignment
-from bubbles.operator.grpc_agents import AgentCredentialsError, ClientSecurity, GrpcAgents
+from bubbles.operator.grpc_agents import IDLE_CLOSE_S, AgentCredentialsError, ClientSecurity, GrpcAgents
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +221,30 @@ def test_an_agent_that_misses_a_call_is_down_only_after_the_grace(node: NodeAgen
             assert await agents.report(NODE) == good  # one missed answer: the last report stands in
             now[0] = 10.5
             assert await agents.report(NODE) is None  # silent for longer than the grace: down
+        finally:
+            await agents.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_no_longer_called_loses_its_channel_and_what_was_kept_for_it(node: NodeAgent, pki: Pki) -> None:
+    """Nodes come and go in a cluster that scales: what the operator keeps per node must go with them."""
+    server = start(node, pki)
+    now = [0.0]
+
+    async def scenario() -> None:
+        addresses = {NODE: f"127.0.0.1:{server.port}", "gone": "127.0.0.1:1"}
+        agents = GrpcAgents(addresses.get, ClientSecurity(pki.ca.cert, pki.client.cert, pki.client.key),
+                            timeout_s=1.0, clock=lambda: now[0])
+        try:
+            await agents.report("gone")  # its agent does not answer; a channel is held for it all the same
+            assert await agents.report(NODE) is not None and agents.held() == {NODE, "gone"}
+            now[0] = IDLE_CLOSE_S - 1
+            assert await agents.report(NODE) is not None and agents.held() == {NODE, "gone"}  # not yet
+            now[0] = IDLE_CLOSE_S + 61  # "gone" last called IDLE_CLOSE_S + 61 s ago; NODE 62 s ago
+            assert await agents.report(NODE) is not None
+            assert agents.held() == {NODE}
+            assert await agents.report("gone") is None and agents.held() == {NODE, "gone"}  # back: a new channel
         finally:
             await agents.close()
 

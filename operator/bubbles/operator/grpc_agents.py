@@ -13,6 +13,7 @@ that does not arrive is covered by the fill Pod's deletion in the same round (it
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from bubbles.resources import NodeReport
 from .decide import Assignment
 
 log = logging.getLogger("bubbles.operator.agents")
+IDLE_CLOSE_S = 600.0  # a node's channel and what is kept for it go once it has not been called for this long
 
 
 class AgentCredentialsError(ValueError):
@@ -85,8 +87,30 @@ class GrpcAgents:
         self._channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.AgentStub]] = {}  # node -> address, ...
         self._closing: list[grpc.aio.Channel] = []
         self._logged: dict[str, float] = {}
+        self._used: dict[str, float] = {}  # node -> when it was last called (self.clock)
+        self._next_prune = -math.inf
+
+    def _prune(self) -> None:
+        """Close what is kept for nodes not called for ``IDLE_CLOSE_S``: in a cluster that scales its nodes, a node
+        that has gone (or no longer runs a training) would otherwise keep its channel, its last report and its log
+        throttle for the operator's life. At most once a minute."""
+        now = self.clock()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + 60.0
+        for node in [n for n, t in self._used.items() if now - t > IDLE_CLOSE_S]:
+            have = self._channels.pop(node, None)
+            if have is not None:
+                self._closing.append(have[1])
+            for kept in (self._used, self._last, self._logged):
+                kept.pop(node, None)
+
+    def held(self) -> set[str]:
+        """The nodes this client holds a channel to."""
+        return set(self._channels)
 
     def _stub(self, node: str) -> pb_grpc.AgentStub | None:
+        self._used[node] = self.clock()
         address = self.resolve(node)
         if address is None:
             self._warn(node, f"no bubbles agent found on node {node} (is the agent DaemonSet running there?)")
@@ -111,6 +135,7 @@ class GrpcAgents:
 
     async def report(self, node: str) -> NodeReport | None:
         """The node's report; its last good one for ``down_after_s`` after the agent stops answering; then None."""
+        self._prune()
         while self._closing:
             await self._closing.pop().close()
         report = await self._ask(node)
