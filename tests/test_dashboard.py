@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -119,3 +120,22 @@ def test_the_kill_series_of_a_job_the_agent_let_go_of_goes_with_it() -> None:
     agent.kill(0, "cuda:0", "big")
     assert 'bubbles_fill_kills_total{device="cuda:0",fill_job="big",stage="0",training="t"} 1.0' in \
         generate_latest(agent.registry).decode()
+
+
+def test_a_trainings_recovered_flops_series_goes_with_its_last_fill_job() -> None:
+    """The operator's per-training gauge is the sum over its FillJobs: with none left, the series is removed, not
+    left at its last value (which would read as FLOPs still recovered)."""
+    op = OperatorMetrics()
+
+    def job(training: str, flops: float) -> dict[str, Any]:
+        return {"metadata": {"namespace": "ml", "name": f"fj-{training}"},
+                "status": {"phase": "Succeeded", "assignment": {"training": training}, "recoveredFlops": flops}}
+
+    def series() -> dict[str, float]:
+        return {s.labels["training"]: s.value for m in op.registry.collect() for s in m.samples
+                if s.name == "bubbles_operator_recovered_flops"}
+
+    op.observe([job("a", 1e12), job("b", 2e12)])
+    assert series() == {"a": 1e12, "b": 2e12}
+    op.observe([job("b", 3e12)])  # a's last FillJob was deleted
+    assert series() == {"b": 3e12}

@@ -24,6 +24,7 @@ class OperatorMetrics:
         self.recovered_flops = Gauge("bubbles_operator_recovered_flops",
                                      "FLOPs fill jobs did in the bubbles of a training (sum over its FillJobs)",
                                      ["namespace", "training"], registry=r)
+        self._flops_series: set[tuple[str, str]] = set()  # the label sets recovered_flops holds
         self.reconcile_errors = Counter("bubbles_operator_reconcile_errors", "Reconcile rounds that failed",
                                         registry=r)
         self.reconciles = Counter("bubbles_operator_reconciles", "Reconcile rounds", registry=r)
@@ -63,6 +64,9 @@ class OperatorMetrics:
         self.deadline_misses.set(misses)
         for (ns, training), v in flops.items():
             self.recovered_flops.labels(ns, training).set(v)
+        for gone in self._flops_series - set(flops):  # no FillJob of it left: its series goes, not a stale value
+            self.recovered_flops.remove(*gone)
+        self._flops_series = set(flops)
         # One series per placed job (the table of running jobs): rebuilt each round, so finished jobs drop out.
         self.progress.clear()
         self.eta.clear()

@@ -349,6 +349,7 @@ class Operator:
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
         if self._started is None:
             self._started = time.monotonic()
+        self._training_written = {k: t for k, t in self._training_written.items() if k in self.store.trainings}
         live = {str((o.get("metadata") or {}).get("uid", "")) for o in self.store.fill_jobs.values()}
         self.pod_refusals = {uid: r for uid, r in self.pod_refusals.items() if uid in live}  # gone jobs: forgotten
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
