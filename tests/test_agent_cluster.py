@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 from test_agent import TRAINING, Hook, cycle, wait_for
 
 from bubbles import control, paths, wire
-from bubbles.agent.cluster import Card, ClusterConfig, NodeAgent, card_is_stale, read_cards
+from bubbles.agent.cluster import FORGET_AFTER_S, Card, ClusterConfig, NodeAgent, card_is_stale, read_cards
 from bubbles.agent.config import AgentConfig
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.node import NodeBook, Outcome, StaleAssignment
@@ -177,6 +177,22 @@ def test_the_trainings_limits_from_an_assignment_reach_its_guard_before_and_afte
     assert core.config.tail_risk == 0.0
     text = generate_latest(node.trainings[TRAINING].agent.metrics.registry).decode()
     assert f'bubbles_slowdown_budget{{training="{TRAINING}"}} 0.05' in text
+
+
+def test_what_the_node_keeps_for_a_job_or_a_training_goes_with_them(tmp_path: Path) -> None:
+    """Assignments come and go for weeks: a forgotten job's failure and a gone training's limits are not kept."""
+    now = [0]
+    template = AgentConfig(run_dir=tmp_path / "run", training="placeholder",
+                           isolation=IsolationConfig(mode=IsolationMode.NONE))
+    n = NodeAgent(ClusterConfig(NODE, template, scan_interval_s=0.05), clock=lambda: now[0])
+    n.assign(dataclasses.replace(assignment(), slowdown_budget=0.2))  # its training has no card here (yet)
+    n.failures["uid-1"] = "not admitted: a reason"
+    n.scan()
+    assert TRAINING in n.limits and "uid-1" in n.failures  # kept while the job is assigned
+    n.cancel("uid-1", "the FillJob was deleted")
+    now[0] = int((FORGET_AFTER_S + 1) * 1e9)
+    n.scan()  # the cancelled record is forgotten, and with it what was kept for it and its training
+    assert "uid-1" not in n.book.jobs and n.failures == {} and n.limits == {}
 
 
 def test_processes_the_operator_did_not_assign_are_refused_with_the_reason(node: NodeAgent) -> None:

@@ -331,8 +331,8 @@ class NodeAgent:
         cards, problems = read_cards(self.run_dir)
         for p in problems:
             if p not in self._problems_seen:
-                self._problems_seen.add(p)
                 log.warning("ignoring a hook card: %s", p)
+        self._problems_seen = set(problems)  # said once while it lasts; again if it comes back
         live = []
         for card in cards:
             if card_is_stale(self.run_dir, card):
@@ -381,7 +381,11 @@ class NodeAgent:
                 if now - since >= int(self.config.retire_after_s * 1e9):
                     retired.append(self.trainings.pop(name))
                     del self._cardless_since[name]
-            self.book.forget_before(self.clock() - int(FORGET_AFTER_S * 1e9))
+            for uid in self.book.forget_before(self.clock() - int(FORGET_AFTER_S * 1e9)):
+                self.failures.pop(uid, None)
+            # A training's limits are kept while it runs here or a job of it is assigned (it may start after).
+            wanted = set(self.trainings) | {j.message.training for j in self.book.jobs.values()}
+            self.limits = {t: lim for t, lim in self.limits.items() if t in wanted}
         for tr in retired:  # outside the node's lock: the training's loop may be waiting for it
             log.info("training %s: no stage of it runs on this node any more; its agent stops", tr.name)
             tr.agent.request_stop()
