@@ -211,6 +211,15 @@ def test_a_newer_hooks_messages_are_read_where_known_and_said_once_where_not(cap
     assert len(said) == 1 and "newer hook" in said[0]["message"] and "kind 42" in said[0]["message"]
     assert caplog.text.count("newer than this agent") == 1
     assert core.rejected_messages == 0 and ("rejected", 0, "datagram") not in sink.calls
+    # Not malformed, but counted: an operator sees the agents that need upgrading.
+    from prometheus_client import generate_latest
+
+    from bubbles.agent.metrics import AgentMetrics
+
+    assert core.snapshot().newer_messages == 3
+    text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
+    assert 'bubbles_newer_messages_total{training="t"} 3.0' in text and 'bubbles_late_records_total{training="t"} 0.0' \
+        in text
 
 
 MPS_READY = IsolationStatus(IsolationMode.MPS, IsolationState.READY, "daemon answers", epoch=1)

@@ -269,6 +269,8 @@ class Snapshot:
     baseline_s: float | None = None  # the slowdown guard's baseline iteration time (no fill work)
     budget: float = 0.0  # the slowdown the guard tolerates
     held_jobs: tuple[tuple[int, str, str], ...] = ()  # (stage, device, name) of every job record held, steps or not
+    newer_messages: int = 0  # datagrams of a kind only a newer hook sends (this agent ignores them)
+    late_records: int = 0  # steps and bubbles reported after their time was folded (counted against fill work)
 
 
 def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationStatus:
@@ -336,6 +338,7 @@ class AgentCore:
         self._ids = itertools.count()
         self._rejected_log = _RateLimitedLog(clock)
         self._newer_seen: set[tuple[int, int]] = set()  # (version, kind) of messages from a newer hook, said once
+        self.newer_messages = 0
 
     # -- the shell's side of the conversation --------------------------------------------------------------
     def take_actions(self) -> list[Action]:
@@ -387,6 +390,7 @@ class AgentCore:
             msg = wire.decode(data)
         except wire.NewerMessage as exc:
             # A newer hook in the training's image: not garbage, and it does not stop the kinds this agent knows.
+            self.newer_messages += 1
             if (exc.version, exc.kind) not in self._newer_seen and len(self._newer_seen) < 64:
                 self._newer_seen.add((exc.version, exc.kind))
                 log.warning("stage %d: the training's hook is newer than this agent: %s", ex.index, exc)
@@ -991,7 +995,8 @@ class AgentCore:
         iso = IsolationTotals(str(iso_st.mode), str(iso_st.state), self.isolation_losses, restarts)
         held = tuple((j.stage, self.executors[j.stage].device, j.name) for j in self.jobs)
         return Snapshot(stages, jobs, states, iso, self.guard.baseline_s if self.guard else None,
-                        self.config.guard.budget, held)
+                        self.config.guard.budget, held, self.newer_messages,
+                        sum(ledger.late() for ledger in self.ledgers.values()))
 
     def status(self) -> AgentStatus:
         """Everything the agent reports, typed (``stats()`` is its JSON form)."""

@@ -60,6 +60,12 @@ class _HarvestCollector(Collector):
             overrun.add_metric(lv, s.overrun_s)
             tail_filled.add_metric(lv, s.tail_filled_s)
             tail_overrun.add_metric(lv, s.tail_overrun_s)
+        newer = CounterMetricFamily("bubbles_newer_messages", "Datagrams of a kind only a newer hook sends, ignored by "
+                                    "this agent (upgrade the agent)", labels=["training"])
+        newer.add_metric([self.training], snap.newer_messages)
+        late = CounterMetricFamily("bubbles_late_records", "Steps and bubbles reported after their time was folded "
+                                   "into the totals, counted against fill work", labels=["training"])
+        late.add_metric([self.training], snap.late_records)
         jl = [*labels, "fill_job"]
         steps = CounterMetricFamily("bubbles_fill_steps", "Fill-job steps completed", labels=jl)
         flops = CounterMetricFamily("bubbles_recovered_flops", "FLOPs of completed fill steps", labels=jl)
@@ -77,7 +83,7 @@ class _HarvestCollector(Collector):
             counts[key] = counts.get(key, 0) + 1
         for (stage, device, state), n in sorted(counts.items()):
             jobs.add_metric([self.training, str(stage), device, state], n)
-        yield from (bubble, filled, overrun, tail_filled, tail_overrun, steps, flops, jobs)
+        yield from (bubble, filled, overrun, tail_filled, tail_overrun, newer, late, steps, flops, jobs)
         budget = GaugeMetricFamily("bubbles_slowdown_budget", "The training slowdown the guard tolerates (0.01 = 1%)",
                                    labels=["training"])
         budget.add_metric([self.training], snap.budget)
