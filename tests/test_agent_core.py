@@ -262,6 +262,17 @@ def test_an_mps_fill_job_that_did_not_join_the_server_is_stopped_not_armed() -> 
     assert Send(job, "stop") in actions and not [a for a in actions if isinstance(a, Send) and a.type == "arm"]
 
 
+def test_a_check_that_could_not_be_made_stops_and_resubmits_the_job() -> None:
+    """The daemon did not answer (or the isolation changed since the launch): not the job's fault, so it is tried
+    again as after an isolation loss, within the same limit."""
+    core, job = mps_gpu_core()
+    core.take_actions()
+    core.isolation_verified(job, "the check could not be made: no answer", transient=True)
+    assert job.state is FillState.STOPPED and job.reason.startswith("isolation not verified")
+    again = [j for j in core.jobs if j is not job]
+    assert len(again) == 1 and again[0].resubmission == 1 and again[0].state is FillState.SUBMITTED
+
+
 def test_jobs_with_nothing_to_join_are_armed_at_once() -> None:
     """CPU devices, contexts isolation, plain commands: no verification, as before."""
     core, _, _ = make_core()  # contexts, cpu

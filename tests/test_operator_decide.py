@@ -187,6 +187,15 @@ def test_a_job_whose_pod_the_api_server_refused_says_why_and_is_placed_again_lat
     job["status"] = st
     again = reconcile(ClusterView(NOW, [job], [training()], [stage()], **view))  # type: ignore[arg-type]
     assert again.events == [] and again.create_pods == []  # said once; still waiting
+    # Refused again in other words (a quota's counts change): the message follows, the Event is not repeated.
+    other = dict(refused_pods={"uid-fj": ("403 exceeded quota: compute, used: pods=5", refused_at)}, pod_retry_s=30.0)
+    again = reconcile(ClusterView(NOW, [job], [training()], [stage()], **other))  # type: ignore[arg-type]
+    assert again.events == [] and "used: pods=5" in again.fill_job_status["ml/fj"]["message"]
+    # A spec the cluster finds invalid (422) is not a quota's doing: the hint says so.
+    invalid = dict(refused_pods={"uid-fj": ("422 Pod is invalid: spec.volumes", refused_at)}, pod_retry_s=30.0)
+    d422 = reconcile(ClusterView(NOW, [fill_job("other")], [training()], [stage()],  # type: ignore[arg-type]
+                                 **{**invalid, "refused_pods": {"uid-other": invalid["refused_pods"]["uid-fj"]}}))
+    assert "finds the Pod's spec invalid" in d422.fill_job_status["ml/other"]["message"]
     later = NOW + dt.timedelta(seconds=21)  # 31 s after the refusal: tried again
     d = reconcile(ClusterView(later, [job], [training()], [stage()], **view))  # type: ignore[arg-type]
     assert [p["metadata"]["name"] for p in d.create_pods] == ["fj-fj-a0"] and d.fill_job_status["ml/fj"]["phase"] == \
@@ -259,11 +268,13 @@ def test_a_lost_training_pod_requeues_the_job_and_the_restart_limit_fails_it() -
     step([job], [stage()])
     d = step([job], [stage(1, pod="llama-1")])  # llama-0 is gone
     st = job["status"]
-    assert st["restarts"] == 1
-    assert st["phase"] == "Placed" and st["assignment"]["trainingPod"] == "llama-1"  # requeued and placed again
+    assert st["restarts"] == 1 and st["phase"] == "Queued" and "assignment" not in st  # requeued
     assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
-    assert [e.reason for e in d.events] == ["Evicted", "Placed"] and d.create_pods[0]["metadata"]["name"] == "fj-fj-a1"
+    assert [e.reason for e in d.events] == ["Evicted"] and d.create_pods == []  # the eviction is written first
     assert cond(job, "Evicted")["reason"] == "Requeued"
+    d = step([job], [stage(1, pod="llama-1")])  # the next round places it again
+    assert job["status"]["phase"] == "Placed" and job["status"]["assignment"]["trainingPod"] == "llama-1"
+    assert [e.reason for e in d.events] == ["Placed"] and d.create_pods[0]["metadata"]["name"] == "fj-fj-a1"
     d = step([job], [stage(), stage(1, pod="llama-1", agent_up=False)])  # its agent stops answering
     assert job["status"]["phase"] == "Failed" and "spec.restartLimit" in job["status"]["message"]
     assert "stopped answering" in job["status"]["message"] and d.create_pods == []
@@ -323,8 +334,10 @@ def test_a_restarted_training_pod_is_re_profiled_before_it_gets_work_again() -> 
     step([job], [stage()])
     d = step([job], [stage(cycle=None)])  # same Pod name, restarted: no cycle until the hook profiles it again
     assert job["status"]["phase"] == "Queued" and "re-measured" in cond(job, "Evicted")["message"]
-    assert d.create_pods == [] and cond(job, "Placed")["reason"] == "NoProfiledTraining"
+    assert d.create_pods == [] and cond(job, "Placed")["reason"] == "Evicted"
     assert [e.reason for e in d.events] == ["Evicted"] and "re-measured" in d.events[0].message
+    d = step([job], [stage(cycle=None)])  # the next round: it waits for the profile
+    assert d.create_pods == [] and cond(job, "Placed")["reason"] == "NoProfiledTraining"
 
 
 def test_jobs_wait_with_a_reason_people_can_act_on() -> None:
@@ -442,9 +455,10 @@ def test_a_failed_fill_pod_evicts_its_job_with_the_kubelets_reason() -> None:
     assert job["status"]["restarts"] == 1 and d.delete_pods == []  # kept, like a Job's: `kubectl logs` works
     assert "fill Pod fj-fj-a0 failed: OOMKilled (exit code 137) (its Pod fj-fj-a0 is kept for its logs)" in \
         cond(job, "Evicted")["message"]
-    assert d.events[0].reason == "Evicted"
-    # The stage is free again: the next attempt is placed at once, in a Pod of its own.
-    assert job["status"]["assignment"]["pod"] == "fj-fj-a1"
+    assert d.events[0].reason == "Evicted" and d.create_pods == []  # the eviction is written first
+    # The stage is free again: the next round places the next attempt, in a Pod of its own.
+    step([job], [stage()], failed_pods={"ml/fj-fj-a0": "OOMKilled (exit code 137)"})
+    assert job["status"]["assignment"]["pod"] == "fj-fj-a1" and job["status"]["restarts"] == 1
 
 
 def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt() -> None:

@@ -904,10 +904,11 @@ class AgentCore:
         return (job.verification == "" and job.has_control and job.isolation == IsolationMode.MPS.label
                 and ex.device.startswith("cuda"))
 
-    def isolation_verified(self, job: JobRecord, problem: str | None) -> None:
+    def isolation_verified(self, job: JobRecord, problem: str | None, *, transient: bool = False) -> None:
         """The answer to ``VerifyIsolation``: None, the process is isolated as promised (it is armed now); else why
         not, and the job is stopped (fail closed: a fill job outside the isolation it was admitted under could take
-        memory the training needs)."""
+        memory the training needs). ``transient``: the check could not be made (the daemon did not answer); then, as
+        when the isolation changed since the launch, the job is stopped and resubmitted, as after an isolation loss."""
         if job.verification != "pending" or job.state is FillState.STOPPED:
             return
         if problem is None:
@@ -916,6 +917,12 @@ class AgentCore:
             self._apply_mode(self.executors[job.stage], job)
             return
         job.verification = ""
+        if transient or job.isolation_epoch != self.isolation_raw.epoch:
+            log.warning("stage %d: fill job %r stopped and resubmitted: isolation not verified: %s", job.stage,
+                        job.name, problem)
+            self._stop_job(job, f"isolation not verified: {problem}")
+            self._resubmit(job)
+            return
         log.error("stage %d: fill job %r stopped: isolation not verified: %s", job.stage, job.name, problem)
         self._stop_job(job, f"isolation not verified: {problem}")
 

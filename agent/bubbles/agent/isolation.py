@@ -383,29 +383,28 @@ class MpsIsolation(Isolation):
 
     def verify_client(self, pid: int, device: str) -> str | None:
         """Whether ``pid`` is a client of one of the daemon's servers (``get_client_list``). A process joins MPS only
-        if, when it initialized CUDA, the daemon answered in its ``$CUDA_MPS_PIPE_DIRECTORY``, it ran as the server's
-        UID and (in a Pod) it shared the node's /dev/shm; otherwise it runs in a context of its own, with none of the
-        limits it was admitted under. The PIDs are the daemon's: a daemon this agent started sees the agent's PIDs;
-        one it did not start may run in another PID namespace, so a PID missing from its lists is said, not refused."""
+        if, when it initialized CUDA, the daemon answered in its ``$CUDA_MPS_PIPE_DIRECTORY`` and (in a Pod) it shared
+        the node's /dev/shm; otherwise it runs in a context of its own, with none of the limits it was admitted under.
+        The daemon lists PIDs as its own PID namespace numbers them: a PID missing from its lists is refused only when
+        that namespace is this agent's (the daemon is a process of ours; in cluster mode the agent has the host's), and
+        said otherwise. ``mps.MpsError`` when the daemon does not answer (the check could not be made)."""
         if cuda_device_index(device) is None:
             return None  # nothing to join on a CPU device
-        try:
-            clients = self.control.clients()
-        except mps.MpsError as exc:
-            return f"the MPS control daemon in {self.control.pipe_dir} did not list its clients ({exc})"
-        if any(pid in pids for pids in clients.values()):
+        clients = self.control.clients()
+        if _pid_aliases(pid) & {c for pids in clients.values() for c in pids}:
             return None
         listed = "; ".join(f"server {server}: {', '.join(map(str, pids)) or 'no clients'}"
                            for server, pids in sorted(clients.items())) or "no server running"
-        if not self.owned:
-            log.warning("fill process %d is not among the clients of the MPS daemon in %s (%s); that daemon is not "
-                        "this agent's and may list PIDs of another PID namespace, so the process was not refused",
-                        pid, self.control.pipe_dir, listed)
+        daemon = self.control.daemon_pid()
+        if daemon is None or not _is_our_mps_daemon(daemon):
+            log.warning("fill process %d is not among the clients of the MPS daemon in %s (%s); that daemon does not "
+                        "run in this agent's PID namespace and may list PIDs of another, so the process was not "
+                        "refused", pid, self.control.pipe_dir, listed)
             return None
         return (f"process {pid} is not a client of the MPS server in {self.control.pipe_dir} ({listed}), so it runs "
                 "without its pinned memory limit and SM share. It must initialize CUDA with $CUDA_MPS_PIPE_DIRECTORY "
-                "set to that directory, as the agent's UID; a fill Pod also needs host IPC and the directory mounted "
-                "(the operator's --fill-mps-pipe-dir, set by the chart when agent.isolation is mps)")
+                "set to that directory, after the daemon started; a fill Pod also needs host IPC and the directory "
+                "mounted (the operator's --fill-mps-pipe-dir, set by the chart when agent.isolation is mps)")
 
     def live_clients(self) -> list[int]:
         """The PIDs of the processes connected to the daemon's servers that are still alive."""
@@ -483,6 +482,29 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process (the training may run as another user)
     return True
+
+
+def _pid_aliases(pid: int) -> set[int]:
+    """``pid`` and the numbers the same process has in the PID namespaces nested below this one (``NSpid``): a daemon
+    in the process's own namespace would list one of those."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return {int(x) for x in line.split()[1:]} | {pid}
+    except (OSError, ValueError):
+        pass
+    return {pid}
+
+
+def _is_our_mps_daemon(pid: int) -> bool:
+    """Whether ``pid``, as the daemon's pid file has it, is an MPS control daemon in this process's PID namespace (so
+    the PIDs it lists are ours): the process of that number here is the control program, in our namespace."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        same_ns = os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
+    return same_ns and b"nvidia-cuda-mps-control" in cmdline
 
 
 def _writable_dir(path: Path) -> bool:

@@ -85,7 +85,7 @@ class Agent:
         self._started: dict[JobRecord, FillProcess] = {}  # every process started, for callers and tests
         self._socks: dict[int, socket.socket] = {}
         self._isolation_update: IsolationStatus | None = None  # from the supervisor thread, for the loop
-        self._verified: list[tuple[JobRecord, str | None]] = []  # VerifyIsolation answers, from their threads
+        self._verified: list[tuple[JobRecord, str | None, bool]] = []  # VerifyIsolation answers, from threads
         self._supervisor: threading.Thread | None = None
         self._supervisor_stop = threading.Event()
         self._sel = selectors.DefaultSelector()
@@ -291,8 +291,8 @@ class Agent:
             self.core.on_isolation(update)
             self._execute()
         verified, self._verified = self._verified, []
-        for job, problem in verified:
-            self.core.isolation_verified(job, problem)
+        for job, problem, transient in verified:
+            self.core.isolation_verified(job, problem, transient=transient)
             self._execute()
 
     # -- carrying out the core's actions -----------------------------------------------------------------
@@ -330,13 +330,14 @@ class Agent:
     def _verify(self, job: JobRecord, pid: int, device: str) -> None:
         """A VerifyIsolation, on a thread of its own: the check may block on the MPS control program (bounded by
         its timeout). Any failure of the check itself counts as not verified (fail closed)."""
+        transient = False
         try:
             problem = self.isolation.verify_client(pid, device)
-        except Exception as exc:
-            log.exception("verifying fill process %d's isolation failed", pid)
-            problem = f"the check failed: {exc!r}"
+        except Exception as exc:  # the check could not be made (a daemon not answering): the job is tried again
+            log.warning("could not verify fill process %d's isolation: %s", pid, exc)
+            problem, transient = f"the check could not be made: {exc}", True
         with self.lock:
-            self._verified.append((job, problem))
+            self._verified.append((job, problem, transient))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"v")
 

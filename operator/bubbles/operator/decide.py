@@ -294,6 +294,7 @@ class _JobState:
         self.now = now
         self.out = out
         self.queued_event: Event | None = None
+        self.evicted = False  # evicted this round: placed again from the next one (see _place)
 
     def condition(self, type_: ConditionType, ok: bool, reason: str, message: str) -> None:
         self.status["conditions"] = set_condition(self.status.get("conditions") or [], Condition(
@@ -506,6 +507,7 @@ def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], 
                  event="Failed", warning=True)
         return
     st.status["restarts"] = restarts
+    st.evicted = True
     resume = f", resuming from {job.checkpoint_path}" if job.checkpoint_path else ", starting over (no checkpoint)"
     st.condition(ConditionType.EVICTED, True, "Requeued", why)
     st.phase(FillJobPhase.QUEUED, f"{why}; back in the queue ({restarts}/{job.restart_limit}){resume}",
@@ -554,7 +556,10 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
            busy: Mapping[str, tuple[str, float]], now_s: float) -> None:
     """Queued jobs onto free profiled stages: by priority tier, then by the scheduling policy."""
     usable = [s for s in stages.values() if s.cycle is not None and s.agent_up]
-    queued = [(obj, job, st) for obj, job, st in valid.values() if _phase(st.status) is FillJobPhase.QUEUED]
+    # A job evicted this round is placed from the next: its eviction (Pod deleted, run cancelled, restarts counted) is
+    # written first, whatever becomes of its next Pod (one the API server refuses writes nothing of its round).
+    queued = [(obj, job, st) for obj, job, st in valid.values()
+              if _phase(st.status) is FillJobPhase.QUEUED and not st.evicted]
     if not queued:
         return
     if not usable:
@@ -581,11 +586,17 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
     for obj, job, st in queued:
         refused = view.refused_pods.get(job.uid)
         if refused is not None and now_s - refused[1] < view.pod_retry_s:
+            fix = ("change what refuses it (a ResourceQuota, a LimitRange, the namespace's Pod Security level)"
+                   if refused[0].startswith("403") else
+                   "the cluster finds the Pod's spec invalid: a cluster policy, or a bug to report with this message")
             why = (f"the API server refused its Pod: {refused[0]}. It is placed again every {view.pod_retry_s:g} s "
-                   "until its Pod is admitted: change what refuses it (a ResourceQuota, a LimitRange, the namespace's "
-                   "Pod Security level)")
+                   f"until its Pod is admitted: {fix}")
+            before: Mapping[str, Any] = next(
+                (c for c in st.before.get("conditions") or () if c.get("type") == "Placed"), {})
             st.condition(ConditionType.PLACED, False, "PodRefused", why)
-            st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="PodRefused", warning=True)
+            # One Warning Event while the refusal lasts, though its words may change (a quota's counts do).
+            st.phase(FillJobPhase.QUEUED, f"waiting: {why}", warning=True,
+                     event=None if before.get("reason") == "PodRefused" else "PodRefused")
             continue
         allowed = _eligible(job, training_keys, trainings, selector_memo)
         if not allowed:

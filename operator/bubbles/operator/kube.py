@@ -237,7 +237,9 @@ class KubeWriter:
                                                    _preload_content=False))
             return True
         except Exception as exc:
-            if self._ok(exc, 400, 403, 422):
+            # Admission (403), or a spec the cluster finds invalid (400, 422): the job's to say. Not this operator's
+            # own permissions (RBAC's "cannot create resource"): that is its error, for its log and metrics.
+            if self._ok(exc, 400, 403, 422) and "cannot create resource" not in _api_message(exc):
                 raise PodRefused(f"{exc.status} {_api_message(exc)}") from None  # type: ignore[attr-defined]
             if not self._ok(exc, 409):
                 raise
