@@ -262,6 +262,34 @@ def test_an_mps_fill_job_that_did_not_join_the_server_is_stopped_not_armed() -> 
     assert Send(job, "stop") in actions and not [a for a in actions if isinstance(a, Send) and a.type == "arm"]
 
 
+def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_one_runs() -> None:
+    core, clock, _ = make_core(init_timeout_s=30.0)
+    stuck = core.submit(job_spec("stuck"))
+    core.submit(job_spec("next"))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.take_actions()
+    core.launched(stuck, has_control=True)
+    assert core.take_actions() == [Send(stuck, "init")]
+    assert core.next_deadline_ns() == clock.now + 30 * 10**9
+    clock.now += 29 * 10**9
+    core.tick(clock.now)
+    assert stuck.state is FillState.CREATED and core.take_actions() == []  # not yet
+    clock.now += 2 * 10**9
+    assert core.due_watchdogs(clock.now) == [stuck]  # the shell reads a late PAUSED first, if there is one
+    core.tick(clock.now)
+    assert stuck.state is FillState.STOPPED and "its init did not finish within 30 s" in stuck.reason
+    assert Signal(stuck, signal.SIGKILL) in core.take_actions()
+    core.on_exit(stuck, -9)
+    assert [a.job.name for a in core.take_actions() if isinstance(a, Launch)] == ["next"]  # type: ignore[attr-defined]
+    # A job whose init did finish is left alone at its deadline.
+    done = next(j for j in core.jobs if j.name == "next")
+    core.launched(done, has_control=True)
+    core.on_control_line(done, line("state", state="PAUSED"))
+    clock.now += 31 * 10**9
+    core.tick(clock.now)
+    assert done.state is not FillState.STOPPED
+
+
 def test_a_check_that_could_not_be_made_stops_and_resubmits_the_job() -> None:
     """The daemon did not answer (or the isolation changed since the launch): not the job's fault, so it is tried
     again as after an isolation loss, within the same limit."""

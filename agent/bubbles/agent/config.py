@@ -40,6 +40,7 @@ class AgentConfig:
     executors: int = 1
     mode: FillMode = FillMode.HARVEST
     grace_s: float = 0.050
+    init_timeout_s: float = 600.0  # an SDK job still in its init this long after its start is killed
     budget: float = 0.01
     tail_risk: float | None = None  # the training's limit on fill steps past a predicted end; None: the jobs' own
     pin_cores: bool = True
@@ -63,6 +64,9 @@ class AgentConfig:
             raise ConfigError(str(exc)) from None
         if not self.grace_s > 0:
             raise ConfigError(f"--grace-ms must be > 0, got {self.grace_s * 1e3:g}")
+        if not self.init_timeout_s > 0:
+            raise ConfigError(f"--init-timeout must be > 0 seconds (how long a fill job's init may take), got "
+                              f"{self.init_timeout_s:g}")
         if not 0 < self.budget < 1:
             raise ConfigError(f"--slowdown-budget must be a fraction in (0, 1) (0.01 = 1%), got {self.budget}")
         if self.tail_risk is not None:
@@ -86,7 +90,7 @@ class AgentConfig:
         return CoreConfig(run_dir=self.run_dir, training=self.training, executors=self.executor_devices(),
                           mode=self.mode, grace_s=self.grace_s, guard=self.guard_config,
                           isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated,
-                          tail_risk=self.tail_risk)
+                          tail_risk=self.tail_risk, init_timeout_s=self.init_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -203,8 +207,8 @@ def _as_paths(value: Any) -> tuple[Path, ...]:
 # key -> how a value from the file or the environment is read (flags arrive typed from argparse)
 KEYS: dict[str, Callable[[Any], Any]] = {
     "run_dir": _as_path, "training": _as_str, "executors": _as_int, "fill_job": _as_paths, "mode": _as_str,
-    "grace_ms": _as_float, "slowdown_budget": _as_float, "tail_risk": _as_float, "pin_cores": _as_bool,
-    "metrics": _as_bool,
+    "grace_ms": _as_float, "init_timeout": _as_float, "slowdown_budget": _as_float, "tail_risk": _as_float,
+    "pin_cores": _as_bool, "metrics": _as_bool,
     "metrics_port": _as_int, "metrics_addr": _as_str, "stats": _as_path, "ready_file": _as_path,
     "log_level": _as_str, "devices": _as_devices, "isolation": _as_str, "allow_unisolated": _as_bool,
     "mps_control": _as_str, "mps_pipe_dir": _as_path, "mps_log_dir": _as_path, "mps_thread_percentage": _as_int,
@@ -278,6 +282,7 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         executors=v.get("executors", 1),
         mode=v.get("mode", FillMode.HARVEST),
         grace_s=v.get("grace_ms", 50.0) / 1e3,
+        init_timeout_s=v.get("init_timeout", 600.0),
         budget=v.get("slowdown_budget", 0.01),
         tail_risk=v.get("tail_risk"),
         pin_cores=v.get("pin_cores", True),

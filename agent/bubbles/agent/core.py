@@ -63,6 +63,7 @@ MAX_STOPPED_JOBS = 1_000  # finished job records kept (stats, reports); the olde
 MAX_OPEN_BUBBLES = 256
 MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
 UNISOLATED = "unisolated"  # JobRecord.isolation of a job launched without working isolation
+_INIT_DEADLINE = -2  # the bubble seq of a timer that is a job's init deadline, not a watchdog
 
 
 # -- what the core decides --------------------------------------------------------------------------------
@@ -226,6 +227,9 @@ class CoreConfig:
     # The training's limit on fill steps past a bubble's predicted end (``limits`` command; the agent's --tail-risk,
     # a PipelineTraining's spec.tailRisk). None: none sent, each fill process uses its own $BUBBLES_TAIL_RISK.
     tail_risk: float | None = None
+    # An SDK job still in its init this long after its launch is killed: it holds its stage, and an init that hangs
+    # (a network share, a process of another UID waiting for an MPS server) would hold it for good.
+    init_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -519,6 +523,8 @@ class AgentCore:
         self._set_state(job, FillState.CREATED)
         if has_control:
             self._send(job, "init")
+            deadline = self.clock() + int(self.config.init_timeout_s * 1e9)
+            heapq.heappush(self._timers, (deadline, next(self._tie), job, _INIT_DEADLINE, deadline))
         else:
             # A plain command has no init handshake: the mode decides at once whether it is frozen (until its
             # stage's first bubble) or runs freely (naive).
@@ -555,7 +561,10 @@ class AgentCore:
         """Fire the watchdogs that are due at ``now_ns``."""
         while self._timers and self._timers[0][0] <= now_ns:
             _, _, job, seq, end_ns = heapq.heappop(self._timers)
-            self._watchdog(job, seq, end_ns)
+            if seq == _INIT_DEADLINE:
+                self._init_overdue(job)
+            else:
+                self._watchdog(job, seq, end_ns)
 
     def on_isolation(self, raw: IsolationStatus) -> None:
         """Act on a health check: record changes, stop jobs whose isolation is gone, admit or hold jobs."""
@@ -769,6 +778,16 @@ class AgentCore:
             job.last_error = ev["message"]
             log.error("stage %d: fill job %r reports: %s", job.stage, job.name, job.last_error)
             self._event(job.stage, job.name, "error", job.last_error)
+
+    def _init_overdue(self, job: JobRecord) -> None:
+        """The init deadline: a job still CREATED (its init not done) is killed; the stage's next job gets its turn."""
+        if job.state is not FillState.CREATED or not job.launched:
+            return
+        why = (f"killed: its init did not finish within {self.config.init_timeout_s:g} s of its start (see the job's "
+               "output; under MPS a process of a UID other than the server's waits in CUDA's initialization)")
+        log.error("stage %d: fill job %r %s", job.stage, job.name, why)
+        self._event(job.stage, job.name, "kill", why)
+        self._stop_job(job, why, sig=signal.SIGKILL)
 
     # -- watchdog ------------------------------------------------------------------------------------------
     def _watchdog(self, job: JobRecord, seq: int, end_ns: int) -> None:
