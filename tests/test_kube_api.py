@@ -72,6 +72,8 @@ def test_examples_apply_and_the_servers_defaults_are_the_tables(kube: ApiServer)
         ({"command": []}, "spec.command: Invalid value: 0"),
         ({"trainingSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}},
          'spec.trainingSelector.matchExpressions.operator: Unsupported value: "Near"'),
+        ({"resources": {"requests": {"cpu": "lots"}}}, "spec.resources.requests.cpu: Invalid value"),
+        ({"resources": {"limits": {"memory": "much"}}}, "spec.resources.limits.memory: Invalid value"),
     ],
 )
 def test_the_server_and_the_operator_refuse_the_same_bad_fill_jobs(kube: ApiServer, change: dict[str, Any],

@@ -124,6 +124,17 @@ def test_fill_pods_mount_the_agents_run_dir_and_run_as_its_user() -> None:
     assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
 
 
+def test_a_fill_pod_carries_the_jobs_own_cpu_and_memory_where_given() -> None:
+    """A namespace whose ResourceQuota counts CPU and memory refuses Pods that name none: spec.resources is the
+    fill Pod's container's (the accelerator memory stays profile.memory, the agent's to enforce)."""
+    job = fill_job(resources={"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": 4 * 2**30}})
+    (pod,) = step([job], [stage()]).create_pods
+    assert pod["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"},
+                                                         "limits": {"memory": str(4 * 2**30)}}
+    (plain,) = step([fill_job("plain")], [stage()]).create_pods
+    assert "resources" not in plain["spec"]["containers"][0]  # BestEffort, as before
+
+
 def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     """The agents run --isolation mps: a fill Pod on a GPU gets what makes it a client of the node's MPS server (the
     pipe directory, host IPC for the server's /dev/shm, the CUDA_MPS_* variables); on a CPU stage nothing of it."""

@@ -103,6 +103,12 @@ GOOD: dict[str, Any] = {"image": "img:1", "entry": "m:C", "profile": {"memory": 
          "spec.trainingSelector.matchExpressions[0].operator must be one of In, NotIn, Exists, DoesNotExist"),
         ({"colour": "blue"}, "spec.colour is not a known field"),
         ({"command": []}, "spec.command must have at least 1 item"),
+        ({"resources": {"requests": {"cpu": "lots"}}}, "spec.resources.requests.cpu must be CPU cores or millicores"),
+        ({"resources": {"requests": {"gpu": 1}}}, "spec.resources.requests.gpu is not a known field"),
+        ({"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}},
+         "spec.resources.requests.memory (8Gi) must not be more than spec.resources.limits.memory (4Gi)"),
+        ({"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "500m"}}},
+         "spec.resources.requests.cpu (2) must not be more than spec.resources.limits.cpu (500m)"),
     ],
 )
 def test_bad_fill_jobs_are_refused_naming_the_field(change: dict[str, Any], needle: str) -> None:

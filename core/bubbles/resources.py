@@ -37,6 +37,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 FINALIZER = f"{GROUP}/fill-job-cleanup"
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|k)?$"
+CPU_PATTERN = r"^[0-9]+(\.[0-9]+)?m?$"  # cores (2, 0.5) or millicores (500m)
 DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s)?$"
 ENTRY_PATTERN = r"^[\w.]+:[\w.]+$"
 IMAGE_PATTERN = r"^[^\s]+$"
@@ -124,7 +125,7 @@ class Field:
     """One field of a resource's spec: its schema, its checks and its default, in one place."""
 
     name: str
-    type: str  # string | integer | number | boolean | object | array | quantity | duration | map
+    type: str  # string | integer | number | boolean | object | array | quantity | cpu | duration | map
     description: str
     required: bool = False
     default: Any = None
@@ -138,6 +139,24 @@ class Field:
     fields: tuple[Field, ...] = ()  # for objects
     one_of: tuple[tuple[str, ...], ...] = ()  # for objects: exactly one of each group may be set
     free_form: bool = False  # objects: any JSON (x-kubernetes-preserve-unknown-fields)
+
+
+def parse_cpu(value: Any) -> float | None:
+    """Cores from a Kubernetes CPU quantity (``2``, ``0.5``, ``500m``); None if it is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value) if math.isfinite(value) and value >= 0 else None
+    if isinstance(value, str) and re.match(CPU_PATTERN, value):
+        return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+    return None
+
+
+def _pod_resources(name: str, description: str) -> Field:
+    return Field(name, "object", description, fields=(
+        Field("cpu", "cpu", "CPU: cores or millicores, e.g. 2 or 500m"),
+        Field("memory", "quantity", "host memory, e.g. 4Gi"),
+    ))
 
 
 def _label_selector(name: str, description: str) -> Field:
@@ -191,6 +210,12 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
     )),
     Field("restartLimit", "integer", "how often the job is restarted (after its node, agent or isolation was "
           "lost) before it fails", default=3, minimum=0, maximum=100),
+    Field("resources", "object", "the fill Pod's own CPU and host memory, as a container's resources (its "
+          "accelerator memory is profile.memory); needed where a ResourceQuota counts them. Left out: none, and the "
+          "Pod is BestEffort, the first a node short of memory evicts", fields=(
+              _pod_resources("requests", "what the Pod is scheduled with and counted against quotas"),
+              _pod_resources("limits", "the most the Pod may use"),
+          )),
 )
 
 PIPELINE_TRAINING_SPEC: tuple[Field, ...] = (
@@ -218,6 +243,8 @@ def openapi_schema(f: Field) -> dict[str, Any]:
         s["type"] = f.type
     elif f.type == "quantity":
         s.update({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN})
+    elif f.type == "cpu":
+        s.update({"x-kubernetes-int-or-string": True, "pattern": CPU_PATTERN})
     elif f.type == "duration":
         s.update({"type": "string", "pattern": DURATION_PATTERN})
     elif f.type == "map":
@@ -289,6 +316,9 @@ def _check(f: Field, value: Any, path: str, errors: list[str]) -> None:
             parse_quantity(value, where)
         except ValueError as exc:
             errors.append(str(exc))
+    elif f.type == "cpu":
+        if parse_cpu(value) is None:
+            errors.append(f"{where} must be CPU cores or millicores like 2, 0.5 or 500m, got {value!r}")
     elif f.type == "duration":
         try:
             parse_duration(value, where)
@@ -411,6 +441,7 @@ class FillJobResource:
     checkpoint_claim: str | None = None
     restart_limit: int = 3
     labels: dict[str, str] = field(default_factory=dict)
+    pod_resources: dict[str, dict[str, str]] = field(default_factory=dict)  # spec.resources, values as strings
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> FillJobResource:
@@ -442,6 +473,14 @@ class FillJobResource:
         if job.memory_bytes <= 0:
             raise ResourceError(f"spec.profile.memory must be more than 0, got {profile['memory']!r}: it is the job's "
                                 "hard limit of accelerator memory (e.g. 4Gi)")
+        pod_resources = {kind: {k: str(v) for k, v in (s.get("resources") or {}).get(kind, {}).items()
+                                if v is not None}
+                         for kind in ("requests", "limits") if (s.get("resources") or {}).get(kind)}
+        for key, amount in (("cpu", parse_cpu), ("memory", lambda v: parse_quantity(v, "memory"))):
+            req, lim = pod_resources.get("requests", {}).get(key), pod_resources.get("limits", {}).get(key)
+            if req is not None and lim is not None and amount(req) > amount(lim):  # type: ignore[operator]
+                raise ResourceError(f"spec.resources.requests.{key} ({req}) must not be more than "
+                                    f"spec.resources.limits.{key} ({lim})")
         deadline = _parse_time(s["deadline"]) if s.get("deadline") else None
         return cls(
             name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),
@@ -451,7 +490,7 @@ class FillJobResource:
             deadline=deadline, training_selector=dict(s.get("trainingSelector") or {}),
             checkpoint_path=(s.get("checkpoint") or {}).get("path"),
             checkpoint_claim=(s.get("checkpoint") or {}).get("claimName"), restart_limit=int(s["restartLimit"]),
-            labels=dict(meta.get("labels") or {}),
+            labels=dict(meta.get("labels") or {}), pod_resources=pod_resources,
         )
 
 

@@ -714,6 +714,8 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         "volumeMounts": [{"name": "bubbles-run", "mountPath": RUN_DIR}],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    if job.pod_resources:  # spec.resources: the Pod's own CPU and host memory (quotas count them)
+        container["resources"] = {kind: dict(v) for kind, v in job.pod_resources.items()}
     if job.job.command:
         # The SDK attaches the process to the node's agent, then execs the command (same PID: the agent's handle).
         container["command"] = ["python", "-m", "bubbles.sdk", "--exec", "--", *job.job.command]
