@@ -50,6 +50,8 @@ def test_the_tail_risk_is_no_cap_unless_given_and_reaches_the_core(tmp_path: Pat
         ({"executors": 0}, {}, "--executors must be >= 1"),
         ({"grace_ms": 0.0}, {}, "--grace-ms must be > 0"),
         ({"init_timeout": -5.0}, {}, "--init-timeout must be > 0 seconds"),
+        ({"init_timeout": float("inf")}, {}, "at most a day"),
+        ({"init_timeout": 1e7}, {}, "at most a day"),
         ({}, {"BUBBLES_AGENT_INIT_TIMEOUT": "soon"}, "--init-timeout from $BUBBLES_AGENT_INIT_TIMEOUT"),
         ({"slowdown_budget": 1.5}, {}, "--slowdown-budget must be a fraction in (0, 1)"),
         ({"tail_risk": 0.8}, {}, "--tail-risk must be the accepted chance"),

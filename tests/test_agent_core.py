@@ -260,10 +260,34 @@ def test_an_mps_fill_job_that_did_not_join_the_server_is_stopped_not_armed() -> 
     assert job.state is FillState.STOPPED and job.armed is None
     assert job.reason == "isolation not verified: process 42 is not a client of the MPS server"
     assert Send(job, "stop") in actions and not [a for a in actions if isinstance(a, Send) and a.type == "arm"]
+    assert core.jobs == [job]  # the job's own doing: not tried again here
+
+
+def test_a_verification_answered_after_the_isolation_changed_resubmits_and_cluster_mode_leaves_it_to_the_operator(
+        ) -> None:
+    core, job = mps_gpu_core()
+    core.take_actions()
+    core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.READY, "daemon restarted", epoch=2))
+    core.take_actions()
+    # (on_isolation itself stopped and resubmitted the running job: the new epoch)
+    assert job.state is FillState.STOPPED and len(core.jobs) == 2
+    cluster = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),),
+                                   relaunch=False), Clock(), Sink())
+    cluster.on_isolation(MPS_READY)
+    cluster.start_serving()
+    attached = cluster.submit(job_spec())
+    cluster.on_datagram(0, wire.encode_profile(0, cycle()))
+    cluster.take_actions()
+    cluster.launched(attached, has_control=True)
+    cluster.on_control_line(attached, line("state", state="PAUSED"))
+    cluster.take_actions()
+    cluster.isolation_verified(attached, "the check could not be made: no answer", transient=True)
+    assert attached.state is FillState.STOPPED and cluster.jobs == [attached]
+    assert attached.reason.endswith("(the operator restarts it in a new Pod)")
 
 
 def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_one_runs() -> None:
-    core, clock, _ = make_core(init_timeout_s=30.0)
+    core, clock, sink = make_core(init_timeout_s=30.0)
     stuck = core.submit(job_spec("stuck"))
     core.submit(job_spec("next"))
     core.on_datagram(0, wire.encode_profile(0, cycle()))
@@ -279,6 +303,7 @@ def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_
     core.tick(clock.now)
     assert stuck.state is FillState.STOPPED and "its init did not finish within 30 s" in stuck.reason
     assert Signal(stuck, signal.SIGKILL) in core.take_actions()
+    assert core.kills == 1 and ("kill", 0, "cpu", "stuck") in sink.calls
     core.on_exit(stuck, -9)
     assert [a.job.name for a in core.take_actions() if isinstance(a, Launch)] == ["next"]  # type: ignore[attr-defined]
     # A job whose init did finish is left alone at its deadline.

@@ -472,6 +472,16 @@ def test_a_failed_fill_pod_evicts_its_job_with_the_kubelets_reason() -> None:
     assert job["status"]["assignment"]["pod"] == "fj-fj-a1" and job["status"]["restarts"] == 1
 
 
+def test_the_stage_an_eviction_frees_is_held_for_the_evicted_job_not_given_to_a_lower_priority_one() -> None:
+    hi, lo = fill_job("hi", priority=10), fill_job("lo")
+    step([hi, lo], [stage()])
+    assert hi["status"]["phase"] == "Placed" and lo["status"]["phase"] == "Queued"
+    d = step([hi, lo], [stage()], failed_pods={"ml/fj-hi-a0": "OOMKilled (exit code 137)"})
+    assert d.create_pods == [] and hi["status"]["phase"] == "Queued" and lo["status"]["phase"] == "Queued"
+    d = step([hi, lo], [stage()], failed_pods={"ml/fj-hi-a0": "OOMKilled (exit code 137)"})
+    assert [p["metadata"]["name"] for p in d.create_pods] == ["fj-hi-a1"]  # by priority, a round later
+
+
 def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt() -> None:
     job = fill_job(checkpoint={"path": "/state", "claimName": "fj-state"})
     d = step([job], [stage()])

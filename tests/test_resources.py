@@ -105,6 +105,9 @@ GOOD: dict[str, Any] = {"image": "img:1", "entry": "m:C", "profile": {"memory": 
         ({"command": []}, "spec.command must have at least 1 item"),
         ({"resources": {"requests": {"cpu": "lots"}}}, "spec.resources.requests.cpu must be CPU cores or millicores"),
         ({"resources": {"requests": {"gpu": 1}}}, "spec.resources.requests.gpu is not a known field"),
+        ({"resources": {"requests": {"cpu": 0.5}}}, "spec.resources.requests.cpu must be CPU cores"),  # quote it
+        ({"resources": {"limits": {"cpu": 10**400}}}, "spec.resources.limits.cpu must be CPU cores"),
+        ({"resources": {"limits": {"cpu": -1}}}, "spec.resources.limits.cpu must be CPU cores"),
         ({"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}},
          "spec.resources.requests.memory (8Gi) must not be more than spec.resources.limits.memory (4Gi)"),
         ({"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "500m"}}},

@@ -143,12 +143,15 @@ class Field:
 
 def parse_cpu(value: Any) -> float | None:
     """Cores from a Kubernetes CPU quantity (``2``, ``0.5``, ``500m``); None if it is not one."""
-    if isinstance(value, bool):
+    if isinstance(value, bool | float):  # the CRD takes an integer or a string, as Kubernetes does
         return None
-    if isinstance(value, int | float):
-        return float(value) if math.isfinite(value) and value >= 0 else None
-    if isinstance(value, str) and re.match(CPU_PATTERN, value):
-        return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+    try:
+        if isinstance(value, int):
+            return float(value) if value >= 0 else None
+        if isinstance(value, str) and re.match(CPU_PATTERN, value):
+            return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+    except OverflowError:
+        return None
     return None
 
 

@@ -402,7 +402,10 @@ class NodeAgent:
         stages = max(c.stages for c in cards)
         by_stage = {c.stage: c for c in cards}
         devices = tuple(self._device(by_stage[k]) if k in by_stage else "cpu" for k in range(stages))
+        # relaunch=False: a fill Pod's process attached once; a job stopped here is restarted by the operator (a new
+        # Pod, within the FillJob's restartLimit), not by this agent, which has no process to start.
         config = dataclasses.replace(self.config.template, training=name, executors=stages, devices=devices,
+                                     relaunch=False,
                                      metrics=False, ready_file=None)
         agent = Agent(config, launcher=self.launcher.for_training(name), clock=self.clock)
         agent.start()

@@ -41,6 +41,7 @@ class AgentConfig:
     mode: FillMode = FillMode.HARVEST
     grace_s: float = 0.050
     init_timeout_s: float = 600.0  # an SDK job still in its init this long after its start is killed
+    relaunch: bool = True  # restart a job stopped by an isolation loss itself (False in cluster mode: the operator)
     budget: float = 0.01
     tail_risk: float | None = None  # the training's limit on fill steps past a predicted end; None: the jobs' own
     pin_cores: bool = True
@@ -64,9 +65,9 @@ class AgentConfig:
             raise ConfigError(str(exc)) from None
         if not self.grace_s > 0:
             raise ConfigError(f"--grace-ms must be > 0, got {self.grace_s * 1e3:g}")
-        if not self.init_timeout_s > 0:
-            raise ConfigError(f"--init-timeout must be > 0 seconds (how long a fill job's init may take), got "
-                              f"{self.init_timeout_s:g}")
+        if not 0 < self.init_timeout_s <= 86400:
+            raise ConfigError(f"--init-timeout must be > 0 seconds and at most a day (how long a fill job's init may "
+                              f"take), got {self.init_timeout_s:g}")
         if not 0 < self.budget < 1:
             raise ConfigError(f"--slowdown-budget must be a fraction in (0, 1) (0.01 = 1%), got {self.budget}")
         if self.tail_risk is not None:
@@ -90,7 +91,7 @@ class AgentConfig:
         return CoreConfig(run_dir=self.run_dir, training=self.training, executors=self.executor_devices(),
                           mode=self.mode, grace_s=self.grace_s, guard=self.guard_config,
                           isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated,
-                          tail_risk=self.tail_risk, init_timeout_s=self.init_timeout_s)
+                          tail_risk=self.tail_risk, init_timeout_s=self.init_timeout_s, relaunch=self.relaunch)
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,10 @@ class CoreConfig:
     # An SDK job still in its init this long after its launch is killed: it holds its stage, and an init that hangs
     # (a network share, a process of another UID waiting for an MPS server) would hold it for good.
     init_timeout_s: float = 600.0
+    # A job stopped by an isolation loss (or a membership check that could not be made) is started again by this
+    # agent. False in cluster mode: there the process was a Pod's, which attached once; the operator starts a new
+    # Pod, within the FillJob's restartLimit, once the agent reports the job stopped with its reason.
+    relaunch: bool = True
 
 
 @dataclass(frozen=True)
@@ -787,6 +791,8 @@ class AgentCore:
                "output; under MPS a process of a UID other than the server's waits in CUDA's initialization)")
         log.error("stage %d: fill job %r %s", job.stage, job.name, why)
         self._event(job.stage, job.name, "kill", why)
+        self.kills += 1
+        self.sink.kill(job.stage, self.executors[job.stage].device, job.name)
         self._stop_job(job, why, sig=signal.SIGKILL)
 
     # -- watchdog ------------------------------------------------------------------------------------------
@@ -829,6 +835,9 @@ class AgentCore:
 
     def _resubmit(self, job: JobRecord) -> None:
         """Queue ``job``'s spec again as a new record (STOPPED is final), at most MAX_ISOLATION_RESUBMISSIONS."""
+        if not self.config.relaunch:
+            job.reason += " (the operator restarts it in a new Pod)"
+            return
         count = job.resubmission + 1
         if count > MAX_ISOLATION_RESUBMISSIONS:
             job.reason += f" (not resubmitted: already restarted {MAX_ISOLATION_RESUBMISSIONS} times after " \

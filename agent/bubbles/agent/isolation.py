@@ -386,17 +386,19 @@ class MpsIsolation(Isolation):
         if, when it initialized CUDA, the daemon answered in its ``$CUDA_MPS_PIPE_DIRECTORY`` and (in a Pod) it shared
         the node's /dev/shm; otherwise it runs in a context of its own, with none of the limits it was admitted under.
         The daemon lists PIDs as its own PID namespace numbers them: a PID missing from its lists is refused only when
-        that namespace is this agent's (the daemon is a process of ours; in cluster mode the agent has the host's), and
-        said otherwise. ``mps.MpsError`` when the daemon does not answer (the check could not be made)."""
+        that namespace is this agent's (the daemon this agent started, or a process of ours by its pid file; in
+        cluster mode the agent has the host's), and said otherwise. ``mps.MpsError`` when the daemon does not answer
+        (the check could not be made)."""
         if cuda_device_index(device) is None:
             return None  # nothing to join on a CPU device
         clients = self.control.clients()
-        if _pid_aliases(pid) & {c for pids in clients.values() for c in pids}:
+        if any(pid in pids for pids in clients.values()):
             return None
         listed = "; ".join(f"server {server}: {', '.join(map(str, pids)) or 'no clients'}"
                            for server, pids in sorted(clients.items())) or "no server running"
         daemon = self.control.daemon_pid()
-        if daemon is None or not _is_our_mps_daemon(daemon):
+        ours = daemon is not None and ((self.owned and daemon == self.pid) or _is_our_mps_daemon(daemon))
+        if not ours:
             log.warning("fill process %d is not among the clients of the MPS daemon in %s (%s); that daemon does not "
                         "run in this agent's PID namespace and may list PIDs of another, so the process was not "
                         "refused", pid, self.control.pipe_dir, listed)
@@ -482,18 +484,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process (the training may run as another user)
     return True
-
-
-def _pid_aliases(pid: int) -> set[int]:
-    """``pid`` and the numbers the same process has in the PID namespaces nested below this one (``NSpid``): a daemon
-    in the process's own namespace would list one of those."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("NSpid:"):
-                return {int(x) for x in line.split()[1:]} | {pid}
-    except (OSError, ValueError):
-        pass
-    return {pid}
 
 
 def _is_our_mps_daemon(pid: int) -> bool:

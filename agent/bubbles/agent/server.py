@@ -45,6 +45,7 @@ from .core import (
 from .isolation import Isolation, make_isolation
 from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher
 from .metrics import AgentMetrics
+from .mps import MpsError
 
 __all__ = ["MAX_ISOLATION_RESUBMISSIONS", "Agent", "AgentConfig"]
 
@@ -216,7 +217,7 @@ class Agent:
         try:
             while not self._stop:
                 deadline = self.core.next_deadline_ns()
-                timeout = None if deadline is None else max(0.0, (deadline - self.clock()) / 1e9)
+                timeout = None if deadline is None else min(3600.0, max(0.0, (deadline - self.clock()) / 1e9))
                 events = self._sel.select(timeout)
                 with self.lock:
                     for key, mask in events:
@@ -333,9 +334,12 @@ class Agent:
         transient = False
         try:
             problem = self.isolation.verify_client(pid, device)
-        except Exception as exc:  # the check could not be made (a daemon not answering): the job is tried again
+        except MpsError as exc:  # the check could not be made (the daemon did not answer): the job is tried again
             log.warning("could not verify fill process %d's isolation: %s", pid, exc)
             problem, transient = f"the check could not be made: {exc}", True
+        except Exception as exc:  # a bug: fail closed, and say where
+            log.exception("verifying fill process %d's isolation failed", pid)
+            problem = f"the check failed: {exc!r}"
         with self.lock:
             self._verified.append((job, problem, transient))
         with contextlib.suppress(OSError):

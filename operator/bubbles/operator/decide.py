@@ -455,6 +455,10 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         ended_itself = True
     if lost is not None:
         _evict(st, job, lost, a, keep_pod=ended_itself)
+        if stage is not None and st.evicted:
+            # The job is placed again from the next round (see _place): until then the stage it had is held for
+            # it, or a job of lower priority would take it now and keep it.
+            busy[skey] = (uid, now_s)
         return
     assert stage is not None
     if prog is None:

@@ -238,8 +238,10 @@ class KubeWriter:
             return True
         except Exception as exc:
             # Admission (403), or a spec the cluster finds invalid (400, 422): the job's to say. Not this operator's
-            # own permissions (RBAC's "cannot create resource"): that is its error, for its log and metrics.
-            if self._ok(exc, 400, 403, 422) and "cannot create resource" not in _api_message(exc):
+            # own permissions (RBAC's "cannot create resource", "cannot set blockOwnerDeletion"): its error, for its
+            # log and metrics.
+            if self._ok(exc, 400, 403, 422) and not any(own in _api_message(exc) for own in (
+                    "cannot create resource", "cannot set blockOwnerDeletion")):
                 raise PodRefused(f"{exc.status} {_api_message(exc)}") from None  # type: ignore[attr-defined]
             if not self._ok(exc, 409):
                 raise

@@ -17,6 +17,9 @@ RULES: list[dict[str, Any]] = [
     {"apiGroups": [GROUP], "resources": ["pipelinetrainings"], "verbs": ["get", "list", "watch"]},
     # Write what the operator observed: status only (the spec is the user's).
     {"apiGroups": [GROUP], "resources": ["filljobs/status", "pipelinetrainings/status"], "verbs": ["patch"]},
+    # A fill Pod is owned by its FillJob with blockOwnerDeletion: where the OwnerReferencesPermissionEnforcement
+    # admission plugin runs (OpenShift, hardened clusters), setting that needs update on the owner's finalizers.
+    {"apiGroups": [GROUP], "resources": ["filljobs/finalizers"], "verbs": ["update"]},
     # Find the training Pods (and their nodes), create each fill job's Pod next to them, delete it when done.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
     # Tell people what happened (placements, evictions, failures).
