@@ -222,6 +222,77 @@ def test_helm_install_brings_up_the_operator_and_an_agent_on_the_gpu_node(cluste
         assert cluster.run_dir.stat().st_uid == UID
 
 
+def _run_to_end(node: RealNode, pod: dict[str, Any]) -> str:
+    """Create ``pod``, wait for it to end, delete it; its log (it must have succeeded)."""
+    ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+    node.apply(pod)
+    try:
+        got = wait_for(f"Pod {ns}/{name} to end", lambda: (
+            p if (p := node.get("pod", "-n", ns, name))["status"].get("phase") in ("Succeeded", "Failed") else None),
+            180)
+        log = node.kubectl("logs", "-n", ns, name, "--all-containers").stdout
+        assert got["status"]["phase"] == "Succeeded", f"{name}: {got['status']}\n{log}"
+        return log
+    finally:
+        node.kubectl("delete", "pod", "-n", ns, name, "--wait=false", check=False)
+
+
+def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluster: Cluster) -> None:
+    """With agent.isolation=mps the MPS server keeps its shared state with its clients in /dev/shm: the agent's Pod
+    (the chart's DaemonSet spec) and a fill Pod (the operator's ``fill_pod``) must see the same /dev/shm, without
+    host IPC, and a Pod without the mount must not. The Pods are the chart's and the operator's own specs, with
+    only the command replaced (this node has no GPU, so no MPS daemon: what is checked is what the kubelet mounts).
+    """
+    from test_helm_chart import render
+    from test_operator_decide import fill_job, stage, step
+
+    from bubbles.operator.decide import FillPodSettings
+
+    node, base = cluster.node, cluster.run_dir.parent
+    pipe, shm = base / "mps-pipe", base / "mps-shm"
+    values = chart_values(node, cluster.run_dir)
+    values["agent"].update(isolation="mps", mps={"pipeDir": str(pipe), "shmDir": str(shm)})
+    (ds,) = [d for d in render(values, namespace=SYSTEM, name=RELEASE) if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    assert "hostIPC" not in spec and "hostIPC" not in ds["spec"]["template"]
+    (agent,) = spec["containers"]
+    agent.pop("ports"), agent.pop("livenessProbe"), agent.pop("readinessProbe")
+    agent["command"] = ["/opt/bubbles/bin/python", "-c",
+                        "import os; open('/dev/shm/from-agent', 'w').write('agent'); st = os.stat('/dev/shm'); "
+                        "print('agent-shm', st.st_uid, oct(st.st_mode & 0o777))"]
+    agent["args"] = []
+    spec["restartPolicy"] = "Never"
+    probe = {"apiVersion": "v1", "kind": "Pod", "spec": spec,
+             "metadata": {"name": "mps-agent-probe", "namespace": SYSTEM, "labels": {"bubbles-test": "mps-shm"}}}
+    settings = FillPodSettings(str(cluster.run_dir), UID, UID, str(pipe), mps_shm_dir=str(shm))
+    (fill,) = step([fill_job("mps-probe", image=FILL_IMAGE)], [stage(node=node.name, gpu_uuid="GPU-probe")],
+                   fill_pods=settings).create_pods
+    fill["metadata"].pop("ownerReferences")  # no FillJob here: the garbage collector would delete the Pod
+    fill_spec = fill["spec"]
+    assert "hostIPC" not in fill_spec
+    (c,) = fill_spec["containers"]
+    c["command"] = ["python", "-c", "import os; print('fill-saw', open('/dev/shm/from-agent').read()); "
+                    "open('/dev/shm/from-fill', 'w').write('fill'); "
+                    "print('fill-env', os.environ['CUDA_MPS_PIPE_DIRECTORY'])"]
+    with explained(cluster):
+        agent_log = _run_to_end(node, probe)
+        # The init container gave the directory to the agent's UID, private to it (the training's shared memory).
+        assert shm.stat().st_uid == UID and shm.stat().st_mode & 0o777 == 0o700
+        assert f"agent-shm {UID} 0o700" in agent_log, agent_log
+        fill_log = _run_to_end(node, fill)
+        assert "fill-saw agent" in fill_log and f"fill-env {pipe}" in fill_log, fill_log
+        assert (shm / "from-fill").read_text() == "fill" and (shm / "from-fill").stat().st_uid == UID
+        # A Pod without the mount (and without host IPC) has a /dev/shm of its own.
+        other = {"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": "shm-outsider", "namespace": NS, "labels": {"bubbles-test": "mps-shm"}},
+                 "spec": {"nodeName": node.name, "restartPolicy": "Never",
+                          "securityContext": {"runAsUser": UID, "runAsGroup": UID},
+                          "containers": [{"name": "c", "image": FILL_IMAGE, "imagePullPolicy": "Never",
+                                          "command": ["python", "-c", "import os; print('outsider-sees', "
+                                                      "sorted(os.listdir('/dev/shm')))"]}]}}
+        assert "outsider-sees []" in _run_to_end(node, other)
+
+
 REFERENCE = "llama-ref"  # the same training without the hook: the loss to compare with
 REFERENCE_ITERATIONS = 60
 

@@ -122,9 +122,10 @@ def test_the_kill_series_of_a_job_the_agent_let_go_of_goes_with_it() -> None:
         generate_latest(agent.registry).decode()
 
 
-def test_a_trainings_recovered_flops_series_goes_with_its_last_fill_job() -> None:
+def test_a_trainings_recovered_flops_series_goes_with_its_last_fill_job_and_stays_while_it_is_requeued() -> None:
     """The operator's per-training gauge is the sum over its FillJobs: with none left, the series is removed, not
-    left at its last value (which would read as FLOPs still recovered)."""
+    left at its last value (which would read as FLOPs still recovered); a job waiting to be placed again still counts
+    for the training it ran on."""
     op = OperatorMetrics()
 
     def job(training: str, flops: float) -> dict[str, Any]:
@@ -139,3 +140,14 @@ def test_a_trainings_recovered_flops_series_goes_with_its_last_fill_job() -> Non
     assert series() == {"a": 1e12, "b": 2e12}
     op.observe([job("b", 3e12)])  # a's last FillJob was deleted
     assert series() == {"b": 3e12}
+    # b's job is requeued (evicted: no assignment while it waits): its FLOPs still count for b, no dip, no gap...
+    requeued = job("b", 3e12)
+    requeued["status"] = {"phase": "Queued", "recoveredFlops": 3e12}
+    op.observe([requeued])
+    assert series() == {"b": 3e12}
+    # ...until it is placed on another training, which it then counts for.
+    op.observe([{**job("c", 4e12), "metadata": {"namespace": "ml", "name": "fj-b"}}])
+    assert series() == {"c": 4e12}
+    op.observe([])
+    op.observe([requeued])  # deleted in between: a new FillJob of that name starts with no history
+    assert series() == {}

@@ -114,7 +114,8 @@ def parse_agent(args: list[str]) -> argparse.Namespace:
     return p.parse_args(args[1:])
 
 
-@pytest.mark.parametrize("values", [{}, {"agent": {"isolation": "mps"}, "grpc": {"token": True}},
+@pytest.mark.parametrize("values", [{}, {"agent": {"isolation": "mps", "initTimeoutSeconds": 1800},
+                                               "grpc": {"token": True}},
                                     {"operator": {"replicas": 3, "watchNamespaces": ["ml", "research"]}}])
 def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str, Any], tmp_path: Path) -> None:
     from bubbles.agent.config import load_settings
@@ -134,24 +135,37 @@ def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str
     settings = load_settings(vars(ag) | {"node": "node-1"}, environ={})
     assert settings.cluster is not None and settings.config.metrics
     assert settings.config.isolation.mode == values.get("agent", {}).get("isolation", "contexts")
+    assert settings.config.init_timeout_s == values.get("agent", {}).get("initTimeoutSeconds", 600)
     assert (settings.cluster.token_file is not None) == bool(values.get("grpc", {}).get("token"))
     if values.get("operator", {}).get("watchNamespaces"):
         assert op.namespace == ["ml", "research", NS]  # the agents' namespace is watched too
     assert str(op.agent_port) == settings.cluster.listen.rsplit(":", 1)[1]
 
 
-def test_mps_gets_the_nodes_shared_memory_and_pipe_directory_for_the_agent_and_the_fill_pods() -> None:
-    """MPS keeps its shared state in /dev/shm: the agent (its daemon) and every client must have the node's, which
-    host IPC gives and a /dev/shm volume of the Pod's own would hide. The operator is told, so its fill Pods join."""
-    docs = render({"agent": {"isolation": "mps", "mps": {"pipeDir": "/run/nvidia-mps", "threadPercentage": 30}}})
+def test_mps_gives_the_agent_and_the_fill_pods_one_shm_directory_and_the_pipe_directory_without_host_ipc() -> None:
+    """MPS keeps its shared state in /dev/shm: the agent (its daemon) and every client mount one node directory there
+    (host IPC would share the whole node's IPC instead). The operator is told both paths, so its fill Pods join."""
+    docs = render({"agent": {"isolation": "mps", "mps": {"pipeDir": "/run/nvidia-mps", "shmDir": "/run/mps-shm",
+                                                         "threadPercentage": 30}}})
     spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
-    assert spec["hostIPC"] is True
-    assert not any(m["mountPath"] == "/dev/shm" for m in spec["containers"][0]["volumeMounts"])
+    assert "hostIPC" not in spec
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shm = [m["name"] for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert shm == ["mps-shm"] and volumes["mps-shm"]["hostPath"]["path"] == "/run/mps-shm"
     assert {"--mps-pipe-dir=/run/nvidia-mps", "--mps-thread-percentage=30"} <= set(spec["containers"][0]["args"])
+    # The init container gives the agent's UID both directories; the /dev/shm one private to it.
+    (init,) = spec["initContainers"]
+    assert {"755:/run/nvidia-mps", "700:/dev/shm"} <= set(init["command"])
+    assert {m["name"] for m in init["volumeMounts"]} >= {"mps-pipe", "mps-shm"}
     op = parse_operator(container(docs, "Deployment")["args"])
-    assert (op.fill_mps_pipe_dir, op.fill_mps_thread_percentage) == ("/run/nvidia-mps", 30)
+    assert (op.fill_mps_pipe_dir, op.fill_mps_shm_dir, op.fill_mps_thread_percentage) == \
+        ("/run/nvidia-mps", "/run/mps-shm", 30)
+    assert parse_operator(container(render({"agent": {"isolation": "mps"}}), "Deployment")["args"]) \
+        .fill_mps_shm_dir == "/dev/shm/bubbles-mps"  # the chart's default, also the operator's
     plain = parse_operator(container(render(), "Deployment")["args"])  # contexts: fill Pods are not MPS clients
-    assert plain.fill_mps_pipe_dir is None and "hostIPC" not in one(render(), "DaemonSet")["spec"]["template"]["spec"]
+    plain_spec = one(render(), "DaemonSet")["spec"]["template"]["spec"]
+    assert plain.fill_mps_pipe_dir is None and plain.fill_mps_shm_dir is None
+    assert "mps-shm" not in {v["name"] for v in plain_spec["volumes"]}
 
 
 def test_service_monitors_follow_the_switch_and_a_custom_namespace_is_used_throughout() -> None:
@@ -187,7 +201,16 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"agent": {"extraEnv": {"A": "b"}}}, "/agent/extraEnv"),
     ({"agent": {"runDir": "run/bubbles"}}, "/agent/runDir"),
     ({"agent": {"mps": {"threadPercentage": 0}}}, "/agent/mps/threadPercentage"),
-    ({"agent": {"mps": {"shmSize": "1Gi"}}}, "shmSize"),  # gone: the node's /dev/shm is shared through host IPC
+    ({"agent": {"initTimeoutSeconds": 0}}, "/agent/initTimeoutSeconds"),
+    ({"agent": {"mps": {"shmSize": "1Gi"}}}, "shmSize"),  # gone: the Pods share agent.mps.shmDir
+    ({"agent": {"mps": {"shmDir": "/"}}}, "/agent/mps/shmDir"),
+    ({"agent": {"mps": {"shmDir": "dev/shm"}}}, "/agent/mps/shmDir"),
+    ({"agent": {"isolation": "mps", "mps": {"shmDir": "/dev/shm"}}}, "the node's own /dev/shm or system files"),
+    ({"agent": {"isolation": "mps", "mps": {"shmDir": "/sys/x"}}}, "the node's own /dev/shm or system files"),
+    ({"agent": {"isolation": "mps", "mps": {"shmDir": "/run/x/../y"}}}, "without '.' or '..' parts"),
+    ({"agent": {"isolation": "mps", "mps": {"shmDir": "/mps"}}}, "at least two levels deep"),
+    ({"agent": {"isolation": "mps", "mps": {"shmDir": "/tmp/nvidia-mps/shm"}}}, "apart from agent.mps.pipeDir"),
+    ({"agent": {"isolation": "mps", "runDir": "/run/b", "mps": {"shmDir": "/run/b"}}}, "apart from agent.runDir"),
 ])
 def test_contradictory_or_malformed_values_are_refused_with_what_to_change(values: dict[str, Any],
                                                                           message: str) -> None:
@@ -311,23 +334,25 @@ def test_the_run_dir_init_container_works_with_only_its_capability_and_again_aft
     docs = render({"agent": {"runAsUser": 1000, "runAsGroup": 1000, "isolation": "mps"}})
     (init,) = one(docs, "DaemonSet")["spec"]["template"]["spec"]["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
-    assert {m["mountPath"] for m in init["volumeMounts"]} == {"/run/bubbles", "/tmp/nvidia-mps"}
-    d, pipe = tmp_path / "run", tmp_path / "nvidia-mps"  # with MPS the daemon's pipe directory too
-    d.mkdir(mode=0o700)
-    pipe.mkdir(mode=0o755)
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {"/run/bubbles", "/tmp/nvidia-mps", "/dev/shm"}
+    # With MPS the daemon's pipe directory too, and its /dev/shm directory (private: the training's shared memory).
+    d, pipe, shm = tmp_path / "run", tmp_path / "nvidia-mps", tmp_path / "shm"
+    for made in (d, pipe, shm):
+        made.mkdir(mode=0o755)
     argv = [sys.executable, *init["command"][1:]]
-    argv[argv.index("/run/bubbles")] = str(d)
-    argv[argv.index("/tmp/nvidia-mps")] = str(pipe)
+    argv[argv.index("755:/run/bubbles")] = f"755:{d}"
+    argv[argv.index("755:/tmp/nvidia-mps")] = f"755:{pipe}"
+    argv[argv.index("700:/dev/shm")] = f"700:{shm}"
     only_chown = ["setpriv", "--inh-caps=-all", "--bounding-set=-all,+chown", "--"]
     r = subprocess.run([*only_chown, *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for owned in (d, pipe):
+    for owned, mode in ((d, 0o755), (pipe, 0o755), (shm, 0o700)):
         st = owned.stat()
-        assert (st.st_uid, st.st_gid) == (1000, 1000) and st.st_mode & 0o777 == 0o755
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, mode), owned
     d.chmod(0o700)  # what the agent does once it runs: the directory is private to it
     r = subprocess.run([*only_chown, *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"a replaced agent Pod's init container failed: {r.stderr}"
     st = d.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, 0o700)
     (plain,) = one(render(), "DaemonSet")["spec"]["template"]["spec"]["initContainers"]  # contexts: the run dir only
-    assert plain["command"][-1] == "/run/bubbles" and len(plain["volumeMounts"]) == 1
+    assert plain["command"][-1] == "755:/run/bubbles" and len(plain["volumeMounts"]) == 1

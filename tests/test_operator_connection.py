@@ -103,6 +103,8 @@ def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Pat
         (["--fill-mps-pipe-dir", "nvidia-mps"], "the MPS pipe directory must be an absolute path"),
         (["--fill-mps-pipe-dir", "/tmp/m", "--fill-mps-thread-percentage", "0"], "from 1 to 100, got 0"),
         (["--fill-mps-thread-percentage", "50"], "--fill-mps-thread-percentage needs --fill-mps-pipe-dir"),
+        (["--fill-mps-shm-dir", "/run/s"], "--fill-mps-shm-dir needs --fill-mps-pipe-dir"),
+        (["--fill-mps-pipe-dir", "/tmp/m", "--fill-mps-shm-dir", "/tmp/m"], "apart from the MPS pipe directory"),
     ],
 )
 def test_bad_operator_flags_exit_2_with_the_fix(flags: list[str], needle: str,

@@ -137,17 +137,20 @@ def test_a_fill_pod_carries_the_jobs_own_cpu_and_memory_where_given() -> None:
 
 def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     """The agents run --isolation mps: a fill Pod on a GPU gets what makes it a client of the node's MPS server (the
-    pipe directory, host IPC for the server's /dev/shm, the CUDA_MPS_* variables); on a CPU stage nothing of it."""
-    settings = FillPodSettings(mps_pipe_dir="/run/nvidia-mps", mps_thread_percentage=40)
+    pipe directory, the agent's /dev/shm directory at /dev/shm, the CUDA_MPS_* variables; no host IPC); on a CPU
+    stage nothing of it."""
+    settings = FillPodSettings(mps_pipe_dir="/run/nvidia-mps", mps_thread_percentage=40, mps_shm_dir="/run/mps-shm")
     (pod,) = step([fill_job()], [stage(gpu_uuid="GPU-1234")], fill_pods=settings).create_pods
     spec, (container,) = pod["spec"], pod["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")} == {
         "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
         "CUDA_MPS_CLIENT_PRIORITY": "1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=64M"}  # the job's 64Mi, on cuda:0
-    assert spec["hostIPC"] is True
+    assert "hostIPC" not in spec
     assert {"name": "mps-pipe", "mountPath": "/run/nvidia-mps"} in container["volumeMounts"]
     assert {"name": "mps-pipe", "hostPath": {"path": "/run/nvidia-mps", "type": "Directory"}} in spec["volumes"]
+    assert {"name": "mps-shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert {"name": "mps-shm", "hostPath": {"path": "/run/mps-shm", "type": "Directory"}} in spec["volumes"]
     # The same variables the agent gives the fill processes it starts itself, for the device they see.
     from bubbles.mps_client import fill_client_env
 
@@ -165,12 +168,24 @@ def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     assert "hostIPC" not in cpu_pod["spec"] and not any(n.startswith("CUDA_MPS_") for n in cpu_env)
     assert [v["name"] for v in cpu_pod["spec"]["volumes"]] == ["bubbles-run"]
     (plain,) = step([fill_job("no-mps")], [stage(gpu_uuid="GPU-1234")]).create_pods  # agents on contexts
-    assert "hostIPC" not in plain["spec"] and not any(e["name"].startswith("CUDA_MPS_")
-                                                      for e in plain["spec"]["containers"][0]["env"])
+    assert [v["name"] for v in plain["spec"]["volumes"]] == ["bubbles-run"]
+    assert not any(e["name"].startswith("CUDA_MPS_") for e in plain["spec"]["containers"][0]["env"])
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
     ({"node_run_dir": "run/bubbles"}, "must be an absolute path"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "shm"}, "/dev/shm directory must be an absolute path"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/"}, "at least two levels deep"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/shm"}, "at least two levels deep"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/run/x/../bubbles"}, "without '.' or '..' parts"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "//run/mps-shm"}, "repeated or trailing slashes"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/run/mps-shm/"}, "repeated or trailing slashes"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/dev/shm"}, "the node's own /dev/shm"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/dev/mps"}, "the node's own system files"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/proc/mps"}, "the node's own system files"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/tmp/nvidia-mps"}, "apart from the MPS pipe directory"),
+    ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_shm_dir": "/run/bubbles/shm"}, "apart from the node's run directory"),
+    ({"mps_pipe_dir": "/run/m/pipe", "mps_shm_dir": "/run/m"}, "apart from the MPS pipe directory"),
     ({"run_as_user": -1}, "user id must be >= 0"),
     ({"run_as_group": -5}, "group id must be >= 0"),
     ({"mps_pipe_dir": "tmp/nvidia-mps"}, "MPS pipe directory must be an absolute path"),

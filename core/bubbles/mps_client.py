@@ -3,12 +3,17 @@
 
 A CUDA process joins MPS when it initializes CUDA with a control daemon answering in ``$CUDA_MPS_PIPE_DIRECTORY``
 (the same directory for the daemon, its servers and every client), under the same UID as the server, and, across
-containers, with the same ``/dev/shm`` (host IPC). NVIDIA, *Multi-Process Service*, "Environment variables".
+containers, with the same ``/dev/shm``. NVIDIA, *Multi-Process Service*, "Environment variables".
+
+In a cluster the daemon's Pod (the agent's) and every client's Pod mount one node directory at ``/dev/shm`` (NVIDIA's
+device plugin does the same with a tmpfs of its own): the MPS participants share it, and nothing else on the node
+does (no host IPC).
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 from pathlib import Path, PurePath
 
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
@@ -17,6 +22,10 @@ THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 PINNED_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 DEFAULT_PIPE_DIR = Path("/tmp/nvidia-mps")
+# The node directory the agent's Pod and its MPS clients' Pods mount at /dev/shm (the chart's agent.mps.shmDir): a
+# directory in the node's /dev/shm, so it is memory with the node's /dev/shm's size, and only it is shared.
+DEFAULT_SHM_DIR = "/dev/shm/bubbles-mps"
+SHM_MOUNT = "/dev/shm"
 CONTROL_SOCKET = "control"
 FILL_PRIORITY = 1  # the training runs at the default priority 0; fill clients below it
 DEFAULT_FILL_THREAD_PERCENTAGE = 50
@@ -32,6 +41,25 @@ def check_pipe_dir(pipe_dir: PurePath) -> None:
         raise ValueError(f"MPS pipe directory {pipe_dir} is too long: its control socket path would be "
                          f"{len(os.fsencode(socket_path))} bytes, over the {SUN_PATH_MAX}-byte limit of a Unix "
                          "socket path; choose a shorter --mps-pipe-dir")
+
+
+def check_shm_dir(path: str) -> str:
+    """ValueError unless ``path`` can be the MPS participants' /dev/shm directory on a node: absolute, written plainly
+    (the API server refuses ``..`` in a hostPath), at least two levels deep, and not the node's /dev/shm itself nor
+    a system tree (the agent's init container takes the directory over: owner and mode)."""
+    plain = posixpath.normpath(path) if path.startswith("/") else ""
+    if not path.startswith("/") or path.startswith("//") or plain != path:
+        raise ValueError(f"the MPS /dev/shm directory must be an absolute path written without '.' or '..' parts or "
+                         f"repeated or trailing slashes, got {path!r}")
+    if path.count("/") < 2:
+        raise ValueError(f"the MPS /dev/shm directory must be a directory of its own, at least two levels deep (for "
+                         f"example {DEFAULT_SHM_DIR}), got {path!r}")
+    if path == SHM_MOUNT or (path.startswith("/dev/") and not path.startswith(SHM_MOUNT + "/")) \
+            or path.startswith(("/proc/", "/sys/")):
+        raise ValueError(f"the MPS /dev/shm directory {path} would share (and give the agent's UID) the node's own "
+                         f"{'/dev/shm' if path == SHM_MOUNT else 'system files'}: use a directory of its own, for "
+                         f"example {DEFAULT_SHM_DIR}")
+    return path
 
 
 def check_thread_percentage(value: int) -> int:

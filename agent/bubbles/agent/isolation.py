@@ -384,7 +384,7 @@ class MpsIsolation(Isolation):
     def verify_client(self, pid: int, device: str) -> str | None:
         """Whether ``pid`` is a client of one of the daemon's servers (``get_client_list``). A process joins MPS only
         if, when it initialized CUDA, the daemon answered in its ``$CUDA_MPS_PIPE_DIRECTORY`` and (in a Pod) it shared
-        the node's /dev/shm; otherwise it runs in a context of its own, with none of the limits it was admitted under.
+        the daemon's /dev/shm; otherwise it runs in a context of its own, with none of the limits it was admitted under.
         The daemon lists PIDs as its own PID namespace numbers them: a PID missing from its lists is refused only when
         that namespace is this agent's (the daemon this agent started, or a process of ours by its pid file; in
         cluster mode the agent has the host's), and said otherwise. ``mps.MpsError`` when the daemon does not answer
@@ -405,8 +405,9 @@ class MpsIsolation(Isolation):
             return None
         return (f"process {pid} is not a client of the MPS server in {self.control.pipe_dir} ({listed}), so it runs "
                 "without its pinned memory limit and SM share. It must initialize CUDA with $CUDA_MPS_PIPE_DIRECTORY "
-                "set to that directory, after the daemon started; a fill Pod also needs host IPC and the directory "
-                "mounted (the operator's --fill-mps-pipe-dir, set by the chart when agent.isolation is mps)")
+                "set to that directory, after the daemon started; a fill Pod also needs that directory and the "
+                "agent's /dev/shm directory mounted (the operator's --fill-mps-pipe-dir and --fill-mps-shm-dir, set "
+                "by the chart when agent.isolation is mps)")
 
     def live_clients(self) -> list[int]:
         """The PIDs of the processes connected to the daemon's servers that are still alive."""

@@ -50,6 +50,24 @@ true
 {{- if and (eq .Values.agent.isolation "mps") (eq (int .Values.agent.runAsUser) 0) -}}
 {{- fail "agent.isolation=mps with agent.runAsUser=0: an MPS server serves one UID, and the trainings and fill Pods do not run as root. Set agent.runAsUser (and runAsGroup) to the UID your trainings run as." -}}
 {{- end -}}
+{{- if eq .Values.agent.isolation "mps" -}}
+{{- $shm := .Values.agent.mps.shmDir -}}
+{{- if or (ne (clean $shm) $shm) (hasPrefix "//" $shm) -}}
+{{- fail (printf "agent.mps.shmDir %q: write it without '.' or '..' parts or repeated or trailing slashes (the API server refuses '..' in a hostPath)." $shm) -}}
+{{- end -}}
+{{- if lt (len (splitList "/" $shm)) 3 -}}
+{{- fail (printf "agent.mps.shmDir %q must be a directory of its own, at least two levels deep (for example /dev/shm/bubbles-mps)." $shm) -}}
+{{- end -}}
+{{- if or (eq $shm "/dev/shm") (and (hasPrefix "/dev/" $shm) (not (hasPrefix "/dev/shm/" $shm))) (hasPrefix "/proc/" $shm) (hasPrefix "/sys/" $shm) -}}
+{{- fail (printf "agent.mps.shmDir %q would share (and give the agent's UID) the node's own /dev/shm or system files: use a directory of its own, for example /dev/shm/bubbles-mps." $shm) -}}
+{{- end -}}
+{{- range $name, $other := dict "agent.runDir" .Values.agent.runDir "agent.mps.pipeDir" .Values.agent.mps.pipeDir -}}
+{{- $o := clean $other -}}
+{{- if or (eq $o $shm) (hasPrefix (printf "%s/" $o) $shm) (hasPrefix (printf "%s/" $shm) $o) -}}
+{{- fail (printf "agent.mps.shmDir %q must be apart from %s %q (neither inside the other): the Pods mount both, and each must hold only its own files." $shm $name $other) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.agent.allowUnisolated (eq .Values.agent.isolation "none") -}}
 {{- fail "agent.allowUnisolated=true with agent.isolation=none says the same thing twice and hides a mistake: choose isolation contexts or mps, or leave allowUnisolated false." -}}
 {{- end -}}

@@ -90,11 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fill.add_argument("--fill-gid", type=int, default=None, metavar="GID", help="and this group (agent.runAsGroup)")
     fill.add_argument("--fill-mps-pipe-dir", default=None, metavar="PATH",
                       help="the agents run --isolation mps with this MPS pipe directory: fill Pods on a GPU join that "
-                           "MPS server (the directory mounted, host IPC, the CUDA_MPS_* variables; the chart passes "
-                           "agent.mps.pipeDir when agent.isolation is mps). Default: fill Pods are not MPS clients")
+                           "MPS server (the directory and --fill-mps-shm-dir mounted, the CUDA_MPS_* variables; the "
+                           "chart passes agent.mps.pipeDir when agent.isolation is mps). Default: fill Pods are not "
+                           "MPS clients")
     fill.add_argument("--fill-mps-thread-percentage", type=int, default=None, metavar="P",
                       help="the SM share of a fill Pod on MPS, 1-100, as the agents' --mps-thread-percentage "
                            "(default 50; needs --fill-mps-pipe-dir)")
+    fill.add_argument("--fill-mps-shm-dir", default=None, metavar="PATH",
+                      help="the node directory the agents' Pods mount at /dev/shm (the MPS server's shared state): "
+                           "fill Pods on MPS mount it there too (default /dev/shm/bubbles-mps; the chart passes "
+                           "agent.mps.shmDir; needs --fill-mps-pipe-dir)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default INFO)")
 
@@ -154,16 +159,19 @@ def run(args: argparse.Namespace) -> int:
     elif args.agent_client_cert or args.agent_client_key or args.agent_token_file:
         return _fail("--agent-client-cert, --agent-client-key and --agent-token-file need --agent-ca (the CA that "
                      "signed the agents' server certificate)")
-    from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
+    from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE, DEFAULT_SHM_DIR
 
     from .decide import FillPodSettings
 
     if args.fill_mps_thread_percentage is not None and args.fill_mps_pipe_dir is None:
         return _fail("--fill-mps-thread-percentage needs --fill-mps-pipe-dir (the MPS pipe directory the agents use)")
+    if args.fill_mps_shm_dir is not None and args.fill_mps_pipe_dir is None:
+        return _fail("--fill-mps-shm-dir needs --fill-mps-pipe-dir (the MPS pipe directory the agents use)")
     try:
         fill_pods = FillPodSettings(args.node_run_dir, args.fill_uid, args.fill_gid, args.fill_mps_pipe_dir,
                                     DEFAULT_FILL_THREAD_PERCENTAGE if args.fill_mps_thread_percentage is None
-                                    else args.fill_mps_thread_percentage)
+                                    else args.fill_mps_thread_percentage,
+                                    DEFAULT_SHM_DIR if args.fill_mps_shm_dir is None else args.fill_mps_shm_dir)
     except ValueError as exc:
         return _fail(f"--node-run-dir/--fill-uid/--fill-gid/--fill-mps-*: {exc}")
     try:

@@ -120,6 +120,9 @@ class FillPodSettings:
     # The agents run --isolation mps with this pipe directory: fill Pods on a GPU join that MPS server.
     mps_pipe_dir: str | None = None
     mps_thread_percentage: int = mps_client.DEFAULT_FILL_THREAD_PERCENTAGE
+    # The node directory the agent's Pod mounts at /dev/shm, where the MPS server keeps what it shares with its
+    # clients: fill Pods on MPS mount it there too (and so does the training's Pod).
+    mps_shm_dir: str = mps_client.DEFAULT_SHM_DIR
 
     def __post_init__(self) -> None:
         if not self.node_run_dir.startswith("/"):
@@ -131,6 +134,13 @@ class FillPodSettings:
             if not self.mps_pipe_dir.startswith("/"):
                 raise ValueError(f"the MPS pipe directory must be an absolute path, got {self.mps_pipe_dir!r}")
             mps_client.check_pipe_dir(PurePosixPath(self.mps_pipe_dir))
+            shm = PurePosixPath(mps_client.check_shm_dir(self.mps_shm_dir))
+            for name, other in (("MPS pipe directory", self.mps_pipe_dir),
+                                ("node's run directory", self.node_run_dir)):
+                o = PurePosixPath(other)
+                if shm == o or o in shm.parents or shm in o.parents:
+                    raise ValueError(f"the MPS /dev/shm directory {self.mps_shm_dir} must be apart from the {name} "
+                                     f"{other}: fill Pods mount both, and each must hold only its own files")
         mps_client.check_thread_percentage(self.mps_thread_percentage)
 
 
@@ -732,8 +742,12 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
     volumes: list[dict[str, Any]] = [{"name": "bubbles-run",
                                       "hostPath": {"path": settings.node_run_dir, "type": "Directory"}}]
     if mps:
-        container["volumeMounts"].append({"name": "mps-pipe", "mountPath": mps})
-        volumes.append({"name": "mps-pipe", "hostPath": {"path": mps, "type": "Directory"}})
+        # The agent's pipe directory, and its /dev/shm (a node directory the agent's Pod mounts there: the MPS server
+        # keeps its shared state with its clients in /dev/shm). Not host IPC: the node's other IPC stays out.
+        container["volumeMounts"] += [{"name": "mps-pipe", "mountPath": mps},
+                                      {"name": "mps-shm", "mountPath": mps_client.SHM_MOUNT}]
+        volumes += [{"name": "mps-pipe", "hostPath": {"path": mps, "type": "Directory"}},
+                    {"name": "mps-shm", "hostPath": {"path": settings.mps_shm_dir, "type": "Directory"}}]
     if job.checkpoint_path and job.checkpoint_claim:
         # The job's state outlives its Pod: the next attempt (another node, maybe) restores from it.
         container["volumeMounts"].append({"name": "checkpoint", "mountPath": job.checkpoint_path})
@@ -754,8 +768,6 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             **({"securityContext": security} if security else {}),
-            # MPS clients share the server's /dev/shm: with host IPC the Pod has the node's (as the agent has).
-            **({"hostIPC": True} if mps else {}),
             "containers": [container],
             "volumes": volumes,
         },

@@ -22,9 +22,13 @@ class OperatorMetrics:
         self.deadline_misses = Gauge("bubbles_operator_deadline_misses",
                                      "FillJobs whose expected finish misses their deadline", registry=r)
         self.recovered_flops = Gauge("bubbles_operator_recovered_flops",
-                                     "FLOPs fill jobs did in the bubbles of a training (sum over its FillJobs)",
+                                     "FLOPs fill jobs did in the bubbles of a training (sum over its FillJobs; "
+                                     "a requeued one counts for the training it last ran on)",
                                      ["namespace", "training"], registry=r)
         self._flops_series: set[tuple[str, str]] = set()  # the label sets recovered_flops holds
+        # FillJob (namespace, name) -> the training it last ran on: a requeued job (no assignment while it waits)
+        # still counts there, so the series does not dip or vanish until it is placed again.
+        self._ran_on: dict[tuple[str, str], str] = {}
         self.reconcile_errors = Counter("bubbles_operator_reconcile_errors", "Reconcile rounds that failed",
                                         registry=r)
         self.reconciles = Counter("bubbles_operator_reconciles", "Reconcile rounds", registry=r)
@@ -47,6 +51,7 @@ class OperatorMetrics:
         phases = {p.value: 0 for p in FillJobPhase}
         misses = 0
         flops: dict[tuple[str, str], float] = {}
+        ran_on, self._ran_on = self._ran_on, {}
         for obj in fill_jobs:
             st = obj.get("status") or {}
             phase = st.get("phase")
@@ -54,9 +59,12 @@ class OperatorMetrics:
                 phases[phase] += 1
             if st.get("deadlineFeasible") is False and phase not in ("Succeeded", "Failed"):
                 misses += 1
-            training = (st.get("assignment") or {}).get("training")
+            meta = obj.get("metadata") or {}
+            job = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+            training = (st.get("assignment") or {}).get("training") or ran_on.get(job)
             if training:
-                key = ((obj.get("metadata") or {}).get("namespace", ""), training)
+                self._ran_on[job] = training  # kept for the FillJobs that still exist, and only those
+                key = (job[0], training)
                 flops[key] = flops.get(key, 0.0) + float(st.get("recoveredFlops") or 0.0)
         for phase, n in phases.items():
             self.fill_jobs.labels(phase).set(n)
