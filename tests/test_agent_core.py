@@ -302,6 +302,7 @@ def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_
     assert core.due_watchdogs(clock.now) == [stuck]  # the shell reads a late PAUSED first, if there is one
     core.tick(clock.now)
     assert stuck.state is FillState.STOPPED and "its init did not finish within 30 s" in stuck.reason
+    assert "the agent's --init-timeout" in stuck.reason
     assert Signal(stuck, signal.SIGKILL) in core.take_actions()
     assert core.kills == 1 and ("kill", 0, "cpu", "stuck") in sink.calls
     core.on_exit(stuck, -9)
@@ -313,6 +314,24 @@ def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_
     clock.now += 31 * 10**9
     core.tick(clock.now)
     assert done.state is not FillState.STOPPED
+
+
+def test_a_jobs_own_init_timeout_takes_the_place_of_the_agents() -> None:
+    """A job that loads a large model says so in its spec (FillJob spec.initTimeout): its deadline is its own, the
+    agent's applies to the others, and the reason says whose limit it was."""
+    core, clock, _sink = make_core(init_timeout_s=30.0)
+    slow = core.submit(job_spec("slow", init_timeout="20m"))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.take_actions()
+    core.launched(slow, has_control=True)
+    assert core.next_deadline_ns() == clock.now + 1200 * 10**9
+    clock.now += 600 * 10**9  # well past the agent's 30 s
+    core.tick(clock.now)
+    assert slow.state is FillState.CREATED
+    clock.now += 601 * 10**9
+    core.tick(clock.now)
+    assert slow.state is FillState.STOPPED
+    assert "its init did not finish within 1200 s of its start (its spec's init timeout" in slow.reason
 
 
 def test_a_check_that_could_not_be_made_stops_and_resubmits_the_job() -> None:

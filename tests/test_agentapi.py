@@ -56,7 +56,7 @@ def test_reports_and_specs_survive_the_round_trip() -> None:
     assert back == report
     specs = [
         FillJobSpec("a", FillInterface.ITERATIVE, "m:C", None, {"k": [1, 2]}, 100, 1 << 20, 0.002, (), 2,
-                    WorkloadKind.BATCH_INFERENCE),
+                    WorkloadKind.BATCH_INFERENCE, 1800.0),
         FillJobSpec("b", FillInterface.IMPERATIVE, None, ("run", "--fast"), {}, None, 0, None,
                     (FillNode(0.001, 5), FillNode(0.002, 6)), None, None),
     ]
@@ -72,6 +72,8 @@ def test_reports_and_specs_survive_the_round_trip() -> None:
     (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", steps=0), "steps"),
     (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", step_time_s=0.0), "step_time_s"),
     (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", kind="painting"), "kind"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", init_timeout_s=0.0), "init_timeout_s must be more"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", init_timeout_s=1e9), "at most a day"),
 ])
 def test_a_bad_spec_is_refused_with_the_field(message: pb.FillJobSpec, error: str) -> None:
     with pytest.raises(agentapi.ApiError, match=error):

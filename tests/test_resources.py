@@ -72,6 +72,7 @@ def test_examples_are_valid_and_map_onto_the_agents_spec() -> None:
     bi = FillJobResource.from_object(load("filljob-batch-inference.yaml"))
     assert bi.steps == 4000 and bi.samples_per_step == 16 and bi.priority == 10
     assert bi.deadline == dt.datetime(2030, 1, 1, tzinfo=dt.UTC) and bi.checkpoint_path
+    assert bi.job.init_timeout_s == 1200 and fj.job.init_timeout_s is None  # None: the agent's --init-timeout
     pt = PipelineTrainingResource.from_object(load("pipelinetraining.yaml"))
     assert pt.memory_reserve_bytes == 512 * 2**20 and pt.slowdown_budget == 0.01 and pt.stages == 2
 
@@ -98,6 +99,9 @@ GOOD: dict[str, Any] = {"image": "img:1", "entry": "m:C", "profile": {"memory": 
         ({"priority": 5000}, "spec.priority must be <= 1000"),
         ({"deadline": "tomorrow"}, "spec.deadline 'tomorrow' is not valid"),
         ({"restartLimit": -1}, "spec.restartLimit must be >= 0"),
+        ({"initTimeout": "soon"}, "spec.initTimeout must be a duration"),
+        ({"initTimeout": "2d"}, "spec.initTimeout must be a duration like 2ms, 500us, 0.002 (seconds) or 20m"),
+        ({"initTimeout": "25h"}, "spec.initTimeout must be more than 0 and at most a day"),
         ({"trainingSelector": {"matchLabels": {"a": 1}}}, "spec.trainingSelector.matchLabels must be a map"),
         ({"trainingSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}},
          "spec.trainingSelector.matchExpressions[0].operator must be one of In, NotIn, Exists, DoesNotExist"),

@@ -284,6 +284,7 @@ class FillJobSpec:
     nodes: tuple[FillNode, ...] = ()
     stage: int | None = None
     kind: WorkloadKind | None = None  # what the job does, when the user says
+    init_timeout_s: float | None = None  # how long its init may take; None: the agent's --init-timeout
 
     @property
     def iterative(self) -> bool:
@@ -309,14 +310,15 @@ class FillJobSpec:
 
 
 _FIELDS = ("name", "interface", "kind", "entry", "command", "args", "steps", "memory", "step_time", "nodes",
-           "stage")
+           "stage", "init_timeout")
+MAX_INIT_TIMEOUT_S = 86400.0  # a day: longer is a job that will never start
 _QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i?|k|m)?\s*$")
 _UNITS = {
     None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
-_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)\s*(ns|us|µs|ms|s)?\s*$")
-_DUR_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)\s*(ns|us|µs|ms|s|m|h)?\s*$")
+_DUR_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "m": 60.0, "h": 3600.0}
 
 
 def parse_quantity(value: Any, where: str) -> int:
@@ -337,13 +339,13 @@ def parse_quantity(value: Any, where: str) -> int:
 
 
 def parse_duration(value: Any, where: str) -> float:
-    """Seconds from a number or a string like ``2ms``, ``500us``, ``0.002``."""
+    """Seconds from a number or a string like ``2ms``, ``500us``, ``0.002``, ``20m``, ``1h``."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         s = float(value)
     elif isinstance(value, str) and (m := _DURATION.match(value)):
         s = float(m.group(1)) * _DUR_UNITS[m.group(2)]
     else:
-        raise SpecError(f"{where} must be a duration like 2ms, 500us or 0.002 (seconds), got {value!r}")
+        raise SpecError(f"{where} must be a duration like 2ms, 500us, 0.002 (seconds) or 20m, got {value!r}")
     if not math.isfinite(s) or s <= 0:
         raise SpecError(f"{where} must be a duration > 0, got {value!r}")
     return s
@@ -418,10 +420,22 @@ def parse_spec(data: Any, source: str = "spec") -> FillJobSpec:
     stage = data.get("stage")
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
         raise SpecError(f"{source}: field 'stage' must be an executor index >= 0 (or omitted)")
+    init_timeout = data.get("init_timeout")
+    init_timeout_s = None if init_timeout is None else check_init_timeout(
+        parse_duration(init_timeout, f"{source}: field 'init_timeout'"), f"{source}: field 'init_timeout'")
     return FillJobSpec(
         name=name, interface=interface, kind=kind, entry=entry, command=tuple(command) if command else None,
         args=dict(args), steps=steps, memory_bytes=memory, step_time_s=step_time_s, nodes=tuple(nodes), stage=stage,
+        init_timeout_s=init_timeout_s,
     )
+
+
+def check_init_timeout(seconds: float, where: str) -> float:
+    """``seconds`` if it can bound a fill job's init (more than 0, at most a day); SpecError saying so otherwise."""
+    if not 0 < seconds <= MAX_INIT_TIMEOUT_S:
+        raise SpecError(f"{where} must be more than 0 and at most a day (how long the job's init, loading its model "
+                        f"and data, may take before the agent kills it), got {seconds:g} s")
+    return seconds
 
 
 def read_yaml(path: Path, what: str, error: type[ValueError] = ValueError) -> Any:

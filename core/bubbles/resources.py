@@ -26,6 +26,7 @@ from bubbles.api import (
     FillJobSpec,
     FillState,
     WorkloadKind,
+    check_init_timeout,
     parse_duration,
     parse_quantity,
     parse_spec,
@@ -38,7 +39,7 @@ FINALIZER = f"{GROUP}/fill-job-cleanup"
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|k)?$"
 CPU_PATTERN = r"^[0-9]+(\.[0-9]+)?m?$"  # cores (2, 0.5) or millicores (500m)
-DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s)?$"
+DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s|m|h)?$"
 ENTRY_PATTERN = r"^[\w.]+:[\w.]+$"
 IMAGE_PATTERN = r"^[^\s]+$"
 LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -211,6 +212,9 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
               "out: path must be storage the image or the node provides)", max_length=253,
               pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
     )),
+    Field("initTimeout", "duration", "how long the job's init (loading its model and data, before its first step) "
+          "may take before the node agent kills it, e.g. 30m; left out: the agent's --init-timeout (the chart's "
+          "agent.initTimeoutSeconds, default 600 s)"),
     Field("restartLimit", "integer", "how often the job is restarted (after its node, agent or isolation was "
           "lost) before it fails", default=3, minimum=0, maximum=100),
     Field("resources", "object", "the fill Pod's own CPU and host memory, as a container's resources (its "
@@ -469,6 +473,12 @@ class FillJobResource:
             agent_spec["command"] = s["command"]
         if profile.get("stepTime") is not None:
             agent_spec["step_time"] = profile["stepTime"]
+        if s.get("initTimeout") is not None:
+            try:
+                check_init_timeout(parse_duration(s["initTimeout"], "spec.initTimeout"), "spec.initTimeout")
+            except ValueError as exc:
+                raise ResourceError(str(exc)) from None
+            agent_spec["init_timeout"] = s["initTimeout"]
         try:
             job = parse_spec(agent_spec, "spec")
         except ValueError as exc:

@@ -527,7 +527,7 @@ class AgentCore:
         self._set_state(job, FillState.CREATED)
         if has_control:
             self._send(job, "init")
-            deadline = self.clock() + int(self.config.init_timeout_s * 1e9)
+            deadline = self.clock() + int(self._init_timeout_s(job) * 1e9)
             heapq.heappush(self._timers, (deadline, next(self._tie), job, _INIT_DEADLINE, deadline))
         else:
             # A plain command has no init handshake: the mode decides at once whether it is frozen (until its
@@ -783,12 +783,17 @@ class AgentCore:
             log.error("stage %d: fill job %r reports: %s", job.stage, job.name, job.last_error)
             self._event(job.stage, job.name, "error", job.last_error)
 
+    def _init_timeout_s(self, job: JobRecord) -> float:
+        return job.spec.init_timeout_s if job.spec.init_timeout_s is not None else self.config.init_timeout_s
+
     def _init_overdue(self, job: JobRecord) -> None:
         """The init deadline: a job still CREATED (its init not done) is killed; the stage's next job gets its turn."""
         if job.state is not FillState.CREATED or not job.launched:
             return
-        why = (f"killed: its init did not finish within {self.config.init_timeout_s:g} s of its start (see the job's "
-               "output; under MPS a process of a UID other than the server's waits in CUDA's initialization)")
+        limit = self._init_timeout_s(job)
+        whose = "its spec's init timeout" if job.spec.init_timeout_s is not None else "the agent's --init-timeout"
+        why = (f"killed: its init did not finish within {limit:g} s of its start ({whose}; see the job's output; under "
+               "MPS a process of a UID other than the server's waits in CUDA's initialization)")
         log.error("stage %d: fill job %r %s", job.stage, job.name, why)
         self._event(job.stage, job.name, "kill", why)
         self.kills += 1

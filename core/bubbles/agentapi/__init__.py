@@ -12,7 +12,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from bubbles.api import FillInterface, FillJobSpec, FillNode, FillState, WorkloadKind, check_tail_risk
+from bubbles.api import (
+    FillInterface,
+    FillJobSpec,
+    FillNode,
+    FillState,
+    SpecError,
+    WorkloadKind,
+    check_init_timeout,
+    check_tail_risk,
+)
 from bubbles.resources import JobProgress, NodeReport, StageReport
 
 from .v1alpha1 import agent_pb2 as pb
@@ -87,6 +96,8 @@ def spec_to_pb(s: FillJobSpec) -> pb.FillJobSpec:
         msg.step_time_s = s.step_time_s
     if s.stage is not None:
         msg.stage = s.stage
+    if s.init_timeout_s is not None:
+        msg.init_timeout_s = s.init_timeout_s
     return msg
 
 
@@ -155,13 +166,19 @@ def spec_from_pb(m: pb.FillJobSpec) -> FillJobSpec:
         raise ApiError(f"{where}: steps is {m.steps}; it must be >= 1")
     if m.HasField("step_time_s") and not m.step_time_s > 0:
         raise ApiError(f"{where}: step_time_s is {m.step_time_s}; it must be > 0")
+    if m.HasField("init_timeout_s"):
+        try:
+            check_init_timeout(m.init_timeout_s, f"{where}: init_timeout_s")
+        except SpecError as exc:
+            raise ApiError(str(exc)) from None
     return FillJobSpec(
         name=m.name, interface=_enum(FillInterface, m.interface, f"{where}'s interface"), entry=m.entry or None,
         command=tuple(m.command) or None, args=args, steps=m.steps if m.HasField("steps") else None,
         memory_bytes=m.memory_bytes, step_time_s=m.step_time_s if m.HasField("step_time_s") else None,
         nodes=tuple(FillNode(n.duration_s, n.memory_bytes) for n in m.nodes),
         stage=m.stage if m.HasField("stage") else None,
-        kind=_enum(WorkloadKind, m.kind, f"{where}'s kind") if m.kind else None)
+        kind=_enum(WorkloadKind, m.kind, f"{where}'s kind") if m.kind else None,
+        init_timeout_s=m.init_timeout_s if m.HasField("init_timeout_s") else None)
 
 
 def assignment_from_pb(m: pb.AssignRequest) -> AssignmentMessage:
