@@ -39,7 +39,8 @@ GOOD = {"name": "job", "entry": "pkg.mod:Job"}
         ({**GOOD, "step_time": 0}, "field 'step_time' must be a duration > 0"),
         ({**GOOD, "steps": 0}, "field 'steps' must be an integer >= 1"),
         ({**GOOD, "stage": -1}, "field 'stage' must be an executor index"),
-        ({**GOOD, "init_timeout": "forever"}, "field 'init_timeout' must be a duration"),
+        ({**GOOD, "init_timeout": "forever"}, "field 'init_timeout' must be a duration like 30m, 1h"),
+        ({**GOOD, "step_time": "5m"}, "field 'step_time' must be a duration like 2ms"),
         ({**GOOD, "init_timeout": "25h"}, "field 'init_timeout' must be more than 0 and at most a day"),
         ({**GOOD, "init_timeout": 0}, "field 'init_timeout' must be a duration > 0"),
         ({**GOOD, "args": [1]}, "field 'args' must be a mapping"),
@@ -60,7 +61,10 @@ def test_spec_units_and_defaults() -> None:
     assert parse_quantity("1G", "m") == 10**9 and parse_quantity(4096, "m") == 4096
     assert parse_duration("2ms", "t") == pytest.approx(0.002) and parse_duration("0.002", "t") == 0.002
     assert parse_duration("500us", "t") == pytest.approx(5e-4)
-    assert parse_duration("20m", "t") == 1200 and parse_duration("1.5h", "t") == 5400  # minutes, hours (as in Go)
+    # Minutes and hours (as in Go) for timeouts only: a step time of "5m" is a slip (milli?), not five minutes.
+    assert parse_duration("20m", "t", long=True) == 1200 and parse_duration("1.5h", "t", long=True) == 5400
+    with pytest.raises(SpecError, match=r"like 2ms, 500us or 0\.002"):
+        parse_duration("5m", "t")
     nodes = [{"duration": "1ms"}, {"duration": 0.002, "memory": "2Mi"}]
     s = parse_spec({**GOOD, "memory": "1Mi", "nodes": nodes})
     assert s.interface is FillInterface.ITERATIVE and s.kind is None and s.args == {} and s.stage is None

@@ -302,7 +302,7 @@ def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_
     assert core.due_watchdogs(clock.now) == [stuck]  # the shell reads a late PAUSED first, if there is one
     core.tick(clock.now)
     assert stuck.state is FillState.STOPPED and "its init did not finish within 30 s" in stuck.reason
-    assert "the agent's --init-timeout" in stuck.reason
+    assert "the agent's --init-timeout; a job that needs longer sets FillJob spec.initTimeout" in stuck.reason
     assert Signal(stuck, signal.SIGKILL) in core.take_actions()
     assert core.kills == 1 and ("kill", 0, "cpu", "stuck") in sink.calls
     core.on_exit(stuck, -9)
@@ -331,7 +331,7 @@ def test_a_jobs_own_init_timeout_takes_the_place_of_the_agents() -> None:
     clock.now += 601 * 10**9
     core.tick(clock.now)
     assert slow.state is FillState.STOPPED
-    assert "its init did not finish within 1200 s of its start (its spec's init timeout" in slow.reason
+    assert "its init did not finish within 1200 s of its start (its own limit, FillJob spec.initTimeout" in slow.reason
 
 
 def test_a_check_that_could_not_be_made_stops_and_resubmits_the_job() -> None:

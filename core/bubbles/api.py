@@ -318,6 +318,7 @@ _UNITS = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)\s*(ns|us|µs|ms|s|m|h)?\s*$")
+_LONG_UNITS = ("m", "h")  # minutes and hours: for timeouts only (a step time of "5m" is a slip, not 5 minutes)
 _DUR_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "m": 60.0, "h": 3600.0}
 
 
@@ -338,14 +339,17 @@ def parse_quantity(value: Any, where: str) -> int:
     raise SpecError(f"{where} must be bytes or a Kubernetes quantity like 512Mi or 2Gi, got {value!r}")
 
 
-def parse_duration(value: Any, where: str) -> float:
-    """Seconds from a number or a string like ``2ms``, ``500us``, ``0.002``, ``20m``, ``1h``."""
+def parse_duration(value: Any, where: str, long: bool = False) -> float:
+    """Seconds from a number or a string like ``2ms``, ``500us``, ``0.002``; with ``long`` also ``20m``, ``1h``."""
+    m = _DURATION.match(value) if isinstance(value, str) else None
     if isinstance(value, int | float) and not isinstance(value, bool):
         s = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
+    elif m and (long or m.group(2) not in _LONG_UNITS):
         s = float(m.group(1)) * _DUR_UNITS[m.group(2)]
+    elif long:
+        raise SpecError(f"{where} must be a duration like 30m, 1h, 90s or 600 (seconds), got {value!r}")
     else:
-        raise SpecError(f"{where} must be a duration like 2ms, 500us, 0.002 (seconds) or 20m, got {value!r}")
+        raise SpecError(f"{where} must be a duration like 2ms, 500us or 0.002 (seconds), got {value!r}")
     if not math.isfinite(s) or s <= 0:
         raise SpecError(f"{where} must be a duration > 0, got {value!r}")
     return s
@@ -422,7 +426,7 @@ def parse_spec(data: Any, source: str = "spec") -> FillJobSpec:
         raise SpecError(f"{source}: field 'stage' must be an executor index >= 0 (or omitted)")
     init_timeout = data.get("init_timeout")
     init_timeout_s = None if init_timeout is None else check_init_timeout(
-        parse_duration(init_timeout, f"{source}: field 'init_timeout'"), f"{source}: field 'init_timeout'")
+        parse_duration(init_timeout, f"{source}: field 'init_timeout'", long=True), f"{source}: field 'init_timeout'")
     return FillJobSpec(
         name=name, interface=interface, kind=kind, entry=entry, command=tuple(command) if command else None,
         args=dict(args), steps=steps, memory_bytes=memory, step_time_s=step_time_s, nodes=tuple(nodes), stage=stage,

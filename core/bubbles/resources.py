@@ -39,7 +39,8 @@ FINALIZER = f"{GROUP}/fill-job-cleanup"
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|k)?$"
 CPU_PATTERN = r"^[0-9]+(\.[0-9]+)?m?$"  # cores (2, 0.5) or millicores (500m)
-DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s|m|h)?$"
+DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s)?$"
+TIMEOUT_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s|m|h)?$"  # also minutes and hours
 ENTRY_PATTERN = r"^[\w.]+:[\w.]+$"
 IMAGE_PATTERN = r"^[^\s]+$"
 LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -212,9 +213,9 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
               "out: path must be storage the image or the node provides)", max_length=253,
               pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
     )),
-    Field("initTimeout", "duration", "how long the job's init (loading its model and data, before its first step) "
-          "may take before the node agent kills it, e.g. 30m; left out: the agent's --init-timeout (the chart's "
-          "agent.initTimeoutSeconds, default 600 s)"),
+    Field("initTimeout", "timeout", "how long the job's init (loading its model and data, before its first step) "
+          "may take before the node agent kills it, more than 0 and at most 24h, e.g. 30m; left out: the agent's "
+          "--init-timeout (the chart's agent.initTimeoutSeconds, default 600 s)"),
     Field("restartLimit", "integer", "how often the job is restarted (after its node, agent or isolation was "
           "lost) before it fails", default=3, minimum=0, maximum=100),
     Field("resources", "object", "the fill Pod's own CPU and host memory, as a container's resources (its "
@@ -254,6 +255,8 @@ def openapi_schema(f: Field) -> dict[str, Any]:
         s.update({"x-kubernetes-int-or-string": True, "pattern": CPU_PATTERN})
     elif f.type == "duration":
         s.update({"type": "string", "pattern": DURATION_PATTERN})
+    elif f.type == "timeout":
+        s.update({"type": "string", "pattern": TIMEOUT_PATTERN})
     elif f.type == "map":
         s.update({"type": "object", "additionalProperties": {"type": "string"}})
     elif f.type == "array":
@@ -326,9 +329,9 @@ def _check(f: Field, value: Any, path: str, errors: list[str]) -> None:
     elif f.type == "cpu":
         if parse_cpu(value) is None:
             errors.append(f"{where} must be CPU cores or millicores like 2, 0.5 or 500m, got {value!r}")
-    elif f.type == "duration":
+    elif f.type in ("duration", "timeout"):
         try:
-            parse_duration(value, where)
+            parse_duration(value, where, long=f.type == "timeout")
         except ValueError as exc:
             errors.append(str(exc))
     elif f.type == "map":
@@ -475,7 +478,7 @@ class FillJobResource:
             agent_spec["step_time"] = profile["stepTime"]
         if s.get("initTimeout") is not None:
             try:
-                check_init_timeout(parse_duration(s["initTimeout"], "spec.initTimeout"), "spec.initTimeout")
+                check_init_timeout(parse_duration(s["initTimeout"], "spec.initTimeout", long=True), "spec.initTimeout")
             except ValueError as exc:
                 raise ResourceError(str(exc)) from None
             agent_spec["init_timeout"] = s["initTimeout"]

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SIGKILL a fill job still in a step this long after its bubble ended (default 50)")
     parser.add_argument("--init-timeout", type=float, default=None, metavar="SECONDS",
                         help="SIGKILL a fill job whose init (loading its model, its data) has not finished this long "
-                             "after its start: it holds its stage (default 600)")
+                             "after its start: it holds its stage (default 600; a job's own spec.initTimeout or "
+                             "init_timeout takes its place)")
     parser.add_argument("--slowdown-budget", type=float, default=None,
                         help="training slowdown the guard tolerates (default 0.01 = 1%%)")
     parser.add_argument("--tail-risk", type=float, default=None,

@@ -791,7 +791,9 @@ class AgentCore:
         if job.state is not FillState.CREATED or not job.launched:
             return
         limit = self._init_timeout_s(job)
-        whose = "its spec's init timeout" if job.spec.init_timeout_s is not None else "the agent's --init-timeout"
+        whose = ("its own limit, FillJob spec.initTimeout or spec-file init_timeout" if job.spec.init_timeout_s
+                 is not None else "the agent's --init-timeout; a job that needs longer sets FillJob spec.initTimeout "
+                 "or spec-file init_timeout")
         why = (f"killed: its init did not finish within {limit:g} s of its start ({whose}; see the job's output; under "
                "MPS a process of a UID other than the server's waits in CUDA's initialization)")
         log.error("stage %d: fill job %r %s", job.stage, job.name, why)

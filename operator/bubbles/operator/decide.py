@@ -376,7 +376,8 @@ def reconcile(view: ClusterView) -> Decisions:
                 out.cancel.append((str(a["node"]), str(meta.get("uid", ""))))
             st.status.pop("eta", None)
             st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
-            st.phase(FillJobPhase.FAILED, f"invalid spec: {exc}", event="InvalidSpec", warning=True)
+            st.phase(FillJobPhase.FAILED, f"invalid spec: {exc} (a Failed FillJob is not read again: delete it and "
+                     "apply it corrected)", event="InvalidSpec", warning=True)
             st.finish()
             continue
         if phase is None or phase is FillJobPhase.PENDING:
