@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,6 +188,31 @@ def test_listeners_discovered_only_when_the_directory_changes(sockdir: Path) -> 
     assert a.recv(100) == b"hello" and b.recv(100) == b"hello"
     assert ls.sent == 2
     ls.close(), a.close(), b.close()
+
+
+def test_a_new_listener_gets_its_greeting_before_anything_another_thread_sends(sockdir: Path) -> None:
+    """With device timing the event thread sends ITERATION and bubble messages while the training's thread finds
+    a new listener: the listener must hold the profile (the greeting) before any of them, or it reads bubbles of a
+    cycle it does not know. Found by a clean-clone run: an ITERATION reached a new fill job before its profile."""
+    ls = Listeners(sockdir)
+    fill = bind(sockdir / "fill-a.sock")
+    bump_mtime(sockdir)
+    other = threading.Thread(target=ls.send, args=(b"event-thread",))
+
+    def greeting() -> list[bytes]:
+        other.start()  # the event thread sends now, while the listener is already known...
+        other.join(0.2)  # ...and waits for the greeting to be out (it would be first without the lock)
+        return [b"profile", b"fill-mode"]
+
+    assert ls.refresh(greeting) == [str(sockdir / "fill-a.sock")]
+    other.join(5)
+    assert [fill.recv(100) for _ in range(3)] == [b"profile", b"fill-mode", b"event-thread"]
+    bump_mtime(sockdir)
+    assert ls.refresh(lambda: [b"again"]) == []  # nobody new: nobody greeted
+    fill.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        fill.recv(100)
+    ls.close(), fill.close()
 
 
 def test_closed_and_removed_listeners_are_dropped_without_error(sockdir: Path) -> None:

@@ -198,10 +198,16 @@ class Listeners:
     def targets(self) -> tuple[str, ...]:
         return self._targets
 
-    def refresh(self) -> list[str]:
-        """Re-list the directory if its mtime changed; return listeners that appeared since last time."""
+    def refresh(self, greeting: Callable[[], Sequence[bytes]] | None = None) -> list[str]:
+        """Re-list the directory if its mtime changed; return listeners that appeared since last time. Each of them
+        gets ``greeting()``'s datagrams first: they go out under the lock every other send takes, so nothing the event
+        thread sends (an ITERATION, a BUBBLE_START) reaches a new listener before its bubble profile."""
         with self._lock:
-            return self._refresh()
+            new = self._refresh()
+            if new and greeting is not None:
+                for data in greeting():
+                    self._send(data, new)
+            return new
 
     def _refresh(self) -> list[str]:
         try:
@@ -233,15 +239,18 @@ class Listeners:
 
     def send(self, data: bytes, targets: Sequence[str] | None = None) -> None:
         with self._lock:
-            for path in self._targets if targets is None else targets:
-                try:
-                    self._sock.sendto(data, path)
-                    self.sent += 1
-                except OSError as exc:
-                    if exc.errno in _FULL_ERRNOS:
-                        self.dropped += 1
-                    else:  # gone (ENOENT, ECONNREFUSED) or not ours to write to: stop trying
-                        self._drop(path)
+            self._send(data, self._targets if targets is None else targets)
+
+    def _send(self, data: bytes, targets: Sequence[str]) -> None:
+        for path in targets:
+            try:
+                self._sock.sendto(data, path)
+                self.sent += 1
+            except OSError as exc:
+                if exc.errno in _FULL_ERRNOS:
+                    self.dropped += 1
+                else:  # gone (ENOENT, ECONNREFUSED) or not ours to write to: stop trying
+                    self._drop(path)
 
     def _drop(self, path: str) -> None:
         if path not in self._targets:
@@ -882,9 +891,7 @@ class Instrumentation:
                     n = len(records)
                     self._follow_lengths(prof, {pos: records[pos][2] - records[pos][1]
                                                 for pos in prof.signal_map if pos < n}, prof.seen)
-            new = self._refresh_listeners()
-            if new:
-                self._greet(new)
+            self._refresh_listeners()  # a new listener is greeted with the profiles and the fill mode
         except Exception as exc:
             self._fail(exc)
 
@@ -950,8 +957,8 @@ class Instrumentation:
         self.cycles[prof.name] = cycle
         log.info("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms", self.stage, prof.name,
                  len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s)
-        self._refresh_listeners()
-        self._send_profile(cycle)
+        new = set(self._refresh_listeners())  # greeted with every cycle, this one among them
+        self._send_profile(cycle, [t for t in self._listeners.targets if t not in new])
 
     @staticmethod
     def _follow_lengths(prof: _ScheduleProfile, lengths_ns: Mapping[int, int], count: int) -> None:
@@ -970,15 +977,20 @@ class Instrumentation:
             prof.signal_map = {pos: (slot, recent.predicted_ns(pos)) for pos, (slot, _) in prof.signal_map.items()}
 
     def _refresh_listeners(self) -> list[str]:
-        return self._listeners.refresh()
+        """Listeners that appeared; each was told the cycles and the fill mode before anything else reached it."""
+        return self._listeners.refresh(self._greeting)
 
-    def _greet(self, new: Sequence[str]) -> None:
-        """A listener appeared: tell it the cycles (the one in use last) and the current fill mode."""
-        current = self._profiles_in_use_last()
-        for cycle in current:
-            self._send_profile(cycle, new)
+    def _greeting(self) -> list[bytes]:
+        """What a new listener is told first: the cycles (the one in use last) and the current fill mode."""
+        out = []
+        for cycle in self._profiles_in_use_last():
+            try:
+                out.append(wire.encode_profile(self.stage, cycle.to_dict()))
+            except wire.WireError as exc:
+                self._warn_once("profile", f"stage {self.stage}: bubble profile not sent: {exc}")
         if self.fill_mode is not None:
-            self._listeners.send(wire.encode_fill_mode(self.stage, self.fill_mode), new)
+            out.append(wire.encode_fill_mode(self.stage, self.fill_mode))
+        return out
 
     def _profiles_in_use_last(self) -> list[BubbleCycle]:
         cycles = list(self.cycles.values())
