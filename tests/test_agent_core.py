@@ -225,9 +225,11 @@ def test_a_newer_hooks_messages_are_read_where_known_and_said_once_where_not(cap
 MPS_READY = IsolationStatus(IsolationMode.MPS, IsolationState.READY, "daemon answers", epoch=1)
 
 
-def mps_gpu_core() -> tuple[AgentCore, JobRecord]:
-    """An MPS node's GPU stage with one SDK job, launched and initialized (its PAUSED just reported)."""
-    core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),)), Clock(), Sink())
+def mps_gpu_core(relaunch: bool = True) -> tuple[AgentCore, JobRecord]:
+    """An MPS node's GPU stage with one SDK job, launched and initialized (its PAUSED just reported); ``relaunch``
+    False: cluster mode (the operator restarts a stopped job in a new Pod)."""
+    core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),),
+                                relaunch=relaunch), Clock(), Sink())
     core.on_isolation(MPS_READY)
     core.start_serving()
     job = core.submit(job_spec())
@@ -271,15 +273,7 @@ def test_a_verification_answered_after_the_isolation_changed_resubmits_and_clust
     core.take_actions()
     # (on_isolation itself stopped and resubmitted the running job: the new epoch)
     assert job.state is FillState.STOPPED and len(core.jobs) == 2
-    cluster = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),),
-                                   relaunch=False), Clock(), Sink())
-    cluster.on_isolation(MPS_READY)
-    cluster.start_serving()
-    attached = cluster.submit(job_spec())
-    cluster.on_datagram(0, wire.encode_profile(0, cycle()))
-    cluster.take_actions()
-    cluster.launched(attached, has_control=True)
-    cluster.on_control_line(attached, line("state", state="PAUSED"))
+    cluster, attached = mps_gpu_core(relaunch=False)
     cluster.take_actions()
     cluster.isolation_verified(attached, "the check could not be made: no answer", transient=True)
     assert attached.state is FillState.STOPPED and cluster.jobs == [attached]

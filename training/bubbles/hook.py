@@ -982,12 +982,7 @@ class Instrumentation:
 
     def _greeting(self) -> list[bytes]:
         """What a new listener is told first: the cycles (the one in use last) and the current fill mode."""
-        out = []
-        for cycle in self._profiles_in_use_last():
-            try:
-                out.append(wire.encode_profile(self.stage, cycle.to_dict()))
-            except wire.WireError as exc:
-                self._warn_once("profile", f"stage {self.stage}: bubble profile not sent: {exc}")
+        out = [data for cycle in self._profiles_in_use_last() if (data := self._encoded_profile(cycle)) is not None]
         if self.fill_mode is not None:
             out.append(wire.encode_fill_mode(self.stage, self.fill_mode))
         return out
@@ -999,13 +994,17 @@ class Instrumentation:
             cycles = [c for c in cycles if c is not train] + [train]
         return cycles
 
-    def _send_profile(self, cycle: BubbleCycle, targets: Sequence[str] | None = None) -> None:
+    def _encoded_profile(self, cycle: BubbleCycle) -> bytes | None:
         try:
-            data = wire.encode_profile(self.stage, cycle.to_dict())
+            return wire.encode_profile(self.stage, cycle.to_dict())
         except wire.WireError as exc:
             self._warn_once("profile", f"stage {self.stage}: bubble profile not sent: {exc}")
-            return
-        self._listeners.send(data, targets)
+            return None
+
+    def _send_profile(self, cycle: BubbleCycle, targets: Sequence[str] | None = None) -> None:
+        data = self._encoded_profile(cycle)
+        if data is not None:
+            self._listeners.send(data, targets)
 
     # -- failure -----------------------------------------------------------------------------------------
 
