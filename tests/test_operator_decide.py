@@ -19,7 +19,15 @@ import pytest
 
 from bubbles.api import FillState
 from bubbles.cycle import BubbleCycle
-from bubbles.operator.decide import ClusterView, Decisions, FillPodSettings, JobProgress, StageView, reconcile
+from bubbles.operator.decide import (
+    ClusterView,
+    Decisions,
+    FillPodSettings,
+    JobProgress,
+    StageView,
+    pod_not_starting,
+    reconcile,
+)
 
 NOW = dt.datetime(2026, 11, 23, 8, 0, tzinfo=dt.UTC)
 MIB = 2**20
@@ -57,12 +65,13 @@ def fill_job(name: str = "fj", created: str = "2026-11-23T07:00:00Z", **spec: An
 def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[dict[str, Any]] | None = None,
          progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW,
          failed_pods: dict[str, str] | None = None, fill_pods: FillPodSettings | None = None,
-         ended_pods: dict[str, str] | None = None, acting_s: float = math.inf) -> Decisions:
+         ended_pods: dict[str, str] | None = None, acting_s: float = math.inf,
+         waiting_pods: dict[str, tuple[str, float]] | None = None) -> Decisions:
     """One reconcile; the decided statuses are written into the objects (the API server's part)."""
     trainings = trainings if trainings is not None else [training()]
     d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}, failed_pods=failed_pods or {},
                               ended_pods=ended_pods or {}, fill_pods=fill_pods or FillPodSettings(),
-                              acting_s=acting_s))
+                              acting_s=acting_s, waiting_pods=waiting_pods or {}, pod_start_timeout_s=600.0))
     for obj in jobs:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
         if key in d.fill_job_status:
@@ -528,3 +537,82 @@ def test_a_stages_scheduler_class_follows_its_cycle_and_its_trainings_share_and_
     assert b.bubbles[0].duration_s == 0.0025 and b.bubbles[0].free_bytes == 512 * MIB
     longer = replace(s, cycle=cycle(0, bubble_s=0.040))  # the agent reported a new cycle for the same stage
     assert executor_class(longer, quarter).bubbles[0].duration_s == 0.010
+
+
+def waiting_pod(*states: tuple[str, str]) -> dict[str, Any]:
+    return {"status": {"phase": "Pending", "containerStatuses": [
+        {"name": f"c{i}", "state": {"waiting": {"reason": r, **({"message": m} if m else {})}}}
+        for i, (r, m) in enumerate(states)]}}
+
+
+def test_what_keeps_a_fill_pod_from_starting_is_read_from_its_containers_and_starting_is_not_a_failure() -> None:
+    assert pod_not_starting(waiting_pod(("ContainerCreating", ""))) is None
+    assert pod_not_starting({"status": {"phase": "Pending"}}) is None  # not yet on the kubelet's books
+    assert pod_not_starting(waiting_pod(("ContainerCreating", ""), ("ImagePullBackOff", 'Back-off pulling "x"'))) \
+        == 'ImagePullBackOff: Back-off pulling "x"'
+    init = {"status": {"phase": "Pending", "initContainerStatuses": [
+        {"name": "i", "state": {"waiting": {"reason": "CreateContainerConfigError"}}}]}}
+    assert pod_not_starting(init) == "CreateContainerConfigError"
+
+
+def test_a_fill_pod_that_cannot_start_is_said_at_once_and_given_up_after_the_timeout() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    created = NOW.timestamp()
+    pull = {"ml/fj-fj-a0": ('ErrImagePull: rpc error: "fill:1" not found', created)}
+    d = step([job], [stage()], waiting_pods=pull)
+    assert job["status"]["phase"] == "Placed" and d.delete_pods == [] and d.cancel == []
+    assert "its image cannot be pulled" in job["status"]["message"] and "spec.image" in job["status"]["message"]
+    assert cond(job, "Running")["reason"] == "PodNotStarting" and "not found" in cond(job, "Running")["message"]
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "PodNotStarting")]
+    # The kubelet's words alternate with its retries: the status follows, no new Event.
+    d = step([job], [stage()], waiting_pods={"ml/fj-fj-a0": ('ImagePullBackOff: Back-off pulling "fill:1"', created)},
+             now=NOW + dt.timedelta(seconds=30))
+    assert d.events == [] and "Back-off" in cond(job, "Running")["message"]
+    # Ten minutes after the Pod's creation: off the stage, its Pod deleted, back in the queue.
+    d = step([job], [stage()], waiting_pods=pull, now=NOW + dt.timedelta(seconds=600))
+    assert job["status"]["phase"] == "Queued" and job["status"]["restarts"] == 1
+    assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
+    assert "did not start within 600 s" in cond(job, "Evicted")["message"] and "not found" in job["status"]["message"]
+
+
+def test_a_fill_pod_that_starts_after_all_goes_back_to_its_placed_message() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    placed = job["status"]["message"]
+    step([job], [stage()], waiting_pods={"ml/fj-fj-a0": ("CreateContainerConfigError: secret x", NOW.timestamp())})
+    assert "Secret or ConfigMap" in job["status"]["message"]
+    d = step([job], [stage()])
+    assert job["status"]["message"] == placed and cond(job, "Running")["reason"] == "Starting" and d.delete_pods == []
+    # A running fill process is never judged by its Pod's waiting state (it would not have one).
+    run = {"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 5, 0.0)}
+    step([job], [stage()], progress=run, waiting_pods={"ml/fj-fj-a0": ("ErrImagePull", NOW.timestamp() - 9999)})
+    assert job["status"]["phase"] == "Running"
+
+
+def test_an_invalid_pipeline_training_says_why_in_its_status_with_one_event_until_fixed() -> None:
+    t = training()
+    del t["spec"]["selector"]
+    job = fill_job(trainingSelector={"matchLabels": {"team": "a"}})
+    d = step([job], [stage()], [t])
+    admitted = cond(t, "Admitted")
+    assert admitted["status"] == "False" and admitted["reason"] == "InvalidSpec"
+    assert "spec.selector" in admitted["message"] and "kubectl edit pt llama" in admitted["message"]
+    assert [(e.kind, e.type, e.reason) for e in d.events if e.kind == "PipelineTraining"] == \
+        [("PipelineTraining", "Warning", "InvalidSpec")]
+    assert job["status"]["phase"] == "Queued"  # nothing is placed through a training the operator cannot read
+    d = step([job], [stage()], [t])
+    assert [e for e in d.events if e.kind == "PipelineTraining"] == [] and "ml/llama" not in d.training_status
+    t["spec"]["selector"] = {"matchLabels": {"app": "llama"}}
+    t["metadata"]["generation"] = 2
+    step([job], [stage()], [t])
+    assert cond(t, "Admitted")["status"] == "True" and job["status"]["phase"] == "Placed"
+
+
+def test_a_stage_no_agent_answers_for_is_blamed_on_the_agent_not_the_hook() -> None:
+    t = training()
+    step([], [stage(agent_up=False, hook_reporting=False, cycle=None)], [t])
+    hook = cond(t, "HookReporting")
+    assert hook["reason"] == "NoAgent" and "node-a" in hook["message"] and "agent.gpuNodeLabels" in hook["message"]
+    step([], [stage(hook_reporting=False, cycle=None)], [t])
+    assert cond(t, "HookReporting")["reason"] == "NoHook"

@@ -169,6 +169,42 @@ async def test_a_refused_fill_pod_is_said_on_its_job_and_the_job_placed_once_adm
         await asyncio.to_thread(op.close)
 
 
+async def test_a_fill_pod_that_cannot_pull_its_image_is_said_then_given_up_and_a_bad_training_says_why(
+        cluster: Cluster) -> None:
+    agents = InMemoryAgents()
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, True),))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    bad = {**TRAINING, "metadata": {**TRAINING["metadata"], "name": "bad", "uid": "uid-bad"}, "spec": {}}
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", bad)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    # KMock's Pods have no creation time: the operator counts from when it first sees one failing to start.
+    op = OperatorThread(Operator(OperatorConfig(interval_s=0.2, pod_start_timeout_s=2.0),
+                                 Connection(cluster.base, insecure=True), agents))
+    try:
+        said = await cluster.until("the bad training's status", lambda: next((
+            c for c in ((cluster.get("bubbles.dev/v1alpha1/pipelinetrainings", "ml", "bad") or {}).get("status") or
+                        {}).get("conditions", ()) if c["type"] == "Admitted"), None))
+        assert said["status"] == "False" and said["reason"] == "InvalidSpec" and "spec.selector" in said["message"]
+        await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job())
+        await cluster.until("the fill Pod", lambda: cluster.get(PODS, "ml", "fj-fj-a0"))
+        status = {"phase": "Pending", "containerStatuses": [{"name": "fill", "ready": False, "state": {
+            "waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "fill:1"'}}}]}
+        async with cluster.http.patch(cluster.base + "/api/v1/namespaces/ml/pods/fj-fj-a0", json={"status": status},
+                                      headers={"Content-Type": "application/merge-patch+json"}) as resp:
+            assert resp.status < 300, await resp.text()
+        st = await cluster.until("the failure said", lambda: "has not started" in (
+            (cluster.get(FJ, "ml", "fj") or {}).get("status") or {}).get("message", "") and
+            cluster.get(FJ, "ml", "fj")["status"])
+        assert st["phase"] == "Placed" and "its image cannot be pulled" in st["message"]
+        st = await cluster.until("given up and placed again", lambda: (
+            s if (s := cluster.get(FJ, "ml", "fj")["status"]).get("restarts") == 1 and s.get("phase") == "Placed"
+            else None))
+        assert st["assignment"]["pod"] == "fj-fj-a1" and cluster.get(PODS, "ml", "fj-fj-a0") is None
+        assert [a.fill_pod for a in agents.assigned][:2] == ["fj-fj-a0", "fj-fj-a1"]
+    finally:
+        await asyncio.to_thread(op.close)
+
+
 async def test_invalid_jobs_fail_and_the_rest_of_the_queue_is_untouched(
         cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
     _op, agents = operator

@@ -185,6 +185,49 @@ def test_a_pod_the_api_server_refuses_is_said_on_its_fill_job_and_placed_once_ad
         op.close()
 
 
+def test_a_fill_pod_the_kubelet_cannot_start_is_said_then_given_up_and_a_bad_training_says_why(
+        cluster: ApiServer) -> None:
+    """The kubelet's part played by a status write: the fill Pod waits in ImagePullBackOff. Its FillJob says so at
+    once (status and a Warning Event); once the Pod is older than --fill-pod-start-timeout (its creation time is the
+    API server's), the job is taken off its stage and placed again in a new Pod. A PipelineTraining the CRD accepts
+    but the operator cannot read (no selector) says why in its status."""
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps({
+        "apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining", "metadata": {"name": "bad", "namespace": NS},
+        "spec": {}}))
+    op = operator(cluster, agents_with_bubbles(), pod_start_timeout_s=8.0)
+    try:
+        pt = until("the bad training's status", lambda: (p := get(cluster, "pt", "bad")) and (p.get("status") or {})
+                   .get("conditions") and p)
+        admitted = next(c for c in pt["status"]["conditions"] if c["type"] == "Admitted")
+        assert admitted["reason"] == "InvalidSpec" and "spec.selector" in admitted["message"]
+        cluster.kubectl("create", "-f", "-", input_text=fill_job("unpulled"))
+        until("its Pod", lambda: get(cluster, "pod", "fj-unpulled-a0"))
+        code, body = cluster.request(
+            "PATCH", f"/api/v1/namespaces/{NS}/pods/fj-unpulled-a0/status",
+            {"status": {"phase": "Pending", "containerStatuses": [{
+                "name": "fill", "ready": False, "restartCount": 0, "image": "fill:1", "imageID": "",
+                "state": {"waiting": {"reason": "ErrImagePull", "message": 'pull access denied for fill'}}}]}},
+            content_type="application/merge-patch+json")
+        assert code == 200, body
+        fj = until("the failure said", lambda: (f := get(cluster, "fj", "unpulled")) and "has not started" in
+                   ((f.get("status") or {}).get("message") or "") and f)
+        assert fj["status"]["phase"] == "Placed" and "its image cannot be pulled" in fj["status"]["message"]
+        fj = until("given up and placed again", lambda: (f := get(cluster, "fj", "unpulled")) and
+                   f["status"].get("restarts") == 1 and f["status"].get("phase") == "Placed" and f, 30)
+        assert fj["status"]["assignment"]["pod"] == "fj-unpulled-a1"
+        assert (get(cluster, "pod", "fj-unpulled-a0") or {"metadata": {"deletionTimestamp": 1}})["metadata"].get(
+            "deletionTimestamp")
+        events = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
+        reasons = [(e["involvedObject"]["name"], e["type"], e["reason"]) for e in events
+                   if e["involvedObject"]["name"] in ("unpulled", "bad")]
+        assert ("unpulled", "Warning", "PodNotStarting") in reasons and ("bad", "Warning", "InvalidSpec") in reasons
+    finally:
+        cluster.kubectl("delete", "pt", "bad", "-n", NS, "--ignore-not-found")
+        cluster.kubectl("delete", "fj", "unpulled", "-n", NS, "--wait=false", "--ignore-not-found")
+        until("the FillJob gone (its finalizer released)", lambda: get(cluster, "fj", "unpulled") is None)
+        op.close()
+
+
 def test_two_replicas_elect_one_leader_and_the_other_takes_over(cluster: ApiServer) -> None:
     agents = agents_with_bubbles()
     a = operator(cluster, agents, leader_election=True, identity="replica-a", lease_s=4, renew_s=0.5)

@@ -41,9 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = scope.add_mutually_exclusive_group()
     where.add_argument("--namespace", "-n", action="append", default=[], metavar="NAME",
                        help="watch FillJob and PipelineTraining resources in this namespace; repeatable "
-                            "(default: the namespace the operator's pod runs in)")
+                            "(default: every namespace, as --all-namespaces)")
     where.add_argument("--all-namespaces", "-A", action="store_true",
-                       help="watch every namespace (needs a ClusterRole instead of a Role)")
+                       help="watch every namespace, the default when no --namespace is given (needs a ClusterRole, "
+                            "not a Role)")
     metrics = parser.add_argument_group("metrics")
     metrics.add_argument("--metrics-port", type=int, default=8080, metavar="PORT",
                          help="port of the Prometheus /metrics endpoint (0 = no endpoint; default 8080)")
@@ -81,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an agent that has not answered for this long is down: its fill jobs are requeued "
                              "(default 10)")
     fill = parser.add_argument_group("fill Pods (what they share with the node agents)")
+    fill.add_argument("--fill-pod-start-timeout", type=float, default=600.0, metavar="SECONDS",
+                      help="a fill Pod the kubelet cannot start (its image cannot be pulled, a Secret it needs is "
+                           "missing) is said on its FillJob at once, and taken off the stage and queued again this "
+                           "long after its creation (default 600, at most 86400)")
     fill.add_argument("--node-run-dir", default="/run/bubbles", metavar="PATH",
                       help="the agents' run directory on the nodes, mounted into every fill Pod (default /run/bubbles; "
                            "the chart passes agent.runDir)")
@@ -137,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.agent_port <= 65535:
         return _fail(f"--agent-port must be a TCP port, got {args.agent_port}")
+    if not 0 < args.fill_pod_start_timeout <= 86400:
+        return _fail(f"--fill-pod-start-timeout must be > 0 and at most 86400 seconds (a day), got "
+                     f"{args.fill_pod_start_timeout:g}")
     if not args.agent_timeout > 0:
         return _fail(f"--agent-timeout must be > 0 seconds, got {args.agent_timeout}")
     if not args.agent_down_after >= 0:
@@ -183,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy, interval_s=args.interval, leader_election=args.leader_election,
         lease_name=args.lease_name, lease_namespace=args.lease_namespace or connection.namespace or "default",
         identity=args.identity or socket.gethostname(), metrics_port=args.metrics_port or None,
-        metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port, fill_pods=fill_pods)
+        metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port, fill_pods=fill_pods,
+        pod_start_timeout_s=args.fill_pod_start_timeout)
     log = logging.getLogger("bubbles.operator")
     if security is None:
         log.warning("no --agent-ca: the node agents are not called, so no bubble profile reaches the operator and "

@@ -105,6 +105,11 @@ class ClusterView:
     # (its message, when: epoch seconds): the job stays queued saying why, and is placed again after pod_retry_s.
     refused_pods: Mapping[str, tuple[str, float]] = field(default_factory=dict)
     pod_retry_s: float = 30.0
+    # Fill Pods not started because the kubelet reports a failure to start them (ErrImagePull, ImagePullBackOff,
+    # CreateContainerConfigError, ...), "namespace/name" -> (its reason and message, its creation: epoch seconds):
+    # their jobs say so at once, and are taken off their stage once the Pod is pod_start_timeout_s old.
+    waiting_pods: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    pod_start_timeout_s: float = 600.0
     # How long this replica has been reconciling: its watches may not have listed every object yet in its first
     # seconds (a training Pod it has not seen is not a Pod that is gone). inf: long enough.
     acting_s: float = math.inf
@@ -341,11 +346,12 @@ def reconcile(view: ClusterView) -> Decisions:
     out = Decisions()
     now_s = view.now.timestamp()
     trainings: dict[str, PipelineTrainingResource] = {}
+    invalid: dict[str, str] = {}
     for t in view.trainings:
         try:
             trainings[key_of(t)] = PipelineTrainingResource.from_object(t)
-        except ResourceError:
-            continue  # its own handler reports the error in its status
+        except ResourceError as exc:
+            invalid[key_of(t)] = str(exc)  # said in its status; it selects no Pod until it is fixed
     stages = {s.key: s for s in view.stages if s.training in trainings}
 
     valid: dict[str, tuple[Mapping[str, Any], FillJobResource, _JobState]] = {}
@@ -394,6 +400,7 @@ def reconcile(view: ClusterView) -> Decisions:
     for _obj, _job, st in valid.values():
         st.finish()
     _training_statuses(view, out, trainings, stages, valid)
+    _invalid_training_statuses(view, out, invalid)
     return out
 
 
@@ -453,6 +460,11 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         lost = (f"fill Pod {a.get('pod')} ended ({ended}) but the agent on {a.get('node')} holds no run of the job "
                 "(the agent restarted?)")
         ended_itself = True
+    elif (prog is None or prog.state is FillState.SUBMITTED) and \
+            (waiting := view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None and \
+            now_s - waiting[1] >= view.pod_start_timeout_s:
+        lost = (f"fill Pod {a.get('pod')} did not start within {view.pod_start_timeout_s:g} s of its creation "
+                f"(the operator's --fill-pod-start-timeout): {waiting[0]}")
     if prog is not None and prog.state is FillState.STOPPED:
         if prog.reason == "finished" or prog.steps_done >= job.steps:
             st.status.update(_progress_fields(job, max(prog.steps_done, job.steps), prog.flops))
@@ -490,11 +502,62 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
     end_s = now_s + (job.steps - done) / rate if rate > 0 else math.inf
     busy[skey] = (uid, end_s)
     _eta(st, job, end_s)
+    waiting = view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}") \
+        if prog is None or prog.state is FillState.SUBMITTED else None
+    if waiting is not None:
+        what, hint = _not_starting(waiting[0], str(a.get("pod")))
+        st.condition(ConditionType.RUNNING, False, "PodNotStarting", f"fill Pod {a.get('pod')}: {waiting[0]}")
+        # The phase's message (and its Event) names the kind of failure only: the kubelet's own words alternate
+        # (ErrImagePull, ImagePullBackOff) with every retry, and are in the condition.
+        st.phase(FillJobPhase.PLACED, f"fill Pod {a.get('pod')} has not started: {what}; {hint}. It is taken off "
+                 f"the stage and queued again if it has not started {view.pod_start_timeout_s:g} s after its "
+                 "creation", event="PodNotStarting", warning=True)
+    elif _phase(st.status) is FillJobPhase.PLACED and \
+            _condition_reason(st.status, ConditionType.RUNNING) == "PodNotStarting":
+        st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.get('pod')} started")
+        st.phase(FillJobPhase.PLACED, _placed_message(stage))
     if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
         st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {stage.stage} "
                      f"on {stage.node}")
         st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {stage.training} stage {stage.stage} on "
                  f"{stage.node}", event="Running")
+
+
+# Kubelet reasons a container waits for that are failures to start it, not steps of starting it.
+_IMAGE_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
+                            "RegistryUnavailable", "ImageInspectError", "SignatureValidationFailed"})
+
+
+def pod_not_starting(pod: Mapping[str, Any]) -> str | None:
+    """Why the kubelet cannot start a Pending Pod ("Reason: message" of its first container that waits for a failure
+    to start it), or None while it is only starting (ContainerCreating, PodInitializing) or not started at all."""
+    st = pod.get("status") or {}
+    for c in [*(st.get("initContainerStatuses") or ()), *(st.get("containerStatuses") or ())]:
+        w = (c.get("state") or {}).get("waiting") or {}
+        reason = str(w.get("reason") or "")
+        if reason and reason not in ("ContainerCreating", "PodInitializing"):
+            return f"{reason}: {w['message']}" if w.get("message") else reason
+    return None
+
+
+def _not_starting(why: str, pod: str) -> tuple[str, str]:
+    """What keeps a fill Pod from starting, from the kubelet's "Reason: message", and what to do about it."""
+    reason = why.split(":", 1)[0].strip()
+    if reason in _IMAGE_REASONS:
+        return ("its image cannot be pulled", "check spec.image, and that the node can pull it (a private registry "
+                "needs an image pull secret on the namespace's default ServiceAccount)")
+    if reason == "CreateContainerConfigError":
+        return ("its container cannot be configured", f"a Secret or ConfigMap it needs may be missing (kubectl "
+                f"describe pod {pod})")
+    return (reason or "the kubelet cannot start it", f"see kubectl describe pod {pod}")
+
+
+def _condition_reason(status: Mapping[str, Any], type_: ConditionType) -> str | None:
+    return next((str(c.get("reason")) for c in status.get("conditions") or () if c.get("type") == type_.value), None)
+
+
+def _placed_message(stage: StageView) -> str:
+    return f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
 
 
 def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], *, keep_pod: bool = False) -> None:
@@ -684,7 +747,7 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
                                "trainingPodUid": stage.pod_uid}
     st.status.pop("queuePosition", None)
     _eta(st, job, end_s)
-    msg = f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
+    msg = _placed_message(stage)
     st.condition(ConditionType.PLACED, True, "Placed", msg)
     st.phase(FillJobPhase.PLACED, msg, event="Placed")
 
@@ -802,11 +865,20 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         } for s in sorted(mine, key=lambda s: (s.stage, s.pod))]
         profiled = [s for s in mine if s.cycle is not None]
         gen = tr.generation
-        conds = status.get("conditions") or []
+        conds = set_condition(status.get("conditions") or [], Condition(
+            ConditionType.ADMITTED.value, "True", "Valid", "the spec is valid", observed_generation=gen), view.now)
         silent = [s.pod for s in mine if not s.hook_reporting]
+        no_agent = sorted({s.node for s in mine if not s.agent_up})
         if not mine:
             conds = set_condition(conds, Condition("HookReporting", "False", "NoPods", "no Pod matches spec.selector",
                                                    observed_generation=gen), view.now)
+        elif no_agent:
+            # Not the hook's fault: nothing on the node can hear it (no agent Pod there, or the operator cannot call
+            # the agents at all).
+            conds = set_condition(conds, Condition(
+                "HookReporting", "False", "NoAgent", f"no bubbles agent answers on node(s) {', '.join(no_agent)}: the "
+                "agent DaemonSet must run there (its nodes need one of the chart's agent.gpuNodeLabels set to "
+                "\"true\"), and the operator needs --agent-ca to call it", observed_generation=gen), view.now)
         elif silent:
             conds = set_condition(conds, Condition(
                 "HookReporting", "False", "NoHook", f"no bubble signals from {', '.join(sorted(silent))}: attach the "
@@ -849,3 +921,27 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
             out.training_status[tkey] = status
 
 
+
+
+def _invalid_training_statuses(view: ClusterView, out: Decisions, invalid: Mapping[str, str]) -> None:
+    """A PipelineTraining the operator cannot read says why in its status, with one Warning Event per new reason."""
+    by_key = {key_of(t): t for t in view.trainings}
+    for tkey, why in invalid.items():
+        obj = by_key[tkey]
+        meta = obj.get("metadata") or {}
+        before = _status(obj)
+        message = f"invalid spec: {why}; it selects no Pod until it is fixed (kubectl edit pt {meta.get('name')})"
+        # Only this condition: what was measured or said under an earlier, valid spec no longer holds.
+        conds = set_condition([c for c in before.get("conditions") or () if c.get("type") == "Admitted"], Condition(
+            ConditionType.ADMITTED.value, "False", "InvalidSpec", message,
+            observed_generation=int(meta.get("generation") or 1)), view.now)
+        status = {"conditions": conds, "observedGeneration": int(meta.get("generation") or 1)}
+        if status != before:
+            out.training_status[tkey] = status
+        if _condition_message(before, ConditionType.ADMITTED) != message:
+            out.events.append(Event("PipelineTraining", str(meta.get("namespace", "")), str(meta.get("name", "")),
+                                    str(meta.get("uid", "")), "Warning", "InvalidSpec", message))
+
+
+def _condition_message(status: Mapping[str, Any], type_: ConditionType) -> str | None:
+    return next((str(c.get("message")) for c in status.get("conditions") or () if c.get("type") == type_.value), None)

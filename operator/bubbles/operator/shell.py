@@ -35,7 +35,7 @@ from bubbles.resources import (
 )
 
 from .agents import AgentDirectory
-from .decide import ClusterView, Decisions, FillPodSettings, StageView, key_of, reconcile
+from .decide import ClusterView, Decisions, FillPodSettings, StageView, key_of, pod_not_starting, reconcile
 from .kube import Connection, FinalizerConflict, KubeWriter, PodConflict, PodRefused
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
@@ -57,6 +57,8 @@ class OperatorConfig:
     renew_s: float = 5.0
     write_concurrency: int = 16  # API writes in flight at once
     pod_retry_s: float = 30.0  # a FillJob whose Pod the API server refused is placed again after this long
+    # A fill Pod the kubelet cannot start (its image cannot be pulled, ...) is given up this long after its creation
+    pod_start_timeout_s: float = 600.0
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
     metrics_interval_s: float = 1.0  # the per-job gauges are recomputed at most this often (scrapes are far rarer)
     metrics_port: int | None = None
@@ -124,11 +126,23 @@ class Operator:
         self._cycles: dict[str, tuple[Any, BubbleCycle | None]] = {}  # stage key -> (reported dict, parsed)
         self._report_index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], Any]]] = {}  # node -> by Pod
         self._observed = -math.inf  # when the per-job gauges were last recomputed
+        self._first_waiting: dict[str, float] = {}  # fill Pod key -> when it was first seen failing to start
         self._agents_version = -1
         self.leader: LeaseElector | None = None
         if config.leader_election:
             self.leader = LeaseElector(self.writer.api, config.lease_namespace, config.lease_name, config.identity,
                                        lease_s=config.lease_s, renew_s=config.renew_s)
+
+    def _waiting_since(self, key: str, pod: Mapping[str, Any], now: dt.datetime) -> float:
+        """When a fill Pod that fails to start was created (epoch seconds); when it was first seen so, if the object
+        has no creation time."""
+        created = (pod.get("metadata") or {}).get("creationTimestamp")
+        if created:
+            try:
+                return dt.datetime.fromisoformat(str(created).replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                pass
+        return self._first_waiting.setdefault(key, now.timestamp())
 
     def agent_address(self, node: str) -> str | None:
         """``podIP:port`` of the running agent Pod (``agent_selector``) on ``node``, from the watched Pods."""
@@ -336,9 +350,15 @@ class Operator:
         self._cycles = cycles
         failed: dict[str, str] = {}
         ended: dict[str, str] = {}
+        waiting: dict[str, tuple[str, float]] = {}
         for key, pod in list(self.store.pods.items()):
             st = pod.get("status") or {}
             phase = st.get("phase")
+            if phase == "Pending" and \
+                    ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
+                if (why := pod_not_starting(pod)) is not None:
+                    waiting[key] = (why, self._waiting_since(key, pod, now))
+                continue
             if phase in ("Failed", "Succeeded") and \
                     ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
                 states = [c.get("state") or {} for c in st.get("containerStatuses") or ()]
@@ -346,6 +366,7 @@ class Operator:
                             for s in states if "terminated" in s), st.get("reason") or f"the Pod {phase.lower()}")
                 (failed if phase == "Failed" else ended)[key] = \
                     f"{why}{': ' + st['message'] if st.get('message') else ''}"
+        self._first_waiting = {k: v for k, v in self._first_waiting.items() if k in waiting}
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
         if self._started is None:
             self._started = time.monotonic()
@@ -355,6 +376,7 @@ class Operator:
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
                            failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods,
                            refused_pods=dict(self.pod_refusals), pod_retry_s=self.config.pod_retry_s,
+                           waiting_pods=waiting, pod_start_timeout_s=self.config.pod_start_timeout_s,
                            acting_s=time.monotonic() - self._started)
 
     async def reconcile_once(self) -> Decisions:
