@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Build an image from the repository root: images/build.sh operator|agent|fill-job [TAG]
+# Build an image from the repository root: [REGISTRY=host/path] images/build.sh operator|agent|fill-job [TAG]
 # Uses docker, podman or buildah (whichever is on PATH). With OFFLINE=1 the wheels are downloaded here first
 # (with the pinned constraints) into wheels/ of the build context and installed from there: for air-gapped
 # builds, or builders whose TLS store cannot verify the package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:?usage: images/build.sh operator|agent|fill-job [TAG]}"
-tag="${2:-bubbles-${what}:dev}"
+# The default tag is the name the chart pulls: [$REGISTRY/]bubbles-<image>:<the chart's appVersion>.
+version="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' helm/bubbles/Chart.yaml)"
+tag="${2:-${REGISTRY:+${REGISTRY}/}bubbles-${what}:${version:-dev}}"
 [ -f "images/${what}/Dockerfile" ] || { echo "no images/${what}/Dockerfile" >&2; exit 2; }
+[ "${PRINT_TAG:-0}" = 1 ] && { echo "$tag"; exit 0; }  # the name it would build, and nothing else
 case "$what" in operator) extra="[operator]";; agent) extra="[agent]";; *) extra="";; esac
 mkdir -p wheels
 args=()

@@ -195,6 +195,7 @@ def _agent_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[i
         (["--mps-thread-percentage", "0"], "--mps-thread-percentage must be 1..100"),
         (["--mps-thread-percentage", "101"], "--mps-thread-percentage must be 1..100"),
         (["--mps-check-interval", "0"], "--mps-check-interval must be > 0 seconds"),
+        (["--mps-daemon", "theirs"], "argument --mps-daemon: invalid choice: 'theirs'"),
         (["--mps-control", "/no/such/nvidia-cuda-mps-control"],
          "--mps-control /no/such/nvidia-cuda-mps-control does not exist"),
         (["--devices", "gpu"], "--devices entry 'gpu' is neither cpu nor cuda:N with N a GPU index (write cuda:0"),

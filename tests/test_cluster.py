@@ -30,7 +30,7 @@ NS = "ml"
 SYSTEM = "bubbles-system"
 RELEASE = "bubbles"
 UID = 1000  # the chart's agent.runAsUser: the trainings and fill Pods run as it too
-FILL_IMAGE = "docker.io/library/bubbles-fill:0.1.0"  # the name examples/cluster/ uses
+FILL_IMAGE = "docker.io/library/bubbles-fill-job:0.1.0"  # the name examples/cluster/ uses
 TRAINING = "llama-pp"
 
 
@@ -252,7 +252,9 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     pipe, shm = base / "mps-pipe", base / "mps-shm"
     values = chart_values(node, cluster.run_dir)
     values["agent"].update(isolation="mps", mps={"pipeDir": str(pipe), "shmDir": str(shm)})
-    (ds,) = [d for d in render(values, namespace=SYSTEM, name=RELEASE) if d["kind"] == "DaemonSet"]
+    docs = render(values, namespace=SYSTEM, name=RELEASE)
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"].endswith("-agent")]
+    (daemon_ds,) = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"].endswith("-mps-daemon")]
     spec = ds["spec"]["template"]["spec"]
     assert "hostIPC" not in spec and "hostIPC" not in ds["spec"]["template"]
     (agent,) = spec["containers"]
@@ -264,6 +266,16 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     spec["restartPolicy"] = "Never"
     probe = {"apiVersion": "v1", "kind": "Pod", "spec": spec,
              "metadata": {"name": "mps-agent-probe", "namespace": SYSTEM, "labels": {"bubbles-test": "mps-shm"}}}
+    # The MPS daemon's own Pod (no GPU here: its command replaced): it shares both directories with the agent.
+    daemon_spec = daemon_ds["spec"]["template"]["spec"]
+    daemon_spec["restartPolicy"] = "Never"
+    (mps_control,) = daemon_spec["containers"]
+    mps_control["command"] = ["/opt/bubbles/bin/python", "-c",
+                              f"import os; open('/dev/shm/from-daemon', 'w').write('daemon'); "
+                              f"open('{pipe}/control-stand-in', 'w').write('x'); "
+                              "print('daemon-saw', open('/dev/shm/from-agent').read())"]
+    daemon_probe = {"apiVersion": "v1", "kind": "Pod", "spec": daemon_spec, "metadata": {
+        "name": "mps-daemon-probe", "namespace": SYSTEM, "labels": {"bubbles-test": "mps-shm"}}}
     settings = FillPodSettings(str(cluster.run_dir), UID, UID, str(pipe), mps_shm_dir=str(shm))
     (fill,) = step([fill_job("mps-probe", image=FILL_IMAGE)], [stage(node=node.name, gpu_uuid="GPU-probe")],
                    fill_pods=settings).create_pods
@@ -271,7 +283,8 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     fill_spec = fill["spec"]
     assert "hostIPC" not in fill_spec
     (c,) = fill_spec["containers"]
-    c["command"] = ["python", "-c", "import os; print('fill-saw', open('/dev/shm/from-agent').read()); "
+    c["command"] = ["python", "-c", "import os; print('fill-saw', open('/dev/shm/from-agent').read(), "
+                    "open('/dev/shm/from-daemon').read()); "
                     "open('/dev/shm/from-fill', 'w').write('fill'); "
                     "print('fill-env', os.environ['CUDA_MPS_PIPE_DIRECTORY'])"]
     with explained(cluster):
@@ -279,8 +292,10 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
         # The init container gave the directory to the agent's UID, private to it (the training's shared memory).
         assert shm.stat().st_uid == UID and shm.stat().st_mode & 0o777 == 0o700
         assert f"agent-shm {UID} 0o700" in agent_log, agent_log
+        daemon_log = _run_to_end(node, daemon_probe)
+        assert "daemon-saw agent" in daemon_log and (pipe / "control-stand-in").stat().st_uid == UID, daemon_log
         fill_log = _run_to_end(node, fill)
-        assert "fill-saw agent" in fill_log and f"fill-env {pipe}" in fill_log, fill_log
+        assert "fill-saw agent daemon" in fill_log and f"fill-env {pipe}" in fill_log, fill_log
         assert (shm / "from-fill").read_text() == "fill" and (shm / "from-fill").stat().st_uid == UID
         # A Pod without the mount (and without host IPC) has a /dev/shm of its own.
         other = {"apiVersion": "v1", "kind": "Pod",

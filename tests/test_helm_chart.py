@@ -52,7 +52,8 @@ def one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, An
 
 
 def container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    return one(docs, kind)["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+    suffix = "-agent" if kind == "DaemonSet" else ""  # with MPS the daemon's DaemonSet too
+    return one(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
 
 
 def test_the_chart_lints_clean_and_its_crds_are_the_generated_ones() -> None:
@@ -77,7 +78,7 @@ def test_the_default_install_renders_what_a_cluster_needs_and_grants_exactly_the
     wanted = {(g, r, v) for rule in RULES for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == wanted
     assert one(docs, "Role")["metadata"]["namespace"] == NS  # Leases only in the release namespace
-    agent = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    agent = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
     assert agent["hostPID"] is True and "hostIPC" not in agent and agent["automountServiceAccountToken"] is False
     assert agent["securityContext"]["runAsNonRoot"] is True
     c = agent["containers"][0]
@@ -87,7 +88,7 @@ def test_the_default_install_renders_what_a_cluster_needs_and_grants_exactly_the
     assert [t["matchExpressions"][0]["key"] for t in terms] == ["nvidia.com/gpu.present",
                                                                  "feature.node.kubernetes.io/pci-10de.present"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in agent["tolerations"]
-    labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    labels = one(docs, "DaemonSet", "-agent")["spec"]["template"]["metadata"]["labels"]
     op_args = container(docs, "Deployment")["args"]
     selector = next(a for a in op_args if a.startswith("--agent-selector=")).split("=", 1)[1]
     for pair in selector.split(","):  # the operator finds the agents by exactly the labels their Pods carry
@@ -147,7 +148,7 @@ def test_mps_gives_the_agent_and_the_fill_pods_one_shm_directory_and_the_pipe_di
     (host IPC would share the whole node's IPC instead). The operator is told both paths, so its fill Pods join."""
     docs = render({"agent": {"isolation": "mps", "mps": {"pipeDir": "/run/nvidia-mps", "shmDir": "/run/mps-shm",
                                                          "threadPercentage": 30}}})
-    spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    spec = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
     assert "hostIPC" not in spec
     volumes = {v["name"]: v for v in spec["volumes"]}
     shm = [m["name"] for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
@@ -163,7 +164,7 @@ def test_mps_gives_the_agent_and_the_fill_pods_one_shm_directory_and_the_pipe_di
     assert parse_operator(container(render({"agent": {"isolation": "mps"}}), "Deployment")["args"]) \
         .fill_mps_shm_dir == "/dev/shm/bubbles-mps"  # the chart's default, also the operator's
     plain = parse_operator(container(render(), "Deployment")["args"])  # contexts: fill Pods are not MPS clients
-    plain_spec = one(render(), "DaemonSet")["spec"]["template"]["spec"]
+    plain_spec = one(render(), "DaemonSet", "-agent")["spec"]["template"]["spec"]
     assert plain.fill_mps_pipe_dir is None and plain.fill_mps_shm_dir is None
     assert "mps-shm" not in {v["name"] for v in plain_spec["volumes"]}
 
@@ -316,7 +317,7 @@ def test_the_node_run_directory_is_at_run_bubbles_in_every_pod_and_the_operator_
     the fill Pod (and the training's), so every Pod mounts agent.runDir at /run/bubbles. Found by the cluster tier:
     with the agent mounting it at agent.runDir, a fill Pod failed with FileNotFoundError binding its socket."""
     docs = render({"agent": {"runDir": "/var/lib/bubbles/run", "runAsUser": 1000, "runAsGroup": 1000}})
-    ds = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    ds = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
     (run,) = [v for v in ds["volumes"] if v["name"] == "run"]
     assert run["hostPath"]["path"] == "/var/lib/bubbles/run"
     for c in [*ds["initContainers"], *ds["containers"]]:
@@ -332,7 +333,7 @@ def test_the_run_dir_init_container_works_with_only_its_capability_and_again_aft
     root-owned directory to the agent's user, and succeeds again when the agent Pod is replaced (the directory is
     the agent's by then: the cluster tier found the second start failing with EPERM)."""
     docs = render({"agent": {"runAsUser": 1000, "runAsGroup": 1000, "isolation": "mps"}})
-    (init,) = one(docs, "DaemonSet")["spec"]["template"]["spec"]["initContainers"]
+    (init,) = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert {m["mountPath"] for m in init["volumeMounts"]} == {"/run/bubbles", "/tmp/nvidia-mps", "/dev/shm"}
     # With MPS the daemon's pipe directory too, and its /dev/shm directory (private: the training's shared memory).
@@ -354,5 +355,49 @@ def test_the_run_dir_init_container_works_with_only_its_capability_and_again_aft
     assert r.returncode == 0, f"a replaced agent Pod's init container failed: {r.stderr}"
     st = d.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, 0o700)
-    (plain,) = one(render(), "DaemonSet")["spec"]["template"]["spec"]["initContainers"]  # contexts: the run dir only
+    # contexts: the run dir only
+    (plain,) = one(render(), "DaemonSet", "-agent")["spec"]["template"]["spec"]["initContainers"]
     assert plain["command"][-1] == "755:/run/bubbles" and len(plain["volumeMounts"]) == 1
+
+
+def test_with_mps_the_daemon_runs_in_a_pod_of_its_own_that_upgrades_never_restart() -> None:
+    """The MPS servers are the control daemon's children, and a training whose server goes must be restarted: a
+    daemon in the agent's container would die with it on every `helm upgrade`. So the chart runs it in its own
+    DaemonSet, updated OnDelete and without a liveness probe, on the same directories, and the agent only uses it."""
+    docs = render({"agent": {"isolation": "mps", "runAsUser": 1000, "runAsGroup": 1000,
+                             "mps": {"pipeDir": "/run/nvidia-mps", "shmDir": "/run/mps-shm"}}})
+    ds = one(docs, "DaemonSet", "-mps-daemon")
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    spec = ds["spec"]["template"]["spec"]
+    agent_spec = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True and agent_spec["hostPID"] is True  # the client PIDs it lists are the agent's
+    assert "hostIPC" not in spec and spec["automountServiceAccountToken"] is False
+    assert spec["affinity"] == agent_spec["affinity"]  # on every node the agent runs on
+    (daemon,) = spec["containers"]
+    assert daemon["command"] == ["nvidia-cuda-mps-control", "-f"]
+    assert "livenessProbe" not in daemon and "readinessProbe" not in daemon
+    assert "limits" not in daemon["resources"]  # its servers live in it: no OOM kill under the trainings
+    env = {e["name"]: e.get("value") for e in daemon["env"]}
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/nvidia-mps"
+    mounts = {m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}
+    hostpaths = {v["name"]: v.get("hostPath", {}).get("path") for v in spec["volumes"]}
+    agent_paths = {v["name"]: v.get("hostPath", {}).get("path") for v in agent_spec["volumes"]}
+    assert hostpaths[mounts["/run/nvidia-mps"]] == agent_paths["mps-pipe"] == "/run/nvidia-mps"
+    assert hostpaths[mounts["/dev/shm"]] == agent_paths["mps-shm"] == "/run/mps-shm"
+    assert "/run/bubbles" not in mounts and "run" not in hostpaths  # it needs no run directory
+    assert daemon["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                         "capabilities": {"drop": ["ALL"]}}
+    (init,) = spec["initContainers"]
+    assert "755:/run/bubbles" not in init["command"] and {"755:/run/nvidia-mps", "700:/dev/shm"} <= set(init["command"])
+    agent = parse_agent(container(docs, "DaemonSet")["args"])
+    assert agent.mps_daemon == "external" and str(agent.mps_pipe_dir) == "/run/nvidia-mps"
+    assert not [d for d in render() if d["metadata"]["name"].endswith("-mps-daemon")]  # contexts: none
+
+
+def test_the_notes_say_what_a_training_pod_needs_and_the_agent_never_preempts_one() -> None:
+    text = notes({"agent": {"runDir": "/var/lib/bubbles"}})
+    assert "/var/lib/bubbles mounted at /run/bubbles" in text and "BUBBLES_TRAINING" in text  # where the hook looks
+    assert "Before upgrading the chart, apply the new CRDs" in text and "mps-daemon" not in text
+    mps = notes({"agent": {"isolation": "mps"}})
+    assert "/dev/shm/bubbles-mps at /dev/shm" in mps and "mps-daemon Pods, which upgrades do not restart" in mps
+    assert one(render(), "PriorityClass")["preemptionPolicy"] == "Never"

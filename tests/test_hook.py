@@ -294,6 +294,32 @@ class StandInEngine:
         return 2.5
 
 
+def test_what_the_training_cannot_help_fails_open_and_a_wrong_engine_is_named(
+        sockdir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A bad $BUBBLES_TRAINING (set by the platform, not the training's code) or a DeepSpeed without the internals
+    the hook wraps must not stop the training: instrument() logs why and touches nothing. Passing something that
+    is no pipeline engine at all is the caller's mistake, said at once."""
+    eng = StandInEngine(stage=0, stages=2, micro_batches=2)
+    before = dict(eng.__dict__)
+    monkeypatch.setenv("BUBBLES_TRAINING", "Llama_70B")
+    with caplog.at_level(logging.ERROR, logger="bubbles.hook"):
+        inst = instrument(eng, run_dir=sockdir)
+    assert inst.stats["disabled"] and "$BUBBLES_TRAINING" in inst.stats["reason"] and "Llama_70B" in caplog.text
+    assert eng.__dict__ == before and eng.train_batch() == 1.5  # nothing wrapped: the training as without the hook
+    inst.set_fill_mode(wire.FillMode.HARVEST)
+    inst.detach()
+    assert inst.cycle is None and not list(sockdir.rglob("hook.json"))  # no card: no agent gives it work
+    monkeypatch.setenv("BUBBLES_TRAINING", "llama")
+    del eng._INSTRUCTION_MAP  # a DeepSpeed whose PipelineEngine changed
+    inst = instrument(eng, run_dir=sockdir)
+    assert inst.stats["disabled"] and "_INSTRUCTION_MAP" in inst.stats["reason"]
+    assert "_bubbles_instrumentation" not in eng.__dict__ and "_exec_schedule" not in eng.__dict__
+    with pytest.raises(TypeError, match=r"needs a DeepSpeed PipelineEngine .* without stage_id"):
+        instrument(object(), run_dir=sockdir)
+    with pytest.raises(ValueError, match="training name 'Bad_Name' is not valid"):  # the caller's own argument
+        instrument(StandInEngine(0, 2, 2), training="Bad_Name", run_dir=sockdir)
+
+
 def test_instrument_profiles_signals_and_detaches(sockdir: Path) -> None:
     run_dir, training = sockdir, "t1"
     sdir = paths.make_private_dir(paths.stage_dir(run_dir, training, 0))

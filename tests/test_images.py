@@ -6,6 +6,7 @@ and each image's install set resolves with the pinned constraints without torch 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -125,3 +126,24 @@ def test_the_operator_image_builds_offline_and_runs_as_its_user_without_torch() 
         assert probe.stdout.split() == ["True", "True", "65532"], probe.stderr
     finally:
         buildah("rm", container)
+
+
+def test_the_default_tag_is_the_name_the_chart_pulls() -> None:
+    """`REGISTRY=... images/build.sh agent` then `helm install --set image.registry=...`: one name, no retagging."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_helm_chart import container, render
+
+    def tag(what: str, **env: str) -> str:
+        r = subprocess.run([str(ROOT / "images" / "build.sh"), what], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PRINT_TAG": "1", **env}, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    docs = render({"image": {"registry": "registry.example.com/ml"}})
+    assert tag("agent", REGISTRY="registry.example.com/ml") == container(docs, "DaemonSet")["image"]
+    assert tag("operator", REGISTRY="registry.example.com/ml") == container(docs, "Deployment")["image"]
+    version = re.search(r'^appVersion: *"?([^"\n]+)"?', (ROOT / "helm/bubbles/Chart.yaml").read_text(), re.M)
+    assert version is not None and tag("fill-job") == f"bubbles-fill-job:{version[1]}"
+    bad = subprocess.run([str(ROOT / "images" / "build.sh"), "sidecar"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PRINT_TAG": "1"}, cwd=ROOT)
+    assert bad.returncode == 2 and "no images/sidecar/Dockerfile" in bad.stderr

@@ -317,6 +317,75 @@ def test_a_lost_daemon_that_is_not_ours_is_waited_for(mps_dirs: MpsDirs) -> None
     assert back.state == READY and back.daemon is not None and not back.daemon.owned
 
 
+def test_an_external_daemon_is_never_started_stopped_or_killed_by_the_agent(mps_dirs: MpsDirs) -> None:
+    """--mps-daemon external (the chart's mps-daemon DaemonSet runs it): fill jobs wait while none answers, and the
+    agent uses the one that comes, leaves it at close, and waits for it when it goes."""
+    iso = mps_isolation(mps_dirs, mps_daemon="external")
+    status = iso.start()
+    assert status.state == UNAVAILABLE and "--mps-daemon external" in status.detail and "mps-daemon" in status.detail
+    assert iso.check().state == UNAVAILABLE and mps_dirs.pid() is None  # none started, however often it looks
+    assert mps_dirs.run("-d").returncode == 0  # its own Pod starts it
+    ready = iso.check()
+    assert ready.state == READY and ready.daemon is not None and not ready.daemon.owned
+    mps_dirs.kill()
+    assert iso.check().state == RECOVERING
+    assert "waiting for its owner" in iso.check().detail and not mps_dirs.alive()
+    mps_dirs.run("-d")
+    assert iso.check().state == READY
+    iso.close()
+    assert "quit" not in mps_dirs.commands() and mps_dirs.alive()
+    assert (mps_dirs.log / "control.log").read_text().count("Starting control daemon") == 2  # both by its owner
+
+
+def test_a_silent_owned_daemon_whose_servers_live_is_not_killed(mps_dirs: MpsDirs,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon that does not answer may be slow rather than hung (a server starting for a new client): killing it
+    would take its servers, and the training on them, down. With a server alive it is waited for; without one it is
+    replaced as before."""
+    monkeypatch.setenv("FAKE_MPS_REAL_SERVERS", "1")
+    now = [100.0]
+    iso = mps_isolation(mps_dirs, clock=lambda: now[0], command_timeout_s=0.3)
+    assert iso.start().state == READY and iso.owned
+    iso.control.run("start_server -uid 0")
+    daemon, server = mps_dirs.pid(), mps_dirs.server_pid()
+    assert daemon is not None and iso.control.servers_alive(daemon) == [server]
+    os.kill(daemon, signal.SIGSTOP)  # silent, not gone
+    try:
+        assert iso.check().state == RECOVERING
+        held = iso.check()
+        assert held.state == RECOVERING and "is not killed" in held.detail and str(server) in held.detail
+        now[0] += 60
+        assert iso.check().state == RECOVERING and not _zombie(daemon) and Path(f"/proc/{server}").exists()
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    back = iso.check()
+    assert back.state == READY and back.daemon is not None and back.daemon.pid == daemon and back.daemon.restarts == 0
+    # Without a live server, a silent daemon is replaced.
+    os.kill(server, signal.SIGKILL)
+    wait_for(lambda: iso.control.servers_alive(daemon) == [], 5, "the server gone")
+    os.kill(daemon, signal.SIGSTOP)
+    assert iso.check().state == RECOVERING
+    now[0] += 60
+    replaced = iso.check()
+    assert replaced.state == READY and replaced.daemon is not None and replaced.daemon.restarts == 1
+    assert replaced.daemon.pid != daemon
+    iso.close()
+
+
+def test_the_daemon_the_agent_starts_does_not_inherit_cuda_visible_devices(
+        mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CUDA_VISIBLE_DEVICES the MPS server renumbers the GPUs, and a client keeping the variable applies it a
+    second time: the daemon must see the node's numbering."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    iso = mps_isolation(mps_dirs)
+    assert iso.start().state == READY
+    pid = mps_dirs.pid()
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not any(e.startswith(b"CUDA_VISIBLE_DEVICES=") for e in environ)
+    assert f"CUDA_MPS_PIPE_DIRECTORY={mps_dirs.pipe}".encode() in environ
+    iso.close()
+
+
 def test_a_daemon_that_refuses_to_start_is_retried_with_backoff(mps_dirs: MpsDirs,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]

@@ -38,6 +38,7 @@ class FakeCuda:
         self.devices, self.current = devices, current
         self.calls: list[tuple[str, Any]] = []
         self.fail: str | None = None  # name of a call that raises, like a driver error
+        self.after_read: Any = None  # what the training's thread does while the probe reads (a concurrent allocation)
 
     def _call(self, name: str, arg: Any = None) -> None:
         self.calls.append((name, arg))
@@ -60,19 +61,26 @@ class FakeCuda:
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         self._call("mem_get_info", device)
-        return self.free, self.total
+        free = self.free
+        if self.after_read is not None:
+            self.after_read()
+        return free, self.total
 
-    def memory_allocated(self, device: int) -> int:
-        self._call("memory_allocated", device)
-        return self.allocated
+    def allocate(self, size: int) -> None:
+        """The training's allocator reserves a new segment of ``size`` (cudaMalloc): from the device to its cache."""
+        self.free -= size
+        self.cached += size
 
-    def memory_reserved(self, device: int) -> int:
-        self._call("memory_reserved", device)
-        return self.allocated + self.cached
-
-    def max_memory_reserved(self, device: int) -> int:
-        self._call("max_memory_reserved", device)
-        return self.peak_reserved
+    def memory_stats(self, device: int) -> dict[str, Any]:
+        """torch.cuda.memory_stats's keys for what the probe reads (memory_allocated, memory_reserved and
+        max_memory_reserved are these three)."""
+        self._call("memory_stats", device)
+        stats = {"allocated_bytes.all.current": self.allocated,
+                 "reserved_bytes.all.current": self.allocated + self.cached,
+                 "reserved_bytes.all.peak": self.peak_reserved}
+        if self.after_read is not None:
+            self.after_read()
+        return stats
 
 
 def test_free_for_fill_is_device_free_minus_the_trainings_peak_headroom_minus_the_margin() -> None:
@@ -93,10 +101,28 @@ def test_the_trainings_cache_is_never_emptied_nor_given_to_fill_work() -> None:
     assert probe.sample().free_bytes == 10 * GIB
     names = [name for name, _ in cuda.calls]
     assert "empty_cache" not in names and cuda.cached == 6 * GIB
-    assert names == ["mem_get_info", "memory_allocated", "memory_reserved", "max_memory_reserved"]
+    assert names == ["memory_stats", "mem_get_info"]
     # After its peak the allocator returned nothing, so reserved == peak: the headroom is 0, not peak - allocated.
     cuda.allocated, cuda.cached = 12 * GIB, 14 * GIB
     assert probe.sample() == MemorySample(10 * GIB, 12 * GIB)
+
+
+def test_an_allocation_of_the_training_while_the_probe_reads_never_raises_the_answer() -> None:
+    """The training's thread runs on while the helper thread samples: a segment it reserves between two readings
+    must count against what fill work may take, never for it (counted free by the driver before, and not yet
+    reserved by the allocator, it would be counted twice)."""
+    cuda = FakeCuda(free=10 * GIB, allocated=20 * GIB, peak=26 * GIB)
+    probe = CudaAllocatorProbe(margin_bytes=0, cuda=cuda)
+    done: list[bool] = []
+
+    def allocate_once() -> None:  # right after the probe's first reading, whichever it is
+        if not done:
+            done.append(True)
+            cuda.allocate(2 * GIB)
+    cuda.after_read = allocate_once
+    got = probe.sample().free_bytes
+    cuda.after_read = None
+    assert done and got <= probe.sample().free_bytes == 4 * GIB  # at most what is true once the allocation is in
 
 
 def test_free_memory_floors_at_zero_and_the_default_margin_applies() -> None:
@@ -108,7 +134,7 @@ def test_free_memory_floors_at_zero_and_the_default_margin_applies() -> None:
     assert default.free_bytes() == 4 * GIB - DEFAULT_MARGIN_BYTES
 
 
-@pytest.mark.parametrize("failing", ["mem_get_info", "memory_allocated", "memory_reserved", "max_memory_reserved"])
+@pytest.mark.parametrize("failing", ["mem_get_info", "memory_stats"])
 def test_a_failing_reading_answers_unknown_and_never_raises(failing: str) -> None:
     cuda = FakeCuda()
     probe = CudaAllocatorProbe(margin_bytes=0, cuda=cuda)

@@ -1043,6 +1043,21 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
     waits, read on a helper thread) or ``"auto"`` (``"cuda"`` when ``engine.device`` is a CUDA device).
     ``event_factory`` replaces ``torch.cuda.Event`` (tests; other devices with the same interface).
     """
+    missing = [a for a in ("stage_id", "num_stages", "micro_batches", "train_batch") if not hasattr(engine, a)]
+    if missing:
+        raise TypeError(f"instrument() needs a DeepSpeed PipelineEngine (deepspeed.initialize with a PipelineModule); "
+                        f"got a {type(engine).__name__} without {', '.join(missing)}")
+    # What comes from outside the training's code fails open: the training runs on, without bubbles, and says why.
+    internals = [a for a in _ENGINE_ATTRS if not hasattr(engine, a)]
+    if internals:
+        return _unattached(engine, f"this DeepSpeed ({_deepspeed_version()}) has no PipelineEngine."
+                                   f"{', .'.join(internals)}, which the hook wraps; bubbles is tested with DeepSpeed "
+                                   "0.19.x")
+    if training is None:
+        try:
+            training = paths.check_name("training", paths.default_training())
+        except ValueError as exc:
+            return _unattached(engine, f"${paths.TRAINING_ENV}: {exc}; set it to the PipelineTraining's name")
     if memory_probe is None:
         try:
             memory_probe = default_probe()
@@ -1051,7 +1066,7 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
             memory_probe = MemoryProbe()
     return Instrumentation(
         engine,
-        training=paths.check_name("training", training if training is not None else paths.default_training()),
+        training=paths.check_name("training", training),
         run_dir=Path(run_dir) if run_dir is not None else paths.default_run_dir(),
         memory_probe=memory_probe,
         warmup_iterations=warmup_iterations,
@@ -1061,3 +1076,49 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
         timing=resolve_timing(timing, engine),
         event_factory=event_factory,
     )
+
+
+class _Unattached(Instrumentation):
+    """What ``instrument`` returns when the hook cannot attach for a reason outside the training's code (its
+    environment, the DeepSpeed version): nothing of the engine is touched, nothing is signalled, ``stats`` says
+    ``disabled`` and ``reason`` says why. The training runs exactly as without the hook."""
+
+    def __init__(self, engine: Any, reason: str) -> None:  # Instrumentation's set-up is what it skips
+        self.engine = engine
+        self.reason = reason
+        self.training = ""
+        self.stage = -1
+        self.cycles = {}
+        self.fill_mode = None
+        self.iteration_times_s = deque(maxlen=1)
+        self.device_iteration_times_s = deque(maxlen=1)
+        self.timing = "off"
+        self._attached = False
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {"disabled": True, "reason": self.reason, "signals_sent": 0, "bubbles_signalled": 0, "iterations": 0,
+                "timing": self.timing}
+
+    def set_fill_mode(self, mode: wire.FillMode) -> None:
+        self.fill_mode = wire.FillMode(mode)
+
+    def trace_events(self) -> list[tuple[int, str, int, int, int]]:
+        return []
+
+    def detach(self) -> None:
+        return
+
+
+def _unattached(engine: Any, reason: str) -> Instrumentation:
+    log.error("bubbles hook not attached: %s. The training runs without bubble harvesting", reason)
+    return _Unattached(engine, reason)
+
+
+def _deepspeed_version() -> str:
+    try:
+        import deepspeed
+
+        return f"version {deepspeed.__version__}"
+    except Exception:
+        return "version unknown"

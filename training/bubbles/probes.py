@@ -93,9 +93,10 @@ class CudaAllocatorProbe(MemoryProbe):
     - ``memory_reserved(device)``: what the training's allocator holds now, its live tensors and its cache;
     - ``max_memory_reserved(device)``: the most it has held (the hook samples after warm-up iterations, so
       the peak of a whole iteration is in it);
-    - ``memory_allocated(device)``: the training's live tensors now (reported, not used in the answer).
+    - ``memory_allocated(device)``: the training's live tensors now (reported, not used in the answer);
 
-    and answers::
+    (the allocator's three as ``memory_stats(device)`` has them, one snapshot, read before ``mem_get_info``) and
+    answers::
 
         free_for_fill = max(0, device_free - (training_peak_reserved - training_reserved_now) - margin_bytes)
 
@@ -108,7 +109,7 @@ class CudaAllocatorProbe(MemoryProbe):
     never raises into the training.
 
     ``cuda`` is a ``torch.cuda``-like object (``is_available``, ``device_count``, ``current_device``,
-    ``mem_get_info``, ``memory_allocated``, ``memory_reserved``, ``max_memory_reserved``); by default the
+    ``mem_get_info``, ``memory_stats``); by default the
     real ``torch.cuda``. Tests inject a stand-in with readings they choose.
     """
 
@@ -131,11 +132,16 @@ class CudaAllocatorProbe(MemoryProbe):
     def sample(self) -> MemorySample:
         cuda, index = self._cuda, self.index
         try:
+            # The allocator's figures first, in one snapshot (memory_allocated, memory_reserved and
+            # max_memory_reserved would each build the whole stats dictionary), then the device's free memory: an
+            # allocation of the training's between the two readings then counts against the answer (it is gone from
+            # device_free, not yet in reserved), never twice for it, as the other order would count it.
+            stats = cuda.memory_stats(index)
+            allocated = int(stats.get("allocated_bytes.all.current", 0))
+            reserved = int(stats.get("reserved_bytes.all.current", 0))
+            peak = int(stats.get("reserved_bytes.all.peak", 0))
             device_free, _total = cuda.mem_get_info(index)
             device_free = int(device_free)
-            allocated = int(cuda.memory_allocated(index))
-            reserved = int(cuda.memory_reserved(index))
-            peak = int(cuda.max_memory_reserved(index))
         except Exception:  # a probe never breaks the training: unknown is a safe answer
             return MemorySample(0, 0)
         allocated = max(0, allocated)

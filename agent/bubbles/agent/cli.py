@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "'unisolated'); default: fail closed, fill jobs wait")
     gpu.add_argument("--mps-control", default=None, metavar="PATH",
                      help="the MPS control program (default: nvidia-cuda-mps-control on PATH)")
+    gpu.add_argument("--mps-daemon", choices=["own", "external"], default=None,
+                     help="own (default): start the MPS control daemon when none answers, and stop it at exit "
+                          "unless a client uses it; external: another component runs it (the chart's mps-daemon "
+                          "DaemonSet), and the agent never starts, stops or kills one")
     gpu.add_argument("--mps-pipe-dir", type=Path, default=None, metavar="DIR",
                      help="MPS pipe directory, shared with the training (default: $CUDA_MPS_PIPE_DIRECTORY or "
                           "/tmp/nvidia-mps)")

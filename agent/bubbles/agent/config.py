@@ -213,7 +213,7 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "metrics_port": _as_int, "metrics_addr": _as_str, "stats": _as_path, "ready_file": _as_path,
     "log_level": _as_str, "devices": _as_devices, "isolation": _as_str, "allow_unisolated": _as_bool,
     "mps_control": _as_str, "mps_pipe_dir": _as_path, "mps_log_dir": _as_path, "mps_thread_percentage": _as_int,
-    "mps_check_interval": _as_float,
+    "mps_check_interval": _as_float, "mps_daemon": _as_str,
     "cluster": _as_bool, "node": _as_str, "listen": _as_str, "health_listen": _as_str, "tls_cert": _as_path,
     "tls_key": _as_path, "client_ca": _as_path, "token_file": _as_path, "gpus": lambda v: parse_gpus(_as_str(v)),
 }
@@ -269,12 +269,12 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
             mode=v.get("isolation", IsolationMode.CONTEXTS), allow_unisolated=v.get("allow_unisolated", False),
             mps_control=v.get("mps_control"), mps_pipe_dir=v.get("mps_pipe_dir"), mps_log_dir=v.get("mps_log_dir"),
             mps_thread_percentage=v.get("mps_thread_percentage", DEFAULT_FILL_THREAD_PERCENTAGE),
-            check_interval_s=v.get("mps_check_interval", 1.0))
+            check_interval_s=v.get("mps_check_interval", 1.0), mps_daemon=v.get("mps_daemon", "own"))
     except ValueError as exc:
         message = str(exc)
         for said, flag in (("MPS active thread percentage", "--mps-thread-percentage"),
                            ("isolation check interval must be > 0 s,", "--mps-check-interval must be > 0 seconds,"),
-                           ("isolation mode", "--isolation")):
+                           ("isolation mode", "--isolation"), ("MPS daemon must be", "--mps-daemon must be")):
             message = message.replace(said, flag)
         raise ConfigError(message) from None
     config = AgentConfig(

@@ -59,6 +59,11 @@ class IsolationConfig:
     mps_pipe_dir: Path | None = None  # None: $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps
     mps_log_dir: Path | None = None  # None: $CUDA_MPS_LOG_DIRECTORY or /var/log/nvidia-mps
     mps_thread_percentage: int = DEFAULT_FILL_THREAD_PERCENTAGE
+    # own: start a control daemon when none answers (and stop it at exit if no client uses it); external: another
+    # component runs it (in a cluster, the chart's mps-daemon DaemonSet: a daemon in the agent's container would die
+    # with it, taking the trainings' MPS servers along, on every upgrade of the agent), and the agent never starts,
+    # stops or kills one.
+    mps_daemon: str = "own"
     check_interval_s: float = 1.0
     command_timeout_s: float = 2.0
     nvidia_smi: str | None = None  # None: nvidia-smi on PATH (not checked if absent)
@@ -67,6 +72,8 @@ class IsolationConfig:
         object.__setattr__(self, "mode", IsolationMode.parse(self.mode, "isolation mode"))
         if not 1 <= self.mps_thread_percentage <= 100:
             raise ValueError(f"MPS active thread percentage must be 1..100, got {self.mps_thread_percentage}")
+        if self.mps_daemon not in ("own", "external"):
+            raise ValueError(f"MPS daemon must be own or external, got {self.mps_daemon!r}")
         if not self.check_interval_s > 0:
             raise ValueError(f"isolation check interval must be > 0 s, got {self.check_interval_s}")
         if not self.command_timeout_s > 0:
@@ -290,7 +297,8 @@ class MpsIsolation(Isolation):
             "PATH, or choose --isolation contexts")
         self.control = mps.MpsControl(program or mps.CONTROL_PROGRAM, pipe_dir, log_dir, config.command_timeout_s)
         self.owned = False
-        self.external = False  # the daemon we use was started by someone else (e.g. the device plugin)
+        self.daemon_external = config.mps_daemon == "external"  # never start, stop or kill one
+        self.external = self.daemon_external  # the daemon we use was started by someone else (e.g. the device plugin)
         self.pid: int | None = None
         self.restarts = 0
         self.started_once = False
@@ -315,6 +323,8 @@ class MpsIsolation(Isolation):
         try:
             self.control.server_list()
         except mps.MpsError as exc:
+            if self.daemon_external:
+                return self._set(UNAVAILABLE, self._no_external_daemon(exc))
             log.info("no MPS control daemon answers in %s (%s): starting one", self.control.pipe_dir, exc)
             if not self._try_start():
                 return self.status()
@@ -427,11 +437,30 @@ class MpsIsolation(Isolation):
                 detail += f"; daemon default active thread percentage {default:g}%"
         return self._set(READY, detail, self._daemon())
 
+    def _no_external_daemon(self, exc: mps.MpsError) -> str:
+        return (f"no MPS control daemon answers in {self.control.pipe_dir} ({exc}); with --mps-daemon external "
+                "another component runs it (with the chart, the mps-daemon DaemonSet's Pod on this node: kubectl "
+                "get pods -l app.kubernetes.io/component=mps-daemon -A); fill jobs wait until it answers")
+
     def _try_start(self) -> bool:
         """Start a daemon we will own; on failure schedule the next attempt with exponential backoff."""
         now = self.clock()
         if self.owned and self.pid is not None:
-            # Ours, but not answering (hung): a new daemon will not start while it holds the socket.
+            # Ours, but not answering: a new daemon will not start while it holds the socket. Slow is not hung,
+            # though (a server's start-up is a cuInit and a context: seconds on a busy node), and killing it would
+            # take its servers down with it, and with them their clients, the training among them: while any server
+            # of it lives, it is left alone and looked at again later.
+            servers = self.control.servers_alive(self.pid)
+            if servers:
+                self.next_attempt = now + self.backoff_s
+                self.backoff_s = min(_MAX_BACKOFF_S, self.backoff_s * 2)
+                detail = (f"the MPS control daemon in {self.control.pipe_dir} (pid {self.pid}) does not answer, but "
+                          f"its server(s) (pids {', '.join(map(str, servers))}) still run, perhaps for the training: "
+                          "it is not killed; fill jobs wait until it answers again. If it never does, restart it by "
+                          "hand once no training uses it")
+                log.error("%s", detail)
+                self._set(RECOVERING, detail, self._daemon())
+                return False
             self.control.kill_daemon(self.pid)
         try:
             pid = self.control.start_daemon(ready_timeout_s=max(5.0, self.config.command_timeout_s))
@@ -466,6 +495,8 @@ class MpsIsolation(Isolation):
             log.error("isolation lost: %s", detail)
             self.next_attempt = self.clock()  # restart at the next check, once the agent has seen the loss
             return self._set(RECOVERING, detail, self._daemon())
+        if self.daemon_external and previous.state == UNAVAILABLE:
+            return self._set(UNAVAILABLE, self._no_external_daemon(exc))  # none has answered yet
         if self.external:
             return self._set(RECOVERING, f"the MPS control daemon in {self.control.pipe_dir} was not started by this "
                                          f"agent and does not answer ({exc}); waiting for its owner to restart it",

@@ -14,6 +14,7 @@ References: NVIDIA, *Multi-Process Service*, "Appendix: Tools and Interface Refe
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -38,6 +39,9 @@ CONTROL_PROGRAM = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 DEFAULT_LOG_DIR = Path("/var/log/nvidia-mps")
 
+
+log = logging.getLogger("bubbles.agent.mps")
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 class MpsError(Exception):
     """The control program failed, timed out or is missing; the message says which and what it printed."""
@@ -134,6 +138,14 @@ class MpsControl:
         daemon once the pipe is full)."""
         env = dict(os.environ)
         env.update(self.env())
+        # The daemon sees every GPU, numbered as the node numbers them. Started under CUDA_VISIBLE_DEVICES, its server
+        # would renumber the devices, and a client keeping the variable (the training, a fill process: it is inherited)
+        # would apply it a second time, to the renumbered list, and fail at CUDA start-up (NVIDIA's MPS
+        # documentation: clients must then not set it). Without it, a client's own CUDA_VISIBLE_DEVICES selects
+        # from the node's GPUs as it does without MPS.
+        if env.pop(VISIBLE_ENV, None) is not None:
+            log.info("starting the MPS control daemon without %s=%s (the agent's): the daemon sees every GPU; its "
+                     "clients keep their own", VISIBLE_ENV, os.environ[VISIBLE_ENV])
         with tempfile.TemporaryFile("w+") as out:
             try:
                 done = subprocess.run([self.program, "-d"], stdin=subprocess.DEVNULL, stdout=out,
@@ -157,6 +169,22 @@ class MpsControl:
     def quit(self) -> None:
         """``quit``: stop the control daemon (and with it its servers). MpsError if it did not answer."""
         self.run("quit")
+
+    def servers_alive(self, pid: int) -> list[int]:
+        """The live child processes of the control daemon ``pid``: its MPS servers (it spawns one per client user),
+        found without asking the daemon, which may not answer."""
+        children = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # gone
+            fields = stat.rsplit(")", 1)[-1].split()
+            if len(fields) > 1 and fields[1] == str(pid) and fields[0] != "Z":
+                children.append(int(entry))
+        return sorted(children)
 
     def kill_daemon(self, pid: int) -> bool:
         """SIGKILL a control daemon that no longer answers, if ``pid`` still is one; True if signalled.

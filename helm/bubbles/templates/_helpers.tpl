@@ -79,3 +79,41 @@ true
 {{- fail "grpc.tls=certManager but the cert-manager.io/v1 API is not on this cluster: install cert-manager, or use grpc.tls=generate (set grpc.certManager.skipApiCheck=true to render anyway)." -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The init container of the agent's and the MPS daemon's Pods: the kubelet creates the hostPaths as root; give them to
+agent.runAsUser once (mode first: root without CAP_FOWNER cannot chmod what it no longer owns). On a restart they are
+the user's already: nothing to do. The run directory (the agent's Pod only; the second argument); with MPS the pipe
+directory (the daemon makes its control socket there) and the /dev/shm directory, private to the UID (mode 0700) as
+the training's shared memory will be in it.
+*/}}
+{{- define "bubbles.ownDirsInit" -}}
+{{- $root := index . 0 -}}
+{{- $run := index . 1 -}}
+{{- $mps := eq $root.Values.agent.isolation "mps" -}}
+{{- if ne (int $root.Values.agent.runAsUser) 0 }}
+initContainers:
+  - name: own-dirs
+    image: {{ include "bubbles.image" (list $root "agent") }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    command: ["/opt/bubbles/bin/python", "-c", "import os, sys\nu, g = int(sys.argv[1]), int(sys.argv[2])\nfor a in sys.argv[3:]:\n    mode, d = a.split(':', 1)\n    s = os.stat(d)\n    if (s.st_uid, s.st_gid) != (u, g):\n        os.chmod(d, int(mode, 8))\n        os.chown(d, u, g)",
+              {{ $root.Values.agent.runAsUser | quote }}, {{ $root.Values.agent.runAsGroup | quote }}
+              {{- if $run }}, "755:/run/bubbles"{{ end }}
+              {{- if $mps }}, {{ printf "755:%s" $root.Values.agent.mps.pipeDir | quote }}, "700:/dev/shm"{{ end }}]
+    securityContext:
+      runAsUser: 0
+      runAsNonRoot: false
+      allowPrivilegeEscalation: false
+      readOnlyRootFilesystem: true
+      capabilities: {drop: [ALL], add: [CHOWN]}
+    resources: {requests: {cpu: 10m, memory: 16Mi}, limits: {memory: 64Mi}}
+    volumeMounts:
+      {{- if $run }}
+      - {name: run, mountPath: /run/bubbles}
+      {{- end }}
+      {{- if $mps }}
+      - {name: mps-pipe, mountPath: {{ $root.Values.agent.mps.pipeDir }}}
+      - {name: mps-shm, mountPath: /dev/shm}
+      {{- end }}
+{{- end }}
+{{- end -}}
