@@ -65,6 +65,8 @@ def test_the_tail_risk_is_no_cap_unless_given_and_reaches_the_core(tmp_path: Pat
         ({"devices": "cuda:x"}, {}, "--devices entry 'cuda:x' is neither cpu nor cuda:N"),
         ({"mps_thread_percentage": 0}, {}, "--mps-thread-percentage must be 1..100"),
         ({}, {"BUBBLES_AGENT_MPS_DAEMON": "theirs"}, "--mps-daemon must be own or external, got 'theirs'"),
+        ({"cuda_context_mib": -1}, {}, "--cuda-context-mib must be whole MiB from 0 to 16384"),
+        ({}, {"BUBBLES_AGENT_CUDA_CONTEXT_MIB": "half"}, "--cuda-context-mib from $BUBBLES_AGENT_CUDA_CONTEXT_MIB"),
     ],
 )
 def test_bad_values_name_the_flag_and_their_source(tmp_path: Path, flags: dict[str, Any], env: dict[str, str],

@@ -572,3 +572,24 @@ def test_an_sdk_older_than_the_limits_command_is_said_once_and_its_later_errors_
     assert len(notes) == 1 and "older than the limits command" in notes[0]
     core.on_control_line(job, line("error", message="CUDA out of memory"))
     assert job.last_error == "CUDA out of memory"
+
+
+def test_outside_mps_a_gpu_fill_job_is_planned_with_its_cuda_context_beside_its_memory() -> None:
+    """The allocator cap (spec.memory) does not cover the process's CUDA context: in contexts mode a job that fits a
+    bubble's free memory only without it must not be started, or the context eats the training's margin."""
+    def gpu_core(mode: IsolationMode, free: int) -> tuple[AgentCore, JobRecord]:
+        core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),),
+                                    isolation_mode=mode), Clock(), Sink())
+        core.on_isolation(IsolationStatus(mode, IsolationState.READY, "ok", epoch=1))
+        core.start_serving()
+        job = core.submit(job_spec(memory="1Gi"))
+        core.on_datagram(0, wire.encode_profile(0, cycle(slots=((0.005, free),))))
+        return core, job
+
+    core, job = gpu_core(IsolationMode.CONTEXTS, 1 << 30)
+    assert job.state is FillState.STOPPED and "plus 512 MiB for its own CUDA context" in job.reason
+    assert not [a for a in core.take_actions() if isinstance(a, Launch)]
+    core, job = gpu_core(IsolationMode.CONTEXTS, (1 << 30) + (512 << 20))
+    assert [type(a) for a in core.take_actions()] == [Launch] and job.state is FillState.SUBMITTED
+    core, job = gpu_core(IsolationMode.MPS, 1 << 30)  # an MPS client's context is the server's
+    assert [type(a) for a in core.take_actions()] == [Launch]

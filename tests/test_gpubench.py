@@ -531,6 +531,9 @@ def test_regimes_of_a_run_compare_each_mode_with_the_same_run_s_baseline() -> No
     harvest = got["harvesting (contexts)"]
     assert harvest["slowdown"] == pytest.approx(0.005)
     assert harvest["fill_share"] == pytest.approx(0.7)
+    # The work in the bubbles against the job alone in as much time: 200 samples, 100/s alone, 1 s of bubbles.
+    assert harvest["fill_work_share"] == pytest.approx(200 / (100.0 * 1.0))
+    assert got["naive co-location"]["fill_work_share"] is None  # naive steps are not bubble work
     assert harvest["goal_met"] is True
     assert harvest["overruns"] == 2
     assert harvest["cost_savings"] == pytest.approx((50 * 1.005 / 100 - 0.005) / 1.0)

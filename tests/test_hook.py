@@ -318,6 +318,10 @@ def test_what_the_training_cannot_help_fails_open_and_a_wrong_engine_is_named(
         instrument(object(), run_dir=sockdir)
     with pytest.raises(ValueError, match="training name 'Bad_Name' is not valid"):  # the caller's own argument
         instrument(StandInEngine(0, 2, 2), training="Bad_Name", run_dir=sockdir)
+    with caplog.at_level(logging.INFO, logger="bubbles.hook"):
+        attached = instrument(StandInEngine(1, 2, 2), training="llama", run_dir=sockdir)
+    attached.detach()
+    assert f"training llama stage 1 of 2 signals in {paths.stage_dir(sockdir, 'llama', 1)}" in caplog.text
 
 
 def test_instrument_profiles_signals_and_detaches(sockdir: Path) -> None:
@@ -516,6 +520,21 @@ def test_default_probe_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(probe, StaticMemoryProbe) and probe.free_bytes() == 1000
     with pytest.raises(RuntimeError, match="needs CUDA"):
         CudaAllocatorProbe()
+
+
+def test_the_default_probe_reads_the_engines_device_not_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process whose current device is not its engine's (two engines, or a set_device after deepspeed.initialize)
+    must still be told the engine's device's free memory. torch's CUDA queries played for a machine of 2 GPUs."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    probe = default_probe(torch.device("cuda", 1))
+    assert isinstance(probe, CudaAllocatorProbe) and probe.index == 1
+    assert default_probe().index == 0  # type: ignore[attr-defined]
+    monkeypatch.setenv("BUBBLES_FREE_BYTES", "1000")
+    assert isinstance(default_probe(torch.device("cpu")), StaticMemoryProbe)  # a CPU engine on a GPU machine
 
 
 def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(

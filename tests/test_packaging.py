@@ -248,3 +248,28 @@ def test_the_installed_metadata_is_this_trees(wheel: zipfile.ZipFile) -> None:
     entry_points = {(ep.group, ep.name): ep.value for ep in built.entry_points}
     assert entry_points[("console_scripts", "bubbles")] == "bubbles.cli:main"
     assert entry_points[("bubbles.policies", "fifo")] == "bubbles.scheduler.policies:FifoPolicy"
+
+
+def _cli_without(blocked: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``bubbles ARGV`` in an interpreter where ``blocked`` (and its submodules) cannot be imported, as on an install
+    without the extra that brings it."""
+    code = ("import sys\n"
+            f"sys.modules[{blocked!r}] = None\n"
+            "from bubbles.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_lists_its_parts_on_any_install_and_a_missing_extra_is_named() -> None:
+    """`bubbles --help` imports no subcommand (the agent's image has no numpy, the operator's no torch); a command
+    whose extra is missing says which extra to install instead of a traceback."""
+    for argv in (["--help"], []):
+        r = _cli_without("numpy", *argv)
+        out = r.stdout + r.stderr
+        assert "Traceback" not in out and all(c in out for c in ("demo", "agent", "simulate", "operator")), out
+    assert _cli_without("numpy", "--help").returncode == 0
+    typo = _cli_without("numpy", "agnet")
+    assert typo.returncode == 2 and "invalid choice: 'agnet'" in typo.stderr and "Traceback" not in typo.stderr
+    sim = _cli_without("numpy", "simulate", "--help")
+    assert sim.returncode == 2 and "bubbles[simulate]" in sim.stderr and "Traceback" not in sim.stderr, sim.stderr
+    assert _cli_without("numpy", "agent", "--help").returncode == 0  # the agent's own install has no numpy

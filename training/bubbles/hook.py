@@ -1060,14 +1060,26 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
             return _unattached(engine, f"${paths.TRAINING_ENV}: {exc}; set it to the PipelineTraining's name")
     if memory_probe is None:
         try:
-            memory_probe = default_probe()
+            memory_probe = default_probe(getattr(engine, "device", None))  # the engine's, not the current one
         except Exception as exc:
             log.warning("no memory probe (%s); bubbles report 0 free bytes", exc)
             memory_probe = MemoryProbe()
-    return Instrumentation(
+    if run_dir is None:
+        run_dir = paths.default_run_dir()
+        mounted = Path("/run/bubbles")
+        if not os.environ.get(paths.RUN_DIR_ENV) and Path(run_dir) != mounted and mounted.exists():
+            # The node's run directory is mounted but not this user's: no agent will hear this training.
+            try:
+                owner = mounted.stat().st_uid
+            except OSError:
+                owner = -1
+            log.warning("bubbles hook: %s exists but this process (uid %d) cannot write it (owner uid %d): signalling "
+                        "in %s, where no agent listens; run the training as the agent's UID (the chart's "
+                        "agent.runAsUser)", mounted, os.getuid(), owner, run_dir)
+    inst = Instrumentation(
         engine,
         training=paths.check_name("training", training),
-        run_dir=Path(run_dir) if run_dir is not None else paths.default_run_dir(),
+        run_dir=Path(run_dir),
         memory_probe=memory_probe,
         warmup_iterations=warmup_iterations,
         profile_iterations=profile_iterations,
@@ -1076,6 +1088,9 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
         timing=resolve_timing(timing, engine),
         event_factory=event_factory,
     )
+    log.info("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
+             inst.stages, inst.stage_dir, inst.timing)
+    return inst
 
 
 class _Unattached(Instrumentation):

@@ -178,13 +178,14 @@ def _cuda_device_index(device: Any, cuda: Any) -> int:
     return int(index)
 
 
-def default_probe() -> MemoryProbe:
-    """CUDA present: ask the allocator; otherwise the value of ``$BUBBLES_FREE_BYTES`` (or 0)."""
+def default_probe(device: Any = None) -> MemoryProbe:
+    """CUDA present (and ``device``, the training's, a CUDA device or None for the current one): ask the allocator
+    about that device; otherwise the value of ``$BUBBLES_FREE_BYTES`` (or 0)."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            return CudaAllocatorProbe()
+            return CudaAllocatorProbe(device)
     except Exception:  # no torch, a broken driver: fall back to the static answer
         pass
     return StaticMemoryProbe.from_env()

@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--allow-unisolated", action="store_const", const=True, default=None,
                      help="run fill jobs even while the chosen isolation does not work (status says "
                           "'unisolated'); default: fail closed, fill jobs wait")
+    gpu.add_argument("--cuda-context-mib", type=int, default=None, metavar="MIB",
+                     help="what a fill process's own CUDA context takes on its GPU beside its memory limit (the "
+                          "allocator cap), planned on top of it outside MPS (default 512)")
     gpu.add_argument("--mps-control", default=None, metavar="PATH",
                      help="the MPS control program (default: nvidia-cuda-mps-control on PATH)")
     gpu.add_argument("--mps-daemon", choices=["own", "external"], default=None,

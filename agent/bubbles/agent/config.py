@@ -52,6 +52,7 @@ class AgentConfig:
     guard: GuardConfig | None = None  # default: GuardConfig(budget=budget)
     devices: tuple[str, ...] = ()  # "cpu" | "cuda:N", executor k gets devices[k % len]; () = CPU core k
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
+    cuda_context_mib: int = 512  # a GPU fill process's own CUDA context, planned beside its memory (not under MPS)
 
     def __post_init__(self) -> None:
         if isinstance(self.executors, bool) or not isinstance(self.executors, int) or self.executors < 1:
@@ -68,6 +69,10 @@ class AgentConfig:
         if not 0 < self.init_timeout_s <= 86400:
             raise ConfigError(f"--init-timeout must be > 0 seconds and at most a day (how long a fill job's init may "
                               f"take), got {self.init_timeout_s:g}")
+        if isinstance(self.cuda_context_mib, bool) or not isinstance(self.cuda_context_mib, int) or \
+                not 0 <= self.cuda_context_mib <= 16384:
+            raise ConfigError(f"--cuda-context-mib must be whole MiB from 0 to 16384 (what a fill process's own CUDA "
+                              f"context takes on its GPU), got {self.cuda_context_mib}")
         if not 0 < self.budget < 1:
             raise ConfigError(f"--slowdown-budget must be a fraction in (0, 1) (0.01 = 1%), got {self.budget}")
         if self.tail_risk is not None:
@@ -91,7 +96,8 @@ class AgentConfig:
         return CoreConfig(run_dir=self.run_dir, training=self.training, executors=self.executor_devices(),
                           mode=self.mode, grace_s=self.grace_s, guard=self.guard_config,
                           isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated,
-                          tail_risk=self.tail_risk, init_timeout_s=self.init_timeout_s, relaunch=self.relaunch)
+                          tail_risk=self.tail_risk, init_timeout_s=self.init_timeout_s, relaunch=self.relaunch,
+                          cuda_context_bytes=self.cuda_context_mib << 20)
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,8 @@ def _as_paths(value: Any) -> tuple[Path, ...]:
 # key -> how a value from the file or the environment is read (flags arrive typed from argparse)
 KEYS: dict[str, Callable[[Any], Any]] = {
     "run_dir": _as_path, "training": _as_str, "executors": _as_int, "fill_job": _as_paths, "mode": _as_str,
-    "grace_ms": _as_float, "init_timeout": _as_float, "slowdown_budget": _as_float, "tail_risk": _as_float,
+    "grace_ms": _as_float, "init_timeout": _as_float, "cuda_context_mib": _as_int, "slowdown_budget": _as_float,
+    "tail_risk": _as_float,
     "pin_cores": _as_bool, "metrics": _as_bool,
     "metrics_port": _as_int, "metrics_addr": _as_str, "stats": _as_path, "ready_file": _as_path,
     "log_level": _as_str, "devices": _as_devices, "isolation": _as_str, "allow_unisolated": _as_bool,
@@ -294,6 +301,7 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         ready_file=v.get("ready_file"),
         devices=v.get("devices", ()),
         isolation=isolation,
+        cuda_context_mib=v.get("cuda_context_mib", 512),
     )
     cluster = None
     if v.get("cluster", False):

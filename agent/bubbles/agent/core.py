@@ -234,6 +234,10 @@ class CoreConfig:
     # agent. False in cluster mode: there the process was a Pod's, which attached once; the operator starts a new
     # Pod, within the FillJob's restartLimit, once the agent reports the job stopped with its reason.
     relaunch: bool = True
+    # A fill process's own CUDA context (and the libraries' modules loaded outside its allocator) on a GPU, beside
+    # the allocator cap its spec's memory sets: planned on top of that memory except under MPS, where the context is
+    # the server's and the pinned limit covers the client. About 0.5 GiB on recent GPUs (not measured here).
+    cuda_context_bytes: int = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -906,17 +910,29 @@ class AgentCore:
             self._actions.append(Launch(job, ex.device, ex.core, self._fill_socket(job),
                                         isolated=self.isolation_raw.state == IsolationState.READY))
 
+    def _context_bytes(self, ex: ExecutorState) -> int:
+        """What a fill process on ``ex`` takes beside its allocator's cap: its CUDA context, on a GPU outside MPS."""
+        if control.cuda_device_index(ex.device) is None or self.config.isolation_mode is IsolationMode.MPS:
+            return 0
+        return self.config.cuda_context_bytes
+
     def _plan(self, ex: ExecutorState, job: JobRecord, nodes: tuple[FillNode, ...], steps: int | None = None) -> bool:
         """Check the job against the stage's cycle; reject it (STOPPED) if it fits no bubble.
 
         ``steps=None`` plans as many steps as one cycle's bubble time holds (Algorithm 1).
         """
         assert ex.cycle is not None
+        context = self._context_bytes(ex)
+        if context:
+            nodes = tuple(FillNode(n.duration_s, n.memory_bytes + context) for n in nodes)
         try:
             plan = plan_partitions(bubbles_of(ex.cycle), nodes, steps=steps, job=job.name)
         except PlanError as exc:
             self.rejected_jobs += 1
             reason = str(exc)
+            if context:
+                reason += (f" Its memory there is spec.memory plus {context >> 20} MiB for its own CUDA context "
+                           f"(isolation {self.config.isolation_mode.label}; the agent's --cuda-context-mib).")
             if ex.cycle.slots and all(s.free_bytes == 0 for s in ex.cycle.slots):
                 # 0 is what a training without a memory probe reports (a CPU training by default).
                 reason += (" The training reported no free memory in any bubble: on CPU set BUBBLES_FREE_BYTES"
