@@ -324,6 +324,29 @@ def test_what_the_training_cannot_help_fails_open_and_a_wrong_engine_is_named(
     assert f"training llama stage 1 of 2 signals in {paths.stage_dir(sockdir, 'llama', 1)}" in caplog.text
 
 
+def test_a_second_live_process_of_a_stage_on_the_node_stands_down_and_trains_on(
+        sockdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Tensor-parallel ranks (or data-parallel replicas) of one stage on one node: one directory, one agent, one
+    card. The first holds hook.lock and signals; a second (here another engine of this process: flock locks are per
+    open file) says so and sends nothing, rather than merging its bubbles into the first's stream."""
+    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "tp", 0))
+    listener = bind(sdir / "agent.sock")
+    first = instrument(StandInEngine(0, 2, 2), training="tp", run_dir=sockdir)
+    card = json.loads(paths.hook_card(sockdir, "tp", 0).read_text())
+    with caplog.at_level(logging.WARNING, logger="bubbles.hook"):
+        second_engine = StandInEngine(0, 2, 2)
+        second = instrument(second_engine, training="tp", run_dir=sockdir)
+    assert second.stats["disabled"] and "one stage on one node" in caplog.text
+    assert json.loads(paths.hook_card(sockdir, "tp", 0).read_text()) == card  # the first's card stands
+    drain(listener)
+    for _ in range(4):
+        assert second_engine.train_batch() == 1.5
+    assert second.stats["signals_sent"] == 0 and second.stats["bubbles_signalled"] == 0
+    second.detach()
+    first.detach()
+    listener.close()
+
+
 def test_instrument_profiles_signals_and_detaches(sockdir: Path) -> None:
     run_dir, training = sockdir, "t1"
     sdir = paths.make_private_dir(paths.stage_dir(run_dir, training, 0))
@@ -553,11 +576,11 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
     from bubbles.agent.cluster import Card, card_is_stale
 
     assert card["lock"] is True and not card_is_stale(tmp_path, Card.parse(card, "card"))
-    # A second hook of the same stage (a twin that should not be) waits at most 0.5 s for the lock, then goes on
-    # without it, and says so in its card.
+    # A second hook of the same stage (a twin) waits at most 0.5 s for the lock, then stands down: the first's card
+    # stays.
     twin = instrument(StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001), training="t7",
                       run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
-    assert json.loads(card_path.read_text())["lock"] is False
+    assert json.loads(card_path.read_text()) == card and twin.stats["disabled"]
     twin.detach()
     inst.detach()
     assert not card_path.exists()  # a training that is gone leaves no card behind

@@ -539,7 +539,11 @@ class Instrumentation:
             try:
                 self._lock_fd = self._take_lock(paths.hook_lock(self.run_dir, self.training, self.stage))
             except OSError:
-                self._lock_fd = None
+                self._lock_fd = None  # a file system without flock: the card says so
+            else:
+                if self._lock_fd is None:
+                    self._stand_down()
+                    return
             card["lock"] = self._lock_fd is not None
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps(card) + "\n")
@@ -1012,6 +1016,19 @@ class Instrumentation:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)
+
+    def _stand_down(self) -> None:
+        """Another live process of this training's stage on this node holds its card: tensor-parallel ranks of one
+        stage, or data-parallel replicas of it, on one node. They would share one directory, one agent and one card,
+        and their bubble signals would merge into one stream: only the first signals; this one trains on, unhooked
+        in effect."""
+        self._disabled = True
+        self._hot.signal_map = _NO_SIGNALS
+        self._hot.sampling = False
+        self._warn_once("twin", f"bubbles hook: another live process of training {self.training} stage {self.stage} "
+                                f"on this node already signals its bubbles (tensor-parallel ranks or data-parallel "
+                                f"replicas of one stage on one node): this one (pid {os.getpid()}) does not; "
+                                "training continues. One process per stage and node is harvested")
 
     def _fail(self, exc: BaseException) -> None:
         """The hook's own bug or environment problem: stop signalling, keep the training going."""
