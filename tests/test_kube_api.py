@@ -76,6 +76,12 @@ def test_examples_apply_and_the_servers_defaults_are_the_tables(kube: ApiServer)
          'spec.trainingSelector.matchExpressions.operator: Unsupported value: "Near"'),
         ({"resources": {"requests": {"cpu": "lots"}}}, "spec.resources.requests.cpu: Invalid value"),
         ({"resources": {"limits": {"memory": "much"}}}, "spec.resources.limits.memory: Invalid value"),
+        ({"env": [{"name": "1 A", "value": "x"}]}, "spec.env.name: Invalid value"),
+        ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]},
+         "spec.env.valueFrom.secretKeyRef.key: Required value"),
+        ({"env": [{"name": f"V{i}", "value": "x"} for i in range(129)]},
+         "spec.env in body should have at most 128 items"),
+        ({"imagePullSecrets": [{"name": "Bad_Name"}]}, "spec.imagePullSecrets.name: Invalid value"),
     ],
 )
 def test_the_server_and_the_operator_refuse_the_same_bad_fill_jobs(kube: ApiServer, change: dict[str, Any],
@@ -104,10 +110,27 @@ def test_the_server_and_the_operator_refuse_a_tail_risk_out_of_range_and_default
     assert made["spec"]["tailRisk"] == 0.1 == apply_defaults(PIPELINE_TRAINING_SPEC, spec)["tailRisk"]
 
 
+def test_the_server_keeps_a_fill_jobs_environment_and_pull_secrets(kube: ApiServer) -> None:
+    """Not pruned: every field of spec.env and spec.imagePullSecrets is in the schema."""
+    spec = {**copy.deepcopy(GOOD), "env": [
+        {"name": "DATASET", "value": "s3://b/p"},
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}}},
+        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}}],
+        "imagePullSecrets": [{"name": "registry-creds"}]}
+    made = json.loads(kube.kubectl("create", "-o", "json", "-f", "-", input_text=fill_job("with-env", spec)).stdout)
+    assert made["spec"]["env"] == spec["env"] and made["spec"]["imagePullSecrets"] == spec["imagePullSecrets"]
+    assert validate(FILL_JOB_SPEC, made["spec"]) == []
+
+
 def test_a_spec_without_its_required_fields_is_refused(kube: ApiServer) -> None:
     proc = kube.kubectl("create", "--validate=false", "-f", "-", input_text=json.dumps(  # the server's check
         {"apiVersion": API_VERSION, "kind": "FillJob", "metadata": {"name": "nospec"}}), check=False)
     assert proc.returncode != 0 and "spec: Required value" in proc.stderr, proc.stderr
+    proc = kube.kubectl("create", "--validate=false", "-f", "-", input_text=json.dumps(
+        {"apiVersion": API_VERSION, "kind": "PipelineTraining", "metadata": {"name": "noselector"},
+         "spec": {"slowdownBudget": 0.01}}), check=False)
+    assert proc.returncode != 0 and "spec.selector: Required value" in proc.stderr, proc.stderr
+    assert validate(PIPELINE_TRAINING_SPEC, {"slowdownBudget": 0.01})  # the operator refuses it too
 
 
 def _sample(f: Field) -> Any:

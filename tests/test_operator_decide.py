@@ -133,6 +133,37 @@ def test_fill_pods_mount_the_agents_run_dir_and_run_as_its_user() -> None:
     assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
 
 
+def test_a_fill_pod_carries_the_jobs_own_environment_and_pull_secrets() -> None:
+    """Where a batch-inference job's data and credentials are: its env (values, or keys of Secrets and ConfigMaps,
+    which the kubelet reads: the operator needs no access to them) and the Secrets its image is pulled with."""
+    secret = {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    job = fill_job(env=[{"name": "DATASET", "value": "s3://bucket/prompts"}, {"name": "HF_TOKEN", "valueFrom": secret}],
+                   imagePullSecrets=[{"name": "registry-creds"}])
+    (pod,) = step([job], [stage()]).create_pods
+    env = pod["spec"]["containers"][0]["env"]
+    assert {"name": "DATASET", "value": "s3://bucket/prompts"} in env and {"name": "HF_TOKEN", "valueFrom": secret} \
+        in env and {"name": "BUBBLES_FILL_JOB", "value": "fj"} in env  # the runtime's own are still there
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert "imagePullSecrets" not in step([fill_job("plain")], [stage()]).create_pods[0]["spec"]
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ([{"name": "BUBBLES_DEVICE", "value": "cuda:3"}], "names starting with BUBBLES_, CUDA_, NVIDIA_ are the fill "
+                                                       "runtime's"),
+    ([{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=80G"}], "are the fill runtime's"),
+    ([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "spec.env[1].name 'A' is given twice"),
+    ([{"name": "A"}], "spec.env[0] needs exactly one of value, valueFrom"),
+    ([{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}], "spec.env[0].valueFrom.secretKeyRef.key is "
+                                                                     "required"),
+    ([{"name": "1 A", "value": "x"}], "spec.env[0].name '1 A' is not valid"),
+])
+def test_a_bad_environment_fails_the_job_saying_which_variable(env: list[dict[str, Any]], needle: str) -> None:
+    job = fill_job(env=env)
+    d = step([job], [stage()])
+    assert job["status"]["phase"] == "Failed" and d.create_pods == []
+    assert needle in job["status"]["message"], job["status"]["message"]
+
+
 def test_a_fill_pod_carries_the_jobs_own_cpu_and_memory_where_given() -> None:
     """A namespace whose ResourceQuota counts CPU and memory refuses Pods that name none: spec.resources is the
     fill Pod's container's (the accelerator memory stays profile.memory, the agent's to enforce)."""

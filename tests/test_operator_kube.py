@@ -190,10 +190,10 @@ def test_a_fill_pod_the_kubelet_cannot_start_is_said_then_given_up_and_a_bad_tra
     """The kubelet's part played by a status write: the fill Pod waits in ImagePullBackOff. Its FillJob says so at
     once (status and a Warning Event); once the Pod is older than --fill-pod-start-timeout (its creation time is the
     API server's), the job is taken off its stage and placed again in a new Pod. A PipelineTraining the CRD accepts
-    but the operator cannot read (no selector) says why in its status."""
+    but the operator cannot read (an empty selector) says why in its status."""
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps({
         "apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining", "metadata": {"name": "bad", "namespace": NS},
-        "spec": {}}))
+        "spec": {"selector": {}}}))  # the CRD requires a selector; an empty one selects nothing
     op = operator(cluster, agents_with_bubbles(), pod_start_timeout_s=8.0)
     try:
         pt = until("the bad training's status", lambda: (p := get(cluster, "pt", "bad")) and (p.get("status") or {})

@@ -43,6 +43,11 @@ DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s)?$"
 TIMEOUT_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?(ns|us|µs|ms|s|m|h)?$"  # also minutes and hours
 ENTRY_PATTERN = r"^[\w.]+:[\w.]+$"
 IMAGE_PATTERN = r"^[^\s]+$"
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"  # what Kubernetes accepts as an environment variable's name
+DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # a Secret's, a ConfigMap's, a claim's name
+# Variables the fill Pod's runtime is given by the operator (and the CUDA driver and NVIDIA's runtime read): a job's
+# own env may not set them.
+RESERVED_ENV_PREFIXES = ("BUBBLES_", "CUDA_", "NVIDIA_")
 LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                      r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
@@ -137,6 +142,7 @@ class Field:
     pattern: str | None = None
     max_length: int | None = None
     min_items: int | None = None
+    max_items: int | None = None
     items: Field | None = None  # for arrays
     fields: tuple[Field, ...] = ()  # for objects
     one_of: tuple[tuple[str, ...], ...] = ()  # for objects: exactly one of each group may be set
@@ -164,8 +170,16 @@ def _pod_resources(name: str, description: str) -> Field:
     ))
 
 
-def _label_selector(name: str, description: str) -> Field:
-    return Field(name, "object", description, fields=(
+def _key_ref(name: str, what: str) -> Field:
+    return Field(name, "object", f"a key of a {what} in the FillJob's namespace", fields=(
+        Field("name", "string", f"the {what}'s name", required=True, max_length=253, pattern=DNS_NAME_PATTERN),
+        Field("key", "string", "the key", required=True, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$"),
+        Field("optional", "boolean", f"start the Pod even if the {what} or its key is missing"),
+    ))
+
+
+def _label_selector(name: str, description: str, required: bool = False) -> Field:
+    return Field(name, "object", description, required=required, fields=(
         Field("matchLabels", "map", "labels every selected object has (key: value)"),
         Field("matchExpressions", "array", "set-based requirements, as in any Kubernetes label selector",
               items=Field("requirement", "object", "one requirement", fields=(
@@ -218,6 +232,20 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
           "--init-timeout (the chart's agent.initTimeoutSeconds, default 600 s)"),
     Field("restartLimit", "integer", "how often the job is restarted (after its node, agent or isolation was "
           "lost) before it fails", default=3, minimum=0, maximum=100),
+    Field("env", "array", "environment variables of the fill job's container, as a container's env: a value, or "
+          "valueFrom a key of a Secret or ConfigMap in the FillJob's namespace (credentials, where the data is). "
+          "Names the runtime is given (BUBBLES_*, CUDA_*, NVIDIA_*) are refused", max_items=128,
+          items=Field("variable", "object", "one variable", fields=(
+              Field("name", "string", "its name", required=True, max_length=253, pattern=ENV_NAME_PATTERN),
+              Field("value", "string", "its value", max_length=32768),
+              Field("valueFrom", "object", "where its value comes from", fields=(
+                  _key_ref("secretKeyRef", "Secret"), _key_ref("configMapKeyRef", "ConfigMap"),
+              ), one_of=(("secretKeyRef", "configMapKeyRef"),)),
+          ), one_of=(("value", "valueFrom"),))),
+    Field("imagePullSecrets", "array", "Secrets (in the FillJob's namespace) to pull spec.image from a private "
+          "registry with", max_items=16, items=Field("secret", "object", "one Secret", fields=(
+              Field("name", "string", "the Secret's name", required=True, max_length=253, pattern=DNS_NAME_PATTERN),
+          ))),
     Field("resources", "object", "the fill Pod's own CPU and host memory, as a container's resources (its "
           "accelerator memory is profile.memory); needed where a ResourceQuota counts them. Left out: none, and the "
           "Pod is BestEffort, the first a node short of memory evicts", fields=(
@@ -227,7 +255,8 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
 )
 
 PIPELINE_TRAINING_SPEC: tuple[Field, ...] = (
-    _label_selector("selector", "labels of the training's Pods (one Pod per pipeline stage and replica)"),
+    _label_selector("selector", "labels of the training's Pods (one Pod per pipeline stage and replica)",
+                    required=True),
     Field("stages", "integer", "pipeline stages; left out: discovered from the hook", minimum=1, maximum=1024),
     Field("microbatches", "integer", "micro-batches per iteration; left out: discovered from the hook",
           minimum=1, maximum=65536),
@@ -285,6 +314,8 @@ def openapi_schema(f: Field) -> dict[str, Any]:
         s["maxLength"] = f.max_length
     if f.min_items is not None:
         s["minItems"] = f.min_items
+    if f.max_items is not None:
+        s["maxItems"] = f.max_items
     if f.default is not None:
         s["default"] = f.default
     return s
@@ -343,6 +374,8 @@ def _check(f: Field, value: Any, path: str, errors: list[str]) -> None:
             return
         if f.min_items is not None and len(value) < f.min_items:
             errors.append(f"{where} must have at least {f.min_items} item(s)")
+        if f.max_items is not None and len(value) > f.max_items:
+            errors.append(f"{where} must have at most {f.max_items} item(s)")
         if f.items is not None:
             for i, v in enumerate(value):
                 _check(f.items, v, f"{where}[{i}]", errors)
@@ -452,6 +485,8 @@ class FillJobResource:
     restart_limit: int = 3
     labels: dict[str, str] = field(default_factory=dict)
     pod_resources: dict[str, dict[str, str]] = field(default_factory=dict)  # spec.resources, values as strings
+    env: tuple[dict[str, Any], ...] = ()  # spec.env, as a container's
+    image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets' names
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> FillJobResource:
@@ -498,6 +533,17 @@ class FillJobResource:
                 raise ResourceError(f"spec.resources.requests.{key} ({req}) must not be more than "
                                     f"spec.resources.limits.{key} ({lim})")
         deadline = _parse_time(s["deadline"]) if s.get("deadline") else None
+        env = tuple(dict(v) for v in s.get("env") or ())
+        seen: set[str] = set()
+        for i, v in enumerate(env):
+            name = str(v.get("name"))
+            if name.startswith(RESERVED_ENV_PREFIXES):
+                raise ResourceError(f"spec.env[{i}].name {name!r}: names starting with "
+                                    f"{', '.join(RESERVED_ENV_PREFIXES)} are the fill runtime's, set by the operator; "
+                                    "choose another name")
+            if name in seen:
+                raise ResourceError(f"spec.env[{i}].name {name!r} is given twice; give each variable once")
+            seen.add(name)
         return cls(
             name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),
             generation=int(meta.get("generation") or 1), image=s["image"], job=job, priority=int(s["priority"]),
@@ -506,7 +552,8 @@ class FillJobResource:
             deadline=deadline, training_selector=dict(s.get("trainingSelector") or {}),
             checkpoint_path=(s.get("checkpoint") or {}).get("path"),
             checkpoint_claim=(s.get("checkpoint") or {}).get("claimName"), restart_limit=int(s["restartLimit"]),
-            labels=dict(meta.get("labels") or {}), pod_resources=pod_resources,
+            labels=dict(meta.get("labels") or {}), pod_resources=pod_resources, env=env,
+            image_pull_secrets=tuple(str(p["name"]) for p in s.get("imagePullSecrets") or ()),
         )
 
 

@@ -787,6 +787,7 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         env.append({"name": "BUBBLES_STEP_S", "value": repr(job.job.gating_step_s)})
     if job.checkpoint_path:
         env.append({"name": "BUBBLES_CHECKPOINT", "value": job.checkpoint_path})
+    env += [dict(v) for v in job.env]  # spec.env: the job's own (names apart from the runtime's, checked)
     container: dict[str, Any] = {
         "name": "fill", "image": job.image, "env": env,
         "volumeMounts": [{"name": "bubbles-run", "mountPath": RUN_DIR}],
@@ -832,6 +833,7 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             **({"securityContext": security} if security else {}),
+            **({"imagePullSecrets": [{"name": n} for n in job.image_pull_secrets]} if job.image_pull_secrets else {}),
             "containers": [container],
             "volumes": volumes,
         },
