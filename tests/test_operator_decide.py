@@ -647,3 +647,28 @@ def test_a_stage_no_agent_answers_for_is_blamed_on_the_agent_not_the_hook() -> N
     assert hook["reason"] == "NoAgent" and "node-a" in hook["message"] and "agent.gpuNodeLabels" in hook["message"]
     step([], [stage(hook_reporting=False, cycle=None)], [t])
     assert cond(t, "HookReporting")["reason"] == "NoHook"
+
+
+def test_a_job_that_reports_no_flops_is_counted_by_its_declared_flops_per_step() -> None:
+    job = fill_job(profile={"memory": "64Mi", "stepTime": "2ms", "flopsPerStep": 1e9})
+    step([job], [stage()])
+    step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 250, 0.0)})
+    assert job["status"]["recoveredFlops"] == 250 * 1e9
+    reported = fill_job("own", profile={"memory": "64Mi", "stepTime": "2ms", "flopsPerStep": 1e9})
+    step([reported], [stage(pod="llama-1", k=1)])
+    step([reported], [stage(pod="llama-1", k=1)], progress={"uid-own": JobProgress("uid-own", FillState.RUNNING, 10,
+                                                                                     5e6)})
+    assert reported["status"]["recoveredFlops"] == 5e6  # its own count wins
+
+
+def test_stages_and_microbatches_in_the_spec_are_checked_against_what_the_hook_reports() -> None:
+    t = training(stages=2, microbatches=8)
+    step([], [stage()], [t])  # the test cycles report 2 stages, 8 micro-batches
+    assert cond(t, "SpecMatches")["status"] == "True"
+    t["spec"]["microbatches"] = 16
+    step([], [stage()], [t])
+    said = cond(t, "SpecMatches")
+    assert said["status"] == "False" and "spec.microbatches is 16, the hook reports 8" in said["message"]
+    plain = training()
+    step([], [stage()], [plain])
+    assert not [c for c in plain["status"]["conditions"] if c["type"] == "SpecMatches"]  # nothing to check

@@ -71,7 +71,7 @@ def test_examples_are_valid_and_map_onto_the_agents_spec() -> None:
     assert fj.restart_limit == 3 and fj.training_selector == {"matchLabels": {"bubbles.dev/harvest": "true"}}
     bi = FillJobResource.from_object(load("filljob-batch-inference.yaml"))
     assert bi.steps == 4000 and bi.samples_per_step == 16 and bi.priority == 10
-    assert bi.deadline == dt.datetime(2030, 1, 1, tzinfo=dt.UTC) and bi.checkpoint_path
+    assert bi.deadline == dt.datetime(2030, 1, 1, tzinfo=dt.UTC) and bi.checkpoint_path is None  # nothing to save
     assert bi.job.init_timeout_s == 1200 and fj.job.init_timeout_s is None  # None: the agent's --init-timeout
     pt = PipelineTrainingResource.from_object(load("pipelinetraining.yaml"))
     assert pt.memory_reserve_bytes == 512 * 2**20 and pt.slowdown_budget == 0.01 and pt.stages == 2
@@ -141,8 +141,10 @@ def test_rules_the_schema_cannot_say_are_checked_by_the_operator() -> None:
         FillJobResource.from_object({"metadata": {"name": "j"}, "spec": {**GOOD, "work": {"samples": 10}}})
     with pytest.raises(ResourceError, match="field 'name'"):
         FillJobResource.from_object({"metadata": {"name": "Bad_Name"}, "spec": GOOD})
-    with pytest.raises(ResourceError, match=r"spec\.selector must select the training's Pods"):
+    with pytest.raises(ResourceError, match=r"spec\.selector is required"):
         PipelineTrainingResource.from_object({"metadata": {"name": "t"}, "spec": {}})
+    with pytest.raises(ResourceError, match=r"spec\.selector must select the training's Pods"):
+        PipelineTrainingResource.from_object({"metadata": {"name": "t"}, "spec": {"selector": {}}})
     assert validate(PIPELINE_TRAINING_SPEC, {"selector": {}, "slowdownBudget": 2}) == [
         "spec.slowdownBudget must be <= 0.5, got 2"]
 

@@ -208,7 +208,8 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
         Field("stepTime", "duration", "time of one step on the target GPU, e.g. 2ms"),
         Field("memory", "quantity", "accelerator memory the job may use, a hard limit (e.g. 4Gi); required "
               "on GPUs", required=True),
-        Field("flopsPerStep", "number", "FLOPs of one step, for recovered-TFLOPS accounting", minimum=0),
+        Field("flopsPerStep", "number", "FLOPs of one step: the FillJob's recoveredFlops counts steps done times "
+              "this when the job reports none itself (a plain command)", minimum=0),
     ), required=True),
     Field("work", "object", "how much work the job does; it succeeds when done", fields=(
         Field("steps", "integer", "steps to run", minimum=1),
@@ -257,9 +258,10 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
 PIPELINE_TRAINING_SPEC: tuple[Field, ...] = (
     _label_selector("selector", "labels of the training's Pods (one Pod per pipeline stage and replica)",
                     required=True),
-    Field("stages", "integer", "pipeline stages; left out: discovered from the hook", minimum=1, maximum=1024),
-    Field("microbatches", "integer", "micro-batches per iteration; left out: discovered from the hook",
-          minimum=1, maximum=65536),
+    Field("stages", "integer", "pipeline stages, as a check: the status says (condition SpecMatches) when the hook "
+          "reports others; left out: what the hook reports", minimum=1, maximum=1024),
+    Field("microbatches", "integer", "micro-batches per iteration, as a check like stages; left out: what the "
+          "hook reports", minimum=1, maximum=65536),
     Field("slowdownBudget", "number", "training slowdown harvesting may cause (0.01 = 1%)", default=0.01,
           minimum=0.0001, maximum=0.5),
     Field("maxFillShare", "number", "the largest share of each bubble fill work may use", default=1.0,

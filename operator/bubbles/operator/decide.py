@@ -335,6 +335,8 @@ class _JobState:
 
 
 def _progress_fields(job: FillJobResource, done: int, flops: float) -> dict[str, Any]:
+    if not flops and job.flops_per_step:
+        flops = done * job.flops_per_step  # a job that reports none (a plain command): what its spec says a step is
     pct = 100.0 * min(done, job.steps) / job.steps if job.steps else 0.0
     return {"progress": {"stepsDone": done, "stepsTotal": job.steps, "percent": round(pct, 1)},
             "progressText": f"{pct:.0f}% ({done}/{job.steps})", "recoveredFlops": float(flops)}
@@ -895,6 +897,18 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
             "Profiled", "True" if mine and len(profiled) == len(mine) else "False",
             "Profiled" if mine and len(profiled) == len(mine) else "Profiling",
             f"{len(profiled)} of {len(mine)} stage(s) profiled", observed_generation=gen), view.now)
+        differ = [f"spec.{what} is {want}, the hook reports {', '.join(map(str, sorted(got)))}"
+                  for what, want, got in (
+                      ("stages", tr.stages, {s.cycle.stages for s in profiled if s.cycle}),
+                      ("microbatches", tr.microbatches, {s.cycle.microbatches for s in profiled if s.cycle}))
+                  if want is not None and got and got != {want}]
+        if profiled and (tr.stages is not None or tr.microbatches is not None
+                         or any(c.get("type") == "SpecMatches" for c in conds)):
+            # Said, not acted on: the hook's figures are what the bubbles were measured with.
+            conds = set_condition(conds, Condition(
+                "SpecMatches", "False" if differ else "True", "Differs" if differ else "Matches",
+                "; ".join(differ) + " (the hook's are used: fix the spec or the selector)" if differ
+                else "the hook reports what the spec says", observed_generation=gen), view.now)
         if profiled:
             bubble = sum(s.cycle.bubble_s for s in profiled if s.cycle)
             it = sum(s.cycle.iteration_s for s in profiled if s.cycle)

@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hours", type=float, help="simulated hours of the main job (default 24)")
     f = p.add_argument_group("fill jobs")
     f.add_argument(
-        "--trace", type=Path, help="fill-job trace CSV (arrival_s, model, kind, samples, deadline_s)"
+        "--trace", type=Path, help="fill-job trace CSV (arrival_s, model, kind, samples or steps and batch_size, "
+                                   "deadline_s; optional job_id: docs/simulator.md)"
     )
     f.add_argument(
         "--alibaba",
