@@ -259,3 +259,33 @@ def test_the_profile_states_the_margin_its_free_memory_is_net_of(tmp_path: Any) 
     assert all(s.free_bytes == 8 * GIB - 256 * MIB for s in cycle.slots)  # free memory is already net of it
     assert BubbleCycle.from_dict(cycle.to_dict()) == cycle  # and it travels with the profile
     inst.detach()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_a_fill_processes_cuda_context_fits_the_agents_default_allowance() -> None:
+    """What a process takes on the GPU beside its allocator's reservations (its CUDA context, kernels' modules) is what
+    the agent plans as --cuda-context-mib outside MPS (default 512 MiB, a guess until this runs): measured with NVML
+    on a process that initialized CUDA and ran a matmul (cuBLAS loaded), as a fill job's first step would."""
+    import json
+    import subprocess
+    import sys
+
+    from bubbles.agent.core import CoreConfig
+
+    code = ("import json, os, sys, torch\n"
+            "x = torch.randn(1024, 1024, device='cuda'); y = x @ x; torch.cuda.synchronize()\n"
+            "import pynvml\n"
+            "pynvml.nvmlInit()\n"
+            "h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())\n"
+            "used = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}\n"
+            "print(json.dumps({'pid': os.getpid(), 'used': used.get(os.getpid()), "
+            "'reserved': torch.cuda.memory_reserved()}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if got["used"] is None:
+        pytest.skip("NVML does not list this process's memory here (a container without its PID namespace)")
+    beside = int(got["used"]) - int(got["reserved"])
+    print(f"CUDA context and modules beside the allocator: {beside / 2**20:.0f} MiB")
+    assert 0 < beside <= CoreConfig.cuda_context_bytes, f"{beside / 2**20:.0f} MiB beside the allocator"
