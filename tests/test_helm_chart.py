@@ -141,6 +141,7 @@ def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str
     if values.get("operator", {}).get("watchNamespaces"):
         assert op.namespace == ["ml", "research", NS]  # the agents' namespace is watched too
     assert str(op.agent_port) == settings.cluster.listen.rsplit(":", 1)[1]
+    assert op.fill_cuda_context_mib == settings.config.cuda_context_mib == 512  # one value for both sides
 
 
 def test_mps_gives_the_agent_and_the_fill_pods_one_shm_directory_and_the_pipe_directory_without_host_ipc() -> None:
@@ -400,4 +401,5 @@ def test_the_notes_say_what_a_training_pod_needs_and_the_agent_never_preempts_on
     assert "Before upgrading the chart, apply the new CRDs" in text and "mps-daemon" not in text
     mps = notes({"agent": {"isolation": "mps"}})
     assert "/dev/shm/bubbles-mps at /dev/shm" in mps and "mps-daemon Pods, which upgrades do not restart" in mps
-    assert one(render(), "PriorityClass")["preemptionPolicy"] == "Never"
+    pc = one(render(), "PriorityClass")  # a new name: a preemptionPolicy cannot be changed on an existing class
+    assert pc["preemptionPolicy"] == "Never" and pc["metadata"]["name"] == "bubbles-agent-nonpreempting"

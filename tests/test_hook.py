@@ -545,7 +545,8 @@ def test_default_probe_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         CudaAllocatorProbe()
 
 
-def test_the_default_probe_reads_the_engines_device_not_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_probe_reads_the_engines_device_not_the_current_one(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
     """A process whose current device is not its engine's (two engines, or a set_device after deepspeed.initialize)
     must still be told the engine's device's free memory. torch's CUDA queries played for a machine of 2 GPUs."""
     import torch
@@ -556,6 +557,13 @@ def test_the_default_probe_reads_the_engines_device_not_the_current_one(monkeypa
     probe = default_probe(torch.device("cuda", 1))
     assert isinstance(probe, CudaAllocatorProbe) and probe.index == 1
     assert default_probe().index == 0  # type: ignore[attr-defined]
+    eng = StandInEngine(0, 2, 2)
+    eng.device = torch.device("cuda", 1)  # type: ignore[attr-defined]
+    inst = instrument(eng, training="dev", run_dir=tmp_path, timing="host")
+    try:
+        assert isinstance(inst.memory_probe, CudaAllocatorProbe) and inst.memory_probe.index == 1
+    finally:
+        inst.detach()
     monkeypatch.setenv("BUBBLES_FREE_BYTES", "1000")
     assert isinstance(default_probe(torch.device("cpu")), StaticMemoryProbe)  # a CPU engine on a GPU machine
 

@@ -443,7 +443,7 @@ def test_a_fill_process_is_verified_as_a_client_of_the_daemons_server_or_refused
 
 def test_the_daemons_pid_namespace_not_its_owner_decides_whether_a_missing_pid_is_refused(
         mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """In cluster mode each training on a node has its own agent, and only the first starts the daemon: the others
+    """Several agents may share one daemon (with --mps-daemon own, only the first starts it; external: none): the others
     must refuse a non-member all the same. A daemon in another PID namespace (its pid file names no daemon of ours)
     lists PIDs this agent cannot compare: a missing one is said, not refused."""
     monkeypatch.setenv("FAKE_MPS_CLIENTS", "1")

@@ -92,6 +92,7 @@ def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Pat
         (["--kubeconfig", "/no/such/kubeconfig"], "cannot read kubeconfig /no/such/kubeconfig"),
         (["--agent-port", "0"], "--agent-port must be a TCP port"),
         (["--agent-timeout", "-1"], "--agent-timeout must be > 0 seconds"),
+        (["--fill-cuda-context-mib", "-1"], "--fill-cuda-context-mib must be whole MiB from 0 to 16384"),
         (["--fill-pod-start-timeout", "0"], "--fill-pod-start-timeout must be > 0 and at most 86400 seconds"),
         (["--fill-pod-start-timeout", "1e6"], "--fill-pod-start-timeout must be > 0 and at most 86400 seconds"),
         (["--agent-down-after", "-1"], "--agent-down-after must be >= 0 seconds"),

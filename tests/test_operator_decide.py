@@ -66,12 +66,13 @@ def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[di
          progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW,
          failed_pods: dict[str, str] | None = None, fill_pods: FillPodSettings | None = None,
          ended_pods: dict[str, str] | None = None, acting_s: float = math.inf,
-         waiting_pods: dict[str, tuple[str, float]] | None = None) -> Decisions:
+         waiting_pods: dict[str, tuple[str, float]] | None = None, cuda_context_bytes: int = 0) -> Decisions:
     """One reconcile; the decided statuses are written into the objects (the API server's part)."""
     trainings = trainings if trainings is not None else [training()]
     d = reconcile(ClusterView(now, jobs, trainings, stages, progress or {}, failed_pods=failed_pods or {},
                               ended_pods=ended_pods or {}, fill_pods=fill_pods or FillPodSettings(),
-                              acting_s=acting_s, waiting_pods=waiting_pods or {}, pod_start_timeout_s=600.0))
+                              acting_s=acting_s, waiting_pods=waiting_pods or {}, pod_start_timeout_s=600.0,
+                              cuda_context_bytes=cuda_context_bytes))
     for obj in jobs:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
         if key in d.fill_job_status:
@@ -113,7 +114,7 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert env["BUBBLES_TRAINING"] == "llama" and env["BUBBLES_STAGE"] == "0" and env["BUBBLES_DEVICE"] == "cuda:0"
     assert env["BUBBLES_MEMORY_BYTES"] == str(64 * MIB) and env["BUBBLES_MAX_STEPS"] == "1000"
-    assert pod["spec"]["automountServiceAccountToken"] is False and "NVIDIA_VISIBLE_DEVICES" not in env
+    assert pod["spec"]["automountServiceAccountToken"] is False and env["NVIDIA_VISIBLE_DEVICES"] == "void"
     (a,) = d.assign
     assert (a.uid, a.node, a.stage, a.fill_pod) == ("uid-fj", "node-a", 0, "fj-fj-a0")
     assert [e.reason for e in d.events] == ["Placed"]  # queued and placed in one round: one Event
@@ -137,14 +138,18 @@ def test_a_fill_pod_carries_the_jobs_own_environment_and_pull_secrets() -> None:
     """Where a batch-inference job's data and credentials are: its env (values, or keys of Secrets and ConfigMaps,
     which the kubelet reads: the operator needs no access to them) and the Secrets its image is pulled with."""
     secret = {"secretKeyRef": {"name": "hf-token", "key": "token"}}
-    job = fill_job(env=[{"name": "DATASET", "value": "s3://bucket/prompts"}, {"name": "HF_TOKEN", "valueFrom": secret}],
+    job = fill_job(env=[{"name": "DATASET", "value": "s3://bucket/prompts"}, {"name": "HF_TOKEN", "valueFrom": secret},
+                        {"name": "EMPTY"}],  # an empty variable, as a container may have
                    imagePullSecrets=[{"name": "registry-creds"}])
     (pod,) = step([job], [stage()]).create_pods
     env = pod["spec"]["containers"][0]["env"]
     assert {"name": "DATASET", "value": "s3://bucket/prompts"} in env and {"name": "HF_TOKEN", "valueFrom": secret} \
         in env and {"name": "BUBBLES_FILL_JOB", "value": "fj"} in env  # the runtime's own are still there
     assert pod["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
-    assert "imagePullSecrets" not in step([fill_job("plain")], [stage()]).create_pods[0]["spec"]
+    plain = step([fill_job("plain")], [stage()]).create_pods[0]
+    assert "imagePullSecrets" not in plain["spec"]
+    # No GPU of the training's known (gpu_uuid None): no GPU at all, whatever the image's ENV would show.
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in plain["spec"]["containers"][0]["env"]
 
 
 @pytest.mark.parametrize(("env", "needle"), [
@@ -152,7 +157,9 @@ def test_a_fill_pod_carries_the_jobs_own_environment_and_pull_secrets() -> None:
                                                        "runtime's"),
     ([{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=80G"}], "are the fill runtime's"),
     ([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "spec.env[1].name 'A' is given twice"),
-    ([{"name": "A"}], "spec.env[0] needs exactly one of value, valueFrom"),
+    ([{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+     "spec.env[0] (A) has both value and valueFrom"),
+    ([{"name": "A", "valueFrom": {}}], "spec.env[0].valueFrom needs exactly one of secretKeyRef, configMapKeyRef"),
     ([{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}], "spec.env[0].valueFrom.secretKeyRef.key is "
                                                                      "required"),
     ([{"name": "1 A", "value": "x"}], "spec.env[0].name '1 A' is not valid"),
@@ -607,6 +614,19 @@ def test_a_fill_pod_that_cannot_start_is_said_at_once_and_given_up_after_the_tim
     assert "did not start within 600 s" in cond(job, "Evicted")["message"] and "not found" in job["status"]["message"]
 
 
+def test_a_fill_pod_that_never_leaves_container_creating_is_given_up_too() -> None:
+    """A volume that never mounts (a checkpoint claim that does not exist) is said in Events only: the container just
+    waits in ContainerCreating. Nothing is said early, and the job is not held for good."""
+    job = fill_job()
+    step([job], [stage()])
+    creating = {"ml/fj-fj-a0": ("", NOW.timestamp())}
+    d = step([job], [stage()], waiting_pods=creating, now=NOW + dt.timedelta(seconds=60))
+    assert job["status"]["phase"] == "Placed" and d.events == [] and d.delete_pods == []
+    d = step([job], [stage()], waiting_pods=creating, now=NOW + dt.timedelta(seconds=600))
+    assert job["status"]["phase"] == "Queued" and d.delete_pods == [("ml", "fj-fj-a0")]
+    assert "still being created (a volume that does not mount?" in cond(job, "Evicted")["message"]
+
+
 def test_a_fill_pod_that_starts_after_all_goes_back_to_its_placed_message() -> None:
     job = fill_job()
     step([job], [stage()])
@@ -628,7 +648,7 @@ def test_an_invalid_pipeline_training_says_why_in_its_status_with_one_event_unti
     d = step([job], [stage()], [t])
     admitted = cond(t, "Admitted")
     assert admitted["status"] == "False" and admitted["reason"] == "InvalidSpec"
-    assert "spec.selector" in admitted["message"] and "kubectl edit pt llama" in admitted["message"]
+    assert "spec.selector" in admitted["message"] and "kubectl edit pt llama -n ml" in admitted["message"]
     assert [(e.kind, e.type, e.reason) for e in d.events if e.kind == "PipelineTraining"] == \
         [("PipelineTraining", "Warning", "InvalidSpec")]
     assert job["status"]["phase"] == "Queued"  # nothing is placed through a training the operator cannot read
@@ -647,6 +667,9 @@ def test_a_stage_no_agent_answers_for_is_blamed_on_the_agent_not_the_hook() -> N
     assert hook["reason"] == "NoAgent" and "node-a" in hook["message"] and "agent.gpuNodeLabels" in hook["message"]
     step([], [stage(hook_reporting=False, cycle=None)], [t])
     assert cond(t, "HookReporting")["reason"] == "NoHook"
+    step([], [stage(node="", agent_up=False, hook_reporting=False, cycle=None)], [t])  # not scheduled yet
+    said = cond(t, "HookReporting")
+    assert said["reason"] == "NotScheduled" and "llama-0 not on a node yet" in said["message"]
 
 
 def test_a_job_that_reports_no_flops_is_counted_by_its_declared_flops_per_step() -> None:
@@ -672,3 +695,23 @@ def test_stages_and_microbatches_in_the_spec_are_checked_against_what_the_hook_r
     plain = training()
     step([], [stage()], [plain])
     assert not [c for c in plain["status"]["conditions"] if c["type"] == "SpecMatches"]  # nothing to check
+
+
+def test_outside_mps_a_gpu_stage_is_offered_only_what_a_job_and_its_cuda_context_fit() -> None:
+    """The agent plans a GPU job's memory plus its CUDA context outside MPS: the operator must not place a job the
+    agent would refuse (it would be placed, refused and failed after its restarts)."""
+    ctx = 512 * MIB
+    tight = [stage(cycle=cycle(free=1024 * MIB))]
+    job = fill_job(profile={"memory": "768Mi", "stepTime": "2ms"})  # fits 1 GiB alone, not with 512 MiB beside it
+    step([job], tight, cuda_context_bytes=ctx)
+    assert job["status"]["phase"] == "Queued"
+    roomy = fill_job("roomy", profile={"memory": "256Mi", "stepTime": "2ms"})
+    step([roomy], tight, cuda_context_bytes=ctx)
+    assert roomy["status"]["phase"] == "Placed"
+    mps = fill_job("mps", profile={"memory": "768Mi", "stepTime": "2ms"})  # an MPS client's context is the server's
+    step([mps], tight, cuda_context_bytes=ctx, fill_pods=FillPodSettings(mps_pipe_dir="/tmp/nvidia-mps"))
+    assert mps["status"]["phase"] == "Placed"
+    cpu = fill_job("cpu", profile={"memory": "768Mi", "stepTime": "2ms"})
+    step([cpu], [StageView("ml/llama", 0, "llama-0", "uid-llama-0", "node-a", "cpu", cycle(free=1024 * MIB),
+                           hook_reporting=True)], cuda_context_bytes=ctx)
+    assert cpu["status"]["phase"] == "Placed"

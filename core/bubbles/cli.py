@@ -65,12 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = importlib.import_module(module_name)
         p = sub.add_parser(known.command, help=help_text, description=help_text)
         module.add_arguments(p)
-        args = full.parse_args(argv)
-        return int(module.run(args) or 0)
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] == "bubbles" and not (exc.name or "").startswith(module_name):
+        if (exc.name or "").split(".")[0] == "bubbles":
             raise  # a module of this project missing is a broken install, not a missing extra
         return _missing_extra(known.command, exc)
+    args = full.parse_args(argv)
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -239,10 +239,11 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
           items=Field("variable", "object", "one variable", fields=(
               Field("name", "string", "its name", required=True, max_length=253, pattern=ENV_NAME_PATTERN),
               Field("value", "string", "its value", max_length=32768),
-              Field("valueFrom", "object", "where its value comes from", fields=(
+              Field("valueFrom", "object", "where its value comes from: a Secret's or a ConfigMap's key only (not "
+                    "fieldRef or resourceFieldRef)", fields=(
                   _key_ref("secretKeyRef", "Secret"), _key_ref("configMapKeyRef", "ConfigMap"),
               ), one_of=(("secretKeyRef", "configMapKeyRef"),)),
-          ), one_of=(("value", "valueFrom"),))),
+          ))),
     Field("imagePullSecrets", "array", "Secrets (in the FillJob's namespace) to pull spec.image from a private "
           "registry with", max_items=16, items=Field("secret", "object", "one Secret", fields=(
               Field("name", "string", "the Secret's name", required=True, max_length=253, pattern=DNS_NAME_PATTERN),
@@ -545,6 +546,8 @@ class FillJobResource:
                                     "choose another name")
             if name in seen:
                 raise ResourceError(f"spec.env[{i}].name {name!r} is given twice; give each variable once")
+            if v.get("value") is not None and v.get("valueFrom") is not None:
+                raise ResourceError(f"spec.env[{i}] ({name}) has both value and valueFrom; give one")
             seen.add(name)
         return cls(
             name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),

@@ -1105,8 +1105,9 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
         timing=resolve_timing(timing, engine),
         event_factory=event_factory,
     )
-    log.info("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
-             inst.stages, inst.stage_dir, inst.timing)
+    if not inst._disabled:  # one that stood down has said why
+        log.info("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
+                 inst.stages, inst.stage_dir, inst.timing)
     return inst
 
 

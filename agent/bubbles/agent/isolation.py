@@ -287,7 +287,7 @@ class MpsIsolation(Isolation):
         pipe_dir = config.mps_pipe_dir or Path(os.environ.get(mps.PIPE_ENV) or mps.DEFAULT_PIPE_DIR)
         log_dir = config.mps_log_dir or Path(os.environ.get(mps.LOG_ENV) or mps.DEFAULT_LOG_DIR)
         mps.check_pipe_dir(pipe_dir)  # before creating anything
-        if not _writable_dir(log_dir):
+        if config.mps_daemon != "external" and not _writable_dir(log_dir):  # external: no daemon of ours logs
             log.warning("MPS log directory %s is not writable; the daemon logs to %s instead", log_dir,
                         fallback_log_dir)
             log_dir = fallback_log_dir

@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a fill Pod the kubelet cannot start (its image cannot be pulled, a Secret it needs is "
                            "missing) is said on its FillJob at once, and taken off the stage and queued again this "
                            "long after its creation (default 600, at most 86400)")
+    fill.add_argument("--fill-cuda-context-mib", type=int, default=512, metavar="MIB",
+                      help="what a fill process's own CUDA context takes on a GPU beside its memory limit, as the "
+                           "agents' --cuda-context-mib: outside MPS the operator places a job only where its memory "
+                           "and this fit (default 512; the chart sets both from agent.cudaContextMiB)")
     fill.add_argument("--node-run-dir", default="/run/bubbles", metavar="PATH",
                       help="the agents' run directory on the nodes, mounted into every fill Pod (default /run/bubbles; "
                            "the chart passes agent.runDir)")
@@ -145,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.fill_pod_start_timeout <= 86400:
         return _fail(f"--fill-pod-start-timeout must be > 0 and at most 86400 seconds (a day), got "
                      f"{args.fill_pod_start_timeout:g}")
+    if not 0 <= args.fill_cuda_context_mib <= 16384:
+        return _fail(f"--fill-cuda-context-mib must be whole MiB from 0 to 16384, got {args.fill_cuda_context_mib}")
     if not args.agent_timeout > 0:
         return _fail(f"--agent-timeout must be > 0 seconds, got {args.agent_timeout}")
     if not args.agent_down_after >= 0:
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         lease_name=args.lease_name, lease_namespace=args.lease_namespace or connection.namespace or "default",
         identity=args.identity or socket.gethostname(), metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port, fill_pods=fill_pods,
-        pod_start_timeout_s=args.fill_pod_start_timeout)
+        pod_start_timeout_s=args.fill_pod_start_timeout, cuda_context_bytes=args.fill_cuda_context_mib << 20)
     log = logging.getLogger("bubbles.operator")
     if security is None:
         log.warning("no --agent-ca: the node agents are not called, so no bubble profile reaches the operator and "

@@ -105,11 +105,16 @@ class ClusterView:
     # (its message, when: epoch seconds): the job stays queued saying why, and is placed again after pod_retry_s.
     refused_pods: Mapping[str, tuple[str, float]] = field(default_factory=dict)
     pod_retry_s: float = 30.0
-    # Fill Pods not started because the kubelet reports a failure to start them (ErrImagePull, ImagePullBackOff,
-    # CreateContainerConfigError, ...), "namespace/name" -> (its reason and message, its creation: epoch seconds):
-    # their jobs say so at once, and are taken off their stage once the Pod is pod_start_timeout_s old.
+    # Fill Pods not started yet, "namespace/name" -> (the kubelet's reason and message when it reports a failure to
+    # start them: ErrImagePull, ImagePullBackOff, CreateContainerConfigError...; "" while it is only starting, its
+    # creation: epoch seconds): a failure is said on the job at once, and the job is taken off its stage once its Pod
+    # is pod_start_timeout_s old and still not started (a volume that never mounts is said in Events only).
     waiting_pods: Mapping[str, tuple[str, float]] = field(default_factory=dict)
     pod_start_timeout_s: float = 600.0
+    # What a fill process's own CUDA context takes on a GPU beside its memory limit, which the node agents plan on top
+    # of a job's memory outside MPS (their --cuda-context-mib): a stage's free memory is cut by it here, or jobs the
+    # agent would refuse are placed.
+    cuda_context_bytes: int = 0
     # How long this replica has been reconciling: its watches may not have listed every object yet in its first
     # seconds (a training Pod it has not seen is not a Pod that is gone). inf: long enough.
     acting_s: float = math.inf
@@ -269,21 +274,29 @@ def _policy(name: str) -> Any:
 _CLASSES: dict[str, tuple[Any, float, int, int, ExecutorClass]] = {}
 
 
-def executor_class(stage: StageView, training: PipelineTrainingResource) -> ExecutorClass:
-    """The scheduler's view of one stage: its bubbles cut to the training's share and memory reserve."""
+def executor_class(stage: StageView, training: PipelineTrainingResource, context_bytes: int = 0) -> ExecutorClass:
+    """The scheduler's view of one stage: its bubbles cut to the training's share and memory reserve (and the fill
+    process's CUDA context, ``context_bytes``, where the agent plans one: ``stage_context_bytes``)."""
     assert stage.cycle is not None
+    reserve = training.memory_reserve_bytes + context_bytes
     have = _CLASSES.get(stage.key)
     if have is not None and have[0] is stage.cycle and have[1] == training.max_fill_share \
-            and have[2] == training.memory_reserve_bytes and have[3] == stage.stage:
+            and have[2] == reserve and have[3] == stage.stage:
         return have[4]
     bubbles = tuple(Bubble(s.duration_s * training.max_fill_share,
-                           max(0, s.free_bytes - training.memory_reserve_bytes),
+                           max(0, s.free_bytes - reserve),
                            f"{stage.training} stage {stage.stage} slot {s.slot}") for s in stage.cycle.slots)
     cls = ExecutorClass(stage.key, bubbles, stage.cycle.iteration_s, 1)
     if len(_CLASSES) > 100_000:
         _CLASSES.clear()
-    _CLASSES[stage.key] = (stage.cycle, training.max_fill_share, training.memory_reserve_bytes, stage.stage, cls)
+    _CLASSES[stage.key] = (stage.cycle, training.max_fill_share, reserve, stage.stage, cls)
     return cls
+
+
+def stage_context_bytes(view: ClusterView, stage: StageView) -> int:
+    """The CUDA-context allowance the stage's agent adds to a job's memory: on a GPU, outside MPS."""
+    gpu = bool(stage.gpu_uuid) or stage.device.startswith("cuda")
+    return view.cuda_context_bytes if gpu and view.fill_pods.mps_pipe_dir is None else 0
 
 
 def _status(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -465,8 +478,9 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
     elif (prog is None or prog.state is FillState.SUBMITTED) and \
             (waiting := view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None and \
             now_s - waiting[1] >= view.pod_start_timeout_s:
+        why = waiting[0] or f"still being created (a volume that does not mount? kubectl describe pod {a.get('pod')})"
         lost = (f"fill Pod {a.get('pod')} did not start within {view.pod_start_timeout_s:g} s of its creation "
-                f"(the operator's --fill-pod-start-timeout): {waiting[0]}")
+                f"(the operator's --fill-pod-start-timeout): {why}")
     if prog is not None and prog.state is FillState.STOPPED:
         if prog.reason == "finished" or prog.steps_done >= job.steps:
             st.status.update(_progress_fields(job, max(prog.steps_done, job.steps), prog.flops))
@@ -500,13 +514,13 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         counters = dict(st.status.get("counters") or {})
         counters["kills"] = max(int(counters.get("kills", 0)), prog.kills)
         st.status["counters"] = counters
-    rate = _steps_per_s(job, stage, trainings.get(stage.training))
+    rate = _steps_per_s(job, stage, trainings.get(stage.training), stage_context_bytes(view, stage))
     end_s = now_s + (job.steps - done) / rate if rate > 0 else math.inf
     busy[skey] = (uid, end_s)
     _eta(st, job, end_s)
     waiting = view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}") \
         if prog is None or prog.state is FillState.SUBMITTED else None
-    if waiting is not None:
+    if waiting is not None and waiting[0]:
         what, hint = _not_starting(waiting[0], str(a.get("pod")))
         st.condition(ConditionType.RUNNING, False, "PodNotStarting", f"fill Pod {a.get('pod')}: {waiting[0]}")
         # The phase's message (and its Event) names the kind of failure only: the kubelet's own words alternate
@@ -547,7 +561,7 @@ def _not_starting(why: str, pod: str) -> tuple[str, str]:
     reason = why.split(":", 1)[0].strip()
     if reason in _IMAGE_REASONS:
         return ("its image cannot be pulled", "check spec.image, and that the node can pull it (a private registry "
-                "needs an image pull secret on the namespace's default ServiceAccount)")
+                "needs spec.imagePullSecrets, or an image pull secret on the namespace's default ServiceAccount)")
     if reason == "CreateContainerConfigError":
         return ("its container cannot be configured", f"a Secret or ConfigMap it needs may be missing (kubectl "
                 f"describe pod {pod})")
@@ -594,10 +608,11 @@ def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], 
              event="Evicted", warning=True)
 
 
-def _steps_per_s(job: FillJobResource, stage: StageView, training: PipelineTrainingResource | None) -> float:
+def _steps_per_s(job: FillJobResource, stage: StageView, training: PipelineTrainingResource | None,
+                 context_bytes: int = 0) -> float:
     if stage.cycle is None or training is None:
         return 0.0
-    cls = executor_class(stage, training)
+    cls = executor_class(stage, training, context_bytes)
     rate = best_rate(cls.bubbles, cls.iteration_s, _profile(job))  # cached per bubble shape and profile
     return rate.steps_per_cycle / stage.cycle.iteration_s if rate else 0.0
 
@@ -649,7 +664,7 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
             st.condition(ConditionType.PLACED, False, "NoProfiledTraining", why)
             st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
         return
-    classes = [executor_class(s, trainings[s.training]) for s in usable]
+    classes = [executor_class(s, trainings[s.training], stage_context_bytes(view, s)) for s in usable]
     by_name = {c.name: s for c, s in zip(classes, usable, strict=True)}
     sched = Scheduler(classes, _policy(view.policy))
     for e, c in enumerate(classes):
@@ -774,6 +789,11 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         # runtime exposes the GPU this names to a Pod that requests none. Inside, it is the only GPU: cuda:0.
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": a.gpu_uuid})
         env = [e if e["name"] != "BUBBLES_DEVICE" else {"name": "BUBBLES_DEVICE", "value": "cuda:0"} for e in env]
+    else:
+        # No GPU of the training's is known: none at all, whatever the image's own ENV says (CUDA and PyTorch base
+        # images set NVIDIA_VISIBLE_DEVICES=all, which on a node whose default runtime is NVIDIA's shows every GPU,
+        # the trainings' among them). A GPU job here then fails at its start, closed.
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
     mps = settings.mps_pipe_dir if a.gpu_uuid else None
     if mps:
         # The node's MPS server, as the agent's own fill processes join it: its pipe directory, the SM share, priority
@@ -872,10 +892,15 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         conds = set_condition(status.get("conditions") or [], Condition(
             ConditionType.ADMITTED.value, "True", "Valid", "the spec is valid", observed_generation=gen), view.now)
         silent = [s.pod for s in mine if not s.hook_reporting]
-        no_agent = sorted({s.node for s in mine if not s.agent_up})
+        unscheduled = sorted(s.pod for s in mine if not s.node)
+        no_agent = sorted({s.node for s in mine if s.node and not s.agent_up})
         if not mine:
             conds = set_condition(conds, Condition("HookReporting", "False", "NoPods", "no Pod matches spec.selector",
                                                    observed_generation=gen), view.now)
+        elif unscheduled:
+            conds = set_condition(conds, Condition(
+                "HookReporting", "False", "NotScheduled", f"Pod(s) {', '.join(unscheduled)} not on a node yet",
+                observed_generation=gen), view.now)
         elif no_agent:
             # Not the hook's fault: nothing on the node can hear it (no agent Pod there, or the operator cannot call
             # the agents at all).
@@ -946,7 +971,8 @@ def _invalid_training_statuses(view: ClusterView, out: Decisions, invalid: Mappi
         obj = by_key[tkey]
         meta = obj.get("metadata") or {}
         before = _status(obj)
-        message = f"invalid spec: {why}; it selects no Pod until it is fixed (kubectl edit pt {meta.get('name')})"
+        message = (f"invalid spec: {why}; it selects no Pod until it is fixed (kubectl edit pt {meta.get('name')} "
+                   f"-n {meta.get('namespace')})")
         # Only this condition: what was measured or said under an earlier, valid spec no longer holds.
         conds = set_condition([c for c in before.get("conditions") or () if c.get("type") == "Admitted"], Condition(
             ConditionType.ADMITTED.value, "False", "InvalidSpec", message,

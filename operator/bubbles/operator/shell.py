@@ -59,6 +59,7 @@ class OperatorConfig:
     pod_retry_s: float = 30.0  # a FillJob whose Pod the API server refused is placed again after this long
     # A fill Pod the kubelet cannot start (its image cannot be pulled, ...) is given up this long after its creation
     pod_start_timeout_s: float = 600.0
+    cuda_context_bytes: int = 512 << 20  # the agents' --cuda-context-mib: see ClusterView.cuda_context_bytes
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
     metrics_interval_s: float = 1.0  # the per-job gauges are recomputed at most this often (scrapes are far rarer)
     metrics_port: int | None = None
@@ -356,8 +357,9 @@ class Operator:
             phase = st.get("phase")
             if phase == "Pending" and \
                     ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
-                if (why := pod_not_starting(pod)) is not None:
-                    waiting[key] = (why, self._waiting_since(key, pod, now))
+                # Every Pending fill Pod, with what the kubelet says keeps it (or "" while it is only starting: a
+                # volume that never mounts is said in Events alone, and must time out too).
+                waiting[key] = (pod_not_starting(pod) or "", self._waiting_since(key, pod, now))
                 continue
             if phase in ("Failed", "Succeeded") and \
                     ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
@@ -377,6 +379,7 @@ class Operator:
                            failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods,
                            refused_pods=dict(self.pod_refusals), pod_retry_s=self.config.pod_retry_s,
                            waiting_pods=waiting, pod_start_timeout_s=self.config.pod_start_timeout_s,
+                           cuda_context_bytes=self.config.cuda_context_bytes,
                            acting_s=time.monotonic() - self._started)
 
     async def reconcile_once(self) -> Decisions:
