@@ -715,3 +715,14 @@ def test_outside_mps_a_gpu_stage_is_offered_only_what_a_job_and_its_cuda_context
     step([cpu], [StageView("ml/llama", 0, "llama-0", "uid-llama-0", "node-a", "cpu", cycle(free=1024 * MIB),
                            hook_reporting=True)], cuda_context_bytes=ctx)
     assert cpu["status"]["phase"] == "Placed"
+
+
+def test_a_training_edited_into_an_invalid_spec_says_so_on_the_jobs_it_had() -> None:
+    t = training()
+    job = fill_job()
+    step([job], [stage()], [t])
+    assert job["status"]["phase"] == "Placed"
+    t["spec"]["selector"] = {}
+    step([job], [], [t])  # the shell reports no stage for a training it cannot read
+    assert job["status"]["phase"] == "Queued"
+    assert "PipelineTraining llama's spec turned invalid (spec.selector must select" in cond(job, "Evicted")["message"]

@@ -408,7 +408,7 @@ def reconcile(view: ClusterView) -> Decisions:
             st.status.update(_progress_fields(job, 0, 0.0))
             st.phase(FillJobPhase.QUEUED, "waiting for a bubble it fits", event="Queued")
         if _phase(st.status) in ACTIVE:
-            _track(out, view, st, job, stages, trainings, busy, now_s)
+            _track(out, view, st, job, stages, trainings, busy, now_s, invalid)
         valid[key_of(obj)] = (obj, job, st)
 
     _place(view, out, valid, stages, trainings, busy, now_s)
@@ -437,8 +437,9 @@ def _clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
 
 def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResource, stages: Mapping[str, StageView],
            trainings: Mapping[str, PipelineTrainingResource], busy: dict[str, tuple[str, float]],
-           now_s: float) -> None:
-    """A placed job: follow its progress, or evict it when its stage, Pod or agent is gone."""
+           now_s: float, invalid: Mapping[str, str] | None = None) -> None:
+    """A placed job: follow its progress, or evict it when its stage, Pod or agent is gone (or its training's spec
+    turned invalid: ``invalid``, training key -> why)."""
     a = st.status.get("assignment") or {}
     skey = f"{job.namespace}/{a.get('training')}/{a.get('stage')}/{a.get('trainingPod')}"
     stage = stages.get(skey)
@@ -452,7 +453,10 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         return  # just started: the training Pod may not be in the watch's first listing yet; look again next round
     if stage is None:
         tkey, tpod = f"{job.namespace}/{a.get('training')}", a.get("trainingPod")
-        if any(s.pod == tpod and s.training == tkey for s in view.stages):
+        if tkey in (invalid or {}):
+            lost = (f"PipelineTraining {a.get('training')}'s spec turned invalid ({(invalid or {})[tkey]}): its "
+                    "bubbles are not used until it is fixed")
+        elif any(s.pod == tpod and s.training == tkey for s in view.stages):
             # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes)
             # or the hook went silent.
             lost = (f"the bubbles agent on node {a.get('node')} no longer reports stage {a.get('stage')} of "
