@@ -196,6 +196,8 @@ def _agent_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[i
         (["--mps-thread-percentage", "101"], "--mps-thread-percentage must be 1..100"),
         (["--mps-check-interval", "0"], "--mps-check-interval must be > 0 seconds"),
         (["--mps-daemon", "theirs"], "argument --mps-daemon: invalid choice: 'theirs'"),
+        (["--cuda-context-mib", "lots"], "argument --cuda-context-mib: invalid int value: 'lots'"),
+        (["--cuda-context-mib", "20000"], "--cuda-context-mib must be whole MiB from 0 to 16384"),
         (["--mps-control", "/no/such/nvidia-cuda-mps-control"],
          "--mps-control /no/such/nvidia-cuda-mps-control does not exist"),
         (["--devices", "gpu"], "--devices entry 'gpu' is neither cpu nor cuda:N with N a GPU index (write cuda:0"),

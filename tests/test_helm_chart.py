@@ -204,6 +204,10 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"agent": {"runDir": "run/bubbles"}}, "/agent/runDir"),
     ({"agent": {"mps": {"threadPercentage": 0}}}, "/agent/mps/threadPercentage"),
     ({"agent": {"initTimeoutSeconds": 0}}, "/agent/initTimeoutSeconds"),
+    ({"agent": {"cudaContextMiB": -1}}, "/agent/cudaContextMiB"),
+    ({"agent": {"mps": {"daemonResources": "lots"}}}, "/agent/mps/daemonResources"),
+    ({"operator": {"fillPodStartTimeoutSeconds": 0}}, "/operator/fillPodStartTimeoutSeconds"),
+    ({"operator": {"fillPodStartTimeoutSeconds": 90000}}, "/operator/fillPodStartTimeoutSeconds"),
     ({"agent": {"mps": {"shmSize": "1Gi"}}}, "shmSize"),  # gone: the Pods share agent.mps.shmDir
     ({"agent": {"mps": {"shmDir": "/"}}}, "/agent/mps/shmDir"),
     ({"agent": {"mps": {"shmDir": "dev/shm"}}}, "/agent/mps/shmDir"),
