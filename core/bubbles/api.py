@@ -442,6 +442,21 @@ def check_init_timeout(seconds: float, where: str) -> float:
     return seconds
 
 
+# What a fill process's own CUDA context (and the modules loaded outside its allocator) takes on a GPU beside the
+# allocator cap its memory sets: planned on top of that memory outside MPS, by the agent (--cuda-context-mib) and
+# the operator (--fill-cuda-context-mib) alike. A guess until measured on a GPU (tests/test_probes.py, gpu).
+DEFAULT_CUDA_CONTEXT_MIB = 512
+MAX_CUDA_CONTEXT_MIB = 16384
+
+
+def check_cuda_context_mib(mib: Any, flag: str) -> int:
+    """``mib`` if it is whole MiB from 0 to MAX_CUDA_CONTEXT_MIB; ValueError naming ``flag`` otherwise."""
+    if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= MAX_CUDA_CONTEXT_MIB:
+        raise ValueError(f"{flag} must be whole MiB from 0 to {MAX_CUDA_CONTEXT_MIB} (what a fill process's own CUDA "
+                         f"context takes on its GPU), got {mib}")
+    return mib
+
+
 def read_yaml(path: Path, what: str, error: type[ValueError] = ValueError) -> Any:
     """The data in a YAML (or JSON: YAML is a superset) file; ``error`` saying which ``what`` for a missing or
     unreadable file and for text that is not YAML."""

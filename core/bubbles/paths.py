@@ -34,7 +34,11 @@ ATTACH_SOCKET_NAME = "attach.sock"
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 
 
-def default_run_dir(mounted: Path = Path("/run/bubbles")) -> Path:
+# Where a Pod mounts the node's run directory (the chart's agent.runDir): the training's, the agent's, every fill Pod's.
+MOUNTED_RUN_DIR = Path("/run/bubbles")
+
+
+def default_run_dir(mounted: Path = MOUNTED_RUN_DIR) -> Path:
     """``$BUBBLES_RUN_DIR``; else ``/run/bubbles`` when this user can use it, or create it; else a per-user
     directory in /tmp.
 

@@ -226,7 +226,7 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
               "(checkpoint() on stop, restore() at start)", required=True, max_length=1024, pattern=r"^/"),
         Field("claimName", "string", "a PersistentVolumeClaim mounted at path, so the state outlives the Pod (left "
               "out: path must be storage the image or the node provides)", max_length=253,
-              pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
+              pattern=DNS_NAME_PATTERN),
     )),
     Field("initTimeout", "timeout", "how long the job's init (loading its model and data, before its first step) "
           "may take before the node agent kills it, more than 0 and at most 24h, e.g. 30m; left out: the agent's "

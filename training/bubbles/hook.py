@@ -1017,14 +1017,18 @@ class Instrumentation:
             self._warned.add(key)
             log.warning(message)
 
+    def _disable(self) -> None:
+        """No more signals or samples from this process; the training goes on."""
+        self._disabled = True
+        self._hot.signal_map = _NO_SIGNALS
+        self._hot.sampling = False
+
     def _stand_down(self) -> None:
         """Another live process of this training's stage on this node holds its card: tensor-parallel ranks of one
         stage, or data-parallel replicas of it, on one node. They would share one directory, one agent and one card,
         and their bubble signals would merge into one stream: only the first signals; this one trains on, unhooked
         in effect."""
-        self._disabled = True
-        self._hot.signal_map = _NO_SIGNALS
-        self._hot.sampling = False
+        self._disable()
         self._warn_once("twin", f"bubbles hook: another live process of training {self.training} stage {self.stage} "
                                 f"on this node already signals its bubbles (tensor-parallel ranks or data-parallel "
                                 f"replicas of one stage on one node): this one (pid {os.getpid()}) does not; "
@@ -1032,9 +1036,7 @@ class Instrumentation:
 
     def _fail(self, exc: BaseException) -> None:
         """The hook's own bug or environment problem: stop signalling, keep the training going."""
-        self._disabled = True
-        self._hot.signal_map = _NO_SIGNALS
-        self._hot.sampling = False
+        self._disable()
         self._warn_once("fail", f"bubbles hook disabled on stage {self.stage} after an internal error "
                                 f"({exc!r}); training continues without bubble signals")
 
@@ -1083,7 +1085,7 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
             memory_probe = MemoryProbe()
     if run_dir is None:
         run_dir = paths.default_run_dir()
-        mounted = Path("/run/bubbles")
+        mounted = paths.MOUNTED_RUN_DIR
         if not os.environ.get(paths.RUN_DIR_ENV) and Path(run_dir) != mounted and mounted.exists():
             # The node's run directory is mounted but not this user's: no agent will hear this training.
             try:
@@ -1126,21 +1128,16 @@ class _Unattached(Instrumentation):
         self.iteration_times_s = deque(maxlen=1)
         self.device_iteration_times_s = deque(maxlen=1)
         self.timing = "off"
-        self._attached = False
+        self._attached = False  # Instrumentation.detach() has nothing to undo
+        self._disabled = True  # and set_fill_mode() nothing to send
 
     @property
     def stats(self) -> dict[str, Any]:
         return {"disabled": True, "reason": self.reason, "signals_sent": 0, "bubbles_signalled": 0, "iterations": 0,
                 "timing": self.timing}
 
-    def set_fill_mode(self, mode: wire.FillMode) -> None:
-        self.fill_mode = wire.FillMode(mode)
-
     def trace_events(self) -> list[tuple[int, str, int, int, int]]:
         return []
-
-    def detach(self) -> None:
-        return
 
 
 def _unattached(engine: Any, reason: str) -> Instrumentation:

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from bubbles import paths
-from bubbles.api import FillMode, IsolationMode, check_tail_risk, read_yaml
+from bubbles.api import (
+    DEFAULT_CUDA_CONTEXT_MIB,
+    FillMode,
+    IsolationMode,
+    check_cuda_context_mib,
+    check_tail_risk,
+    read_yaml,
+)
 from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
 
 from .core import CoreConfig
@@ -52,7 +59,7 @@ class AgentConfig:
     guard: GuardConfig | None = None  # default: GuardConfig(budget=budget)
     devices: tuple[str, ...] = ()  # "cpu" | "cuda:N", executor k gets devices[k % len]; () = CPU core k
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
-    cuda_context_mib: int = 512  # a GPU fill process's own CUDA context, planned beside its memory (not under MPS)
+    cuda_context_mib: int = DEFAULT_CUDA_CONTEXT_MIB  # a GPU fill process's own CUDA context (not under MPS)
 
     def __post_init__(self) -> None:
         if isinstance(self.executors, bool) or not isinstance(self.executors, int) or self.executors < 1:
@@ -69,10 +76,10 @@ class AgentConfig:
         if not 0 < self.init_timeout_s <= 86400:
             raise ConfigError(f"--init-timeout must be > 0 seconds and at most a day (how long a fill job's init may "
                               f"take), got {self.init_timeout_s:g}")
-        if isinstance(self.cuda_context_mib, bool) or not isinstance(self.cuda_context_mib, int) or \
-                not 0 <= self.cuda_context_mib <= 16384:
-            raise ConfigError(f"--cuda-context-mib must be whole MiB from 0 to 16384 (what a fill process's own CUDA "
-                              f"context takes on its GPU), got {self.cuda_context_mib}")
+        try:
+            check_cuda_context_mib(self.cuda_context_mib, "--cuda-context-mib")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not 0 < self.budget < 1:
             raise ConfigError(f"--slowdown-budget must be a fraction in (0, 1) (0.01 = 1%), got {self.budget}")
         if self.tail_risk is not None:
@@ -301,7 +308,7 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         ready_file=v.get("ready_file"),
         devices=v.get("devices", ()),
         isolation=isolation,
-        cuda_context_mib=v.get("cuda_context_mib", 512),
+        cuda_context_mib=v.get("cuda_context_mib", DEFAULT_CUDA_CONTEXT_MIB),
     )
     cluster = None
     if v.get("cluster", False):

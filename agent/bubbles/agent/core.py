@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from bubbles import control, paths, wire
 from bubbles.api import (
+    DEFAULT_CUDA_CONTEXT_MIB,
     AgentStatus,
     ExecutorStatus,
     FillJobSpec,
@@ -237,7 +238,7 @@ class CoreConfig:
     # A fill process's own CUDA context (and the libraries' modules loaded outside its allocator) on a GPU, beside
     # the allocator cap its spec's memory sets: planned on top of that memory except under MPS, where the context is
     # the server's and the pinned limit covers the client. About 0.5 GiB on recent GPUs (not measured here).
-    cuda_context_bytes: int = 512 << 20
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB << 20
 
 
 @dataclass(frozen=True)

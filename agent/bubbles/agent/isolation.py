@@ -297,7 +297,6 @@ class MpsIsolation(Isolation):
             "PATH, or choose --isolation contexts")
         self.control = mps.MpsControl(program or mps.CONTROL_PROGRAM, pipe_dir, log_dir, config.command_timeout_s)
         self.owned = False
-        self.daemon_external = config.mps_daemon == "external"  # never start, stop or kill one
         self.external = self.daemon_external  # the daemon we use was started by someone else (e.g. the device plugin)
         self.pid: int | None = None
         self.restarts = 0
@@ -436,6 +435,11 @@ class MpsIsolation(Isolation):
                             "too, is held to it as well", default)
                 detail += f"; daemon default active thread percentage {default:g}%"
         return self._set(READY, detail, self._daemon())
+
+    @property
+    def daemon_external(self) -> bool:
+        """--mps-daemon external: never start, stop or kill a daemon."""
+        return self.config.mps_daemon == "external"
 
     def _no_external_daemon(self, exc: mps.MpsError) -> str:
         return (f"no MPS control daemon answers in {self.control.pipe_dir} ({exc}); with --mps-daemon external "

@@ -21,6 +21,8 @@ import socket
 import sys
 from pathlib import Path
 
+from bubbles.api import DEFAULT_CUDA_CONTEXT_MIB, check_cuda_context_mib
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
@@ -86,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a fill Pod the kubelet cannot start (its image cannot be pulled, a Secret it needs is "
                            "missing) is said on its FillJob at once, and taken off the stage and queued again this "
                            "long after its creation (default 600, at most 86400)")
-    fill.add_argument("--fill-cuda-context-mib", type=int, default=512, metavar="MIB",
+    fill.add_argument("--fill-cuda-context-mib", type=int, default=DEFAULT_CUDA_CONTEXT_MIB, metavar="MIB",
                       help="what a fill process's own CUDA context takes on a GPU beside its memory limit, as the "
                            "agents' --cuda-context-mib: outside MPS the operator places a job only where its memory "
                            "and this fit (default 512; the chart sets both from agent.cudaContextMiB)")
@@ -149,8 +151,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.fill_pod_start_timeout <= 86400:
         return _fail(f"--fill-pod-start-timeout must be > 0 and at most 86400 seconds (a day), got "
                      f"{args.fill_pod_start_timeout:g}")
-    if not 0 <= args.fill_cuda_context_mib <= 16384:
-        return _fail(f"--fill-cuda-context-mib must be whole MiB from 0 to 16384, got {args.fill_cuda_context_mib}")
+    try:
+        check_cuda_context_mib(args.fill_cuda_context_mib, "--fill-cuda-context-mib")
+    except ValueError as exc:
+        return _fail(str(exc))
     if not args.agent_timeout > 0:
         return _fail(f"--agent-timeout must be > 0 seconds, got {args.agent_timeout}")
     if not args.agent_down_after >= 0:

@@ -447,6 +447,9 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
     prog = view.progress.get(uid)
     if prog is not None and prog.attempt != int(st.status.get("restarts", 0)):
         prog = None  # an earlier attempt's run (stopped when this one was placed): not this run's progress
+    # Its Pod not started yet (judged only while no process of it runs): (the kubelet's reason or "", since when).
+    waiting = view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}") \
+        if prog is None or prog.state is FillState.SUBMITTED else None
     lost = None
     ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
     if stage is None and view.acting_s < STARTUP_GRACE_S:
@@ -479,9 +482,7 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         lost = (f"fill Pod {a.get('pod')} ended ({ended}) but the agent on {a.get('node')} holds no run of the job "
                 "(the agent restarted?)")
         ended_itself = True
-    elif (prog is None or prog.state is FillState.SUBMITTED) and \
-            (waiting := view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None and \
-            now_s - waiting[1] >= view.pod_start_timeout_s:
+    elif waiting is not None and now_s - waiting[1] >= view.pod_start_timeout_s:
         why = waiting[0] or f"still being created (a volume that does not mount? kubectl describe pod {a.get('pod')})"
         lost = (f"fill Pod {a.get('pod')} did not start within {view.pod_start_timeout_s:g} s of its creation "
                 f"(the operator's --fill-pod-start-timeout): {why}")
@@ -522,8 +523,6 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
     end_s = now_s + (job.steps - done) / rate if rate > 0 else math.inf
     busy[skey] = (uid, end_s)
     _eta(st, job, end_s)
-    waiting = view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}") \
-        if prog is None or prog.state is FillState.SUBMITTED else None
     if waiting is not None and waiting[0]:
         what, hint = _not_starting(waiting[0], str(a.get("pod")))
         st.condition(ConditionType.RUNNING, False, "PodNotStarting", f"fill Pod {a.get('pod')}: {waiting[0]}")
@@ -533,7 +532,7 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
                  f"the stage and queued again if it has not started {view.pod_start_timeout_s:g} s after its "
                  "creation", event="PodNotStarting", warning=True)
     elif _phase(st.status) is FillJobPhase.PLACED and \
-            _condition_reason(st.status, ConditionType.RUNNING) == "PodNotStarting":
+            _condition(st.status, ConditionType.RUNNING).get("reason") == "PodNotStarting":
         st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.get('pod')} started")
         st.phase(FillJobPhase.PLACED, _placed_message(stage))
     if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
@@ -572,8 +571,9 @@ def _not_starting(why: str, pod: str) -> tuple[str, str]:
     return (reason or "the kubelet cannot start it", f"see kubectl describe pod {pod}")
 
 
-def _condition_reason(status: Mapping[str, Any], type_: ConditionType) -> str | None:
-    return next((str(c.get("reason")) for c in status.get("conditions") or () if c.get("type") == type_.value), None)
+def _condition(status: Mapping[str, Any], type_: ConditionType) -> Mapping[str, Any]:
+    """The condition of ``type_`` in ``status`` ({} if it has none)."""
+    return next((c for c in status.get("conditions") or () if c.get("type") == type_.value), {})
 
 
 def _placed_message(stage: StageView) -> str:
@@ -984,10 +984,6 @@ def _invalid_training_statuses(view: ClusterView, out: Decisions, invalid: Mappi
         status = {"conditions": conds, "observedGeneration": int(meta.get("generation") or 1)}
         if status != before:
             out.training_status[tkey] = status
-        if _condition_message(before, ConditionType.ADMITTED) != message:
+        if _condition(before, ConditionType.ADMITTED).get("message") != message:
             out.events.append(Event("PipelineTraining", str(meta.get("namespace", "")), str(meta.get("name", "")),
                                     str(meta.get("uid", "")), "Warning", "InvalidSpec", message))
-
-
-def _condition_message(status: Mapping[str, Any], type_: ConditionType) -> str | None:
-    return next((str(c.get("message")) for c in status.get("conditions") or () if c.get("type") == type_.value), None)

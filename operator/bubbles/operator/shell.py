@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bubbles.api import DEFAULT_CUDA_CONTEXT_MIB
 from bubbles.cycle import BubbleCycle
 from bubbles.resources import (
     GROUP,
@@ -59,7 +60,7 @@ class OperatorConfig:
     pod_retry_s: float = 30.0  # a FillJob whose Pod the API server refused is placed again after this long
     # A fill Pod the kubelet cannot start (its image cannot be pulled, ...) is given up this long after its creation
     pod_start_timeout_s: float = 600.0
-    cuda_context_bytes: int = 512 << 20  # the agents' --cuda-context-mib: see ClusterView.cuda_context_bytes
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB << 20  # the agents' --cuda-context-mib: ClusterView's
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
     metrics_interval_s: float = 1.0  # the per-job gauges are recomputed at most this often (scrapes are far rarer)
     metrics_port: int | None = None
@@ -355,14 +356,14 @@ class Operator:
         for key, pod in list(self.store.pods.items()):
             st = pod.get("status") or {}
             phase = st.get("phase")
-            if phase == "Pending" and \
-                    ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
+            if ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") != "fill-job":
+                continue
+            if phase == "Pending":
                 # Every Pending fill Pod, with what the kubelet says keeps it (or "" while it is only starting: a
                 # volume that never mounts is said in Events alone, and must time out too).
                 waiting[key] = (pod_not_starting(pod) or "", self._waiting_since(key, pod, now))
                 continue
-            if phase in ("Failed", "Succeeded") and \
-                    ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == "fill-job":
+            if phase in ("Failed", "Succeeded"):
                 states = [c.get("state") or {} for c in st.get("containerStatuses") or ()]
                 why = next((f"{s['terminated'].get('reason', 'Error')} (exit code {s['terminated'].get('exitCode')})"
                             for s in states if "terminated" in s), st.get("reason") or f"the Pod {phase.lower()}")
