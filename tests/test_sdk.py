@@ -288,9 +288,11 @@ def test_queued_gpu_work_counts_in_the_step_time_the_gate_and_the_overrun(tmp_pa
 
         # The training comes back while the step's kernels are still queued (the bubble was shorter than
         # predicted): the agent's overrun (step end - bubble end) is the time the GPU stayed busy after it.
-        bubble_start, _ = start_bubble(3, 0.150)
+        # The hook is set before the bubble starts: set after, a loaded machine could run the bubble's first step
+        # before it (found by a clean-clone run), and the end would come in a second step instead.
         ended: list[int] = []
         job.during_next_step = lambda: ended.append(end_bubble(3))
+        bubble_start, _ = start_bubble(3, 0.150)
         step = ch.wait("step", bubble_seq=3)
         ledger = HarvestLedger()
         ledger.add_bubble(0, bubble_start, ended[0])
