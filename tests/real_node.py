@@ -54,6 +54,15 @@ class RealNode:
             raise ClusterUnavailable("no containerd and no apt-get to install it")
         env = {**os.environ, "BUBBLES_NODE_DIR": str(state)}
         t0 = time.monotonic()
+        if state.exists():
+            # A node an earlier run left behind (killed before its teardown, or kept with BUBBLES_NODE_KEEP=1):
+            # its etcd still holds that run's namespaces, releases and jobs. The tier starts from an empty cluster.
+            print(f"a node from an earlier run is left in {state}: taking it down first")
+            left = _run([str(TOOL), "down"], timeout=300, env=env)
+            if left.returncode != 0 or state.exists():
+                # Not a skip: the machine can run the tier, an earlier run's leftovers are in the way.
+                raise RuntimeError(f"could not take down the node left in {state} (tools/node-from-debian.sh down; "
+                                   f"then remove {state}):\n{tail(left.stderr)}")
         result = _run([str(TOOL), "up"], timeout=2400, env=env)
         if result.returncode != 0:
             _run([str(TOOL), "down"], timeout=300, env=env)
