@@ -406,6 +406,14 @@ def test_a_fill_job_from_the_examples_runs_in_a_real_trainings_bubbles_to_succee
     node = cluster.node
     with explained(cluster):
         fj = fill_job("image-classification", 300)  # the example's 2,000 steps, cut for CI's time on 2 cores
+        # Volumes of the job's own, as the kubelet mounts them: a ConfigMap (the Pod would not start without it, it
+        # is not optional) and scratch space holding the job's checkpoint.
+        node.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "job-config", "namespace": NS},
+                    "data": {"labels.txt": "cat\ndog\n"}})
+        fj["spec"]["volumes"] = [
+            {"name": "config", "mountPath": "/etc/job", "readOnly": True, "configMap": {"name": "job-config"}},
+            {"name": "scratch", "mountPath": "/scratch", "emptyDir": {"sizeLimit": "64Mi"}}]
+        fj["spec"]["checkpoint"] = {"path": "/scratch/state"}
         node.apply(fj)
         seen: list[str] = []
         shown: list[str] = []
@@ -428,6 +436,8 @@ def test_a_fill_job_from_the_examples_runs_in_a_real_trainings_bubbles_to_succee
             p if (p := node.get("pod", "-n", NS, a["pod"]))["status"]["phase"] in ("Succeeded", "Failed") else None),
             120)
         assert pod["spec"]["nodeName"] == node.name and pod["status"]["phase"] == "Succeeded", pod["status"]
+        mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["config"] == "/etc/job" and mounts["scratch"] == "/scratch", mounts
         if shown:  # progress and ETA as `kubectl get fj` prints them while it runs
             header = shown[0].splitlines()[0]
             assert "PROGRESS" in header and "ETA" in header, shown[0]

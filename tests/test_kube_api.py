@@ -82,6 +82,15 @@ def test_examples_apply_and_the_servers_defaults_are_the_tables(kube: ApiServer)
         ({"env": [{"name": f"V{i}", "value": "x"} for i in range(129)]},
          "spec.env in body should have at most 128 items"),
         ({"imagePullSecrets": [{"name": "Bad_Name"}]}, "spec.imagePullSecrets.name: Invalid value"),
+        ({"volumes": [{"name": "Data", "mountPath": "/data", "emptyDir": {}}]}, "spec.volumes.name: Invalid value"),
+        ({"volumes": [{"name": "data", "mountPath": "data", "emptyDir": {}}]}, "spec.volumes.mountPath: Invalid value"),
+        ({"volumes": [{"name": "data", "emptyDir": {}}]}, "spec.volumes.mountPath: Required value"),
+        ({"volumes": [{"name": "data", "mountPath": "/d", "emptyDir": {"medium": "Disk"}}]},
+         'spec.volumes.emptyDir.medium: Unsupported value: "Disk"'),
+        ({"volumes": [{"name": "data", "mountPath": "/d", "persistentVolumeClaim": {}}]},
+         "spec.volumes.persistentVolumeClaim.claimName: Required value"),
+        ({"volumes": [{"name": f"v{i}", "mountPath": f"/v{i}", "emptyDir": {}} for i in range(17)]},
+         "spec.volumes in body should have at most 16 items"),
     ],
 )
 def test_the_server_and_the_operator_refuse_the_same_bad_fill_jobs(kube: ApiServer, change: dict[str, Any],
@@ -110,15 +119,23 @@ def test_the_server_and_the_operator_refuse_a_tail_risk_out_of_range_and_default
     assert made["spec"]["tailRisk"] == 0.1 == apply_defaults(PIPELINE_TRAINING_SPEC, spec)["tailRisk"]
 
 
-def test_the_server_keeps_a_fill_jobs_environment_and_pull_secrets(kube: ApiServer) -> None:
-    """Not pruned: every field of spec.env and spec.imagePullSecrets is in the schema."""
+def test_the_server_keeps_a_fill_jobs_environment_pull_secrets_and_volumes(kube: ApiServer) -> None:
+    """Not pruned: every field of spec.env, spec.imagePullSecrets and spec.volumes is in the schema."""
     spec = {**copy.deepcopy(GOOD), "env": [
         {"name": "DATASET", "value": "s3://b/p"},
         {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}}},
         {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}}],
-        "imagePullSecrets": [{"name": "registry-creds"}]}
+        "imagePullSecrets": [{"name": "registry-creds"}],
+        "volumes": [
+            {"name": "prompts", "mountPath": "/data/in", "subPath": "set-1", "readOnly": True,
+             "persistentVolumeClaim": {"claimName": "prompts", "readOnly": True}},
+            {"name": "config", "mountPath": "/etc/job", "configMap": {"name": "cfg", "optional": False}},
+            {"name": "creds", "mountPath": "/creds", "secret": {"secretName": "hf", "optional": True}},
+            {"name": "scratch", "mountPath": "/scratch", "emptyDir": {}},
+            {"name": "fast", "mountPath": "/fast", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]}
     made = json.loads(kube.kubectl("create", "-o", "json", "-f", "-", input_text=fill_job("with-env", spec)).stdout)
     assert made["spec"]["env"] == spec["env"] and made["spec"]["imagePullSecrets"] == spec["imagePullSecrets"]
+    assert made["spec"]["volumes"] == spec["volumes"]
     assert validate(FILL_JOB_SPEC, made["spec"]) == []
 
 

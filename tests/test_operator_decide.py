@@ -171,6 +171,89 @@ def test_a_bad_environment_fails_the_job_saying_which_variable(env: list[dict[st
     assert needle in job["status"]["message"], job["status"]["message"]
 
 
+def test_a_fill_pod_mounts_the_jobs_own_volumes_beside_the_runtimes() -> None:
+    """Where a batch-inference job reads its prompts and writes its answers: its own volumes, mounted as the spec says,
+    with the runtime's (the agent's run directory, the checkpoint claim) still there."""
+    vols = [{"name": "prompts", "mountPath": "/data/prompts", "readOnly": True,
+             "persistentVolumeClaim": {"claimName": "prompts", "readOnly": True}},
+            {"name": "answers", "mountPath": "/data/answers", "subPath": "run-7",
+             "persistentVolumeClaim": {"claimName": "answers"}},
+            {"name": "config", "mountPath": "/etc/job", "configMap": {"name": "job-config"}},
+            {"name": "creds", "mountPath": "/var/run/creds", "secret": {"secretName": "s3", "optional": True}},
+            {"name": "scratch", "mountPath": "/scratch", "emptyDir": {"sizeLimit": "10Gi"}},
+            # the checkpoint without a claim of its own, in one of the job's volumes
+            ]
+    job = fill_job(volumes=vols, checkpoint={"path": "/data/answers/state"})
+    (pod,) = step([job], [stage()]).create_pods
+    mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert mounts["prompts"] == {"name": "prompts", "mountPath": "/data/prompts", "readOnly": True}
+    assert mounts["answers"] == {"name": "answers", "mountPath": "/data/answers", "subPath": "run-7"}
+    assert volumes["prompts"] == {"name": "prompts",
+                                  "persistentVolumeClaim": {"claimName": "prompts", "readOnly": True}}
+    assert volumes["config"] == {"name": "config", "configMap": {"name": "job-config"}}
+    assert volumes["creds"] == {"name": "creds", "secret": {"secretName": "s3", "optional": True}}
+    assert volumes["scratch"] == {"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}}
+    assert mounts["bubbles-run"]["mountPath"] == "/run/bubbles" and "hostPath" in volumes["bubbles-run"]
+    assert "checkpoint" not in volumes  # no claim: the path is in the job's answers volume
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["BUBBLES_CHECKPOINT"] == "/data/answers/state"
+
+
+def _volume(**kw: Any) -> dict[str, Any]:
+    return {"name": "data", "mountPath": "/data", "persistentVolumeClaim": {"claimName": "data"}, **kw}
+
+
+@pytest.mark.parametrize(("volumes", "checkpoint", "needle"), [
+    ([_volume(name="bubbles-run")], None, "spec.volumes[0].name 'bubbles-run' is the name of a volume the fill "
+                                          "runtime mounts itself"),
+    ([_volume(), _volume(mountPath="/other")], None, "spec.volumes[1].name 'data' is given twice"),
+    ([_volume(), _volume(name="more")], None, "spec.volumes[1].mountPath '/data' is also spec.volumes[0].mountPath"),
+    ([_volume(mountPath="/data")], {"path": "/data", "claimName": "ckpt"},
+     "spec.volumes[0].mountPath '/data' is also spec.checkpoint.path"),
+    ([_volume(mountPath="/run/bubbles")], None, "lies in /run/bubbles, which the fill runtime uses itself"),
+    ([_volume(mountPath="/run/bubbles/x")], None, "lies in /run/bubbles"),
+    ([_volume(mountPath="/dev/shm")], None, "lies in /dev"),
+    ([_volume(mountPath="/proc/x")], None, "lies in /proc"),
+    ([_volume(mountPath="/")], None, "cannot be the container's root"),
+    ([_volume(mountPath="/data/../run/bubbles")], None, "without '.' or '..' parts"),
+    ([_volume(mountPath="/data/")], None, "trailing slashes"),
+    ([_volume(mountPath="data")], None, "spec.volumes[0].mountPath 'data' is not valid"),
+    ([_volume(subPath="../etc")], None, "spec.volumes[0].subPath '../etc' must be a path inside the volume"),
+    ([_volume(subPath="/etc")], None, "spec.volumes[0].subPath '/etc' is not valid"),
+    ([_volume(configMap={"name": "c"})], None, "spec.volumes[0] needs exactly one of persistentVolumeClaim, "
+                                                "configMap, secret, emptyDir, got persistentVolumeClaim, configMap"),
+    ([{"name": "data", "mountPath": "/data"}], None, "needs exactly one of persistentVolumeClaim"),
+    ([_volume(persistentVolumeClaim={})], None, "spec.volumes[0].persistentVolumeClaim.claimName is required"),
+    ([_volume(name="Data")], None, "spec.volumes[0].name 'Data' is not valid"),
+    ([_volume(hostPath={"path": "/"})], None, "spec.volumes[0].hostPath is not a known field"),
+    ([_volume(name=f"v{i}", mountPath=f"/v{i}") for i in range(17)], None, "at most 16"),
+    ([], {"path": "/run/bubbles/ckpt"}, "spec.checkpoint.path '/run/bubbles/ckpt' lies in /run/bubbles"),
+])
+def test_bad_volumes_fail_the_job_saying_which(volumes: list[dict[str, Any]], checkpoint: dict[str, Any] | None,
+                                               needle: str) -> None:
+    job = fill_job(volumes=volumes, **({"checkpoint": checkpoint} if checkpoint else {}))
+    d = step([job], [stage()])
+    assert job["status"]["phase"] == "Failed" and d.create_pods == [], job["status"]
+    assert needle in job["status"]["message"], job["status"]["message"]
+
+
+def test_a_volume_in_the_mps_pipe_directory_fails_the_job_on_an_mps_cluster_only() -> None:
+    """The pipe directory is the operator's setting (--fill-mps-pipe-dir), not the spec's: checked against it."""
+    mps = FillPodSettings(mps_pipe_dir="/tmp/nvidia-mps")
+    job = fill_job(volumes=[_volume(mountPath="/tmp/nvidia-mps/data")])
+    d = step([job], [stage(gpu_uuid="GPU-1")], fill_pods=mps)
+    assert job["status"]["phase"] == "Failed" and d.create_pods == []
+    assert "spec.volumes[0].mountPath '/tmp/nvidia-mps/data' lies in /tmp/nvidia-mps, the MPS pipe directory" in \
+        job["status"]["message"]
+    ckpt = fill_job("ckpt", checkpoint={"path": "/tmp/nvidia-mps"})
+    step([ckpt], [stage(gpu_uuid="GPU-1")], fill_pods=mps)
+    assert "spec.checkpoint.path '/tmp/nvidia-mps' lies in /tmp/nvidia-mps" in ckpt["status"]["message"]
+    plain = fill_job("plain", volumes=[_volume(mountPath="/tmp/nvidia-mps/data")])
+    (pod,) = step([plain], [stage()]).create_pods  # no MPS: the path is the job's to use
+    assert "/tmp/nvidia-mps/data" in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+
+
 def test_a_fill_pod_carries_the_jobs_own_cpu_and_memory_where_given() -> None:
     """A namespace whose ResourceQuota counts CPU and memory refuses Pods that name none: spec.resources is the
     fill Pod's container's (the accelerator memory stays profile.memory, the agent's to enforce)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import math
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from bubbles.api import (
     parse_quantity,
     parse_spec,
 )
+from bubbles.paths import MOUNTED_RUN_DIR
 
 GROUP = "bubbles.dev"
 VERSION = "v1alpha1"
@@ -45,6 +47,13 @@ ENTRY_PATTERN = r"^[\w.]+:[\w.]+$"
 IMAGE_PATTERN = r"^[^\s]+$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"  # what Kubernetes accepts as an environment variable's name
 DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # a Secret's, a ConfigMap's, a claim's name
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a volume's name
+# The fill Pod's own volumes and the container paths they are mounted at (bubbles.operator.decide.fill_pod): a job's
+# spec.volumes may not take their names, and neither its volumes nor its checkpoint may lie in those paths (the agent's
+# sockets, the MPS server's shared memory) or in the container's system trees.
+RUNTIME_VOLUMES = ("bubbles-run", "mps-pipe", "mps-shm", "checkpoint")
+RUNTIME_PATHS = (str(MOUNTED_RUN_DIR), "/dev", "/proc", "/sys")
+VOLUME_SOURCES = ("persistentVolumeClaim", "configMap", "secret", "emptyDir")
 # Variables the fill Pod's runtime is given by the operator (and the CUDA driver and NVIDIA's runtime read): a job's
 # own env may not set them.
 RESERVED_ENV_PREFIXES = ("BUBBLES_", "CUDA_", "NVIDIA_")
@@ -248,6 +257,39 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
           "registry with", max_items=16, items=Field("secret", "object", "one Secret", fields=(
               Field("name", "string", "the Secret's name", required=True, max_length=253, pattern=DNS_NAME_PATTERN),
           ))),
+    Field("volumes", "array", "the job's own volumes, each mounted in its Pod at mountPath: a PersistentVolumeClaim "
+          "(the data it reads, where it writes results), a ConfigMap or a Secret in the FillJob's namespace, or an "
+          "emptyDir for scratch space; one source each", max_items=16,
+          items=Field("volume", "object", "one volume and where the job sees it", fields=(
+              Field("name", "string", "its name, unique in the job (a DNS label; not one of the runtime's: "
+                    f"{', '.join(RUNTIME_VOLUMES)})", required=True, max_length=63, pattern=DNS_LABEL_PATTERN),
+              Field("mountPath", "string", "where the job's container sees it: an absolute path, apart from the "
+                    f"runtime's ({', '.join(RUNTIME_PATHS)})", required=True, max_length=1024, pattern=r"^/"),
+              Field("subPath", "string", "a directory or file inside the volume to mount instead of its root "
+                    "(relative, without '..')", max_length=1024, pattern=r"^[^/]"),
+              Field("readOnly", "boolean", "mount it read-only (left out: read-write, as in Kubernetes)"),
+              Field("persistentVolumeClaim", "object", "a PersistentVolumeClaim in the FillJob's namespace", fields=(
+                  Field("claimName", "string", "the claim's name", required=True, max_length=253,
+                        pattern=DNS_NAME_PATTERN),
+                  Field("readOnly", "boolean", "attach the claim read-only"),
+              )),
+              Field("configMap", "object", "a ConfigMap in the FillJob's namespace, a file per key", fields=(
+                  Field("name", "string", "the ConfigMap's name", required=True, max_length=253,
+                        pattern=DNS_NAME_PATTERN),
+                  Field("optional", "boolean", "start the Pod even if the ConfigMap is missing"),
+              )),
+              Field("secret", "object", "a Secret in the FillJob's namespace, a file per key", fields=(
+                  Field("secretName", "string", "the Secret's name", required=True, max_length=253,
+                        pattern=DNS_NAME_PATTERN),
+                  Field("optional", "boolean", "start the Pod even if the Secret is missing"),
+              )),
+              Field("emptyDir", "object", "scratch space that lives as long as the Pod (each attempt starts empty)",
+                    fields=(
+                  Field("medium", "string", "where: the node's disk (\"\", left out) or its memory (Memory)",
+                        enum=("", "Memory")),
+                  Field("sizeLimit", "quantity", "the most it may hold, e.g. 10Gi (its Pod is evicted past it)"),
+              )),
+          ), one_of=(VOLUME_SOURCES,))),
     Field("resources", "object", "the fill Pod's own CPU and host memory, as a container's resources (its "
           "accelerator memory is profile.memory); needed where a ResourceQuota counts them. Left out: none, and the "
           "Pod is BestEffort, the first a node short of memory evicts", fields=(
@@ -331,6 +373,25 @@ def spec_schema(fields: Sequence[Field], description: str) -> dict[str, Any]:
 # -- validation and defaults ---------------------------------------------------------------------------------
 class ResourceError(ValueError):
     """A resource the operator cannot act on; the message names the field and what to do."""
+
+
+def inside(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or lies under it (both plain absolute paths)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def mount_path_problem(path: str, taken: Sequence[str] = RUNTIME_PATHS) -> str | None:
+    """Why ``path`` cannot be where a fill job's own storage is in its container (None: it can): it must be absolute,
+    written plainly, not the root, and outside every directory of ``taken`` (the runtime's)."""
+    if not path.startswith("/") or path.startswith("//") or posixpath.normpath(path) != path:
+        return "must be an absolute path written without '.' or '..' parts or repeated or trailing slashes"
+    if path == "/":
+        return "cannot be the container's root"
+    for t in taken:
+        if inside(path, t):
+            return (f"lies in {t}, which the fill runtime uses itself (the node agent's sockets, the MPS server's "
+                    "shared memory, the container's system files): choose a path apart from it")
+    return None
 
 
 def _check(f: Field, value: Any, path: str, errors: list[str]) -> None:
@@ -490,6 +551,13 @@ class FillJobResource:
     pod_resources: dict[str, dict[str, str]] = field(default_factory=dict)  # spec.resources, values as strings
     env: tuple[dict[str, Any], ...] = ()  # spec.env, as a container's
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets' names
+    volumes: tuple[dict[str, Any], ...] = ()  # spec.volumes, checked (names and paths apart from the runtime's)
+
+    def container_paths(self) -> list[tuple[str, str]]:
+        """(field, path) of every path the job's own storage takes in its container: its volumes' mount paths and
+        its checkpoint directory."""
+        paths = [(f"spec.volumes[{i}].mountPath", str(v["mountPath"])) for i, v in enumerate(self.volumes)]
+        return paths + ([("spec.checkpoint.path", self.checkpoint_path)] if self.checkpoint_path else [])
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> FillJobResource:
@@ -549,6 +617,7 @@ class FillJobResource:
             if v.get("value") is not None and v.get("valueFrom") is not None:
                 raise ResourceError(f"spec.env[{i}] ({name}) has both value and valueFrom; give one")
             seen.add(name)
+        volumes = _checked_volumes(s)
         return cls(
             name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),
             generation=int(meta.get("generation") or 1), image=s["image"], job=job, priority=int(s["priority"]),
@@ -558,8 +627,43 @@ class FillJobResource:
             checkpoint_path=(s.get("checkpoint") or {}).get("path"),
             checkpoint_claim=(s.get("checkpoint") or {}).get("claimName"), restart_limit=int(s["restartLimit"]),
             labels=dict(meta.get("labels") or {}), pod_resources=pod_resources, env=env,
-            image_pull_secrets=tuple(str(p["name"]) for p in s.get("imagePullSecrets") or ()),
+            image_pull_secrets=tuple(str(p["name"]) for p in s.get("imagePullSecrets") or ()), volumes=volumes,
         )
+
+
+def _checked_volumes(s: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """spec.volumes (the schema already checked), with what the schema cannot say: names apart from each other and
+    from the runtime's volumes, mount paths (and the checkpoint's path) apart from each other and from the
+    runtime's, sub-paths inside their volumes. ResourceError for the first that is not."""
+    volumes = tuple(dict(v) for v in s.get("volumes") or ())
+    checkpoint = s.get("checkpoint") or {}
+    paths: dict[str, str] = {}  # path -> the field it is given in
+    if checkpoint.get("path"):
+        problem = mount_path_problem(str(checkpoint["path"]))
+        if problem:
+            raise ResourceError(f"spec.checkpoint.path {checkpoint['path']!r} {problem}")
+        if checkpoint.get("claimName"):  # mounted there; without a claim it may lie in a volume of the job's
+            paths[str(checkpoint["path"])] = "spec.checkpoint.path"
+    names: set[str] = set()
+    for i, v in enumerate(volumes):
+        where, name, path = f"spec.volumes[{i}]", str(v["name"]), str(v["mountPath"])
+        if name in RUNTIME_VOLUMES:
+            raise ResourceError(f"{where}.name {name!r} is the name of a volume the fill runtime mounts itself "
+                                f"({', '.join(RUNTIME_VOLUMES)}); choose another name")
+        if name in names:
+            raise ResourceError(f"{where}.name {name!r} is given twice; give each volume a name of its own")
+        names.add(name)
+        problem = mount_path_problem(path)
+        if problem:
+            raise ResourceError(f"{where}.mountPath {path!r} {problem}")
+        if path in paths:
+            raise ResourceError(f"{where}.mountPath {path!r} is also {paths[path]}: mount each volume at a path of "
+                                "its own")
+        paths[path] = f"{where}.mountPath"
+        sub = v.get("subPath")
+        if sub is not None and (sub.startswith("/") or ".." in sub.split("/")):
+            raise ResourceError(f"{where}.subPath {sub!r} must be a path inside the volume: relative, without '..'")
+    return volumes
 
 
 @dataclass(frozen=True)

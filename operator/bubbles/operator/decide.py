@@ -24,10 +24,12 @@ from typing import Any
 from bubbles import mps_client
 from bubbles.api import FillJobSpec, FillState, WorkloadKind
 from bubbles.cycle import BubbleCycle
+from bubbles.paths import MOUNTED_RUN_DIR
 from bubbles.plan import Bubble, FillNode
 from bubbles.resources import (
     API_VERSION,
     FINALIZER,
+    VOLUME_SOURCES,
     Condition,
     ConditionType,
     FillJobPhase,
@@ -35,6 +37,7 @@ from bubbles.resources import (
     JobProgress,
     PipelineTrainingResource,
     ResourceError,
+    inside,
     rfc3339,
     selector_matches,
     set_condition,
@@ -50,7 +53,7 @@ from bubbles.scheduler import (
 )
 
 # Where the fill Pod finds the node agent's sockets (a hostPath shared with the training's Pods).
-RUN_DIR = "/run/bubbles"
+RUN_DIR = str(MOUNTED_RUN_DIR)
 # A fill job whose step time is not given is planned with this until the agent measures it.
 PROVISIONAL_STEP_S = 1e-3
 ACTIVE = (FillJobPhase.PLACED, FillJobPhase.RUNNING, FillJobPhase.PAUSED)
@@ -389,6 +392,7 @@ def reconcile(view: ClusterView) -> Decisions:
             continue
         try:
             job = _parse(obj)
+            _check_paths(job, view.fill_pods)
         except ResourceError as exc:
             a = st.status.pop("assignment", None) or {}
             if a.get("pod"):  # it ran: its spec was edited into an invalid one; stop it, free its stage
@@ -773,6 +777,19 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
     st.phase(FillJobPhase.PLACED, msg, event="Placed")
 
 
+def _check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
+    """ResourceError if the job's own storage (its volumes, its checkpoint) would lie in the MPS pipe directory its
+    Pod mounts (the operator's --fill-mps-pipe-dir: a setting of the cluster's, unlike the paths the spec checks)."""
+    pipe = settings.mps_pipe_dir
+    if not pipe:
+        return
+    for where, path in job.container_paths():
+        if inside(path, pipe):
+            raise ResourceError(f"{where} {path!r} lies in {pipe}, the MPS pipe directory every fill Pod on a GPU "
+                                "mounts (the operator's --fill-mps-pipe-dir, the chart's agent.mps.pipeDir): choose "
+                                "a path apart from it")
+
+
 def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | None = None) -> dict[str, Any]:
     """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets (the
     node's run directory at RUN_DIR, as the agent's UID)."""
@@ -843,6 +860,11 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         # The job's state outlives its Pod: the next attempt (another node, maybe) restores from it.
         container["volumeMounts"].append({"name": "checkpoint", "mountPath": job.checkpoint_path})
         volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": job.checkpoint_claim}})
+    for v in job.volumes:  # spec.volumes: the job's own (names and paths apart from the runtime's, checked)
+        (source,) = [k for k in VOLUME_SOURCES if v.get(k) is not None]
+        container["volumeMounts"].append({"name": v["name"], "mountPath": v["mountPath"],
+                                          **{k: v[k] for k in ("subPath", "readOnly") if v.get(k) is not None}})
+        volumes.append({"name": v["name"], source: dict(v[source])})
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
