@@ -65,6 +65,7 @@ def test_examples_apply_and_the_servers_defaults_are_the_tables(kube: ApiServer)
         ({"profile": {"memory": "1Gi", "stepTime": "soon"}}, "spec.profile.stepTime: Invalid value"),
         ({"profile": {"memory": "1Gi", "stepTime": "5m"}}, "spec.profile.stepTime: Invalid value"),  # not minutes
         ({"initTimeout": "2d"}, "spec.initTimeout: Invalid value"),
+        ({"profile": {"memory": "1Gi", "initTime": "soon"}}, "spec.profile.initTime: Invalid value"),
         ({"work": {"steps": 0}}, "spec.work.steps: Invalid value: 0"),
         ({"priority": 5000}, "spec.priority: Invalid value: 5000"),
         ({"deadline": "tomorrow"}, "spec.deadline: Invalid value"),

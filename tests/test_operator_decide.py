@@ -104,7 +104,8 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     st = job["status"]
     assert st["phase"] == "Placed" and st["observedGeneration"] == 1
     assert st["assignment"] == {"training": "llama", "stage": 0, "node": "node-a", "device": "cuda:0",
-                                "pod": "fj-fj-a0", "trainingPod": "llama-0", "trainingPodUid": "uid-llama-0"}
+                                "pod": "fj-fj-a0", "trainingPod": "llama-0", "trainingPodUid": "uid-llama-0",
+                                "placedAt": "2026-11-23T08:00:00Z"}
     assert st["progressText"] == "0% (0/1000)" and st["counters"]["placements"] == 1
     # 10 ms bubble per 100 ms iteration, 2 ms steps: 5 steps per iteration -> 1000 steps in 20 s
     assert st["eta"] == "2026-11-23T08:00:20Z"
@@ -518,6 +519,47 @@ def test_priority_then_policy_and_the_queue_gets_positions_and_etas() -> None:
     late = fill_job("late", deadline="2026-11-23T08:00:30Z")
     step([first, urgent, late], [stage()])
     assert late["status"]["deadlineFeasible"] is False and first["status"]["queuePosition"] == 1
+
+
+def test_the_eta_counts_the_jobs_init_time_until_it_has_initialized() -> None:
+    """A batch-inference job loading its model for 3 minutes holds its stage meanwhile: its ETA, and the ETAs of the
+    jobs queued behind it, count that time, and what is left of it once placed, until the agent says it is ready."""
+    loads = fill_job("loads", created="2026-11-23T06:00:00Z", profile={"memory": "64Mi", "stepTime": "2ms",
+                                                                          "initTime": "3m"})
+    behind = fill_job("behind", created="2026-11-23T07:00:00Z")
+    step([loads, behind], [stage()])
+    assert loads["status"]["phase"] == "Placed" and loads["status"]["eta"] == "2026-11-23T08:03:20Z"  # 180 + 20 s
+    assert behind["status"]["eta"] == "2026-11-23T08:03:40Z"
+    # Two minutes on, its process still loading (CREATED): 60 s of init left, then its 20 s of steps.
+    two = NOW + dt.timedelta(minutes=2)
+    step([loads], [stage()], now=two, progress={"uid-loads": JobProgress("uid-loads", FillState.CREATED, 0, 0.0)})
+    assert loads["status"]["eta"] == "2026-11-23T08:03:20Z"
+    # Initialized early (PAUSED: on its device, waiting for a bubble): the rest of the init is not counted.
+    step([loads], [stage()], now=two, progress={"uid-loads": JobProgress("uid-loads", FillState.PAUSED, 0, 0.0)})
+    assert loads["status"]["eta"] == "2026-11-23T08:02:20Z"
+    # Slower than said: no init left to count, never a negative one.
+    late = NOW + dt.timedelta(minutes=10)
+    step([loads], [stage()], now=late, progress={"uid-loads": JobProgress("uid-loads", FillState.CREATED, 0, 0.0)})
+    assert loads["status"]["eta"] == "2026-11-23T08:10:20Z"
+
+
+@pytest.mark.parametrize(("profile", "needle"), [
+    ({"initTime": "soon"}, "spec.profile.initTime must be a duration like 30m"),
+    ({"initTime": "25h"}, "spec.profile.initTime must be at most a day"),
+    ({"initTime": "0"}, "spec.profile.initTime must be a duration > 0"),
+])
+def test_a_bad_init_time_fails_the_job_saying_so(profile: dict[str, Any], needle: str) -> None:
+    job = fill_job(profile={"memory": "64Mi", **profile})
+    step([job], [stage()])
+    assert job["status"]["phase"] == "Failed" and needle in job["status"]["message"], job["status"]["message"]
+
+
+def test_an_init_time_past_the_init_timeout_fails_the_job_saying_which_to_change() -> None:
+    job = fill_job(profile={"memory": "64Mi", "initTime": "20m"}, initTimeout="10m")
+    step([job], [stage()])
+    assert job["status"]["phase"] == "Failed"
+    assert ("spec.profile.initTime (20m) is more than spec.initTimeout (10m): the node agent would kill the job "
+            "before its init is expected to end") in job["status"]["message"]
 
 
 def test_training_status_says_whether_the_hook_reports_and_what_harvesting_costs() -> None:

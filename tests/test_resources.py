@@ -73,6 +73,7 @@ def test_examples_are_valid_and_map_onto_the_agents_spec() -> None:
     assert bi.steps == 4000 and bi.samples_per_step == 16 and bi.priority == 10
     assert bi.deadline == dt.datetime(2030, 1, 1, tzinfo=dt.UTC) and bi.checkpoint_path is None  # nothing to save
     assert bi.job.init_timeout_s == 1200 and fj.job.init_timeout_s is None  # None: the agent's --init-timeout
+    assert bi.init_s == 120 and fj.init_s == 0
     pt = PipelineTrainingResource.from_object(load("pipelinetraining.yaml"))
     assert pt.memory_reserve_bytes == 512 * 2**20 and pt.slowdown_budget == 0.01 and pt.stages == 2
 

@@ -105,6 +105,17 @@ def test_job_fitting_no_bubble_is_refused_with_advice() -> None:
         s.submit(FillJobRequest("a", SMALL, 10), 0.0)
 
 
+def test_a_jobs_setup_time_holds_its_executor_before_its_steps() -> None:
+    s = Scheduler([ExecutorClass("a", (Bubble(0.5, 4 * GIB),), 1.0, 1)], "fifo")
+    p = s.submit(FillJobRequest("slow-start", SMALL, 40, setup_s=2.5), 0.0)  # 1 s of steps after 2.5 s of setup
+    assert p is not None and p.end_s == pytest.approx(3.5)
+    s.submit(FillJobRequest("next", SMALL, 40), 0.0)
+    assert s.expected_completions(0.0) == pytest.approx({"slow-start": 3.5, "next": 4.5})
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="setup time must be a finite number of seconds >= 0"):
+            FillJobRequest("bad", SMALL, 40, setup_s=bad)
+
+
 def test_eta_and_deadline_queries() -> None:
     s = Scheduler([ExecutorClass("a", (Bubble(0.5, 4 * GIB),), 1.0, 1)], "fifo")
     # 0.05 s step -> 10 steps per 1 s cycle: 40 samples (10 steps) take 1 s

@@ -22,6 +22,7 @@ from typing import Any
 
 from bubbles.api import (
     DEFAULT_TAIL_RISK,
+    MAX_INIT_TIMEOUT_S,
     MAX_TAIL_RISK,
     FillInterface,
     FillJobSpec,
@@ -219,6 +220,9 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
               "on GPUs", required=True),
         Field("flopsPerStep", "number", "FLOPs of one step: the FillJob's recoveredFlops counts steps done times "
               "this when the job reports none itself (a plain command)", minimum=0),
+        Field("initTime", "timeout", "how long the job takes from its placement to its first step (its Pod "
+              "starting, its image pulled, init() loading its model and data), e.g. 3m: its ETA and the scheduler "
+              "count it, as its stage is held meanwhile. Left out: 0"),
     ), required=True),
     Field("work", "object", "how much work the job does; it succeeds when done", fields=(
         Field("steps", "integer", "steps to run", minimum=1),
@@ -552,6 +556,7 @@ class FillJobResource:
     env: tuple[dict[str, Any], ...] = ()  # spec.env, as a container's
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets' names
     volumes: tuple[dict[str, Any], ...] = ()  # spec.volumes, checked (names and paths apart from the runtime's)
+    init_s: float = 0.0  # spec.profile.initTime: placement to first step, as the user expects it
 
     def container_paths(self) -> list[tuple[str, str]]:
         """(field, path) of every path the job's own storage takes in its container: its volumes' mount paths and
@@ -592,6 +597,19 @@ class FillJobResource:
             job = parse_spec(agent_spec, "spec")
         except ValueError as exc:
             raise ResourceError(str(exc)) from None
+        init_s = 0.0
+        if profile.get("initTime") is not None:
+            try:
+                init_s = parse_duration(profile["initTime"], "spec.profile.initTime", long=True)
+            except ValueError as exc:
+                raise ResourceError(str(exc)) from None
+            if init_s > MAX_INIT_TIMEOUT_S:
+                raise ResourceError(f"spec.profile.initTime must be at most a day (how long the job takes from its "
+                                    f"placement to its first step), got {profile['initTime']}")
+            if job.init_timeout_s is not None and init_s > job.init_timeout_s:
+                raise ResourceError(f"spec.profile.initTime ({profile['initTime']}) is more than spec.initTimeout "
+                                    f"({s['initTimeout']}): the node agent would kill the job before its init is "
+                                    "expected to end; raise spec.initTimeout or lower spec.profile.initTime")
         if job.memory_bytes <= 0:
             raise ResourceError(f"spec.profile.memory must be more than 0, got {profile['memory']!r}: it is the job's "
                                 "hard limit of accelerator memory (e.g. 4Gi)")
@@ -628,6 +646,7 @@ class FillJobResource:
             checkpoint_claim=(s.get("checkpoint") or {}).get("claimName"), restart_limit=int(s["restartLimit"]),
             labels=dict(meta.get("labels") or {}), pod_resources=pod_resources, env=env,
             image_pull_secrets=tuple(str(p["name"]) for p in s.get("imagePullSecrets") or ()), volumes=volumes,
+            init_s=init_s,
         )
 
 
@@ -724,6 +743,8 @@ FILL_JOB_STATUS: tuple[Field, ...] = (
         Field("pod", "string", "the fill job's Pod"),
         Field("trainingPod", "string", "the training's Pod whose bubbles it fills"),
         Field("trainingPodUid", "string", "that Pod's uid: a new Pod under the same name is another training process"),
+        Field("placedAt", "string", "when it was placed (RFC 3339): the ETA counts what is left of "
+              "spec.profile.initTime from then until the job runs"),
     )),
     Field("progress", "object", "how much of its work is done", fields=(
         Field("stepsDone", "integer", "steps completed", minimum=0),

@@ -524,7 +524,7 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         counters["kills"] = max(int(counters.get("kills", 0)), prog.kills)
         st.status["counters"] = counters
     rate = _steps_per_s(job, stage, trainings.get(stage.training), stage_context_bytes(view, stage))
-    end_s = now_s + (job.steps - done) / rate if rate > 0 else math.inf
+    end_s = now_s + _init_left_s(job, a, prog, now_s) + (job.steps - done) / rate if rate > 0 else math.inf
     busy[skey] = (uid, end_s)
     _eta(st, job, end_s)
     if waiting is not None and waiting[0]:
@@ -614,6 +614,18 @@ def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], 
     st.condition(ConditionType.EVICTED, True, "Requeued", why)
     st.phase(FillJobPhase.QUEUED, f"{why}; back in the queue ({restarts}/{job.restart_limit}){resume}",
              event="Evicted", warning=True)
+
+
+def _init_left_s(job: FillJobResource, a: Mapping[str, Any], prog: JobProgress | None, now_s: float) -> float:
+    """What is left of the job's spec.profile.initTime: from its placement (assignment.placedAt) until its process
+    has initialized on its device (the agent reports it PAUSED or RUNNING); 0 once it has, or when it took longer."""
+    if not job.init_s or (prog is not None and prog.state not in (FillState.SUBMITTED, FillState.CREATED)):
+        return 0.0
+    try:
+        placed = dt.datetime.fromisoformat(str(a["placedAt"]).replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError):
+        return 0.0  # placed by an operator that did not say when: counted from the first step on
+    return max(0.0, job.init_s - (now_s - placed))
 
 
 def _steps_per_s(job: FillJobResource, stage: StageView, training: PipelineTrainingResource | None,
@@ -715,7 +727,7 @@ def _place(view: ClusterView, out: Decisions, valid: Mapping[str, tuple[Mapping[
         arrival = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() if created else now_s
         req = FillJobRequest(job.uid or key_of(obj), _profile(job), job.steps * job.samples_per_step,
                              arrival_s=arrival, deadline_s=job.deadline.timestamp() if job.deadline else None,
-                             eligible=eligible)
+                             eligible=eligible, setup_s=job.init_s)
         if not eligible or not math.isfinite(min(sched.processing_times_s(req))):
             why = (f"fits no profiled bubble of {', '.join(allowed)}: each step needs "
                    f"{(job.job.gating_step_s or PROVISIONAL_STEP_S) * 1e3:.3g} ms and "
@@ -769,7 +781,7 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
     st.status["counters"] = counters
     st.status["assignment"] = {"training": stage.training.split("/", 1)[-1], "stage": stage.stage,
                                "node": stage.node, "device": stage.device, "pod": pod, "trainingPod": stage.pod,
-                               "trainingPodUid": stage.pod_uid}
+                               "trainingPodUid": stage.pod_uid, "placedAt": rfc3339(st.now)}
     st.status.pop("queuePosition", None)
     _eta(st, job, end_s)
     msg = _placed_message(stage)

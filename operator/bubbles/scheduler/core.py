@@ -74,6 +74,13 @@ class FillJobRequest:
     deadline_s: float | None = None
     # Names of the executor classes the job may use (e.g. the trainings its selector admits); None: any.
     eligible: frozenset[str] | None = None
+    # How long the job holds its executor before its first step (its process starting, its model loading): part of
+    # its processing time on every class it fits.
+    setup_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.setup_s) and self.setup_s >= 0):
+            raise ValueError(f"a fill job's setup time must be a finite number of seconds >= 0, got {self.setup_s!r}")
 
 
 @dataclass(frozen=True)
@@ -255,6 +262,8 @@ class Scheduler:
         batch, s_per_step, _ = self._table(job.profile)
         with np.errstate(invalid="ignore"):
             proc = np.ceil(job.samples / batch) * s_per_step
+        if job.setup_s:
+            proc = proc + job.setup_s  # inf (fits no configuration) stays inf
         if job.eligible is not None:
             mask = self._eligible_masks.get(job.eligible)
             if mask is None:
