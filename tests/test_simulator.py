@@ -165,6 +165,21 @@ def test_work_is_conserved(tasks, n: int, hours: float, seed: int) -> None:
         assert all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(spans))
 
 
+def test_a_jobs_setup_time_delays_its_completion_and_earns_no_work(tasks) -> None:
+    """--init-s: each job holds its GPU that long before its first step. Drained, every job still does all of its
+    work, each later; at a horizon, a job still in its setup there has done nothing."""
+    main = MainJob(stages=4, microbatches=4, data_parallel=2)
+    trace = generate_trace(tasks, PROFILES, jobs=40, hours=1.0, seed=2)
+    plain = simulate(main, [t.to_fill_job(PROFILES) for t in trace], "fifo", hours=None)
+    slow = simulate(main, [t.to_fill_job(PROFILES, setup_s=600.0) for t in trace], "fifo", hours=None)
+    assert summarize(slow)["recovered_flops"] == pytest.approx(summarize(plain)["recovered_flops"])
+    jct = {o.job.job_id: o.jct_s for o in plain.outcomes}
+    assert all(o.done and o.jct_s >= jct[o.job.job_id] + 600.0 - 1e-6 for o in slow.outcomes)
+    cut = simulate(main, [t.to_fill_job(PROFILES, setup_s=600.0) for t in trace], "fifo", hours=0.1)  # 360 s
+    assert all(o.samples_done == 0 for o in cut.outcomes)
+    assert summarize(cut)["recovered_flops"] == 0
+
+
 def _hetero(main: MainJob):
     # Half the stages have little free memory (as early 1F1B stages do): jobs run unequally fast there.
     return [
@@ -264,6 +279,8 @@ def test_cli_runs_writes_report_and_plot(tmp_path: Path, capsys) -> None:
         (["--policy", "nope"], "known policies: deadline, fifo, makespan, sjf"),
         (["--hours", "0"], "--hours 0.0: must be > 0"),
         (["--fill-fraction", "2"], "must be in (0, 1]"),
+        (["--init-s", "-1"], "--init-s -1.0: must be seconds from 0 to 86400"),
+        (["--init-s", "nan"], "--init-s nan: must be seconds from 0 to 86400"),
     ],
 )
 def test_cli_bad_flags_say_what_to_do(argv: list[str], message: str, capsys) -> None:

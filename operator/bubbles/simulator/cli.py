@@ -21,7 +21,7 @@ DEFAULT_PLOT = Path("bubbles-simulate.png")
 FLAGS_HINT = (
     "What changes what: --stages, --microbatches, --schedule, --fwd-ms, --bwd-ms (the training's pipeline and so its "
     "bubbles); --gpus (cluster size); --free-gib, --fill-fraction (what each bubble offers); --jobs, --hours, --seed, "
-    "--deadline-share (the fill-job load); --policy, repeated to compare; --alibaba PATH (the real trace) or --trace "
+    "--deadline-share (the fill-job load); --init-s (each job's start-up); --policy, repeated to compare; --alibaba PATH (the real trace) or --trace "
     "CSV (your own jobs); --report FILE (JSON). `bubbles simulate --help` lists them all."
 )
 CONFIG_KEYS = {
@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="share of generated jobs with a deadline (10x their isolated run time; default 0)",
+    )
+    f.add_argument(
+        "--init-s",
+        type=float,
+        default=0.0,
+        help="seconds each fill job holds its GPU's bubbles before its first step (its Pod starting, its model "
+        "loading); counted in its completion time, not in the recovered work (default 0)",
     )
     f.add_argument("--write-trace", type=Path, help="save the generated trace as CSV here")
     f.add_argument("--profiles", type=Path, help="model profiles JSON (default: the packaged estimates)")
@@ -195,6 +202,8 @@ def validate(args: argparse.Namespace, cfg: dict[str, Any]) -> list[str]:
         errs.append(f"--jobs {args.jobs}: generate at least 1 job")
     if not 0 <= args.deadline_share <= 1:
         errs.append(f"--deadline-share {args.deadline_share}: must be in [0, 1]")
+    if not 0 <= args.init_s <= 86400:  # NaN included
+        errs.append(f"--init-s {args.init_s}: must be seconds from 0 to 86400 (a day)")
     if args.trace is not None and args.alibaba is not None:
         errs.append("give --trace or --alibaba, not both")
     return errs
@@ -307,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bubbles simulate: error: {e}", file=sys.stderr)
         return 2
 
-    jobs = [t.to_fill_job(profiles) for t in trace]
+    jobs = [t.to_fill_job(profiles, setup_s=args.init_s) for t in trace]
     hours = None if args.drain else cfg["hours"]
     show = not args.quiet and len(jobs) >= 1000
     summaries = []

@@ -121,7 +121,8 @@ def simulate(
     if horizon_s < math.inf:
         for p in sched.running.values():  # partial credit for work done by the horizon
             o = outcomes[p.job.job_id]
-            share = (end_s - p.start_s) / p.processing_s if p.processing_s > 0 else 1.0
+            work_s = p.processing_s - p.job.setup_s  # the steps, after the job's setup
+            share = (end_s - p.start_s - p.job.setup_s) / work_s if work_s > 0 else 1.0
             share = min(max(share, 0.0), 1.0)
             o.samples_done = share * p.job.samples
             o.filled_s = share * p.filled_s

@@ -84,9 +84,11 @@ class TraceJob:
     samples: int
     deadline_s: float | None = None
 
-    def to_fill_job(self, profiles: Mapping[tuple[str, WorkloadKind], FillProfile]) -> FillJobRequest:
+    def to_fill_job(self, profiles: Mapping[tuple[str, WorkloadKind], FillProfile],
+                    setup_s: float = 0.0) -> FillJobRequest:
         return FillJobRequest(
-            self.job_id, profiles[(self.model, self.kind)], self.samples, self.arrival_s, self.deadline_s
+            self.job_id, profiles[(self.model, self.kind)], self.samples, self.arrival_s, self.deadline_s,
+            setup_s=setup_s,
         )
 
 
