@@ -8,6 +8,7 @@ back, as the API server would, before the next round.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -420,21 +421,48 @@ def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
     assert job["status"] == before and (d.cancel, d.delete_pods, d.events) == ([], [], [])
 
 
-def test_a_lost_training_pod_requeues_the_job_and_the_restart_limit_fails_it() -> None:
+def test_a_lost_training_pod_requeues_the_job_uncounted_and_its_own_losses_reach_the_restart_limit() -> None:
     job = fill_job(restartLimit=1, checkpoint={"path": "/ckpt"})
     step([job], [stage()])
-    d = step([job], [stage(1, pod="llama-1")])  # llama-0 is gone
+    d = step([job], [stage(1, pod="llama-1")])  # llama-0 is gone: the training's doing, not the job's
     st = job["status"]
     assert st["restarts"] == 1 and st["phase"] == "Queued" and "assignment" not in st  # requeued
+    assert st["counters"]["trainingDisruptions"] == 1 and st["counters"]["evictions"] == 1
+    assert "not counted against spec.restartLimit, the training's doing; 0/1 used" in st["message"], st["message"]
     assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
     assert [e.reason for e in d.events] == ["Evicted"] and d.create_pods == []  # the eviction is written first
     assert cond(job, "Evicted")["reason"] == "Requeued"
-    d = step([job], [stage(1, pod="llama-1")])  # the next round places it again
+    d = step([job], [stage(1, pod="llama-1")])  # the next round places it again, as a new attempt
     assert job["status"]["phase"] == "Placed" and job["status"]["assignment"]["trainingPod"] == "llama-1"
     assert [e.reason for e in d.events] == ["Placed"] and d.create_pods[0]["metadata"]["name"] == "fj-fj-a1"
-    d = step([job], [stage(), stage(1, pod="llama-1", agent_up=False)])  # its agent stops answering
+    step([job], [stage(), stage(1, pod="llama-1", agent_up=False)])  # its agent stops answering: counted
+    assert job["status"]["phase"] == "Queued" and "(1/1 restarts used" in job["status"]["message"]
+    assert job["status"]["restarts"] == 2 and job["status"]["counters"]["trainingDisruptions"] == 1
+    step([job], [stage()])
+    assert job["status"]["assignment"]["pod"] == "fj-fj-a2"
+    d = step([job], [stage(agent_up=False)])  # again: past the limit
     assert job["status"]["phase"] == "Failed" and "spec.restartLimit" in job["status"]["message"]
     assert "stopped answering" in job["status"]["message"] and d.create_pods == []
+
+
+def test_a_training_that_keeps_restarting_never_fails_its_fill_jobs() -> None:
+    """Restarted, replaced or edited into an invalid spec and back, any number of times: the job's restart limit is
+    for losses of its own."""
+    def pod(uid: str, **kw: Any) -> StageView:
+        return dataclasses.replace(stage(**kw), pod_uid=uid)
+
+    job = fill_job(restartLimit=0)
+    for attempt in range(4):
+        step([job], [pod(f"uid-{attempt}")])
+        assert job["status"]["phase"] == "Placed", job["status"]
+        step([job], [pod(f"uid-{attempt + 1}")])  # the training Pod replaced under the same name
+        assert job["status"]["phase"] == "Queued" and job["status"]["restarts"] == attempt + 1, job["status"]
+    step([job], [pod("uid-4")])
+    step([job], [pod("uid-4", cycle=None)])  # its training Pod restarted
+    assert job["status"]["phase"] == "Queued"
+    step([job], [pod("uid-4")])
+    step([job], [], [training(slowdownBudget=7)])  # the training's spec turned invalid
+    assert job["status"]["phase"] == "Queued" and job["status"]["counters"]["trainingDisruptions"] == 6
 
 
 def test_a_just_started_operator_does_not_evict_a_job_whose_training_pod_it_has_not_listed_yet() -> None:

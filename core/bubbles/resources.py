@@ -244,8 +244,10 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
     Field("initTimeout", "timeout", "how long the job's init (loading its model and data, before its first step) "
           "may take before the node agent kills it, more than 0 and at most 24h, e.g. 30m; left out: the agent's "
           "--init-timeout (the chart's agent.initTimeoutSeconds, default 600 s)"),
-    Field("restartLimit", "integer", "how often the job is restarted (after its node, agent or isolation was "
-          "lost) before it fails", default=3, minimum=0, maximum=100),
+    Field("restartLimit", "integer", "how often the job is restarted before it fails, after a loss of its own (its "
+          "Pod failed or did not start, its process stopped with an error, its node's agent or isolation was lost); "
+          "losses the training causes (its Pod gone, replaced or restarted, its spec turned invalid) do not count",
+          default=3, minimum=0, maximum=100),
     Field("env", "array", "environment variables of the fill job's container, as a container's env: a value, or "
           "valueFrom a key of a Secret or ConfigMap in the FillJob's namespace (credentials, where the data is). "
           "Names the runtime is given (BUBBLES_*, CUDA_*, NVIDIA_*) are refused", max_items=128,
@@ -754,13 +756,16 @@ FILL_JOB_STATUS: tuple[Field, ...] = (
     Field("progressText", "string", "progress for kubectl's columns, e.g. 40% (400/1000)"),
     Field("eta", "string", "when the job is expected to finish (RFC 3339)"),
     Field("deadlineFeasible", "boolean", "whether the expected finish meets spec.deadline"),
-    Field("restarts", "integer", "restarts so far", minimum=0),
+    Field("restarts", "integer", "restarts so far (the current attempt's number: its Pod's name ends a<N>); those "
+          "the training caused (counters.trainingDisruptions) do not count against spec.restartLimit", minimum=0),
     Field("recoveredFlops", "number", "FLOPs of the steps done in bubbles", minimum=0),
     Field("queuePosition", "integer", "place in the queue while Queued (1: next)", minimum=0),
     Field("counters", "object", "events counted for this job", fields=(
         Field("kills", "integer", "steps killed for overrunning their bubble", minimum=0),
         Field("placements", "integer", "times the job was placed", minimum=0),
         Field("evictions", "integer", "times it lost its place (agent, node or training gone)", minimum=0),
+        Field("trainingDisruptions", "integer", "of those, the training's doing (its Pod gone, replaced or "
+              "restarted, its spec turned invalid): not counted against spec.restartLimit", minimum=0),
     )),
     _conditions(),
 )

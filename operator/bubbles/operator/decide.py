@@ -456,6 +456,7 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         if prog is None or prog.state is FillState.SUBMITTED else None
     lost = None
     ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
+    training_side = False  # the training's doing (its Pod or spec changed), not the job's: not counted as a restart
     if stage is None and view.acting_s < STARTUP_GRACE_S:
         return  # just started: the training Pod may not be in the watch's first listing yet; look again next round
     if stage is None:
@@ -463,6 +464,7 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         if tkey in (invalid or {}):
             lost = (f"PipelineTraining {a.get('training')}'s spec turned invalid ({(invalid or {})[tkey]}): its "
                     "bubbles are not used until it is fixed")
+            training_side = True
         elif any(s.pod == tpod and s.training == tkey for s in view.stages):
             # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes)
             # or the hook went silent.
@@ -470,12 +472,15 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
                     f"{a.get('training')} (training Pod {tpod} still runs: the agent restarted, or the hook is silent)")
         else:
             lost = f"training Pod {tpod} (stage {a.get('stage')} of {a.get('training')}) is gone"
+            training_side = True
     elif not stage.agent_up:
         lost = f"the bubbles agent on node {stage.node} stopped answering"
     elif a.get("trainingPodUid") and stage.pod_uid and a["trainingPodUid"] != stage.pod_uid:
         lost = f"training Pod {stage.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
+        training_side = True
     elif stage.cycle is None:
         lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
+        training_side = True
     elif (failed := view.failed_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
         lost = f"fill Pod {a.get('pod')} failed: {failed}"
         ended_itself = True
@@ -502,7 +507,7 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         lost = f"the fill process stopped: {prog.reason}"
         ended_itself = True
     if lost is not None:
-        _evict(st, job, lost, a, keep_pod=ended_itself)
+        _evict(st, job, lost, a, keep_pod=ended_itself, counted=not training_side)
         if stage is not None and st.evicted:
             # The job is placed again from the next round (see _place): until then the stage it had is held for
             # it, or a job of lower priority would take it now and keep it.
@@ -584,13 +589,19 @@ def _placed_message(stage: StageView) -> str:
     return f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
 
 
-def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], *, keep_pod: bool = False) -> None:
+def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], *, keep_pod: bool = False,
+           counted: bool = True) -> None:
     """Take the job off its stage: requeue it, or fail it past its restart limit. Its Pod is deleted unless
     ``keep_pod`` (it ended on its own: kept, like a Job's failed Pods, for ``kubectl logs``; it holds nothing, and
-    goes with the FillJob, its owner)."""
-    restarts = int(st.status.get("restarts", 0)) + 1
+    goes with the FillJob, its owner). Not ``counted``: the training's doing (its Pod gone, replaced or restarted, its
+    spec turned invalid), which a job cannot avoid: a new attempt (``status.restarts`` names its Pod) that does not
+    count against ``spec.restartLimit``, as Kubernetes' Pod failure policies leave disruptions uncounted."""
+    restarts = int(st.status.get("restarts", 0)) + 1  # the attempt's number
     counters = dict(st.status.get("counters") or {})
     counters["evictions"] = int(counters.get("evictions", 0)) + 1
+    if not counted:
+        counters["trainingDisruptions"] = int(counters.get("trainingDisruptions", 0)) + 1
+    used = restarts - int(counters.get("trainingDisruptions", 0))  # the restarts the job's limit counts
     st.status["counters"] = counters
     if a.get("pod") and keep_pod:
         why = f"{why} (its Pod {a['pod']} is kept for its logs)"
@@ -602,7 +613,7 @@ def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], 
     st.status.pop("eta", None)
     st.condition(ConditionType.RUNNING, False, "Evicted", why)
     st.condition(ConditionType.PLACED, False, "Evicted", why)
-    if restarts > job.restart_limit:
+    if used > job.restart_limit:
         st.status["restarts"] = restarts - 1
         st.condition(ConditionType.EVICTED, True, "RestartLimit", why)
         st.phase(FillJobPhase.FAILED, f"{why}; failed after {job.restart_limit} restart(s) (spec.restartLimit)",
@@ -612,8 +623,9 @@ def _evict(st: _JobState, job: FillJobResource, why: str, a: Mapping[str, Any], 
     st.evicted = True
     resume = f", resuming from {job.checkpoint_path}" if job.checkpoint_path else ", starting over (no checkpoint)"
     st.condition(ConditionType.EVICTED, True, "Requeued", why)
-    st.phase(FillJobPhase.QUEUED, f"{why}; back in the queue ({restarts}/{job.restart_limit}){resume}",
-             event="Evicted", warning=True)
+    count = (f"{used}/{job.restart_limit} restarts used" if counted else
+             f"not counted against spec.restartLimit, the training's doing; {used}/{job.restart_limit} used")
+    st.phase(FillJobPhase.QUEUED, f"{why}; back in the queue ({count}){resume}", event="Evicted", warning=True)
 
 
 def _init_left_s(job: FillJobResource, a: Mapping[str, Any], prog: JobProgress | None, now_s: float) -> float:
