@@ -21,8 +21,9 @@ DEFAULT_PLOT = Path("bubbles-simulate.png")
 FLAGS_HINT = (
     "What changes what: --stages, --microbatches, --schedule, --fwd-ms, --bwd-ms (the training's pipeline and so its "
     "bubbles); --gpus (cluster size); --free-gib, --fill-fraction (what each bubble offers); --jobs, --hours, --seed, "
-    "--deadline-share (the fill-job load); --init-s (each job's start-up); --policy, repeated to compare; --alibaba PATH (the real trace) or --trace "
-    "CSV (your own jobs); --report FILE (JSON). `bubbles simulate --help` lists them all."
+    "--deadline-share (the fill-job load); --init-s (each job's start-up); --policy, repeated to compare; --alibaba "
+    "PATH (the real trace) or --trace CSV (your own jobs); --report FILE (JSON). `bubbles simulate --help` lists them "
+    "all."
 )
 CONFIG_KEYS = {
     "stages": int,
