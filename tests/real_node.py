@@ -33,11 +33,35 @@ def tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _hold(path: Path, wait_s: float = 2700.0) -> int:
+    """An exclusive lock on ``path`` (a descriptor; closing it, or the process ending, lets go): two test runs on one
+    machine would share the node's directory, ports and bridge. Waits up to ``wait_s`` for a run holding it."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise RuntimeError(f"another test run has held {path} for {wait_s:g} s (its node is up): wait for it, "
+                                   "or stop it (tools/node-from-debian.sh down)") from None
+            if not said:
+                print(f"another test run holds {path} (its node is up): waiting for it to finish")
+                said = True
+            time.sleep(5)
+
+
 class RealNode:
     """The node and its API server, driven as a user would: kubectl with the admin's kubeconfig."""
 
     def __init__(self, state: Path, kubeconfig: Path, up_s: float) -> None:
         self.state, self.kubeconfig, self.up_s = state, kubeconfig, up_s
+        self.lock: int | None = None  # held while this run's node is up (see _hold)
         config = subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig), "config", "view", "-o",
                                  "jsonpath={.clusters[0].cluster.server}"], capture_output=True, text=True,
                                 check=True).stdout
@@ -54,6 +78,7 @@ class RealNode:
             raise ClusterUnavailable("no containerd and no apt-get to install it")
         env = {**os.environ, "BUBBLES_NODE_DIR": str(state)}
         t0 = time.monotonic()
+        lock = _hold(Path(f"{state}.lock"))  # another run's live node in the same directory: wait for it to finish
         if state.exists():
             # A node an earlier run left behind (killed before its teardown, or kept with BUBBLES_NODE_KEEP=1):
             # its etcd still holds that run's namespaces, releases and jobs. The tier starts from an empty cluster.
@@ -66,11 +91,19 @@ class RealNode:
         result = _run([str(TOOL), "up"], timeout=2400, env=env)
         if result.returncode != 0:
             _run([str(TOOL), "down"], timeout=300, env=env)
+            os.close(lock)
             raise ClusterUnavailable(f"tools/node-from-debian.sh up failed:\n{tail(result.stderr)}")
-        return cls(state, Path(result.stdout.strip().splitlines()[-1]), time.monotonic() - t0)
+        node = cls(state, Path(result.stdout.strip().splitlines()[-1]), time.monotonic() - t0)
+        node.lock = lock
+        return node
 
     def down(self) -> subprocess.CompletedProcess[str]:
-        return _run([str(TOOL), "down"], timeout=300, env={**os.environ, "BUBBLES_NODE_DIR": str(self.state)})
+        try:
+            return _run([str(TOOL), "down"], timeout=300, env={**os.environ, "BUBBLES_NODE_DIR": str(self.state)})
+        finally:
+            if self.lock is not None:
+                os.close(self.lock)  # the lock goes with the descriptor
+                self.lock = None
 
     def kubectl(self, *args: str, input_text: str | None = None, check: bool = True,
                 timeout: float = 120) -> subprocess.CompletedProcess[str]:

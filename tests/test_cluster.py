@@ -407,13 +407,29 @@ def test_a_fill_job_from_the_examples_runs_in_a_real_trainings_bubbles_to_succee
     with explained(cluster):
         fj = fill_job("image-classification", 300)  # the example's 2,000 steps, cut for CI's time on 2 cores
         # Volumes of the job's own, as the kubelet mounts them: a ConfigMap (the Pod would not start without it, it
-        # is not optional) and scratch space holding the job's checkpoint.
+        # is not optional), scratch space, and its checkpoint on a claim of a WaitForFirstConsumer StorageClass (as
+        # most clouds' default is: bound only once the scheduler has seen the Pod, which nodeName would skip) whose
+        # volume is a directory of the node's, owned by root: the job writes there as the agent's group (fsGroup).
+        pv_dir = cluster.out_dir.parent / "pv-checkpoints"
+        pv_dir.mkdir(parents=True, exist_ok=True)
         node.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "job-config", "namespace": NS},
-                    "data": {"labels.txt": "cat\ndog\n"}})
+                    "data": {"labels.txt": "cat\ndog\n"}},
+                   {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": "node-local"},
+                    "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "WaitForFirstConsumer"},
+                   {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "checkpoints"},
+                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                             "storageClassName": "node-local", "persistentVolumeReclaimPolicy": "Retain",
+                             "local": {"path": str(pv_dir)}, "nodeAffinity": {"required": {"nodeSelectorTerms": [
+                                 {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                                                        "values": [node.name]}]}]}}}},
+                   {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": "checkpoints", "namespace": NS},
+                    "spec": {"storageClassName": "node-local", "accessModes": ["ReadWriteOnce"],
+                             "resources": {"requests": {"storage": "1Gi"}}}})
         fj["spec"]["volumes"] = [
             {"name": "config", "mountPath": "/etc/job", "readOnly": True, "configMap": {"name": "job-config"}},
             {"name": "scratch", "mountPath": "/scratch", "emptyDir": {"sizeLimit": "64Mi"}}]
-        fj["spec"]["checkpoint"] = {"path": "/scratch/state"}
+        fj["spec"]["checkpoint"] = {"path": "/checkpoints/image-classification", "claimName": "checkpoints"}
         node.apply(fj)
         seen: list[str] = []
         shown: list[str] = []
@@ -438,6 +454,8 @@ def test_a_fill_job_from_the_examples_runs_in_a_real_trainings_bubbles_to_succee
         assert pod["spec"]["nodeName"] == node.name and pod["status"]["phase"] == "Succeeded", pod["status"]
         mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
         assert mounts["config"] == "/etc/job" and mounts["scratch"] == "/scratch", mounts
+        assert node.get("pvc", "-n", NS, "checkpoints")["status"]["phase"] == "Bound"
+        assert (pv_dir / "state.bin").stat().st_size > 0  # the job's checkpoint, written as it stopped
         if shown:  # progress and ETA as `kubectl get fj` prints them while it runs
             header = shown[0].splitlines()[0]
             assert "PROGRESS" in header and "ETA" in header, shown[0]

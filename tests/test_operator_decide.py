@@ -26,6 +26,7 @@ from bubbles.operator.decide import (
     FillPodSettings,
     JobProgress,
     StageView,
+    fill_pod_node,
     pod_not_starting,
     reconcile,
 )
@@ -200,6 +201,49 @@ def test_a_fill_pod_mounts_the_jobs_own_volumes_beside_the_runtimes() -> None:
     assert "checkpoint" not in volumes  # no claim: the path is in the job's answers volume
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["BUBBLES_CHECKPOINT"] == "/data/answers/state"
+
+
+def test_a_fill_pod_with_a_claim_is_pinned_by_affinity_for_the_scheduler_to_bind_it() -> None:
+    """nodeName skips the scheduler, and a WaitForFirstConsumer claim (most clouds' default StorageClass) is bound only
+    by it: with a claim the Pod is pinned to the training's node by a required affinity, its NoSchedule taints
+    tolerated as nodeName would; and the claims' files are given to the agent's group, the job's."""
+    settings = FillPodSettings(run_as_user=1000, run_as_group=2000)
+    (plain,) = step([fill_job("plain")], [stage()], fill_pods=settings).create_pods
+    assert plain["spec"]["nodeName"] == "node-a" and "affinity" not in plain["spec"]
+    assert plain["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
+    scratch = fill_job("scratch", volumes=[{"name": "s", "mountPath": "/s", "emptyDir": {}}])
+    assert step([scratch], [stage()], fill_pods=settings).create_pods[0]["spec"]["nodeName"] == "node-a"
+    for job in (fill_job("vol", volumes=[_volume()]), fill_job("ckpt", checkpoint={"path": "/c", "claimName": "c"})):
+        (pod,) = step([job], [stage()], fill_pods=settings).create_pods
+        spec = pod["spec"]
+        assert "nodeName" not in spec and fill_pod_node(spec) == "node-a"
+        required = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        (term,) = required["nodeSelectorTerms"]
+        assert term == {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-a"]}]}
+        assert spec["tolerations"] == [{"operator": "Exists", "effect": "NoSchedule"}]
+        assert spec["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000, "fsGroup": 2000,
+                                           "fsGroupChangePolicy": "OnRootMismatch"}
+    assert fill_pod_node({"nodeName": "n"}) == "n" and fill_pod_node({}) is None
+
+
+def test_paths_written_plainly_before_the_checks_stay_valid_and_a_pipe_dir_is_compared_plainly() -> None:
+    job = fill_job(checkpoint={"path": "/ckpt/"})
+    (pod,) = step([job], [stage()]).create_pods
+    assert {"name": "BUBBLES_CHECKPOINT", "value": "/ckpt"} in pod["spec"]["containers"][0]["env"]
+    mps = FillPodSettings(mps_pipe_dir="/tmp/nvidia-mps/")
+    bad = fill_job("bad", volumes=[_volume(mountPath="/tmp/nvidia-mps")])
+    step([bad], [stage(gpu_uuid="GPU-1")], fill_pods=mps)
+    assert bad["status"]["phase"] == "Failed" and "lies in /tmp/nvidia-mps" in bad["status"]["message"]
+
+
+def test_a_placed_job_is_not_failed_by_a_changed_mps_pipe_dir() -> None:
+    """The Pod it has mounts what it mounts: a setting changed under it (a new --fill-mps-pipe-dir) is checked at the
+    next placement, not against a running job."""
+    job = fill_job(volumes=[_volume(mountPath="/srv/mps/data")])
+    step([job], [stage(gpu_uuid="GPU-1")])
+    assert job["status"]["phase"] == "Placed"
+    step([job], [stage(gpu_uuid="GPU-1")], fill_pods=FillPodSettings(mps_pipe_dir="/srv/mps"))
+    assert job["status"]["phase"] == "Placed"
 
 
 def _volume(**kw: Any) -> dict[str, Any]:
@@ -463,6 +507,24 @@ def test_a_training_that_keeps_restarting_never_fails_its_fill_jobs() -> None:
     step([job], [pod("uid-4")])
     step([job], [], [training(slowdownBudget=7)])  # the training's spec turned invalid
     assert job["status"]["phase"] == "Queued" and job["status"]["counters"]["trainingDisruptions"] == 6
+
+
+@pytest.mark.parametrize("state", [FillState.RUNNING, FillState.PAUSED, FillState.STOPPED])
+def test_a_training_pod_lost_while_the_job_was_on_its_gpu_counts_against_the_limit(state: FillState) -> None:
+    """A fatal fault of one MPS client reaches every client of the server, the training among them: once the job's
+    process is on the training's GPU, the training Pod's restart may be the job's doing, and counts."""
+    job = fill_job(restartLimit=0)
+    step([job], [stage()])
+    on_gpu = {"uid-fj": JobProgress("uid-fj", state, 10, 1e9, "killed" if state is FillState.STOPPED else "")}
+    step([job], [stage(cycle=None)], progress=on_gpu)  # its training Pod restarted
+    assert job["status"]["phase"] == "Failed" and "spec.restartLimit" in job["status"]["message"]
+    assert "trainingDisruptions" not in job["status"]["counters"]
+    cpu = fill_job("on-cpu", restartLimit=0)
+    step([cpu], [dataclasses.replace(stage(), device="cpu")])
+    progress = {"uid-on-cpu": JobProgress("uid-on-cpu", state, 10, 1e9)}
+    # a CPU process cannot fault the training's
+    step([cpu], [dataclasses.replace(stage(cycle=None), device="cpu")], progress=progress)
+    assert cpu["status"]["phase"] == "Queued"
 
 
 def test_a_just_started_operator_does_not_evict_a_job_whose_training_pod_it_has_not_listed_yet() -> None:

@@ -315,6 +315,40 @@ def test_a_pod_of_the_same_name_from_another_placement_is_replaced_not_trusted(c
         cluster.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false", check=False)
 
 
+def test_a_fill_pod_with_a_claim_waits_for_the_scheduler_and_is_not_taken_for_another_placement(
+        cluster: ApiServer) -> None:
+    """A fill Pod with a PersistentVolumeClaim is pinned by affinity, not nodeName (the scheduler must bind a
+    WaitForFirstConsumer claim): until it is scheduled it has no node, and creating it again (a round whose status
+    write was lost) must find it the same placement, not delete it."""
+    from bubbles.operator.decide import FillPodSettings, fill_pod
+    from bubbles.operator.decide import fill_pod_place as on_node
+    from bubbles.resources import FillJobResource
+
+    job = FillJobResource.from_object({
+        "metadata": {"name": "claimed", "namespace": NS, "uid": "u-claimed"},
+        "spec": {"image": "fill:1", "entry": "m:C", "profile": {"memory": "16Mi"}, "work": {"steps": 1},
+                 "volumes": [{"name": "data", "mountPath": "/data", "persistentVolumeClaim": {"claimName": "d"}}]}})
+    from bubbles.operator.decide import Assignment
+
+    a = Assignment(job.uid, 1, NS, job.name, f"{NS}/llama", 0, "node-a", "llama-0", "cuda:0", "fj-claimed-a0", 0,
+                   None, job.job)
+    manifest = fill_pod(job, a, FillPodSettings())
+    assert "nodeName" not in manifest["spec"] and manifest["spec"]["affinity"] == on_node("node-a", True)["affinity"]
+    manifest["metadata"].pop("ownerReferences")  # no FillJob object of that uid here
+    conn = Connection(cluster.url, token=OPERATOR_TOKEN, ca_path=cluster.ca_path, namespace=OPERATOR_NAMESPACE)
+    writer = KubeWriter(conn, request_timeout_s=10)
+    try:
+        assert writer.create_pod(manifest) is True
+        made = get(cluster, "pod", "fj-claimed-a0")
+        assert made is not None and not made["spec"].get("nodeName")  # no scheduler in this tier: unscheduled
+        assert made["spec"]["tolerations"][0] == {"operator": "Exists", "effect": "NoSchedule"}
+        assert writer.create_pod(manifest) is False  # the same placement: kept
+        again = get(cluster, "pod", "fj-claimed-a0")
+        assert again is not None and again["metadata"]["uid"] == made["metadata"]["uid"]
+    finally:
+        cluster.kubectl("delete", "pod", "fj-claimed-a0", "-n", NS, "--wait=false", check=False)
+
+
 def test_a_fill_job_runs_to_the_end_through_a_real_node_agent(cluster: ApiServer, tmp_path: Path) -> None:
     """The whole path but the kubelet: FillJob -> operator (RBAC, real API server) -> gRPC with mutual TLS -> the
     node's agent -> the fill Pod's process (started here with the Pod's own command and environment, as the kubelet

@@ -222,7 +222,7 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
               "this when the job reports none itself (a plain command)", minimum=0),
         Field("initTime", "timeout", "how long the job takes from its placement to its first step (its Pod "
               "starting, its image pulled, init() loading its model and data), e.g. 3m: its ETA and the scheduler "
-              "count it, as its stage is held meanwhile. Left out: 0"),
+              "count it, as its stage is held meanwhile. Left out: none counted"),
     ), required=True),
     Field("work", "object", "how much work the job does; it succeeds when done", fields=(
         Field("steps", "integer", "steps to run", minimum=1),
@@ -246,7 +246,8 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
           "--init-timeout (the chart's agent.initTimeoutSeconds, default 600 s)"),
     Field("restartLimit", "integer", "how often the job is restarted before it fails, after a loss of its own (its "
           "Pod failed or did not start, its process stopped with an error, its node's agent or isolation was lost); "
-          "losses the training causes (its Pod gone, replaced or restarted, its spec turned invalid) do not count",
+          "losses the training causes (its Pod gone, replaced or restarted, its spec turned invalid) do not count, "
+          "unless the job's process was already on the training's GPU (whose faults under MPS reach the training)",
           default=3, minimum=0, maximum=100),
     Field("env", "array", "environment variables of the fill job's container, as a container's env: a value, or "
           "valueFrom a key of a Secret or ConfigMap in the FillJob's namespace (credentials, where the data is). "
@@ -384,6 +385,11 @@ class ResourceError(ValueError):
 def inside(path: str, directory: str) -> bool:
     """Whether ``path`` is ``directory`` or lies under it (both plain absolute paths)."""
     return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def checkpoint_path(path: str) -> str:
+    """spec.checkpoint.path written plainly (``/ckpt/`` is ``/ckpt``): specs written before its checks stay valid."""
+    return posixpath.normpath("/" + path.lstrip("/"))
 
 
 def mount_path_problem(path: str, taken: Sequence[str] = RUNTIME_PATHS) -> str | None:
@@ -644,7 +650,8 @@ class FillJobResource:
             steps=steps, samples_per_step=spb,
             flops_per_step=float(profile["flopsPerStep"]) if profile.get("flopsPerStep") is not None else None,
             deadline=deadline, training_selector=dict(s.get("trainingSelector") or {}),
-            checkpoint_path=(s.get("checkpoint") or {}).get("path"),
+            checkpoint_path=checkpoint_path(s["checkpoint"]["path"]) if (s.get("checkpoint") or {}).get("path")
+            else None,
             checkpoint_claim=(s.get("checkpoint") or {}).get("claimName"), restart_limit=int(s["restartLimit"]),
             labels=dict(meta.get("labels") or {}), pod_resources=pod_resources, env=env,
             image_pull_secrets=tuple(str(p["name"]) for p in s.get("imagePullSecrets") or ()), volumes=volumes,
@@ -660,11 +667,12 @@ def _checked_volumes(s: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     checkpoint = s.get("checkpoint") or {}
     paths: dict[str, str] = {}  # path -> the field it is given in
     if checkpoint.get("path"):
-        problem = mount_path_problem(str(checkpoint["path"]))
+        path = checkpoint_path(str(checkpoint["path"]))
+        problem = mount_path_problem(path)
         if problem:
             raise ResourceError(f"spec.checkpoint.path {checkpoint['path']!r} {problem}")
         if checkpoint.get("claimName"):  # mounted there; without a claim it may lie in a volume of the job's
-            paths[str(checkpoint["path"])] = "spec.checkpoint.path"
+            paths[path] = "spec.checkpoint.path"
     names: set[str] = set()
     for i, v in enumerate(volumes):
         where, name, path = f"spec.volumes[{i}]", str(v["name"]), str(v["mountPath"])
@@ -682,7 +690,7 @@ def _checked_volumes(s: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
                                 "its own")
         paths[path] = f"{where}.mountPath"
         sub = v.get("subPath")
-        if sub is not None and (sub.startswith("/") or ".." in sub.split("/")):
+        if sub is not None and ".." in sub.split("/"):  # absolute ones: refused by the schema's pattern
             raise ResourceError(f"{where}.subPath {sub!r} must be a path inside the volume: relative, without '..'")
     return volumes
 
@@ -765,7 +773,8 @@ FILL_JOB_STATUS: tuple[Field, ...] = (
         Field("placements", "integer", "times the job was placed", minimum=0),
         Field("evictions", "integer", "times it lost its place (agent, node or training gone)", minimum=0),
         Field("trainingDisruptions", "integer", "of those, the training's doing (its Pod gone, replaced or "
-              "restarted, its spec turned invalid): not counted against spec.restartLimit", minimum=0),
+              "restarted before the job was on its GPU, its spec turned invalid): not counted against "
+              "spec.restartLimit", minimum=0),
     )),
     _conditions(),
 )

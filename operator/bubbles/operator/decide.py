@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import math
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -392,7 +393,8 @@ def reconcile(view: ClusterView) -> Decisions:
             continue
         try:
             job = _parse(obj)
-            _check_paths(job, view.fill_pods)
+            if phase not in ACTIVE:  # a Pod made already has the mounts it has: a changed setting does not stop it
+                _check_paths(job, view.fill_pods)
         except ResourceError as exc:
             a = st.status.pop("assignment", None) or {}
             if a.get("pod"):  # it ran: its spec was edited into an invalid one; stop it, free its stage
@@ -456,7 +458,12 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         if prog is None or prog.state is FillState.SUBMITTED else None
     lost = None
     ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
-    training_side = False  # the training's doing (its Pod or spec changed), not the job's: not counted as a restart
+    # The training's doing (its Pod or spec changed), not the job's: not counted as a restart. Unless the job had its
+    # process on the training's GPU: a fatal fault of one MPS client reaches every client of its server, the training
+    # among them, so a training Pod restarted, replaced or gone then may be the job's doing (counted, as before).
+    on_gpu = prog is not None and a.get("device", "").startswith("cuda") and (
+        prog.state in (FillState.PAUSED, FillState.RUNNING, FillState.STOPPED) or prog.steps_done > 0)
+    training_side = False
     if stage is None and view.acting_s < STARTUP_GRACE_S:
         return  # just started: the training Pod may not be in the watch's first listing yet; look again next round
     if stage is None:
@@ -472,15 +479,15 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
                     f"{a.get('training')} (training Pod {tpod} still runs: the agent restarted, or the hook is silent)")
         else:
             lost = f"training Pod {tpod} (stage {a.get('stage')} of {a.get('training')}) is gone"
-            training_side = True
+            training_side = not on_gpu
     elif not stage.agent_up:
         lost = f"the bubbles agent on node {stage.node} stopped answering"
     elif a.get("trainingPodUid") and stage.pod_uid and a["trainingPodUid"] != stage.pod_uid:
         lost = f"training Pod {stage.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
-        training_side = True
+        training_side = not on_gpu
     elif stage.cycle is None:
         lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
-        training_side = True
+        training_side = not on_gpu
     elif (failed := view.failed_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
         lost = f"fill Pod {a.get('pod')} failed: {failed}"
         ended_itself = True
@@ -801,12 +808,38 @@ def _assign(out: Decisions, st: _JobState, job: FillJobResource, stage: StageVie
     st.phase(FillJobPhase.PLACED, msg, event="Placed")
 
 
+def fill_pod_place(node: str, claims: bool) -> dict[str, Any]:
+    """The fill Pod's place: the training's node (the bubbles are its GPU's). ``nodeName`` where it has no
+    PersistentVolumeClaim: no scheduler involved, no taint of a GPU node in the way. With a claim the scheduler must
+    see the Pod, or a claim of a WaitForFirstConsumer StorageClass (most clouds' default) is never bound and the
+    Pod never starts: then the node by a required affinity (on metadata.name, as the DaemonSet controller pins its
+    Pods), tolerating the node's NoSchedule taints as nodeName would."""
+    if not claims:
+        return {"nodeName": node}
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
+            "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}]}
+
+
+def fill_pod_node(spec: Mapping[str, Any]) -> str | None:
+    """The node a fill Pod spec (``fill_pod``'s) is meant for: its nodeName, or the node its affinity requires."""
+    if spec.get("nodeName"):
+        return str(spec["nodeName"])
+    terms = ((((spec.get("affinity") or {}).get("nodeAffinity") or {})
+              .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or [])
+    for term in terms:
+        for f in term.get("matchFields") or ():
+            if f.get("key") == "metadata.name" and f.get("operator") == "In" and len(f.get("values") or ()) == 1:
+                return str(f["values"][0])
+    return None
+
+
 def _check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
     """ResourceError if the job's own storage (its volumes, its checkpoint) would lie in the MPS pipe directory its
     Pod mounts (the operator's --fill-mps-pipe-dir: a setting of the cluster's, unlike the paths the spec checks)."""
-    pipe = settings.mps_pipe_dir
-    if not pipe:
+    if not settings.mps_pipe_dir:
         return
+    pipe = posixpath.normpath(settings.mps_pipe_dir)  # "/tmp/nvidia-mps/" is /tmp/nvidia-mps
     for where, path in job.container_paths():
         if inside(path, pipe):
             raise ResourceError(f"{where} {path!r} lies in {pipe}, the MPS pipe directory every fill Pod on a GPU "
@@ -869,8 +902,14 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
         if job.job.args:
             container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
-    security = {k: v for k, v in (("runAsUser", settings.run_as_user), ("runAsGroup", settings.run_as_group))
-                if v is not None}
+    security: dict[str, Any] = {k: v for k, v in (("runAsUser", settings.run_as_user),
+                                                  ("runAsGroup", settings.run_as_group)) if v is not None}
+    claims = bool(job.checkpoint_path and job.checkpoint_claim) or any(
+        v.get("persistentVolumeClaim") for v in job.volumes)
+    if claims and settings.run_as_group is not None:
+        # The job runs as the agent's UID, not as whoever wrote its claims' files: the kubelet gives the claims' files
+        # to its group (once, where their root does not have it already) so that the job can write its results.
+        security.update(fsGroup=settings.run_as_group, fsGroupChangePolicy="OnRootMismatch")
     volumes: list[dict[str, Any]] = [{"name": "bubbles-run",
                                       "hostPath": {"path": settings.node_run_dir, "type": "Directory"}}]
     if mps:
@@ -901,7 +940,7 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
                                  "controller": True, "blockOwnerDeletion": True}],
         },
         "spec": {
-            "nodeName": a.node,  # the training's node: the bubbles are its GPU's
+            **fill_pod_place(a.node, claims),
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             **({"securityContext": security} if security else {}),

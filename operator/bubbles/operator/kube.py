@@ -22,7 +22,7 @@ from typing import Any
 from bubbles.api import read_yaml
 from bubbles.resources import FINALIZER, GROUP, VERSION
 
-from .decide import Event
+from .decide import Event, fill_pod_node
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,8 @@ class KubeWriter:
         have_uid = ((have.metadata.annotations or {}) if have.metadata else {}).get("bubbles.dev/fill-job-uid")
         have_node = have.spec.node_name if have.spec else None
         want_uid = (meta.get("annotations") or {}).get("bubbles.dev/fill-job-uid")
-        if have_uid == want_uid and have_node == manifest["spec"].get("nodeName"):
+        # Not scheduled yet (a Pod with a claim is placed by the scheduler, on the node its affinity requires): no node.
+        if have_uid == want_uid and have_node in (None, fill_pod_node(manifest["spec"])):
             return False
         self.delete_pod(meta["namespace"], meta["name"])
         raise PodConflict(f"Pod {meta['namespace']}/{meta['name']} already existed for another placement (FillJob uid "
