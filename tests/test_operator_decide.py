@@ -881,7 +881,14 @@ def test_a_stage_no_agent_answers_for_is_blamed_on_the_agent_not_the_hook() -> N
     hook = cond(t, "HookReporting")
     assert hook["reason"] == "NoAgent" and "node-a" in hook["message"] and "agent.gpuNodeLabels" in hook["message"]
     step([], [stage(hook_reporting=False, cycle=None)], [t])
-    assert cond(t, "HookReporting")["reason"] == "NoHook"
+    assert cond(t, "HookReporting")["reason"] == "NoHook" and "stood down" not in cond(t, "HookReporting")["message"]
+    # Silent beside a Pod of the training that reports on the same node: maybe a twin of its stage, stood down.
+    step([], [stage(), stage(0, pod="llama-r1", hook_reporting=False, cycle=None),
+              stage(1, pod="llama-elsewhere", node="node-b", hook_reporting=False, cycle=None)], [t])
+    said = cond(t, "HookReporting")
+    assert said["reason"] == "NoHook" and "llama-elsewhere, llama-r1:" in said["message"]
+    assert "llama-r1 share a node with Pods of this training that report" in said["message"]
+    assert "its hook stood down, as one process per stage and node is harvested" in said["message"]
     step([], [stage(node="", agent_up=False, hook_reporting=False, cycle=None)], [t])  # not scheduled yet
     said = cond(t, "HookReporting")
     assert said["reason"] == "NotScheduled" and "llama-0 not on a node yet" in said["message"]

@@ -998,10 +998,18 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
                 "agent DaemonSet must run there (its nodes need one of the chart's agent.gpuNodeLabels set to "
                 "\"true\"), and the operator needs --agent-ca to call it", observed_generation=gen), view.now)
         elif silent:
+            # A silent Pod beside one of the training's reporting Pods on its node may be a second process of a stage
+            # already reported there (the hook stands such a twin down: one process per stage and node is harvested).
+            shared = sorted(s.pod for s in mine if not s.hook_reporting and any(
+                o.hook_reporting and o.node == s.node for o in mine))
+            twin = (f". {', '.join(shared)} share a node with Pods of this training that report: if one runs a stage "
+                    "already reported there (tensor-parallel ranks or data-parallel replicas of one stage on one "
+                    "node), its hook stood down, as one process per stage and node is harvested (its log says so)"
+                    if shared else "")
             conds = set_condition(conds, Condition(
                 "HookReporting", "False", "NoHook", f"no bubble signals from {', '.join(sorted(silent))}: attach the "
                 "hook (bubbles.hook.instrument(engine)), set BUBBLES_TRAINING to this PipelineTraining's name and "
-                "mount the node's bubbles run directory (the chart's agent.runDir) at /run/bubbles",
+                f"mount the node's bubbles run directory (the chart's agent.runDir) at /run/bubbles{twin}",
                 observed_generation=gen), view.now)
         else:
             conds = set_condition(conds, Condition("HookReporting", "True", "Reporting",
