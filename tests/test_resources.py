@@ -54,6 +54,12 @@ def test_the_schema_carries_every_field_enum_and_default_of_the_table() -> None:
     assert fj["spec"]["names"]["shortNames"] == ["fj"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns[:2] == ["Phase", "Training"] and "Progress" in columns and "ETA" in columns
+    assert "Restarts" in columns
+    for c in version["additionalPrinterColumns"]:  # each column reads a field the schema declares
+        node = version["schema"]["openAPIV3Schema"]
+        for part in c["jsonPath"].strip(".").split("."):
+            node = (node.get("properties") or {}).get(part, {}) if part != "creationTimestamp" else {"type": "string"}
+            assert node, f"column {c['name']} reads {c['jsonPath']}, which the schema does not declare"
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     for path in ("phase", "assignment", "progress", "eta", "deadlineFeasible", "restarts", "recoveredFlops",
                  "conditions", "observedGeneration", "counters"):

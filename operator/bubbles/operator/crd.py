@@ -71,6 +71,7 @@ def fill_job_crd() -> dict[str, Any]:
                     {"name": "ETA", "type": "string", "jsonPath": ".status.eta"},
                     {"name": "Deadline-OK", "type": "boolean", "jsonPath": ".status.deadlineFeasible",
                      "priority": 1},
+                    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ])
 
