@@ -806,6 +806,25 @@ def test_what_keeps_a_fill_pod_from_starting_is_read_from_its_containers_and_sta
     init = {"status": {"phase": "Pending", "initContainerStatuses": [
         {"name": "i", "state": {"waiting": {"reason": "CreateContainerConfigError"}}}]}}
     assert pod_not_starting(init) == "CreateContainerConfigError"
+    # A Pod with a claim goes through the scheduler, which may not place it: its words, at once.
+    unplaced = {"status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 1 node(s) had volume node affinity conflict"}]}}
+    assert pod_not_starting(unplaced) == ("Unschedulable: 0/3 nodes are available: 1 node(s) had volume node "
+                                          "affinity conflict")
+    scheduling = {"status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}}
+    assert pod_not_starting(scheduling) is None
+
+
+def test_a_fill_pod_the_scheduler_cannot_place_says_so_on_its_job() -> None:
+    job = fill_job(checkpoint={"path": "/state", "claimName": "far-away"})
+    step([job], [stage()])
+    why = "Unschedulable: 0/3 nodes are available: 1 node(s) had volume node affinity conflict"
+    step([job], [stage()], waiting_pods={"ml/fj-fj-a0": (why, NOW.timestamp())})
+    assert cond(job, "Running")["reason"] == "PodNotStarting" and "volume node affinity" in cond(job, "Running")[
+        "message"]
+    assert "the scheduler cannot place it on its training's node" in job["status"]["message"]
+    assert "another zone or node" in job["status"]["message"]
 
 
 def test_a_fill_pod_that_cannot_start_is_said_at_once_and_given_up_after_the_timeout() -> None:

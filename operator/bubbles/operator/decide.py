@@ -572,6 +572,10 @@ def pod_not_starting(pod: Mapping[str, Any]) -> str | None:
         reason = str(w.get("reason") or "")
         if reason and reason not in ("ContainerCreating", "PodInitializing"):
             return f"{reason}: {w['message']}" if w.get("message") else reason
+    # A Pod the scheduler places (one with a claim: fill_pod_place) and cannot: the scheduler's own words.
+    for c in st.get("conditions") or ():
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return f"Unschedulable: {c['message']}" if c.get("message") else "Unschedulable"
     return None
 
 
@@ -584,6 +588,10 @@ def _not_starting(why: str, pod: str) -> tuple[str, str]:
     if reason == "CreateContainerConfigError":
         return ("its container cannot be configured", f"a Secret or ConfigMap it needs may be missing (kubectl "
                 f"describe pod {pod})")
+    if reason == "Unschedulable":
+        return ("the scheduler cannot place it on its training's node", "a claim of spec.volumes or "
+                "spec.checkpoint bound to a volume that node cannot reach (another zone or node), or spec.resources "
+                "more than the node has free; the scheduler's words are in the Running condition")
     return (reason or "the kubelet cannot start it", f"see kubectl describe pod {pod}")
 
 
