@@ -633,6 +633,21 @@ def test_the_eta_counts_the_jobs_init_time_until_it_has_initialized() -> None:
     assert loads["status"]["eta"] == "2026-11-23T08:10:20Z"
 
 
+def test_a_placement_time_that_cannot_be_read_counts_no_init_and_stops_nothing() -> None:
+    """status.assignment.placedAt is the operator's own, but a status edited by hand (or an older operator's, without
+    it) must not stop the round: the ETA then counts the steps alone."""
+    job = fill_job(profile={"memory": "64Mi", "stepTime": "2ms", "initTime": "3m"})
+    step([job], [stage()])
+    for placed in ("yesterday", None):
+        if placed is None:
+            job["status"]["assignment"].pop("placedAt")
+        else:
+            job["status"]["assignment"]["placedAt"] = placed
+        job["status"].pop("eta")
+        step([job], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.CREATED, 0, 0.0)})
+        assert job["status"]["phase"] == "Placed" and job["status"]["eta"] == "2026-11-23T08:00:20Z"
+
+
 @pytest.mark.parametrize(("profile", "needle"), [
     ({"initTime": "soon"}, "spec.profile.initTime must be a duration like 30m"),
     ({"initTime": "25h"}, "spec.profile.initTime must be at most a day"),

@@ -13,8 +13,9 @@ does (no host IPC).
 from __future__ import annotations
 
 import os
-import posixpath
 from pathlib import Path, PurePath
+
+from bubbles import paths
 
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
@@ -47,8 +48,7 @@ def check_shm_dir(path: str) -> str:
     """ValueError unless ``path`` can be the MPS participants' /dev/shm directory on a node: absolute, written plainly
     (the API server refuses ``..`` in a hostPath), at least two levels deep, and not the node's /dev/shm itself nor
     a system tree (the agent's init container takes the directory over: owner and mode)."""
-    plain = posixpath.normpath(path) if path.startswith("/") else ""
-    if not path.startswith("/") or path.startswith("//") or plain != path:
+    if not paths.is_plain_absolute(path):
         raise ValueError(f"the MPS /dev/shm directory must be an absolute path written without '.' or '..' parts or "
                          f"repeated or trailing slashes, got {path!r}")
     if path.count("/") < 2:

@@ -16,6 +16,7 @@ Directories are created with mode 0700: only the training's user can signal or l
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from pathlib import Path
 
@@ -36,6 +37,12 @@ _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 
 # Where a Pod mounts the node's run directory (the chart's agent.runDir): the training's, the agent's, every fill Pod's.
 MOUNTED_RUN_DIR = Path("/run/bubbles")
+
+
+def is_plain_absolute(path: str) -> bool:
+    """Whether ``path`` is absolute and written plainly: no '.' or '..' parts, no repeated or trailing slashes (as the
+    API server wants a hostPath or a mount path, and as containment is judged by comparing strings)."""
+    return path.startswith("/") and not path.startswith("//") and posixpath.normpath(path) == path
 
 
 def default_run_dir(mounted: Path = MOUNTED_RUN_DIR) -> Path:

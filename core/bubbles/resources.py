@@ -33,7 +33,7 @@ from bubbles.api import (
     parse_quantity,
     parse_spec,
 )
-from bubbles.paths import MOUNTED_RUN_DIR
+from bubbles.paths import MOUNTED_RUN_DIR, is_plain_absolute
 
 GROUP = "bubbles.dev"
 VERSION = "v1alpha1"
@@ -395,7 +395,7 @@ def checkpoint_path(path: str) -> str:
 def mount_path_problem(path: str, taken: Sequence[str] = RUNTIME_PATHS) -> str | None:
     """Why ``path`` cannot be where a fill job's own storage is in its container (None: it can): it must be absolute,
     written plainly, not the root, and outside every directory of ``taken`` (the runtime's)."""
-    if not path.startswith("/") or path.startswith("//") or posixpath.normpath(path) != path:
+    if not is_plain_absolute(path):
         return "must be an absolute path written without '.' or '..' parts or repeated or trailing slashes"
     if path == "/":
         return "cannot be the container's root"

@@ -147,6 +147,8 @@ class FillPodSettings:
         if self.mps_pipe_dir is not None:
             if not self.mps_pipe_dir.startswith("/"):
                 raise ValueError(f"the MPS pipe directory must be an absolute path, got {self.mps_pipe_dir!r}")
+            # Written plainly ("/tmp/nvidia-mps/" is /tmp/nvidia-mps): fill Pods' paths are compared with it.
+            object.__setattr__(self, "mps_pipe_dir", posixpath.normpath(self.mps_pipe_dir))
             mps_client.check_pipe_dir(PurePosixPath(self.mps_pipe_dir))
             shm = PurePosixPath(mps_client.check_shm_dir(self.mps_shm_dir))
             for name, other in (("MPS pipe directory", self.mps_pipe_dir),
@@ -845,9 +847,9 @@ def fill_pod_node(spec: Mapping[str, Any]) -> str | None:
 def _check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
     """ResourceError if the job's own storage (its volumes, its checkpoint) would lie in the MPS pipe directory its
     Pod mounts (the operator's --fill-mps-pipe-dir: a setting of the cluster's, unlike the paths the spec checks)."""
-    if not settings.mps_pipe_dir:
+    pipe = settings.mps_pipe_dir  # written plainly (FillPodSettings)
+    if not pipe:
         return
-    pipe = posixpath.normpath(settings.mps_pipe_dir)  # "/tmp/nvidia-mps/" is /tmp/nvidia-mps
     for where, path in job.container_paths():
         if inside(path, pipe):
             raise ResourceError(f"{where} {path!r} lies in {pipe}, the MPS pipe directory every fill Pod on a GPU "
