@@ -1,69 +1,35 @@
-"""DeepSpeed's CPU shared-memory op, built so that a build killed part-way cannot hang every later launch.
+"""DeepSpeed's CPU shared-memory op, which the demo's training never uses, left unbuilt.
 
-On the CPU accelerator DeepSpeed JIT-builds ``deepspeed_shm_comm`` in every rank at ``init_distributed``, through
-``torch.utils.cpp_extension.load``. That build is guarded by torch's ``FileBaton``: a ``lock`` file in the build
-directory that only the process which created it removes. A rank killed during the build (a Ctrl-C in the first
-``make demo`` on a machine, which builds for about 30 s) leaves the file behind, and from then on every launch on
-that machine waits on it forever, printing nothing.
+On the CPU accelerator ``deepspeed.init_distributed`` JIT-builds ``deepspeed_shm_comm`` in every rank, through
+``torch.utils.cpp_extension.load``: a C++ compile of 30 to 60 s on 2 cores, done again whenever the virtual
+environment's path changes (the build directory is keyed by the op's name, its commands by the venv's paths). The op
+serves one call, ``inference_all_reduce``, which a pipeline-parallel training does not make: its stages talk by
+send and receive, and its losses are reduced with the plain ``all_reduce``. So the demo's training tells DeepSpeed the
+op is not available on this machine, as DeepSpeed itself does on a platform without it, and gloo carries everything.
 
-``prepare_shm_op`` builds (or loads) the op before DeepSpeed asks for it, under an ``flock`` on a file beside the
-build directory. The kernel releases an flock when its holder dies, so the process that holds it and still finds a
-baton knows the baton was left by a build that died, and removes it. DeepSpeed's own call then finds the op loaded
-(its op builder keeps loaded ops per process) and never touches the baton.
-
-What it cannot tell apart: a build of the same op, in the same build directory, by a process outside bubbles that
-is running at that very moment. Its baton would be taken for a dead one.
+Leaving it unbuilt also removes a hang: torch guards the build with a ``lock`` file only its creator removes, so a
+rank killed during the build (a Ctrl-C in a first ``make demo``) used to leave every later launch waiting on it.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 OP = "deepspeed_shm_comm"
 
 
-def prepare_shm_op(build_dir: Path, load: Callable[[], object], say: Callable[[str], None]) -> None:
-    """Run ``load`` (build or load the op in ``build_dir``) under the flock, removing a baton a dead build left."""
-    build_dir.mkdir(parents=True, exist_ok=True)
-    lock_path = build_dir.with_name(build_dir.name + ".bubbles-lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"waiting for another process to finish building {build_dir.name} ({lock_path})")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        baton = build_dir / "lock"
-        if baton.exists():
-            say(f"removing {baton}: a build of {build_dir.name} was killed part-way and left it (it would make "
-                "this launch wait forever)")
-            baton.unlink(missing_ok=True)
-        if not any(build_dir.glob("*.so")):
-            say(f"building DeepSpeed's {build_dir.name} op into {build_dir} (once per machine; about 30 s on 2 cores)")
-        load()
-    finally:
-        os.close(fd)  # releases the flock
-
-
-def prepare_deepspeed_cpu_ops() -> None:
-    """``prepare_shm_op`` for the op DeepSpeed's CPU accelerator will build, if it will build one. Fails open: if
-    this goes wrong, it says so and leaves the op to DeepSpeed, as without it."""
-    def say(message: str) -> None:
-        print(f"bubbles: {message}", file=sys.stderr, flush=True)
-
+def skip_unused_cpu_ops() -> bool:
+    """Mark DeepSpeed's CPU shared-memory op unavailable, before ``init_distributed`` would build it. Returns whether
+    it did; fails open (DeepSpeed then builds the op itself, as without this) and says so."""
     try:
         import deepspeed.ops
-        from deepspeed.accelerator import get_accelerator
-        from torch.utils import cpp_extension
 
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is None or builder.NAME != OP or not deepspeed.ops.__compatible_ops__.get(OP, False):
-            return  # DeepSpeed will not build it either
-        build_dir = Path(cpp_extension._get_build_directory(OP, verbose=False))
-        prepare_shm_op(build_dir, builder.load, say)
+        compatible = deepspeed.ops.__compatible_ops__  # computed on first access: a dict of op name -> bool
+        if not isinstance(compatible, dict):
+            raise TypeError(f"deepspeed.ops.__compatible_ops__ is a {type(compatible).__name__}, not a dict")
+        compatible[OP] = False
+        return True
     except Exception as exc:  # the launch goes on as without this
-        say(f"could not prepare DeepSpeed's {OP} op ({type(exc).__name__}: {exc}); DeepSpeed builds it itself")
+        print(f"bubbles: could not tell DeepSpeed to skip its {OP} op ({type(exc).__name__}: {exc}); DeepSpeed "
+              "builds it itself (30 to 60 s once per machine and virtual environment)", file=sys.stderr, flush=True)
+        return False

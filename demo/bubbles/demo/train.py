@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 
-    from bubbles.demo.ds_ops import prepare_deepspeed_cpu_ops
+    from bubbles.demo.ds_ops import skip_unused_cpu_ops
 
-    prepare_deepspeed_cpu_ops()  # before init_distributed builds it: a killed build must not hang later launches
+    skip_unused_cpu_ops()  # before init_distributed would spend 30-60 s building an op this training never calls
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     if args.layers < world:
