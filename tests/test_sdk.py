@@ -823,3 +823,56 @@ def test_a_field_a_newer_agent_adds_is_ignored_and_named_once_on_stderr(runtime,
     assert "arm.trace" in err and "upgrade the fill job's image" in err
     ch.send("arm", mode="harvest", share=1.0, trace=True)  # again: already said
     ch.send("stop")
+
+
+class _CudaState:
+    """Stands in for ``torch.cuda``'s one call the check makes: whether CUDA was initialised in this process."""
+
+    def __init__(self, initialized: bool) -> None:
+        self.initialized = initialized
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+
+def test_a_create_that_initialised_cuda_is_refused_on_a_gpu_executor_only() -> None:
+    from bubbles.sdk import check_create_left_cuda_alone
+
+    with pytest.raises(RuntimeError, match=r"create\(\) initialised CUDA .*cuda:1.* into init\(\)"):
+        check_create_left_cuda_alone("cuda:1", _CudaState(True))
+    check_create_left_cuda_alone("cuda:1", _CudaState(False))
+    check_create_left_cuda_alone("cpu:0", _CudaState(True))  # a CPU executor has no device to land on wrongly
+    check_create_left_cuda_alone("cuda:0")  # the real torch.cuda of this CPU build: never initialised
+
+
+class CudaAtCreate(IterativeFillJob):
+    """A job whose create() reaches CUDA (here: torch.cuda reports itself initialised, as after a .cuda())."""
+
+    def create(self) -> None:
+        import torch
+
+        torch.cuda.is_initialized = lambda: True  # type: ignore[method-assign]
+
+    def init(self) -> None:
+        raise AssertionError("never reached: the job is refused before the agent's init")
+
+    def step(self) -> None:
+        raise AssertionError("never reached")
+
+
+def test_a_job_whose_create_touched_cuda_tells_the_agent_and_never_reports_created(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", torch.cuda.is_initialized)  # undone after the job patches it
+    ours, theirs = socket.socketpair()
+    monkeypatch.setenv(control.CONTROL_FD_ENV, str(theirs.fileno()))
+    monkeypatch.setenv(control.JOB_ENV, "cuda-at-create")
+    monkeypatch.setenv(control.DEVICE_ENV, "cuda:1")
+    with pytest.raises(RuntimeError, match="into init"):
+        run_fill_process(["--entry", "test_sdk:CudaAtCreate"])
+    ours.settimeout(5)
+    events = [json.loads(line) for line in ours.recv(65536).decode().splitlines() if line]
+    assert [e["type"] for e in events] == ["error"], events  # never CREATED: the agent does not init it
+    assert "create() initialised CUDA before the agent gave this job its device (cuda:1)" in events[0]["message"]
+    ours.close()

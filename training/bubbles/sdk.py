@@ -73,7 +73,8 @@ class IterativeFillJob:
     step_sizes: Sequence[int] = ()
 
     def create(self) -> None:
-        """Load the context into host memory."""
+        """Load the context into host memory. Leave the GPU alone here: on a ``cuda`` executor the runtime fails a
+        job whose ``create()`` initialised CUDA (it has no device or memory cap yet); do that in ``init()``."""
 
     def init(self) -> None:
         """Move the context to the accelerator."""
@@ -109,7 +110,8 @@ class ImperativeFillJob:
     """
 
     def create(self) -> None:
-        """Load the context into host memory (runs before the first SIGSTOP)."""
+        """Load the context into host memory (runs before the first SIGSTOP). Leave the GPU alone here, as for
+        ``IterativeFillJob.create``."""
 
     def init(self) -> None:
         """Move the context to the accelerator."""
@@ -243,6 +245,28 @@ def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None
         fraction = 1.0
     cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
+
+
+def check_create_left_cuda_alone(device: str, cuda: Any = None) -> None:
+    """RuntimeError if the job's ``create()`` initialised CUDA on a ``cuda:N`` executor.
+
+    ``create()`` runs before the agent's ``init``, so before the process is given its device (``set_device``) and its
+    memory cap: a CUDA context made there lands on the current device, device 0 (on a machine whose agent runs
+    several GPUs, that can be another stage's training GPU), and its memory (about 0.5 GiB, plus any tensors) was
+    never checked against the bubble's free memory. Failing the job says what to move where; running on would risk
+    the training's memory. Only torch's CUDA is seen (``torch.cuda.is_initialized``); ``cuda`` replaces it in tests.
+    """
+    if cuda_device_index(device) is None:
+        return
+    if cuda is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return  # the job never imported torch, so never reached CUDA through it
+        cuda = torch.cuda
+    if cuda.is_initialized():
+        raise RuntimeError(f"create() initialised CUDA before the agent gave this job its device ({device}) and its "
+                           "memory cap: move whatever touches the GPU (.cuda(), .to('cuda'), torch.cuda calls) from "
+                           "create() or restore() into init(), which runs once the device is set")
 
 
 def check_step_sizes(sizes: Any) -> tuple[int, ...]:
@@ -911,6 +935,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
     if issubclass(cls, ImperativeFillJob):
         job_i = cls(**kwargs)
         job_i.create()
+        check_create_left_cuda_alone(device)
         apply_process_limits(device, memory)
         job_i.init()
         job_i.run()  # the agent stops and continues this process around bubbles
@@ -945,6 +970,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         job.create()
         if state is not None:
             state.restore(job)
+        check_create_left_cuda_alone(device)
         runtime._emit("state", state="CREATED")
         runtime._flush()
         try:
