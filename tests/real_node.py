@@ -5,6 +5,7 @@ local bases (tools/image-base.sh) and imported into the node. Nothing here plays
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -170,21 +171,53 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval:
         time.sleep(interval)
 
 
-def build_images(tag: str) -> dict[str, str]:
-    """The operator and agent images on the Debian base, the fill-job image on a framework base (torch and
-    DeepSpeed: what a user's PyTorch image brings), each from its own Dockerfile with images/build.sh."""
-    env = {**os.environ, "STORAGE_DRIVER": os.environ.get("STORAGE_DRIVER", "vfs"), "OFFLINE": "1"}
-    bases = {}
-    for kind, args in (("plain", []), ("torch", ["--torch"])):
-        r = _run([str(ROOT / "tools" / "image-base.sh"), *args], timeout=1800, env=env)
-        if r.returncode != 0:
-            raise ClusterUnavailable(f"tools/image-base.sh {' '.join(args)} failed:\n{tail(r.stderr)}")
-        bases[kind] = r.stdout.strip().splitlines()[-1]
-    images = {}
-    for what, base in (("operator", bases["plain"]), ("agent", bases["plain"]), ("fill-job", bases["torch"])):
-        image = f"localhost/bubbles-{what}:{tag}"
-        r = _run([str(ROOT / "images" / "build.sh"), what, image], timeout=1800, env={**env, "BASE": base})
-        if r.returncode != 0:
-            raise AssertionError(f"images/build.sh {what} failed:\n{tail(r.stdout)}\n{tail(r.stderr)}")
-        images[what] = image
-    return images
+IMAGE_TAG = "suite"  # the tag the suite builds the images under (build_image), and the chart is installed with
+PROJECT_IMAGES = ("bubbles-operator", "bubbles-agent", "bubbles-fill-job")  # images/*/Dockerfile's image titles
+
+
+def prune_replaced_images(env: dict[str, str] | None = None) -> None:
+    """Remove the project's images that a newer build under the same tag left untagged. Every run of the suite
+    builds its images again (about 2.4 GB under buildah's vfs driver), and each build leaves the one it replaced
+    behind, nameless: run after run they filled buildah's storage (15 GB on the project's VM before this). Only
+    images carrying one of the project's image titles are touched; a build container still using one keeps it."""
+    env = env or {**os.environ, "STORAGE_DRIVER": os.environ.get("STORAGE_DRIVER", "vfs")}
+    for title in PROJECT_IMAGES:
+        found = _run(["buildah", "images", "-q", "--filter", "dangling=true", "--filter",
+                      f"label=org.opencontainers.image.title={title}"], timeout=120, env=env)
+        ids = sorted(set(found.stdout.split())) if found.returncode == 0 else []
+        if ids:
+            _run(["buildah", "rmi", *ids], timeout=300, env=env)
+
+
+def _image_env() -> dict[str, str]:
+    return {**os.environ, "STORAGE_DRIVER": os.environ.get("STORAGE_DRIVER", "vfs"), "OFFLINE": "1"}
+
+
+@functools.cache
+def image_base(kind: str) -> str:
+    """The local base image (tools/image-base.sh; cached on the machine): "plain" (Debian's Python) or "torch" (plus
+    torch and DeepSpeed: what a user's PyTorch image brings)."""
+    r = _run([str(ROOT / "tools" / "image-base.sh"), *(["--torch"] if kind == "torch" else [])], timeout=1800,
+             env=_image_env())
+    if r.returncode != 0:
+        raise ClusterUnavailable(f"tools/image-base.sh {kind} failed:\n{tail(r.stderr)}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+@functools.cache
+def build_image(what: str) -> str:
+    """``images/build.sh WHAT`` (operator and agent on the plain base, fill-job on the torch one), once per test
+    session: the image tier and the cluster tier test the same build of the tree."""
+    base = image_base("torch" if what == "fill-job" else "plain")
+    image = f"localhost/bubbles-{what}:{IMAGE_TAG}"
+    env = _image_env()
+    r = _run([str(ROOT / "images" / "build.sh"), what, image], timeout=1800, env={**env, "BASE": base})
+    if r.returncode != 0:
+        raise AssertionError(f"images/build.sh {what} failed:\n{tail(r.stdout)}\n{tail(r.stderr)}")
+    prune_replaced_images(env)
+    return image
+
+
+def build_images() -> dict[str, str]:
+    """The three images, each from its own Dockerfile (``build_image``)."""
+    return {what: build_image(what) for what in ("operator", "agent", "fill-job")}

@@ -47,6 +47,10 @@ GOOD = {"name": "job", "entry": "pkg.mod:Job"}
         ({**GOOD, "nodes": [{"memory": 1}]}, "field 'nodes[0]' must be a mapping with 'duration'"),
         ({**GOOD, "command": ["x"]}, "field 'command' is for imperative jobs"),
         ({"name": "j", "interface": "imperative", "command": []}, "field 'command' must be a non-empty list"),
+        ({**GOOD, "flops_per_step": -1}, "field 'flops_per_step' must be a number >= 0"),
+        ({**GOOD, "flops_per_step": "2 GFLOP"}, "field 'flops_per_step' must be a number >= 0"),
+        ({**GOOD, "flops_per_step": True}, "field 'flops_per_step' must be a number >= 0"),
+        ({**GOOD, "flops_per_step": float("nan")}, "field 'flops_per_step' must be a number >= 0"),
         ({**GOOD, "colour": "blue"}, "unknown field(s) colour"),
     ],
 )
@@ -66,6 +70,7 @@ def test_spec_units_and_defaults() -> None:
     with pytest.raises(SpecError, match=r"like 2ms, 500us or 0\.002"):
         parse_duration("5m", "t")
     nodes = [{"duration": "1ms"}, {"duration": 0.002, "memory": "2Mi"}]
+    assert parse_spec({**GOOD, "flops_per_step": 2}).flops_per_step == 2.0 and parse_spec(GOOD).flops_per_step is None
     s = parse_spec({**GOOD, "memory": "1Mi", "nodes": nodes})
     assert s.interface is FillInterface.ITERATIVE and s.kind is None and s.args == {} and s.stage is None
     assert [n.memory_bytes for n in s.nodes] == [2**20, 2 * 2**20]

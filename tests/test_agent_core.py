@@ -86,8 +86,8 @@ def line(type_: str, **fields: Any) -> bytes:
     return control.encode(type_, **fields).rstrip(b"\n")
 
 
-def armed(core: AgentCore) -> JobRecord:
-    job = started(core)
+def armed(core: AgentCore, **fields: Any) -> JobRecord:
+    job = started(core, **fields)
     core.on_control_line(job, line("state", state="PAUSED"))
     return job
 
@@ -141,6 +141,21 @@ def test_a_step_that_ended_in_time_disarms_the_watchdog() -> None:
     core.tick(clock.now)
     assert core.take_actions() == [] and job.state is FillState.PAUSED and core.kills == 0
     assert job.steps == 1 and core.stats()["modes"]["harvest"]["filled_s"] == pytest.approx(1e-3)
+
+
+def test_a_step_that_reports_no_flops_counts_what_the_spec_says_one_step_does() -> None:
+    """A FillJob's profile.flopsPerStep reaches the agent as flops_per_step: a step reporting 0 FLOPs counts it, in
+    the job's totals (the operator's recoveredFlops), its per-mode totals and the ledger (the node's metrics)."""
+    core, clock, _ = make_core()
+    job = armed(core, flops_per_step=4e9)
+    core.take_actions()
+    t0 = clock.now
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, t0, t0 + 5 * MS))
+    core.on_control_line(job, line("step", start_ns=t0, end_ns=t0 + MS, flops=0, bubble_seq=1))
+    core.on_control_line(job, line("step", start_ns=t0 + MS, end_ns=t0 + 2 * MS, flops=1e3, bubble_seq=1))
+    assert job.flops == 4e9 + 1e3  # a step that reports its own FLOPs keeps them
+    assert job.job_totals == {"harvest": [2, 4e9 + 1e3]}
+    assert core.stats()["modes"]["harvest"]["fill_flops"] == pytest.approx(4e9 + 1e3)
 
 
 def test_a_plain_command_is_thawed_for_each_bubble_and_frozen_after_it() -> None:

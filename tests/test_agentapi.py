@@ -59,6 +59,8 @@ def test_reports_and_specs_survive_the_round_trip() -> None:
                     WorkloadKind.BATCH_INFERENCE, 1800.0),
         FillJobSpec("b", FillInterface.IMPERATIVE, None, ("run", "--fast"), {}, None, 0, None,
                     (FillNode(0.001, 5), FillNode(0.002, 6)), None, None),
+        FillJobSpec("c", FillInterface.ITERATIVE, "m:C", None, {}, 5, 0, None, (), None, None, None, 2.5e9),
+        FillJobSpec("d", FillInterface.ITERATIVE, "m:C", None, {}, 5, 0, None, (), None, None, None, 0.0),
     ]
     for spec in specs:
         assert agentapi.spec_from_pb(agentapi.spec_to_pb(spec)) == spec
@@ -74,6 +76,9 @@ def test_reports_and_specs_survive_the_round_trip() -> None:
     (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", kind="painting"), "kind"),
     (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", init_timeout_s=0.0), "init_timeout_s must be more"),
     (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", init_timeout_s=1e9), "at most a day"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", flops_per_step=-1.0), "flops_per_step must be"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", flops_per_step=float("nan")), "flops_per_step"),
+    (pb.FillJobSpec(name="x", interface="iterative", entry="m:C", flops_per_step=float("inf")), "flops_per_step"),
 ])
 def test_a_bad_spec_is_refused_with_the_field(message: pb.FillJobSpec, error: str) -> None:
     with pytest.raises(agentapi.ApiError, match=error):

@@ -80,6 +80,11 @@ def test_examples_are_valid_and_map_onto_the_agents_spec() -> None:
     assert bi.deadline == dt.datetime(2030, 1, 1, tzinfo=dt.UTC) and bi.checkpoint_path is None  # nothing to save
     assert bi.job.init_timeout_s == 1200 and fj.job.init_timeout_s is None  # None: the agent's --init-timeout
     assert bi.init_s == 120 and fj.init_s == 0
+    assert fj.job.flops_per_step is None and bi.job.flops_per_step is None  # both jobs count their own FLOPs
+    counted = FillJobResource.from_object({**load("filljob-image-classification.yaml"), "spec": {
+        **load("filljob-image-classification.yaml")["spec"],
+        "profile": {**load("filljob-image-classification.yaml")["spec"]["profile"], "flopsPerStep": 3e9}}})
+    assert counted.flops_per_step == 3e9 and counted.job.flops_per_step == 3e9  # the operator's and the agent's
     pt = PipelineTrainingResource.from_object(load("pipelinetraining.yaml"))
     assert pt.memory_reserve_bytes == 512 * 2**20 and pt.slowdown_budget == 0.01 and pt.stages == 2
 

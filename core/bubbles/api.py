@@ -285,6 +285,7 @@ class FillJobSpec:
     stage: int | None = None
     kind: WorkloadKind | None = None  # what the job does, when the user says
     init_timeout_s: float | None = None  # how long its init may take; None: the agent's --init-timeout
+    flops_per_step: float | None = None  # FLOPs of one step, counted for steps whose job reports none
 
     @property
     def iterative(self) -> bool:
@@ -310,7 +311,7 @@ class FillJobSpec:
 
 
 _FIELDS = ("name", "interface", "kind", "entry", "command", "args", "steps", "memory", "step_time", "nodes",
-           "stage", "init_timeout")
+           "stage", "init_timeout", "flops_per_step")
 MAX_INIT_TIMEOUT_S = 86400.0  # a day: longer is a job that will never start
 _QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i?|k|m)?\s*$")
 _UNITS = {
@@ -427,11 +428,22 @@ def parse_spec(data: Any, source: str = "spec") -> FillJobSpec:
     init_timeout = data.get("init_timeout")
     init_timeout_s = None if init_timeout is None else check_init_timeout(
         parse_duration(init_timeout, f"{source}: field 'init_timeout'", long=True), f"{source}: field 'init_timeout'")
+    flops_per_step = data.get("flops_per_step")
+    if flops_per_step is not None:
+        flops_per_step = check_flops_per_step(flops_per_step, f"{source}: field 'flops_per_step'")
     return FillJobSpec(
         name=name, interface=interface, kind=kind, entry=entry, command=tuple(command) if command else None,
         args=dict(args), steps=steps, memory_bytes=memory, step_time_s=step_time_s, nodes=tuple(nodes), stage=stage,
-        init_timeout_s=init_timeout_s,
+        init_timeout_s=init_timeout_s, flops_per_step=flops_per_step,
     )
+
+
+def check_flops_per_step(value: Any, where: str) -> float:
+    """``value`` as FLOPs of one step (a finite number >= 0); SpecError saying so otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise SpecError(f"{where} must be a number >= 0 (the FLOPs one step of the job does, counted for steps whose "
+                        f"job reports none), got {value!r}")
+    return float(value)
 
 
 def check_init_timeout(seconds: float, where: str) -> float:

@@ -218,8 +218,8 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
         Field("stepTime", "duration", "time of one step on the target GPU, e.g. 2ms"),
         Field("memory", "quantity", "accelerator memory the job may use, a hard limit (e.g. 4Gi); required "
               "on GPUs", required=True),
-        Field("flopsPerStep", "number", "FLOPs of one step: the FillJob's recoveredFlops counts steps done times "
-              "this when the job reports none itself (a plain command)", minimum=0),
+        Field("flopsPerStep", "number", "FLOPs of one step, counted for each step whose job reports none itself (a "
+              "step() that returns None): in the FillJob's recoveredFlops and the node agent's metrics", minimum=0),
         Field("initTime", "timeout", "how long the job takes from its placement to its first step (its Pod "
               "starting, its image pulled, init() loading its model and data), e.g. 3m: its ETA and the scheduler "
               "count it, as its stage is held meanwhile. Left out: none counted"),
@@ -595,6 +595,8 @@ class FillJobResource:
             agent_spec["command"] = s["command"]
         if profile.get("stepTime") is not None:
             agent_spec["step_time"] = profile["stepTime"]
+        if profile.get("flopsPerStep") is not None:
+            agent_spec["flops_per_step"] = profile["flopsPerStep"]
         if s.get("initTimeout") is not None:
             try:
                 check_init_timeout(parse_duration(s["initTimeout"], "spec.initTimeout", long=True), "spec.initTimeout")

@@ -726,22 +726,24 @@ class AgentCore:
         elif ev.type == "step":
             job.in_step = None
             job.steps += 1
-            job.flops += ev["flops"]
+            # A step that reports no FLOPs counts what its spec says one step does (a FillJob's flopsPerStep).
+            flops = ev["flops"] or job.spec.flops_per_step or 0.0
+            job.flops += flops
             mode = ev.get("mode") or ex.mode.label
             totals = job.job_totals.setdefault(mode, [0, 0.0])
             totals[0] += 1
-            totals[1] += ev["flops"]
+            totals[1] += flops
             try:
                 if ev["end_ns"] > self.clock() + FUTURE_SLACK_NS:  # one such stamp would fold the stage's ledger away
                     raise ValueError(f"step ends {(ev['end_ns'] - self.clock()) / 1e9:.1f} s in the future (steps are "
                                      "stamped with CLOCK_MONOTONIC)")
-                self.ledgers[mode].add_step(job.stage, job.name, ev["start_ns"], ev["end_ns"], float(ev["flops"]),
+                self.ledgers[mode].add_step(job.stage, job.name, ev["start_ns"], ev["end_ns"], float(flops),
                                             tail=ev.get("gate") == "tail")
             except ValueError as exc:
                 self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
             if len(self.steps) < MAX_STEP_RECORDS:
                 self.steps.append({"stage": job.stage, "job": job.name, "start_ns": ev["start_ns"],
-                                   "end_ns": ev["end_ns"], "flops": ev["flops"], "mode": mode,
+                                   "end_ns": ev["end_ns"], "flops": flops, "mode": mode,
                                    "signal_ns": ev.get("signal_ns", 0), "bubble_seq": ev.get("bubble_seq", -1),
                                    "size": ev.get("size"),  # the step size, for a job with step_sizes
                                    "tail": ev.get("gate") == "tail"})  # on TailRisk's word, not the prediction's

@@ -19,6 +19,7 @@ from bubbles.api import (
     FillState,
     SpecError,
     WorkloadKind,
+    check_flops_per_step,
     check_init_timeout,
     check_tail_risk,
 )
@@ -98,6 +99,8 @@ def spec_to_pb(s: FillJobSpec) -> pb.FillJobSpec:
         msg.stage = s.stage
     if s.init_timeout_s is not None:
         msg.init_timeout_s = s.init_timeout_s
+    if s.flops_per_step is not None:
+        msg.flops_per_step = s.flops_per_step
     return msg
 
 
@@ -166,11 +169,13 @@ def spec_from_pb(m: pb.FillJobSpec) -> FillJobSpec:
         raise ApiError(f"{where}: steps is {m.steps}; it must be >= 1")
     if m.HasField("step_time_s") and not m.step_time_s > 0:
         raise ApiError(f"{where}: step_time_s is {m.step_time_s}; it must be > 0")
-    if m.HasField("init_timeout_s"):
-        try:
+    try:
+        if m.HasField("init_timeout_s"):
             check_init_timeout(m.init_timeout_s, f"{where}: init_timeout_s")
-        except SpecError as exc:
-            raise ApiError(str(exc)) from None
+        if m.HasField("flops_per_step"):
+            check_flops_per_step(m.flops_per_step, f"{where}: flops_per_step")
+    except SpecError as exc:
+        raise ApiError(str(exc)) from None
     return FillJobSpec(
         name=m.name, interface=_enum(FillInterface, m.interface, f"{where}'s interface"), entry=m.entry or None,
         command=tuple(m.command) or None, args=args, steps=m.steps if m.HasField("steps") else None,
@@ -178,7 +183,8 @@ def spec_from_pb(m: pb.FillJobSpec) -> FillJobSpec:
         nodes=tuple(FillNode(n.duration_s, n.memory_bytes) for n in m.nodes),
         stage=m.stage if m.HasField("stage") else None,
         kind=_enum(WorkloadKind, m.kind, f"{where}'s kind") if m.kind else None,
-        init_timeout_s=m.init_timeout_s if m.HasField("init_timeout_s") else None)
+        init_timeout_s=m.init_timeout_s if m.HasField("init_timeout_s") else None,
+        flops_per_step=m.flops_per_step if m.HasField("flops_per_step") else None)
 
 
 def assignment_from_pb(m: pb.AssignRequest) -> AssignmentMessage:
