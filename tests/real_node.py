@@ -196,7 +196,10 @@ def _image_env() -> dict[str, str]:
 @functools.cache
 def image_base(kind: str) -> str:
     """The local base image (tools/image-base.sh; cached on the machine): "plain" (Debian's Python) or "torch" (plus
-    torch and DeepSpeed: what a user's PyTorch image brings)."""
+    torch and DeepSpeed: what a user's PyTorch image brings). $BUBBLES_IMAGE_BASE, where set (make test sets it from
+    the same script), names the plain one."""
+    if kind == "plain" and os.environ.get("BUBBLES_IMAGE_BASE"):
+        return os.environ["BUBBLES_IMAGE_BASE"]
     r = _run([str(ROOT / "tools" / "image-base.sh"), *(["--torch"] if kind == "torch" else [])], timeout=1800,
              env=_image_env())
     if r.returncode != 0:

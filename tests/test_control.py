@@ -51,6 +51,8 @@ def test_bad_commands_are_rejected_with_a_reason(line: bytes, needle: str) -> No
         (b'{"type": "state", "state": "DANCING"}', "state.state must be one of"),
         (b'{"type": "step", "start_ns": 5, "end_ns": 1, "flops": 0}', "ends before it starts"),
         (b'{"type": "step", "start_ns": 1, "end_ns": 2, "flops": NaN}', "must be finite"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 2, "flops": -1.5}', "step.flops must be >= 0"),
+        (b'{"type": "step", "start_ns": 1, "end_ns": 2, "flops": ' + b"9" * 400 + b"}", "step.flops must be finite"),
         (b'{"type": "profile", "step_s": 0}', "step_s must be > 0"),
         (b'{"type": "step_begin", "t_ns": "now", "bubble_seq": 1}', "t_ns must be int"),
         (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": 9}',

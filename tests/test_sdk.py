@@ -826,32 +826,49 @@ def test_a_field_a_newer_agent_adds_is_ignored_and_named_once_on_stderr(runtime,
 
 
 class _CudaState:
-    """Stands in for ``torch.cuda``'s one call the check makes: whether CUDA was initialised in this process."""
+    """Stands in for what ``cuda_contexts`` asks torch: whether CUDA was initialised, how many devices, and on which
+    the process holds a (primary) context."""
 
-    def __init__(self, initialized: bool) -> None:
-        self.initialized = initialized
+    def __init__(self, initialized: bool, contexts: set[int], count: int = 2) -> None:
+        self.initialized, self.contexts, self.count = initialized, contexts, count
 
     def is_initialized(self) -> bool:
         return self.initialized
 
+    def device_count(self) -> int:
+        return self.count
 
-def test_a_create_that_initialised_cuda_is_refused_on_a_gpu_executor_only() -> None:
+    def has_primary_context(self, index: int) -> bool:
+        return index in self.contexts
+
+
+def test_contexts_are_the_devices_holding_one_and_none_before_cuda_is_initialised() -> None:
+    from bubbles.sdk import cuda_contexts
+
+    assert cuda_contexts(_CudaState(True, {1})) == {1}
+    assert cuda_contexts(_CudaState(True, set())) == set()  # initialised by a query (device properties): no context
+    assert cuda_contexts(_CudaState(False, {0})) == set()
+    assert cuda_contexts() == set()  # this CPU build of torch: it cannot say, so nothing is refused
+
+
+def test_a_create_that_made_a_cuda_context_is_refused_on_a_gpu_executor_only() -> None:
     from bubbles.sdk import check_create_left_cuda_alone
 
-    with pytest.raises(RuntimeError, match=r"create\(\) initialised CUDA .*cuda:1.* into init\(\)"):
-        check_create_left_cuda_alone("cuda:1", _CudaState(True))
-    check_create_left_cuda_alone("cuda:1", _CudaState(False))
-    check_create_left_cuda_alone("cpu:0", _CudaState(True))  # a CPU executor has no device to land on wrongly
-    check_create_left_cuda_alone("cuda:0")  # the real torch.cuda of this CPU build: never initialised
+    with pytest.raises(RuntimeError, match=r"create\(\) made a CUDA context \(on device 0\) .*cuda:1.* into init\(\)"):
+        check_create_left_cuda_alone("cuda:1", frozenset(), frozenset({0}))
+    check_create_left_cuda_alone("cuda:1", frozenset({0}), frozenset({0}))  # there before create(): not the job's
+    check_create_left_cuda_alone("cuda:1", frozenset(), frozenset())
+    check_create_left_cuda_alone("cpu:0", frozenset(), frozenset({0}))  # a CPU executor has no device to land on
 
 
 class CudaAtCreate(IterativeFillJob):
-    """A job whose create() reaches CUDA (here: torch.cuda reports itself initialised, as after a .cuda())."""
+    """A job whose create() makes a context on device 0, as a .cuda() there would (torch told so by the test)."""
 
     def create(self) -> None:
         import torch
 
         torch.cuda.is_initialized = lambda: True  # type: ignore[method-assign]
+        torch._C._cuda_hasPrimaryContext = lambda index: index == 0  # type: ignore[attr-defined]
 
     def init(self) -> None:
         raise AssertionError("never reached: the job is refused before the agent's init")
@@ -860,11 +877,15 @@ class CudaAtCreate(IterativeFillJob):
         raise AssertionError("never reached")
 
 
-def test_a_job_whose_create_touched_cuda_tells_the_agent_and_never_reports_created(
+def test_a_job_whose_create_made_a_cuda_context_tells_the_agent_and_never_reports_created(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", torch.cuda.is_initialized)  # undone after the job patches it
+    # What the job patches, restored after the test; before create() CUDA is initialised (attaching queried the
+    # device, say) but no context exists.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda index: False, raising=False)
     ours, theirs = socket.socketpair()
     monkeypatch.setenv(control.CONTROL_FD_ENV, str(theirs.fileno()))
     monkeypatch.setenv(control.JOB_ENV, "cuda-at-create")
@@ -874,5 +895,6 @@ def test_a_job_whose_create_touched_cuda_tells_the_agent_and_never_reports_creat
     ours.settimeout(5)
     events = [json.loads(line) for line in ours.recv(65536).decode().splitlines() if line]
     assert [e["type"] for e in events] == ["error"], events  # never CREATED: the agent does not init it
-    assert "create() initialised CUDA before the agent gave this job its device (cuda:1)" in events[0]["message"]
+    assert "create() made a CUDA context (on device 0) before the agent gave this job its device (cuda:1)" in \
+        events[0]["message"]
     ours.close()

@@ -96,6 +96,10 @@ EVENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 
+# Fields that count something and so cannot be negative (a negative count would be subtracted from the totals).
+NON_NEGATIVE = frozenset({"step.flops"})
+
+
 # The attach handshake: the process's first line, and the agent's one reply.
 HELLO: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "hello": {"uid": ((str,), True), "attempt": ((int,), True), "gpu": ((str,), False), "pid": ((int,), False)},
@@ -236,9 +240,18 @@ def _parse(line: bytes | str, schema: dict[str, dict[str, tuple[tuple[type, ...]
         if isinstance(v, bool) or not isinstance(v, types):
             names = " or ".join(t.__name__ for t in types)
             raise ControlError(f"{what} {type_}.{name} must be {names}, got {v!r}")
-        if isinstance(v, float) and not math.isfinite(v):
+        if float in types and not _finite(v):  # a float field given a huge int: it would not fit in a float
             raise ControlError(f"{what} {type_}.{name} must be finite, got {v!r}")
+        if f"{type_}.{name}" in NON_NEGATIVE and isinstance(v, int | float) and v < 0:
+            raise ControlError(f"{what} {type_}.{name} must be >= 0, got {v!r}")
     return ControlMessage(type_, obj, unknown)
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 class LineBuffer:

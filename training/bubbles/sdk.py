@@ -74,7 +74,7 @@ class IterativeFillJob:
 
     def create(self) -> None:
         """Load the context into host memory. Leave the GPU alone here: on a ``cuda`` executor the runtime fails a
-        job whose ``create()`` initialised CUDA (it has no device or memory cap yet); do that in ``init()``."""
+        job whose ``create()`` made a CUDA context (it has no device or memory cap yet); do that in ``init()``."""
 
     def init(self) -> None:
         """Move the context to the accelerator."""
@@ -247,26 +247,49 @@ def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None
     return fraction
 
 
-def check_create_left_cuda_alone(device: str, cuda: Any = None) -> None:
-    """RuntimeError if the job's ``create()`` initialised CUDA on a ``cuda:N`` executor.
-
-    ``create()`` runs before the agent's ``init``, so before the process is given its device (``set_device``) and its
-    memory cap: a CUDA context made there lands on the current device, device 0 (on a machine whose agent runs
-    several GPUs, that can be another stage's training GPU), and its memory (about 0.5 GiB, plus any tensors) was
-    never checked against the bubble's free memory. Failing the job says what to move where; running on would risk
-    the training's memory. Only torch's CUDA is seen (``torch.cuda.is_initialized``); ``cuda`` replaces it in tests.
-    """
-    if cuda_device_index(device) is None:
-        return
+def cuda_contexts(cuda: Any = None) -> frozenset[int]:
+    """The CUDA devices on which this process holds a context, asked without making one (the driver's primary
+    context state, ``torch._C._cuda_hasPrimaryContext``). Empty when torch never initialised CUDA, and when torch
+    cannot say (a build without that call): the check it serves then lets the job run. ``torch.cuda.is_initialized``
+    alone would not do: querying a device's properties (as attaching to the agent does, for the GPU's UUID)
+    initialises torch's CUDA state but makes no context. ``cuda`` replaces torch in tests: an object with
+    ``is_initialized()``, ``device_count()`` and ``has_primary_context(index)``."""
     if cuda is None:
         torch = sys.modules.get("torch")
         if torch is None:
-            return  # the job never imported torch, so never reached CUDA through it
-        cuda = torch.cuda
-    if cuda.is_initialized():
-        raise RuntimeError(f"create() initialised CUDA before the agent gave this job its device ({device}) and its "
-                           "memory cap: move whatever touches the GPU (.cuda(), .to('cuda'), torch.cuda calls) from "
-                           "create() or restore() into init(), which runs once the device is set")
+            return frozenset()  # never imported: nothing reached CUDA through torch
+        ask = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        if ask is None or not torch.cuda.is_initialized():
+            return frozenset()
+        count = torch.cuda.device_count
+    else:
+        if not cuda.is_initialized():
+            return frozenset()
+        ask, count = cuda.has_primary_context, cuda.device_count
+    try:
+        return frozenset(i for i in range(int(count())) if ask(i))
+    except Exception:  # the driver would not say: as if none, so that a job is never refused on a failed question
+        return frozenset()
+
+
+def check_create_left_cuda_alone(device: str, before: frozenset[int], after: frozenset[int]) -> None:
+    """RuntimeError if the job's ``create()`` (or ``restore()``) made a CUDA context on a ``cuda:N`` executor:
+    ``after`` holds a device ``before`` did not (``cuda_contexts`` either side of them).
+
+    ``create()`` runs before the agent's ``init``, so before the process is given its device (``set_device``) and its
+    memory cap: a context made there lands on the current device, device 0 (on a machine whose agent runs several
+    GPUs, that can be another stage's training GPU), and its memory (about 0.5 GiB, plus any tensors) was never
+    checked against the bubble's free memory. Failing the job says what to move where; running on would risk the
+    training's memory.
+    """
+    if cuda_device_index(device) is None:
+        return
+    made = sorted(after - before)
+    if made:
+        raise RuntimeError(f"create() made a CUDA context (on device {', '.join(map(str, made))}) before the agent "
+                           f"gave this job its device ({device}) and its memory cap: move whatever touches the GPU "
+                           "(.cuda(), .to('cuda'), torch.load of GPU tensors without map_location='cpu') from create() "
+                           "or restore() into init(), which runs once the device is set")
 
 
 def check_step_sizes(sizes: Any) -> tuple[int, ...]:
@@ -934,8 +957,9 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
             return 3
     if issubclass(cls, ImperativeFillJob):
         job_i = cls(**kwargs)
+        before = cuda_contexts()
         job_i.create()
-        check_create_left_cuda_alone(device)
+        check_create_left_cuda_alone(device, before, cuda_contexts())
         apply_process_limits(device, memory)
         job_i.init()
         job_i.run()  # the agent stops and continues this process around bubbles
@@ -967,10 +991,11 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     state = CheckpointStore.from_environment()
     try:
+        before = cuda_contexts()
         job.create()
         if state is not None:
             state.restore(job)
-        check_create_left_cuda_alone(device)
+        check_create_left_cuda_alone(device, before, cuda_contexts())
         runtime._emit("state", state="CREATED")
         runtime._flush()
         try:

@@ -140,7 +140,9 @@ class ImageClassification(FlopCountedJob):
             raise RuntimeError("restore() after the CUDA graphs were captured (init()) would leave them updating the "
                                "old optimizer state; restore before init(), as the fill runtime does")
 
-        d = torch.load(io.BytesIO(state), weights_only=True)
+        # On the CPU: the tensors were saved from the GPU the last attempt ran on, and loading them there would make a
+        # CUDA context before init(), on a device this attempt may not have been given (the runtime refuses that).
+        d = torch.load(io.BytesIO(state), weights_only=True, map_location="cpu")
         self.model.load_state_dict(d["model"])
         self.optimizer.load_state_dict(d["optimizer"])
         self.steps_done = int(d["steps"])
