@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -898,3 +901,29 @@ def test_a_job_whose_create_made_a_cuda_context_tells_the_agent_and_never_report
     assert "create() made a CUDA context (on device 0) before the agent gave this job its device (cuda:1)" in \
         events[0]["message"]
     ours.close()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_a_query_makes_no_context_and_an_allocation_does() -> None:
+    """What the create() check rests on, with the real driver, in a fresh process: attaching's device query (as
+    bubbles.probes.gpu_uuid makes it) leaves no context, a tensor on the device makes one there."""
+    script = textwrap.dedent("""
+        import torch
+        from bubbles.probes import gpu_uuid
+        from bubbles.sdk import cuda_contexts
+        print("start", sorted(cuda_contexts()))
+        gpu_uuid("cuda:0")
+        print("queried", torch.cuda.is_initialized(), sorted(cuda_contexts()))
+        torch.zeros(1, device="cuda:0")
+        print("allocated", sorted(cuda_contexts()))
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:3] == ["start []", "queried True []", "allocated [0]"], done.stdout
