@@ -553,7 +553,6 @@ class FillJobResource:
     priority: int
     steps: int  # work, in steps
     samples_per_step: int
-    flops_per_step: float | None
     deadline: dt.datetime | None
     training_selector: dict[str, Any] = field(default_factory=dict)
     checkpoint_path: str | None = None
@@ -565,6 +564,11 @@ class FillJobResource:
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets' names
     volumes: tuple[dict[str, Any], ...] = ()  # spec.volumes, checked (names and paths apart from the runtime's)
     init_s: float = 0.0  # spec.profile.initTime: placement to first step, as the user expects it
+
+    @property
+    def flops_per_step(self) -> float | None:
+        """spec.profile.flopsPerStep, as the node agent gets it in the job's spec."""
+        return self.job.flops_per_step
 
     def container_paths(self) -> list[tuple[str, str]]:
         """(field, path) of every path the job's own storage takes in its container: its volumes' mount paths and
@@ -650,7 +654,6 @@ class FillJobResource:
             name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")), uid=str(meta.get("uid", "")),
             generation=int(meta.get("generation") or 1), image=s["image"], job=job, priority=int(s["priority"]),
             steps=steps, samples_per_step=spb,
-            flops_per_step=float(profile["flopsPerStep"]) if profile.get("flopsPerStep") is not None else None,
             deadline=deadline, training_selector=dict(s.get("trainingSelector") or {}),
             checkpoint_path=checkpoint_path(s["checkpoint"]["path"]) if (s.get("checkpoint") or {}).get("path")
             else None,

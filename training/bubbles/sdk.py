@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,19 +256,17 @@ def cuda_contexts(cuda: Any = None) -> frozenset[int]:
     initialises torch's CUDA state but makes no context. ``cuda`` replaces torch in tests: an object with
     ``is_initialized()``, ``device_count()`` and ``has_primary_context(index)``."""
     if cuda is None:
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return frozenset()  # never imported: nothing reached CUDA through torch
-        ask = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-        if ask is None or not torch.cuda.is_initialized():
+        torch = sys.modules.get("torch")  # never imported: nothing reached CUDA through torch
+        ask = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
+        if ask is None:
             return frozenset()
-        count = torch.cuda.device_count
-    else:
-        if not cuda.is_initialized():
-            return frozenset()
-        ask, count = cuda.has_primary_context, cuda.device_count
+        cuda = types.SimpleNamespace(is_initialized=torch.cuda.is_initialized,  # type: ignore[union-attr]
+                                     device_count=torch.cuda.device_count,  # type: ignore[union-attr]
+                                     has_primary_context=ask)
+    if not cuda.is_initialized():
+        return frozenset()
     try:
-        return frozenset(i for i in range(int(count())) if ask(i))
+        return frozenset(i for i in range(int(cuda.device_count())) if cuda.has_primary_context(i))
     except Exception:  # the driver would not say: as if none, so that a job is never refused on a failed question
         return frozenset()
 
