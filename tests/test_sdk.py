@@ -33,6 +33,7 @@ from bubbles.sdk import (
     check_step_sizes,
     cuda_device_index,
     device_sync_for,
+    fill_wait,
     load_entry,
     run_fill_process,
     spin_window_ns,
@@ -362,6 +363,22 @@ class FakeCuda:
     def synchronize(self, device: int) -> None:
         self.calls.append(("synchronize", device))
 
+    def current_stream(self, device: int) -> str:
+        return f"stream of {device}"
+
+    def Event(self, *, enable_timing: bool = False, blocking: bool = False) -> Any:  # torch.cuda's name
+        calls = self.calls
+        calls.append(("Event", blocking))
+
+        class Event:
+            def record(self, stream: Any = None) -> None:
+                calls.append(("record", stream))
+
+            def synchronize(self) -> None:
+                calls.append(("event.synchronize",))
+
+        return Event()
+
 
 @pytest.fixture
 def keep_torch_threads() -> Iterator[None]:
@@ -387,18 +404,39 @@ def test_bad_device_strings_say_what_a_device_looks_like(device: str) -> None:
         device_sync_for(device)
 
 
-def test_device_sync_is_a_no_op_on_cpus_and_cuda_synchronize_on_the_devices_index() -> None:
+def test_device_sync_is_a_no_op_on_cpus_and_on_cuda_sleeps_on_a_blocking_event_before_a_device_synchronize() -> None:
     cuda = FakeCuda()
     assert type(device_sync_for("cpu:1", cuda)) is DeviceSync
     device_sync_for("cpu", cuda).synchronize()
     sync = device_sync_for("cuda:1", cuda)
-    assert isinstance(sync, CudaDeviceSync)
+    assert isinstance(sync, CudaDeviceSync) and sync.wait == "block"
     sync.synchronize()
-    assert cuda.calls == [("synchronize", 1)]
+    sync.synchronize()
+    # One event, made with cudaEventBlockingSync at the first wait, recorded behind the step's work on the device's
+    # current stream each time: the thread sleeps in the driver, and the device-wide synchronize after it finds
+    # only what other streams still hold.
+    wait = [("record", "stream of 1"), ("event.synchronize",), ("synchronize", 1)]
+    assert cuda.calls == [("Event", True), *wait, *wait]
+    spin = FakeCuda()
+    device_sync_for("cuda:0", spin, wait="spin").synchronize()
+    assert spin.calls == [("synchronize", 0)]  # the driver's own schedule: a host core polls
+    with pytest.raises(ValueError, match="wait must be one of block, spin, got 'sleep'"):
+        device_sync_for("cuda:0", spin, wait="sleep")
     with pytest.raises(RuntimeError, match="CUDA is not available in this fill process"):
         device_sync_for("cuda:0", FakeCuda(available=False))
     with pytest.raises(RuntimeError, match="'cuda:2' does not exist: this fill process sees 2 CUDA device"):
         device_sync_for("cuda:2", FakeCuda(devices=2))
+
+
+@pytest.mark.parametrize(("text", "wait"), [("", "block"), (" block ", "block"), ("spin", "spin")])
+def test_the_fill_wait_comes_from_the_environment(text: str, wait: str) -> None:
+    assert fill_wait(text) == wait
+
+
+@pytest.mark.parametrize("text", ["sleep", "BLOCK", "1"])
+def test_a_bad_fill_wait_says_what_to_give(text: str) -> None:
+    with pytest.raises(ValueError, match=r"\$BUBBLES_FILL_WAIT=.*give 'block' \(the default"):
+        fill_wait(text)
 
 
 def test_the_real_cuda_sync_on_this_cpu_machine_fails_at_init_with_a_reason(tmp_path: Path) -> None:
@@ -492,9 +530,10 @@ def test_the_real_torch_cuda_on_this_cpu_machine_is_refused_with_a_reason() -> N
         ({control.DEVICE_ENV: "gpu"}, "device 'gpu' is neither"),
         ({control.MEMORY_ENV: "2Gi"}, "$BUBBLES_MEMORY_BYTES='2Gi' is not an integer number of bytes >= 0"),
         ({control.MEMORY_ENV: "-5"}, "$BUBBLES_MEMORY_BYTES='-5'"),
+        ({control.FILL_WAIT_ENV: "poll"}, "$BUBBLES_FILL_WAIT='poll': give 'block'"),
     ],
 )
-def test_the_fill_process_refuses_a_bad_device_or_memory_limit(env: dict[str, str], needle: str,
+def test_the_fill_process_refuses_a_bad_device_memory_limit_or_wait(env: dict[str, str], needle: str,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     for name, value in env.items():
@@ -927,3 +966,36 @@ def test_on_a_gpu_a_query_makes_no_context_and_an_allocation_does() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:3] == ["start []", "queried True []", "allocated [0]"], done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_a_blocking_fill_wait_sleeps_and_a_spinning_one_holds_a_core() -> None:
+    """``CudaDeviceSync`` with the real driver, in a fresh process (so the context's schedule is the default): while
+    a 300 ms kernel drains, the blocking wait uses a small part of a host core and the spinning one most of it; both
+    return only after the kernel."""
+    script = textwrap.dedent("""
+        import time, torch
+        from bubbles.sdk import device_sync_for
+        torch.cuda.set_device(0)
+        torch.cuda._sleep(1_000_000)
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(); torch.cuda._sleep(50_000_000); end.record(); end.synchronize()
+        cycles_per_ms = 50_000_000 / start.elapsed_time(end)
+        for wait in ("block", "spin"):
+            sync = device_sync_for("cuda:0", wait=wait)
+            sync.synchronize()
+            torch.cuda._sleep(int(300 * cycles_per_ms))
+            wall, cpu = time.perf_counter(), time.process_time()
+            sync.synchronize()
+            print(wait, round(time.perf_counter() - wall, 3), round(time.process_time() - cpu, 3))
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    waits = {line.split()[0]: (float(line.split()[1]), float(line.split()[2])) for line in done.stdout.splitlines()}
+    for wall, _cpu in waits.values():
+        assert wall >= 0.2, done.stdout  # the wait lasted until the kernel had run
+    assert waits["block"][1] < 0.25 * waits["block"][0], done.stdout
+    assert waits["spin"][1] > 0.5 * waits["spin"][0], done.stdout

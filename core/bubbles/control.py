@@ -45,6 +45,7 @@ MAX_STEPS_ENV = "BUBBLES_MAX_STEPS"  # stop after this many steps (the spec's `s
 UID_ENV = "BUBBLES_FILL_JOB_UID"  # the FillJob's metadata.uid
 SPIN_US_ENV = "BUBBLES_SPIN_US"  # busy-poll this long either side of a predicted bubble start (0 or absent: never)
 TAIL_RISK_ENV = "BUBBLES_TAIL_RISK"  # accepted chance that a step started past a bubble's predicted end outlives it
+FILL_WAIT_ENV = "BUBBLES_FILL_WAIT"  # how a fill process waits for its step's GPU work: block (sleep) or spin
 ATTEMPT_ENV = "BUBBLES_FILL_ATTEMPT"  # its status.restarts when placed
 ARGS_ENV = "BUBBLES_FILL_ARGS"  # the job's keyword arguments (a JSON object), when not given as --args
 CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job's state across attempts

@@ -184,25 +184,58 @@ class DeviceSync:
         return f"{type(self).__name__}()"
 
 
-class CudaDeviceSync(DeviceSync):
-    """``torch.cuda.synchronize(index)``: a CUDA kernel launch returns to the host long before the kernel
-    has run, so without this a step that "returned" may keep the GPU busy after its bubble has ended."""
+FILL_WAITS = ("block", "spin")
+DEFAULT_FILL_WAIT = "block"
 
-    def __init__(self, index: int, cuda: Any = None) -> None:
+
+class CudaDeviceSync(DeviceSync):
+    """Waits for the fill process's queued work on CUDA device ``index``: a kernel launch returns to the host long
+    before the kernel has run, so without this a step that "returned" may keep the GPU busy after its bubble has
+    ended.
+
+    ``wait="block"`` (the default): the thread sleeps in the driver on an event recorded with
+    ``cudaEventBlockingSync`` behind the step's work on the device's current stream, then
+    ``torch.cuda.synchronize(index)`` catches work the job queued on other streams (usually none: it returns at
+    once). ``wait="spin"``: only ``torch.cuda.synchronize(index)``, which under the context's default schedule
+    polls on a host core for the whole wait, taking CPU from the training's host threads on the same node, for a
+    wake-up some tens of microseconds sooner."""
+
+    def __init__(self, index: int, cuda: Any = None, wait: str = DEFAULT_FILL_WAIT) -> None:
+        if wait not in FILL_WAITS:
+            raise ValueError(f"wait must be one of {', '.join(FILL_WAITS)}, got {wait!r}")
         self.index = index
+        self.wait = wait
         self._cuda = _cuda_module(cuda, f"cuda:{index}", index)
+        self._event: Any = None  # made at the first wait, after init has set the device
 
     def synchronize(self) -> None:
-        self._cuda.synchronize(self.index)
+        cuda = self._cuda
+        if self.wait == "block":
+            if self._event is None:
+                self._event = cuda.Event(blocking=True)
+            self._event.record(cuda.current_stream(self.index))
+            self._event.synchronize()
+        cuda.synchronize(self.index)
 
     def __repr__(self) -> str:
-        return f"CudaDeviceSync({self.index})"
+        return f"CudaDeviceSync({self.index}, wait={self.wait!r})"
 
 
-def device_sync_for(device: str, cuda: Any = None) -> DeviceSync:
+def device_sync_for(device: str, cuda: Any = None, wait: str = DEFAULT_FILL_WAIT) -> DeviceSync:
     """The ``DeviceSync`` for an agent device string: a no-op for CPUs, ``CudaDeviceSync`` for ``cuda:N``."""
     index = cuda_device_index(device)
-    return DeviceSync() if index is None else CudaDeviceSync(index, cuda)
+    return DeviceSync() if index is None else CudaDeviceSync(index, cuda, wait)
+
+
+def fill_wait(text: str) -> str:
+    """``$BUBBLES_FILL_WAIT``: how the fill process waits for a step's GPU work, ``block`` (empty means it) or
+    ``spin``."""
+    value = text.strip() or DEFAULT_FILL_WAIT
+    if value not in FILL_WAITS:
+        raise ValueError(f"${control.FILL_WAIT_ENV}={text!r}: give 'block' (the default: the process sleeps while its "
+                         "step's GPU work drains) or 'spin' (a host core polls the GPU, for a wake-up tens of "
+                         "microseconds sooner)")
+    return value
 
 
 def apply_process_limits(device: str, memory_bytes: int | None, cuda: Any = None) -> float | None:
@@ -340,6 +373,7 @@ class FillRuntime:
         # Every step waits for its device work before it counts as done (see _run_step). Unless injected,
         # it is made at init, where the job first touches its accelerator and a failure is reported.
         self.device_sync: DeviceSync | None = device_sync
+        self.fill_wait = DEFAULT_FILL_WAIT  # how a CUDA device_sync waits ($BUBBLES_FILL_WAIT)
         self.mode: FillMode = FillMode.OFF  # OFF: disarmed; armed in HARVEST or NAIVE
         # Sized steps (the job's step_sizes, read at init): (size, gating seconds), smallest first; the gate
         # of the smallest is step_s, the step time the agent plans with. Empty: step() takes no size.
@@ -425,7 +459,7 @@ class FillRuntime:
             if not self._initialized:
                 apply_process_limits(self.device, self.memory_bytes)
                 if self.device_sync is None:
-                    self.device_sync = device_sync_for(self.device)
+                    self.device_sync = device_sync_for(self.device, wait=self.fill_wait)
                 self.job.init()
                 self._initialized = True
                 sizes = check_step_sizes(self.job.step_sizes)
@@ -943,6 +977,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         memory = _memory_limit(os.environ.get(control.MEMORY_ENV, ""))
         spin_ns = spin_window_ns(os.environ.get(control.SPIN_US_ENV, ""))
         risk = tail_risk(os.environ.get(control.TAIL_RISK_ENV, ""))
+        wait = fill_wait(os.environ.get(control.FILL_WAIT_ENV, ""))
     except ValueError as exc:
         print(f"bubbles.sdk: {exc}", file=sys.stderr)
         return 2
@@ -984,6 +1019,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
                           max_steps=int(max_steps_text) if max_steps_text else None,
                           device=device, memory_bytes=memory)
     runtime.spin_ns = spin_ns
+    runtime.fill_wait = wait
     runtime.own_tail_risk = risk
     runtime.tail = TailRisk(risk)
     # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
