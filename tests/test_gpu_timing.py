@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -371,6 +372,62 @@ def test_how_the_helper_thread_waits_comes_from_the_environment_and_a_bad_value_
     assert "BUBBLES_EVENT_WAIT='busy'" in problem and "block, spin" in problem
     with pytest.raises(ValueError, match="wait must be one of block, spin"):
         cuda_event_factory("busy")
+
+
+class RecordingCuda:
+    """The part of ``torch.cuda`` that ``cuda_event_factory`` uses: events that log the stream they record on."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        records = self.records
+
+        class Event:
+            def __init__(self, *, enable_timing: bool = False, blocking: bool = False) -> None:
+                self.flags = (enable_timing, blocking)
+
+            def record(self, stream: Any = None) -> None:  # torch.cuda.Event's: None means the current device's
+                records.append(stream if stream is not None else "the current device's stream")
+
+        self.Event = Event
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_stream(self, device: Any = None) -> str:
+        return f"current stream of {device}"
+
+
+def test_cuda_events_record_on_the_engines_device_not_the_current_one() -> None:
+    cuda = RecordingCuda()
+    make = cuda_event_factory("block", device="cuda:1", cuda=cuda)
+    ev = make()
+    assert ev.flags == (True, True)  # type: ignore[attr-defined]  # timing, cudaEventBlockingSync
+    ev.record()
+    ev.record("a stream given")
+    assert cuda.records == ["current stream of cuda:1", "a stream given"]
+    assert cuda_event_factory("spin", device=None, cuda=cuda)().flags == (True, False)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="use timing='host'"):
+        cuda_event_factory(cuda=type("NoGpu", (RecordingCuda,), {"is_available": lambda self: False})())
+
+
+def test_the_hook_times_the_engines_device(sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bubbles.hook as hook_mod
+
+    eng = AsyncEngine(FakeStream())
+    eng.device = torch.device("cuda", 1)  # type: ignore[attr-defined]
+    asked: list[tuple[str, Any]] = []
+
+    def factory(wait: str, device: Any = None) -> Any:
+        asked.append((wait, device))
+        return lambda: FakeEvent(eng.stream)
+
+    monkeypatch.setattr(hook_mod, "cuda_event_factory", factory)
+    inst = instrument(eng, training="dev", run_dir=sockdir, memory_probe=StaticMemoryProbe(1))
+    try:
+        assert inst.timing == "cuda"
+        assert asked == [(DEFAULT_EVENT_WAIT, torch.device("cuda", 1))]
+    finally:
+        inst.detach()
 
 
 def test_the_switch_interval_comes_from_the_environment_and_a_bad_value_falls_back_with_a_warning() -> None:

@@ -3,10 +3,11 @@
 With NCCL a ``recv`` returns to the host before the data has arrived: the host runs ahead and only
 the device waits (the NCCL backend's documented behaviour). Host timestamps around ``RecvActivation`` therefore see
 nothing, and ``torch.cuda.synchronize()`` on the training's thread would remove the very overlap that
-makes the training fast. Instead the hook records a device event on the training's current stream just
-before a wait is enqueued (it completes when the device has finished the work queued ahead of the
-wait: the bubble starts) and one just after (it completes when the awaited data has arrived: the
-bubble ends). ``EventTimer`` hands both to a helper thread that blocks on them in order and
+makes the training fast. Instead the hook records a device event on the current stream of the engine's
+device (where its kernels go, whatever the current device is) just before a wait is enqueued (it completes
+when the device has finished the work queued ahead of the wait: the bubble starts) and one just after (it
+completes when the awaited data has arrived: the bubble ends). ``EventTimer`` hands both to a helper thread
+that blocks on them in order and
 
 - sends BUBBLE_START / BUBBLE_END the moment each completes, stamped with when it completed on the device, not
   when the thread woke (below),
@@ -164,18 +165,31 @@ class SwitchInterval:
 SWITCH_INTERVAL = SwitchInterval()  # the process's
 
 
-def cuda_event_factory(wait: str = DEFAULT_EVENT_WAIT) -> Callable[[], DeviceEvent]:
-    """Timing events on the current CUDA device; ``wait`` (``EVENT_WAITS``) says how a thread waits for them."""
-    import torch
+def cuda_event_factory(wait: str = DEFAULT_EVENT_WAIT, device: Any = None, cuda: Any = None
+                       ) -> Callable[[], DeviceEvent]:
+    """Timing events on CUDA ``device`` (the engine's: a ``torch.device``, an index, or None for the current one);
+    ``wait`` (``EVENT_WAITS``) says how a thread waits for them. ``cuda`` replaces ``torch.cuda`` (tests).
 
+    Each event records on ``device``'s current stream, where the engine's kernels go, not on the current device's
+    (``torch.cuda.Event.record()``'s default): a training whose current device is not its engine's would otherwise
+    time another device's queue. The cost on the training's thread is the same lookup the default makes."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
     if wait not in EVENT_WAITS:
         raise ValueError(f"wait must be one of {', '.join(EVENT_WAITS)}, got {wait!r}")
-    if not torch.cuda.is_available():
+    if not cuda.is_available():
         raise RuntimeError("CUDA event timing needs a GPU; use timing='host' on machines without one")
     blocking = wait == "block"  # cudaEventBlockingSync; without it the context's schedule: a spin on a free core
+    current_stream = cuda.current_stream
+
+    class EngineEvent(cuda.Event):
+        def record(self, stream: Any = None) -> None:
+            super().record(current_stream(device) if stream is None else stream)
 
     def make() -> DeviceEvent:
-        return torch.cuda.Event(enable_timing=True, blocking=blocking)
+        return EngineEvent(enable_timing=True, blocking=blocking)
 
     return make
 

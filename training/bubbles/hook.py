@@ -379,7 +379,7 @@ class Instrumentation:
                 self.event_wait, problem = event_wait_from_env(os.environ)
                 if problem:
                     log.warning("%s", problem)
-                event_factory = cuda_event_factory(self.event_wait)
+                event_factory = cuda_event_factory(self.event_wait, getattr(engine, "device", None))
             interval, problem = switch_interval_from_env(os.environ)
             if problem:
                 log.warning("%s", problem)
