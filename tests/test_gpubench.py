@@ -921,6 +921,7 @@ def test_smoke_report_says_where_bubble_time_went_and_the_fill_jobs_step_times(s
     assert all(r["fill_step_profile"] and r["fill_step_profile"].startswith("step time")
                for r in smoke["report"]["runs"]), smoke["report"]["runs"]
     assert "timed at init: step time" in md and "harvest steps by size: " in md
+    assert "SM clock not recorded: a CPU run has no SM clock" in md
     for r in smoke["report"]["runs"]:  # every harvest step has one of its job's sizes (a quarter, a half, a whole)
         sizes = r["harvest_steps_by_size"]
         assert sizes and sum(sizes.values()) > 0 and set(sizes) <= {"1", "2", "4", "8", "16"}, sizes

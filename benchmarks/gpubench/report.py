@@ -28,6 +28,8 @@ from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share, mode
 from bubbles.api import FillMode
 from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
 from bubbles.stats import median_interval, percentile
+from gpubench.clocks import clocks_by_mode
+from gpubench.clocks import describe as describe_clocks
 
 MAX_SLOWDOWN = 0.005  # issue 14's goal: at most 0.5% slower training ...
 MIN_FILL_SHARE = 0.70  # ... while filling at least 70% of bubble time (FreeRide 1.1%, PipeFill < 2% at 68%)
@@ -200,6 +202,8 @@ def build_report(*, config: Mapping[str, Any], solo: Mapping[str, Any], runs: Se
                 "hook": rec.get("hook", {}),
                 "fill_step_profile": fill_step_profile(stats),
                 "harvest_steps_by_size": harvest_steps_by_size(stats),
+                "sm_clock": clocks_by_mode(run.get("sm_clock_samples") or [], rec.get("phases", [])),
+                "sm_clock_error": run.get("sm_clock_error"),
             })
             regimes += [dict(r, run=len(run_facts)) for r in regimes_of_run(
                 run, solo, settle=settle, price_training=price_training, price_fill=price_fill)]
@@ -247,6 +251,10 @@ def format_table(report: Mapping[str, Any]) -> str:
                          + (", waits jittered alike in a round's modes (common random numbers)"
                             if m.get("paired_waits") and m.get("wait_jitter") else "")
                          + _signal_facts(r.get("hook") or {}))
+            if r.get("sm_clock"):
+                lines.append(f"  - {describe_clocks(r['sm_clock'])}")
+            elif r.get("sm_clock_error"):
+                lines.append(f"  - SM clock not recorded: {r['sm_clock_error']}")
     lines += ["", "| fill job | regime | isolation | iteration (median) | slowdown I median / p99 | slowdown, 95% "
               "interval over rounds | fill samples/s | recovered TFLOPS | bubble time filled (interval) | overruns "
               "(p99 ms) | cost savings S | goal |",

@@ -43,6 +43,7 @@ from bubbles.orchestrate.processes import (
     wait_for_fill_jobs,
 )
 from bubbles.sdk import tail_risk
+from gpubench.clocks import ClockReader, ClockSampler, NvmlClockReader
 
 TRAINING = "gpubench"
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent
@@ -462,11 +463,20 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
             # directory. The agent starts that daemon before it writes its ready file; a training started
             # earlier would run in a context of its own, and the regime would not be MPS.
             training = start_training()
+        clocks = _start_clock_sampler(args.device)
+        if isinstance(clocks, str):
+            run["sm_clock_error"] = clocks
         starter = threading.Thread(target=_start_when_fill_job_ready,
                                    args=(port, start_path, agent, args.run_timeout_s / 2, ready,
                                          verify, training.proc.pid), daemon=True)
         starter.start()
-        rc = training.wait()
+        try:
+            rc = training.wait()
+        finally:
+            if not isinstance(clocks, str):
+                run["sm_clock_samples"] = clocks.stop()
+                if clocks.error:
+                    run["sm_clock_error"] = clocks.error
         if rc != 0 or not record_path.exists():
             run["error"] = f"the training exited with {rc}: {_last_error(here / 'train.log')}"
             _say(f"{job} / {isolation}: {run['error']}\n{tail(here / 'train.log')}")
@@ -493,6 +503,23 @@ def _run_in(args: argparse.Namespace, here: Path, short: Path, run: dict[str, An
     else:
         run["error"] = f"the agent wrote no stats: {_last_error(here / 'agent.log')}"
     return run
+
+
+def _start_clock_sampler(device: str, reader: ClockReader | None = None) -> ClockSampler | str:
+    """A started sampler of ``device``'s SM clock (``gpubench.clocks``), or why there is none (a CPU run, no NVML)."""
+    if not device.startswith("cuda"):
+        return "a CPU run has no SM clock"
+    if reader is None:
+        from bubbles.probes import gpu_uuid
+
+        uuid = gpu_uuid(device)
+        if uuid is None:
+            return f"torch cannot say the UUID of {device}, which NVML needs"
+        try:
+            reader = NvmlClockReader(uuid)
+        except RuntimeError as exc:
+            return str(exc)
+    return ClockSampler(reader).start()
 
 
 def _start_when_fill_job_ready(port: int, start_path: Path, agent: subprocess.Popen[Any], timeout_s: float,
