@@ -27,8 +27,10 @@ class FakeNvml:
     NVML_CLOCK_SM = 1
     NVML_CLOCK_MEM = 2
 
-    def __init__(self, *, init_error: Exception | None = None, new_name: bool = True) -> None:
+    def __init__(self, *, init_error: Exception | None = None, new_name: bool = True,
+                 reasons_error: dict[str, Exception] | None = None) -> None:
         self.init_error = init_error
+        self.reasons_error = reasons_error or {}  # by function name: what the driver answers
         self.mhz, self.reasons = 1980, 0
         self.calls: list[Any] = []
         if not new_name:  # bindings from before NVML 12.2 name it "throttle reasons" only
@@ -53,10 +55,14 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: str) -> int:
         self.calls.append(("event reasons", handle))
+        if "event" in self.reasons_error:
+            raise self.reasons_error["event"]
         return self.reasons
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: str) -> int:
         self.calls.append(("throttle reasons", handle))
+        if "throttle" in self.reasons_error:
+            raise self.reasons_error["throttle"]
         return self.reasons
 
 
@@ -64,13 +70,27 @@ def test_the_reader_asks_nvml_for_the_sm_clock_of_the_gpu_by_its_uuid() -> None:
     nvml = FakeNvml()
     nvml.mhz, nvml.reasons = 1755, 0x4
     reader = NvmlClockReader(UUID, nvml)
-    assert reader.read() == (1755, 0x4)
-    assert nvml.calls == ["init", ("clock", "handle", FakeNvml.NVML_CLOCK_SM), ("event reasons", "handle")]
+    assert reader.read() == (1755, 0x4) and reader.reasons_problem is None
+    assert nvml.calls == ["init", ("event reasons", "handle"),  # asked once at the start: is it there?
+                          ("clock", "handle", FakeNvml.NVML_CLOCK_SM), ("event reasons", "handle")]
     reader.close()
     assert nvml.calls[-1] == "shutdown"
     old = FakeNvml(new_name=False)
-    NvmlClockReader(UUID, old).read()
-    assert ("throttle reasons", "handle") in old.calls
+    old.reasons = 0x20
+    assert NvmlClockReader(UUID, old).read() == (1980, 0x20)
+    assert old.calls[-1] == ("throttle reasons", "handle")
+
+
+def test_a_driver_without_the_new_reasons_query_gets_the_old_one_and_one_without_either_gets_the_clock() -> None:
+    older = FakeNvml(reasons_error={"event": RuntimeError("Function Not Found")})  # new bindings, driver < R535
+    older.reasons = 0x4
+    reader = NvmlClockReader(UUID, older)
+    assert reader.read() == (1980, 0x4) and older.calls[-1] == ("throttle reasons", "handle")
+    unsupported = RuntimeError("Not Supported")
+    neither = FakeNvml(reasons_error={"event": unsupported, "throttle": unsupported})
+    reader = NvmlClockReader(UUID, neither)
+    assert reader.read() == (1980, 0)
+    assert reader.reasons_problem == "nvmlDeviceGetCurrentClocksThrottleReasons: Not Supported"
 
 
 def test_without_nvml_or_the_gpu_the_reader_says_why() -> None:
@@ -143,6 +163,19 @@ def test_samples_count_in_the_phase_they_were_taken_in() -> None:
     assert clocks_by_mode([], PHASES) == {}
 
 
+def test_samples_in_a_phases_settle_iterations_do_not_count() -> None:
+    """The clock lags a switch of mode: what the first iterations of a phase saw belongs to the mode before."""
+    phases = [{"mode": "naive", "start_ns": 0, "end_ns": 1000, "iterations": 10},
+              {"mode": "off", "start_ns": 1000, "end_ns": 2000, "iterations": 10}]
+    samples = [[500, 1500, 0x4], [1100, 1500, 0x4], [1150, 1600, 0], [1300, 1990, 0], [1700, 1980, 0]]
+    assert clocks_by_mode(samples, phases)["off"]["median_mhz"] == 1790  # the naive phase's low clock carried over
+    settled = clocks_by_mode(samples, phases, settle=2)  # the first 2 of 10 iterations: 200 ns of each phase
+    assert settled["off"] == {"median_mhz": 1985, "min_mhz": 1980, "samples": 2, "limited_share": 0.0,
+                              "limited_by": []}
+    assert settled["naive"]["samples"] == 1
+    assert clocks_by_mode(samples, [{**p, "iterations": 0} for p in phases], settle=2)["off"]["samples"] == 4
+
+
 def test_a_regime_whose_clock_fell_is_pointed_out_and_one_within_a_percent_is_not() -> None:
     by_mode = clocks_by_mode([[100, 2000, 0], [250, 1985, 0], [350, 1700, 0x4]], PHASES)
     drops = clock_drops(by_mode)
@@ -171,6 +204,10 @@ def test_the_report_carries_each_runs_clocks_and_says_why_one_has_none() -> None
     assert "  - SM clock (NVML, median of the phases' samples): off 1980 MHz" in table
     assert "harvest's is 4.0% below the baseline's" in table
     assert "  - SM clock not recorded: a CPU run has no SM clock" in table
+    stopped = {**run, "sm_clock_error": "reading the SM clock failed (GPU is lost); sampling stopped"}
+    table = format_table(build_report(config={"device": "cuda:0"}, solo={}, runs=[stopped], settle=0,
+                                      price_training=1.0, price_fill=1.0))
+    assert "(sampling stopped early: reading the SM clock failed (GPU is lost); sampling stopped)" in table
 
 
 def test_the_orchestrator_samples_a_gpu_and_says_why_not_on_a_cpu() -> None:

@@ -942,6 +942,33 @@ def test_a_job_whose_create_made_a_cuda_context_tells_the_agent_and_never_report
     ours.close()
 
 
+@pytest.mark.parametrize(("env", "wait"), [(None, "block"), ("spin", "spin")])
+def test_the_fill_process_waits_for_its_steps_as_bubbles_fill_wait_says(env: str | None, wait: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import bubbles.sdk as sdk_mod
+
+    made: list[tuple[str, str]] = []
+
+    def device_sync(device: str, cuda: Any = None, wait: str = "") -> DeviceSync:
+        made.append((device, wait))
+        return DeviceSync()
+
+    monkeypatch.setattr(sdk_mod, "device_sync_for", device_sync)
+    monkeypatch.setattr(sdk_mod, "apply_process_limits", lambda device, memory: None)  # no GPU to cap here
+    if env is None:
+        monkeypatch.delenv(control.FILL_WAIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(control.FILL_WAIT_ENV, env)
+    ours, theirs = socket.socketpair()
+    monkeypatch.setenv(control.CONTROL_FD_ENV, str(theirs.fileno()))
+    monkeypatch.setenv(control.JOB_ENV, "waits")
+    monkeypatch.setenv(control.DEVICE_ENV, "cuda:1")
+    ours.sendall(control.encode("init") + control.encode("stop"))
+    assert run_fill_process(["--entry", "test_sdk:Counter"]) == 0
+    assert made == [("cuda:1", wait)]
+    ours.close()
+
+
 def _has_cuda() -> bool:
     import torch
 

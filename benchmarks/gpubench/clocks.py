@@ -60,13 +60,26 @@ class NvmlClockReader:
         except Exception as exc:
             nvml.nvmlShutdown()
             raise RuntimeError(f"NVML has no GPU {uuid} ({exc})") from None
-        # Renamed in NVML 12.2 (the old name is deprecated); bindings have one or both.
-        self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        # Renamed in NVML 12.2 (the old name is deprecated): new bindings have both, but a driver older than R535
+        # lacks the new function, and a GPU may not support the query at all (then the clock alone is sampled).
+        self._reasons: Callable[[Any], int] | None = None
+        self.reasons_problem: str | None = None
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            fn = getattr(nvml, name, None)
+            if fn is None:
+                continue
+            try:
+                fn(self._handle)
+            except Exception as exc:
+                self.reasons_problem = f"{name}: {exc}"
+                continue
+            self._reasons, self.reasons_problem = fn, None
+            break
 
     def read(self) -> tuple[int, int]:
         nvml = self._nvml
-        return int(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)), int(self._reasons(self._handle))
+        mhz = int(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM))
+        return mhz, int(self._reasons(self._handle)) if self._reasons is not None else 0
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -94,11 +107,13 @@ class ClockSampler:
         return self
 
     def stop(self) -> list[list[int]]:
+        """Stop sampling; the samples so far (a copy: a read still in flight cannot add to it)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._reader.close()
-        return self.samples
+        if not self._thread.is_alive():  # a read stuck in the driver keeps its reader open
+            self._reader.close()
+        return list(self.samples)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -112,12 +127,20 @@ class ClockSampler:
             self._stop.wait(self._interval_s)
 
 
-def clocks_by_mode(samples: Sequence[Sequence[int]], phases: Sequence[Mapping[str, Any]]
+def clocks_by_mode(samples: Sequence[Sequence[int]], phases: Sequence[Mapping[str, Any]], settle: int = 0
                    ) -> dict[str, dict[str, Any]]:
-    """Per fill mode label, over the samples taken inside that mode's phases (``start_ns <= t < end_ns``): the
-    median and lowest SM clock, how many samples, and the share whose clocks event reasons include a limiting one
-    (``LIMITING_REASONS``) with the reasons seen. Modes without a sample are left out."""
-    windows = sorted((int(p["start_ns"]), int(p["end_ns"]), str(p["mode"])) for p in phases)
+    """Per fill mode label, over the samples taken inside that mode's phases (``start_ns <= t < end_ns``), less
+    those in the part of each phase its first ``settle`` iterations took (as the slowdown figures drop them: the
+    clock lags a switch of mode), reckoned from the phase's length and ``iterations``: the median and lowest SM
+    clock, how many samples, and the share whose clocks event reasons include a limiting one (``LIMITING_REASONS``)
+    with the reasons seen. Modes without a sample are left out."""
+    windows = []
+    for p in phases:
+        start, end, n = int(p["start_ns"]), int(p["end_ns"]), int(p.get("iterations") or 0)
+        if n and settle:
+            start += (end - start) * min(settle, n) // n
+        windows.append((start, end, str(p["mode"])))
+    windows.sort()
     by_mode: dict[str, list[tuple[int, int]]] = {}
     for t_ns, mhz, reasons in samples:
         for start, end, mode in windows:

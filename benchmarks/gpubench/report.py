@@ -202,7 +202,7 @@ def build_report(*, config: Mapping[str, Any], solo: Mapping[str, Any], runs: Se
                 "hook": rec.get("hook", {}),
                 "fill_step_profile": fill_step_profile(stats),
                 "harvest_steps_by_size": harvest_steps_by_size(stats),
-                "sm_clock": clocks_by_mode(run.get("sm_clock_samples") or [], rec.get("phases", [])),
+                "sm_clock": clocks_by_mode(run.get("sm_clock_samples") or [], rec.get("phases", []), settle),
                 "sm_clock_error": run.get("sm_clock_error"),
             })
             regimes += [dict(r, run=len(run_facts)) for r in regimes_of_run(
@@ -252,7 +252,8 @@ def format_table(report: Mapping[str, Any]) -> str:
                             if m.get("paired_waits") and m.get("wait_jitter") else "")
                          + _signal_facts(r.get("hook") or {}))
             if r.get("sm_clock"):
-                lines.append(f"  - {describe_clocks(r['sm_clock'])}")
+                lines.append(f"  - {describe_clocks(r['sm_clock'])}"
+                             + (f" (sampling stopped early: {r['sm_clock_error']})" if r.get("sm_clock_error") else ""))
             elif r.get("sm_clock_error"):
                 lines.append(f"  - SM clock not recorded: {r['sm_clock_error']}")
     lines += ["", "| fill job | regime | isolation | iteration (median) | slowdown I median / p99 | slowdown, 95% "

@@ -516,9 +516,13 @@ def _start_clock_sampler(device: str, reader: ClockReader | None = None) -> Cloc
         if uuid is None:
             return f"torch cannot say the UUID of {device}, which NVML needs"
         try:
-            reader = NvmlClockReader(uuid)
+            nvml_reader = NvmlClockReader(uuid)
         except RuntimeError as exc:
             return str(exc)
+        if nvml_reader.reasons_problem:
+            _say(f"warning: NVML gives no clocks event reasons ({nvml_reader.reasons_problem}): the SM clock alone "
+                 "is sampled")
+        reader = nvml_reader
     return ClockSampler(reader).start()
 
 
