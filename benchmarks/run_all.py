@@ -32,6 +32,8 @@ def main() -> int:
         ["gate_replay.py", "--seeds", "3" if args.quick else "20", "--out", str(args.out / "gate-replay.json")],
         ["step_gap.py", "--rounds", "2" if args.quick else "6", "--json", str(args.out / "step-gap.json")],
         ["ledger_scale.py", "--hours", "0.1" if args.quick else "1", "--json", str(args.out / "ledger-scale.json")],
+        ["datagram_credentials.py", "--rounds", "2" if args.quick else "8", "--json",
+         str(args.out / "datagram-credentials.json")],
     ]
     failed = 0
     for script, *flags in runs:

@@ -8,8 +8,12 @@ deadlines; nothing sleeps for a fixed time to "let things settle".
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -394,6 +398,45 @@ def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: Start
     assert private == h.run_dir / TRAINING / "no-mps" and private.is_dir() and not list(private.iterdir())
     assert h.job("cmd")["isolation"] == "contexts"
     assert any(e["kind"] == "isolation" and e["message"].startswith("ready: ") for e in stats["events"])
+    # The kernel named the hook's process (this one) as the datagrams' sender; without MPS it is not checked.
+    executor = h.agent.stats()["executors"][0]
+    assert executor["training_pid"] == os.getpid() and executor["training_membership"] == ""
+
+
+def test_a_datagrams_sender_is_named_in_the_receivers_pid_namespace(tmp_path: Path) -> None:
+    """What the agent learns the training's process from (SCM_CREDENTIALS, with SO_PASSCRED on the agent's socket,
+    nothing on the sender's): a sender in a PID namespace of its own, as a training in a Pod is, is named by the PID
+    the receiver's namespace gives it, which the MPS daemon's client list uses too."""
+    from bubbles.agent.server import recv_with_pid
+
+    path = tmp_path / "agent.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock.bind(str(path))
+    sock.settimeout(30)
+    send = ("import os, socket, sys; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+            f"s.sendto(b'hello', {str(path)!r}); print(os.getpid(), flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", send], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert recv_with_pid(sock, 64) == (b"hello", child.pid)
+        assert child.stdout is not None and int(child.stdout.readline()) == child.pid
+    finally:
+        child.communicate(timeout=30)
+    nested = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", send],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert nested.stdout is not None
+        inner = nested.stdout.readline().strip()
+        if not inner:
+            pytest.skip(f"cannot make a PID namespace here: {nested.communicate(timeout=30)[1].strip()[:200]}")
+        assert int(inner) == 1  # its own namespace's first process
+        data, pid = recv_with_pid(sock, 64)
+        assert data == b"hello" and pid is not None and pid != 1
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert re.search(rf"^NSpid:\s+{pid}\s+1$", status, re.M), status  # that PID here, 1 in its own
+    finally:
+        nested.communicate(timeout=30)
+        sock.close()
 
 
 def test_a_fill_job_whose_socket_path_would_be_too_long_is_stopped_with_the_reason(start_agent: StartAgent) -> None:
@@ -406,3 +449,20 @@ def test_a_fill_job_whose_socket_path_would_be_too_long_is_stopped_with_the_reas
     j = h.wait_state(long_name, "STOPPED")
     assert "use a shorter run directory" in j["reason"] and "not started" in j["reason"]
     h.wait_state("ok", "PAUSED", "RUNNING")
+
+
+def test_the_credentials_benchmark_times_both_sides_and_refuses_bad_flags(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import datagram_credentials  # benchmarks/ (on the path through conftest)
+
+    with pytest.raises(SystemExit) as exit_:
+        datagram_credentials.main(["--rounds", "0"])
+    assert exit_.value.code == 2 and "--rounds and --datagrams must be >= 1" in capsys.readouterr().err
+    out = tmp_path / "creds.json"
+    assert datagram_credentials.main(["--rounds", "2", "--datagrams", "200", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for side in ("send", "receive"):
+        assert len(result[side]["before_ns"]) == len(result[side]["now_ns"]) == 2
+        assert all(t > 0 for t in result[side]["before_ns"] + result[side]["now_ns"])
+    assert "the agent's receive:" in capsys.readouterr().out
+

@@ -139,6 +139,17 @@ def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancell
         hook.send(wire.encode_profile(0, cycle(slots=((0.02, 1 << 30),))), agent_only=True)
         wait_for(lambda: node.report().stages[0].cycle is not None, what="the stage's profile")
         assert node.report().stages[0].hook_reporting is True
+        assert node.report().stages[0].training_membership == ""  # a CPU stage: no MPS server to be a client of
+        with node.trainings[TRAINING].agent.lock:
+            executor = node.trainings[TRAINING].agent.core.executors[0]
+            assert executor.training_pid == os.getpid()  # the kernel named the hook's process (this test's)
+            executor.training_membership = "pending"  # a check under way is not reported: not known yet
+        assert node.report().stages[0].training_membership == ""
+        with node.trainings[TRAINING].agent.lock:
+            executor.training_membership = "not a client: the training's process is not listed"
+        assert node.report().stages[0].training_membership == "not a client: the training's process is not listed"
+        with node.trainings[TRAINING].agent.lock:
+            executor.training_membership = ""
         assert node.assign(assignment()).outcome is Outcome.ACCEPTED
         assert job(node, "uid-1") == JobProgress("uid-1", FillState.SUBMITTED,
                                                  reason="waiting for Pod fj-fj-a0 to attach")

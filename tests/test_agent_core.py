@@ -608,3 +608,73 @@ def test_outside_mps_a_gpu_fill_job_is_planned_with_its_cuda_context_beside_its_
     assert [type(a) for a in core.take_actions()] == [Launch] and job.state is FillState.SUBMITTED
     core, job = gpu_core(IsolationMode.MPS, 1 << 30)  # an MPS client's context is the server's
     assert [type(a) for a in core.take_actions()] == [Launch]
+
+
+def mps_stage(device: str = "cuda:0", isolation: IsolationStatus = MPS_READY) -> tuple[AgentCore, Clock]:
+    clock = Clock()
+    core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=((device, None),),
+                                isolation_mode=isolation.mode), clock, Sink())
+    core.on_isolation(isolation)
+    core.start_serving()
+    return core, clock
+
+
+def test_under_mps_the_trainings_process_is_checked_once_its_stage_is_profiled_and_again_for_a_new_pid() -> None:
+    from bubbles.agent.core import VerifyTraining
+
+    core, _clock = mps_stage()
+    core.on_datagram(0, wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=4242)  # not profiled yet
+    assert core.take_actions() == []
+    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=4242)
+    assert core.take_actions() == [VerifyTraining(0, 4242, "cuda:0")]
+    assert core.stats()["executors"][0]["training_membership"] == "pending"
+    core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=4242)
+    assert core.take_actions() == []  # asked once
+    core.training_membership(0, 4242, "not a client: the training's process 4242 is not among the clients")
+    ex = core.stats()["executors"][0]
+    assert ex["training_pid"] == 4242 and ex["training_membership"].startswith("not a client: the training's")
+    assert [e["message"] for e in core.stats()["events"] if e["kind"] == "training"] == \
+        ["not a client: the training's process 4242 is not among the clients"]
+    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=5151)  # the training restarted
+    assert core.take_actions() == [VerifyTraining(0, 5151, "cuda:0")]
+    core.training_membership(0, 4242, "client")  # an answer about the old process changes nothing
+    assert core.stats()["executors"][0]["training_membership"] == "pending"
+    core.training_membership(0, 5151, "client")
+    assert core.stats()["executors"][0]["training_membership"] == "client"
+    assert core.stats()["events"][-1]["message"] == "the training's process 5151 is a client of the node's MPS server"
+    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS))  # a datagram the kernel named no sender for
+    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 5151
+    core.on_datagram(0, b"not a bubbles datagram", pid=999)  # refused: its sender is not taken for the training
+    core.on_datagram(0, wire.encode_iteration(1, 5, 900 * MS, 50 * MS), pid=999)  # another stage's: refused too
+    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 5151
+
+
+def test_a_training_check_that_could_not_be_made_is_asked_again_later_and_nothing_to_tell_is_not() -> None:
+    from bubbles.agent.core import TRAINING_RECHECK_S, VerifyTraining
+
+    core, clock = mps_stage()
+    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=77)
+    assert core.take_actions() == [VerifyTraining(0, 77, "cuda:0")]
+    core.training_membership(0, 77, "the MPS control program timed out", transient=True)
+    assert core.stats()["executors"][0]["training_membership"] == ""
+    core.on_datagram(0, wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=77)
+    assert core.take_actions() == []  # not before the recheck interval
+    clock.now += int(TRAINING_RECHECK_S * 1e9)
+    core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=77)
+    assert core.take_actions() == [VerifyTraining(0, 77, "cuda:0")]
+    core.training_membership(0, 77, None)  # the daemon's PIDs are another namespace's: nothing can be told
+    assert core.stats()["executors"][0]["training_membership"] == "unknown"
+    clock.now += int(TRAINING_RECHECK_S * 1e9)
+    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=77)
+    assert core.take_actions() == []
+    assert not [e for e in core.stats()["events"] if e["kind"] == "training"]
+
+
+@pytest.mark.parametrize(("device", "isolation"), [
+    ("cpu", MPS_READY), ("cuda:0", READY),
+    ("cuda:0", IsolationStatus(IsolationMode.NONE, IsolationState.UNISOLATED, "none", epoch=1))])
+def test_the_training_is_not_checked_without_an_mps_server_on_a_gpu(device: str, isolation: IsolationStatus) -> None:
+    core, _clock = mps_stage(device, isolation)
+    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=4242)
+    assert not [a for a in core.take_actions() if type(a).__name__ == "VerifyTraining"]
+    assert core.stats()["executors"][0]["training_membership"] == ""

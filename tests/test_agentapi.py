@@ -49,8 +49,9 @@ def test_each_message_carries_exactly_the_fields_of_its_core_type(core: type, me
 def test_reports_and_specs_survive_the_round_trip() -> None:
     cycle = {"training": "t", "stage": 1, "slots": []}
     report = NodeReport("node-a", (
-        StageReport("ml", "t", "p-1", 1, "cuda:0", cycle, True, 0.2, 0.19, 12.5, 6.25, "GPU-1"),
+        StageReport("ml", "t", "p-1", 1, "cuda:0", cycle, True, 0.2, 0.19, 12.5, 6.25, "GPU-1", "client"),
         StageReport("ml", "t", "p-2", 2, "cpu"),
+        StageReport("ml", "t", "p-3", 3, "cuda:1", None, True, training_membership="not a client: pid 7 is not listed"),
     ), (JobProgress("u1", FillState.RUNNING, 10, 1e9, "", 1, 3), JobProgress("u2", FillState.STOPPED, reason="x")))
     back = agentapi.report_from_pb(pb.NodeReport.FromString(agentapi.report_to_pb(report).SerializeToString()))
     assert back == report
@@ -94,6 +95,19 @@ def test_a_bad_report_is_refused_with_the_field() -> None:
         agentapi.report_from_pb(pb.NodeReport(node="n", stages=[pb.StageReport(training="t", cycle_json="{x")]))
     with pytest.raises(agentapi.ApiError, match="stages count from 0"):
         agentapi.report_from_pb(pb.NodeReport(node="n", stages=[pb.StageReport(training="t", stage=-1)]))
+
+
+def test_a_stages_training_membership_is_one_of_its_words_and_bounded() -> None:
+    """What the operator writes into a PipelineTraining's condition comes from the agent: only the two answers it
+    knows are kept (a newer agent's other word reads as unknown), a message cut to a bound."""
+    def membership(text: str) -> str:
+        report = pb.NodeReport(node="n", stages=[pb.StageReport(training="t", training_membership=text)])
+        return agentapi.report_from_pb(report).stages[0].training_membership
+
+    assert membership("client") == "client" and membership("") == ""
+    assert membership("maybe, in a new way") == ""
+    long = "not a client: " + "x" * 5000
+    assert membership(long) == long[:agentapi.MAX_MEMBERSHIP_CHARS]
 
 
 def _assign_request(**limits: float) -> pb.AssignRequest:

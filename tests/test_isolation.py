@@ -441,6 +441,37 @@ def test_a_fill_process_is_verified_as_a_client_of_the_daemons_server_or_refused
         iso.verify_client(member, "cuda:0")
 
 
+def test_the_trainings_process_is_told_a_client_or_not_with_what_to_do(
+        mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    training = os.getpid()  # the stand-in's server lists FAKE_MPS_CLIENTS
+    monkeypatch.setenv("FAKE_MPS_CLIENTS", str(training))
+    iso = mps_isolation(mps_dirs)
+    assert iso.start().state == READY and iso.owned
+    iso.control.run("start_server -uid 0")
+    assert iso.training_membership(training, "cuda:0") == "client"
+    answer = iso.training_membership(training + 1, "cuda:0")
+    assert answer is not None and answer.startswith(f"not a client: the training's process {training + 1} is not "
+                                                    f"among the clients of the MPS server in {mps_dirs.pipe}")
+    assert f"{training}" in answer and "time-slices" in answer and "agent.mps.shmDir" in answer
+    assert iso.training_membership(training + 1, "cpu") is None  # nothing to join on a CPU device
+    pid_file = mps_dirs.pipe / mps.PID_FILE
+    daemon = mps_dirs.pid()
+    other = subprocess.Popen(["sleep", "30"])
+    try:  # a daemon of another PID namespace lists PIDs this agent cannot compare: nothing to tell
+        pid_file.write_text(f"{other.pid}\n")
+        assert iso.training_membership(training + 1, "cuda:0") is None
+    finally:
+        other.kill()
+        other.wait()
+        pid_file.write_text(f"{daemon}\n")
+    iso.close()
+    mps_dirs.cleanup()
+    with pytest.raises(mps.MpsError):  # no daemon answers: the check cannot be made
+        iso.training_membership(training, "cuda:0")
+    contexts = ContextsIsolation(mps_dirs.pipe / "none", GpuModeCheck([], None, allow_exclusive=False))
+    assert contexts.training_membership(training, "cuda:0") is None  # no shared server in contexts mode
+
+
 def test_the_daemons_pid_namespace_not_its_owner_decides_whether_a_missing_pid_is_refused(
         mps_dirs: MpsDirs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Several agents may share one daemon (with --mps-daemon own, only the first starts it; external: none): the others

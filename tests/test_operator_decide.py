@@ -982,3 +982,29 @@ def test_a_training_edited_into_an_invalid_spec_says_so_on_the_jobs_it_had() -> 
     step([job], [], [t])  # the shell reports no stage for a training it cannot read
     assert job["status"]["phase"] == "Queued"
     assert "PipelineTraining llama's spec turned invalid (spec.selector must select" in cond(job, "Evicted")["message"]
+
+
+def test_a_training_outside_its_nodes_mps_server_is_said_per_stage_and_never_acted_on() -> None:
+    t = training()
+    job = fill_job()
+    step([job], [stage(), stage(1, pod="llama-1", node="node-b")], [t])
+    assert not [c for c in t["status"]["conditions"] if c["type"] == "MpsClient"]  # nothing known: nothing said
+    outside = "not a client: the training's process 4242 is not among the clients of the MPS server in /tmp/x"
+    step([job], [stage(training_membership="client"),
+                 stage(1, pod="llama-1", node="node-b", training_membership=outside)], [t])
+    said = cond(t, "MpsClient")
+    assert said["status"] == "False" and said["reason"] == "NotMpsClient"
+    assert said["message"] == f"stage 1 (llama-1 on node-b): {outside}"
+    assert job["status"]["phase"] == "Placed"  # the job is placed and runs all the same
+    step([job], [stage(training_membership="client"), stage(1, pod="llama-1", node="node-b",
+                                                            training_membership="client")], [t])
+    said = cond(t, "MpsClient")
+    assert (said["status"], said["reason"]) == ("True", "MpsClient") and "on 2 stage(s)" in said["message"]
+    # A training of many stages outside MPS: one stage's words, the others named, within the status's bound.
+    many = [stage(k, pod=f"llama-{k}", node=f"node-{k}", cycle=None, training_membership=outside + " " + "x" * 2000)
+            for k in range(64)]
+    step([job], many, [t])
+    said = cond(t, "MpsClient")
+    assert said["message"].startswith(f"stage 0 (llama-0 on node-0): {outside}") and said["message"].count(outside) == 1
+    assert "; likewise stage(s) 1 (llama-1 on node-1), 2 (llama-2 on node-2)" in said["message"]
+    assert said["message"].endswith("20 (llama-20 on node-20) and 43 more") and len(said["message"]) < 32768

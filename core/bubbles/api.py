@@ -200,6 +200,10 @@ class ExecutorStatus:
     device: str
     mode: FillMode
     profiled: bool
+    training_pid: int | None = None  # the training's process on this stage, in the agent's PID namespace
+    # What it is to the isolation's shared server: "" (not asked: no MPS, a CPU device, not profiled yet), "pending",
+    # "client", "not a client: ..." (what that costs, what to do), "unknown" (the daemon's PIDs are not the agent's)
+    training_membership: str = ""
 
 
 @dataclass(frozen=True)

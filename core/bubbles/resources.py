@@ -831,6 +831,9 @@ class StageReport:
     bubble_s: float = 0.0
     filled_s: float = 0.0
     gpu_uuid: str | None = None  # the stage GPU's UUID (from NVML), what a fill Pod names to reach that GPU
+    # Under MPS on a GPU, what the training's process is to the node's MPS server: "client", "not a client: ..." (what
+    # that costs, what to do), or "" (not known: not checked yet, no MPS, or nothing the agent can tell)
+    training_membership: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -475,7 +475,8 @@ class NodeAgent:
                             card.namespace, tr.name, card.pod, k, ex.device,
                             ex.cycle.to_dict() if ex.cycle is not None else None, heard, ex.last_iteration_s,
                             baseline, totals.bubble_s if totals else 0.0, totals.filled_s if totals else 0.0,
-                            card.gpu_uuid))
+                            card.gpu_uuid, ex.training_membership
+                            if ex.training_membership.startswith(("client", "not a client")) else ""))
             for uid, have in self.book.jobs.items():
                 if have.cancelled is not None:
                     continue

@@ -60,6 +60,7 @@ MAX_BUBBLE_RECORDS = 200_000
 MODE_SETTLE_ITERATIONS = 2
 MAX_EVENTS = 10_000
 FUTURE_SLACK_NS = 1_000_000_000  # a record stamped later than now plus this is refused (a wrong clock)
+TRAINING_RECHECK_S = 30.0  # a check of the training's MPS membership that could not be made is asked again after this
 MAX_STOPPED_JOBS = 1_000  # finished job records kept (stats, reports); the oldest go first
 MAX_OPEN_BUBBLES = 256
 MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
@@ -115,7 +116,18 @@ class VerifyIsolation:
     device: str
 
 
-Action = Launch | Send | Signal | Release | VerifyIsolation
+@dataclass(frozen=True)
+class VerifyTraining:
+    """Ask, off the loop, what the training's process ``pid`` on stage ``stage``'s ``device`` is to the isolation's
+    shared server (``Isolation.training_membership``); report back with ``AgentCore.training_membership``. Said,
+    never acted on."""
+
+    stage: int
+    pid: int
+    device: str
+
+
+Action = Launch | Send | Signal | Release | VerifyIsolation | VerifyTraining
 
 
 class MetricsSink(Protocol):
@@ -211,6 +223,13 @@ class ExecutorState:
     last_message_ns: int | None = None  # when the stage's hook was last heard from (a valid datagram)
     last_iteration_s: float | None = None  # the latest iteration time the stage's hook reported
     since_mode_change: int = MODE_SETTLE_ITERATIONS  # iterations reported since the fill mode last changed
+    # The training's process on this stage, as the kernel named the sender of its hook's datagrams in this agent's PID
+    # namespace (SCM_CREDENTIALS), and what it is to the isolation's shared server (an MPS client or not): "" not
+    # asked, "pending", then Isolation.training_membership's answer ("client", "not a client: ...", or "" when
+    # nothing can be told). Asked once the stage is profiled (its CUDA is initialized by then), again for a new PID.
+    training_pid: int | None = None
+    training_membership: str = ""
+    training_asked_ns: int | None = None  # when last asked: a check that could not be made is asked again later
 
 
 @dataclass(frozen=True)
@@ -396,8 +415,9 @@ class AgentCore:
         """The executors' sockets are bound: from now on a profiled stage admits its queued jobs."""
         self.serving = True
 
-    def on_datagram(self, stage: int, data: bytes) -> None:
-        """One datagram from the training's hook, received on ``stage``'s socket."""
+    def on_datagram(self, stage: int, data: bytes, pid: int | None = None) -> None:
+        """One datagram from the training's hook, received on ``stage``'s socket; ``pid``: its sender's process in this
+        agent's PID namespace, where the kernel could say (None: it could not, or the server did not ask)."""
         ex = self.executors[stage]
         try:
             msg = wire.decode(data)
@@ -417,7 +437,45 @@ class AgentCore:
                          f"{ex.index}'s socket")
             return
         ex.last_message_ns = self.clock()
+        if pid is not None and pid > 0 and pid != ex.training_pid:  # a valid message's sender: the training's process
+            ex.training_pid, ex.training_membership, ex.training_asked_ns = pid, "", None
         self._on_message(ex, msg)
+        if (ex.training_membership == "" and ex.cycle is not None and ex.training_pid is not None
+                and self.isolation_raw.mode is IsolationMode.MPS):
+            self._ask_training_membership(ex)
+
+    def _ask_training_membership(self, ex: ExecutorState) -> None:
+        """Under MPS on a GPU, ask once what the training's process is to the server (again after
+        ``TRAINING_RECHECK_S`` when the check could not be made)."""
+        if control.cuda_device_index(ex.device) is None:
+            return
+        now = self.clock()
+        if ex.training_asked_ns is not None and now - ex.training_asked_ns < TRAINING_RECHECK_S * 1e9:
+            return
+        assert ex.training_pid is not None
+        ex.training_membership, ex.training_asked_ns = "pending", now
+        self._actions.append(VerifyTraining(ex.index, ex.training_pid, ex.device))
+
+    def training_membership(self, stage: int, pid: int, answer: str | None, *, transient: bool = False) -> None:
+        """The answer to ``VerifyTraining``: ``Isolation.training_membership``'s, or (``transient``) why the check
+        could not be made, asked again later. An answer for a PID the stage no longer has is dropped."""
+        ex = self.executors[stage]
+        if ex.training_pid != pid or ex.training_membership != "pending":
+            return
+        if transient:
+            ex.training_membership = ""
+            log.warning("stage %d: could not check whether the training (pid %d) is an MPS client: %s; asking again "
+                        "in %.0f s", stage, pid, answer, TRAINING_RECHECK_S)
+            return
+        ex.training_membership = answer or "unknown"  # unknown: nothing can be told; not asked again for this PID
+        if answer is None:
+            return
+        if answer == "client":
+            log.info("stage %d: the training (pid %d) is a client of the node's MPS server", stage, pid)
+            self._event(stage, "", "training", f"the training's process {pid} is a client of the node's MPS server")
+        else:
+            log.warning("stage %d: the training is %s", stage, answer)
+            self._event(stage, "", "training", answer)
 
     def cancel(self, name: str, reason: str) -> bool:
         """Stop the fill job ``name`` (queued or running) with ``reason``; False if no such job is live."""
@@ -1073,8 +1131,8 @@ class AgentCore:
         return AgentStatus(
             training=self.config.training, budget=self.config.guard.budget, grace_ms=self.config.grace_s * 1e3,
             guard=guard, modes=modes, isolation=self.isolation_status, isolation_losses=self.isolation_losses,
-            executors=tuple(ExecutorStatus(ex.index, ex.device, ex.mode, ex.cycle is not None)
-                            for ex in self.executors),
+            executors=tuple(ExecutorStatus(ex.index, ex.device, ex.mode, ex.cycle is not None, ex.training_pid,
+                                           ex.training_membership) for ex in self.executors),
             jobs=tuple(j.status() for j in self.jobs), kills=self.kills, rejected_messages=self.rejected_messages,
             rejected_jobs=self.rejected_jobs, events=tuple(self.events), steps=tuple(self.steps),
             bubbles=tuple(self.bubbles))

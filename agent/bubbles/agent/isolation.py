@@ -204,6 +204,14 @@ class Isolation(ABC):
         check beyond the environment they gave the process."""
         return None
 
+    def training_membership(self, pid: int, device: str) -> str | None:
+        """What the training's process ``pid`` (on ``device``, CUDA initialized) is to this mode's shared server:
+        ``"client"``, ``"not a client: ..."`` saying what that costs and what to do, or None when nothing is to be
+        told (a mode without a server, a CPU device, a daemon whose PID namespace is not this agent's). May block for
+        a bounded time: called off the event loop. Said, never acted on: the fill jobs' own isolation holds either
+        way."""
+        return None
+
     def status(self) -> IsolationStatus:
         with self._status_lock:
             return self._status
@@ -400,14 +408,10 @@ class MpsIsolation(Isolation):
         (the check could not be made)."""
         if cuda_device_index(device) is None:
             return None  # nothing to join on a CPU device
-        clients = self.control.clients()
-        if any(pid in pids for pids in clients.values()):
+        listed = self._membership(pid)
+        if listed is None:
             return None
-        listed = "; ".join(f"server {server}: {', '.join(map(str, pids)) or 'no clients'}"
-                           for server, pids in sorted(clients.items())) or "no server running"
-        daemon = self.control.daemon_pid()
-        ours = daemon is not None and ((self.owned and daemon == self.pid) or _is_our_mps_daemon(daemon))
-        if not ours:
+        if not self._daemon_is_ours():
             log.warning("fill process %d is not among the clients of the MPS daemon in %s (%s); that daemon does not "
                         "run in this agent's PID namespace and may list PIDs of another, so the process was not "
                         "refused", pid, self.control.pipe_dir, listed)
@@ -417,6 +421,37 @@ class MpsIsolation(Isolation):
                 "set to that directory, after the daemon started; a fill Pod also needs that directory and the "
                 "agent's /dev/shm directory mounted (the operator's --fill-mps-pipe-dir and --fill-mps-shm-dir, set "
                 "by the chart when agent.isolation is mps)")
+
+    def training_membership(self, pid: int, device: str) -> str | None:
+        if cuda_device_index(device) is None:
+            return None
+        listed = self._membership(pid)
+        if listed is None:
+            return "client"
+        if not self._daemon_is_ours():
+            return None  # its PIDs may be another namespace's: nothing can be told
+        return (f"not a client: the training's process {pid} is not among the clients of the MPS server in "
+                f"{self.control.pipe_dir} ({listed}). It runs in a CUDA context of its own, so the GPU time-slices "
+                "between it and the fill jobs instead of running their kernels beside its own at a lower priority: "
+                "harvesting still stops at each bubble's end, but fill steps cost the training more. Start the "
+                "training after the agent's MPS daemon, with $CUDA_MPS_PIPE_DIRECTORY set to that directory and the "
+                "same UID (in a Pod: the chart's agent.mps.pipeDir and agent.mps.shmDir mounted, as "
+                "examples/cluster/training-pod.yaml shows)")
+
+    def _membership(self, pid: int) -> str | None:
+        """None if ``pid`` is a client of one of the daemon's servers; else the servers and clients listed, for a
+        message. ``mps.MpsError`` when the daemon does not answer."""
+        clients = self.control.clients()
+        if any(pid in pids for pids in clients.values()):
+            return None
+        return "; ".join(f"server {server}: {', '.join(map(str, pids)) or 'no clients'}"
+                         for server, pids in sorted(clients.items())) or "no server running"
+
+    def _daemon_is_ours(self) -> bool:
+        """Whether the daemon runs in this agent's PID namespace, so that the PIDs it lists are ours: the daemon this
+        agent started, or one it finds a process of its own by the daemon's pid file."""
+        daemon = self.control.daemon_pid()
+        return daemon is not None and ((self.owned and daemon == self.pid) or _is_our_mps_daemon(daemon))
 
     def live_clients(self) -> list[int]:
         """The PIDs of the processes connected to the daemon's servers that are still alive."""

@@ -18,6 +18,7 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from .core import (
     Signal,
     Snapshot,
     VerifyIsolation,
+    VerifyTraining,
 )
 from .isolation import Isolation, make_isolation
 from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher
@@ -52,6 +54,18 @@ __all__ = ["MAX_ISOLATION_RESUBMISSIONS", "Agent", "AgentConfig"]
 log = logging.getLogger("bubbles.agent")
 
 _STOP_WAIT_S = 2.0
+_CREDENTIALS_SPACE = socket.CMSG_SPACE(struct.calcsize("3i"))  # struct ucred: pid, uid, gid
+
+
+def recv_with_pid(sock: socket.socket, bufsize: int) -> tuple[bytes, int | None]:
+    """One datagram from ``sock`` (with ``SO_PASSCRED`` set) and its sender's PID as the kernel names it in this
+    process's PID namespace; None where there is none (0: the sender's namespace is not below this one)."""
+    data, ancillary, _flags, _addr = sock.recvmsg(bufsize, _CREDENTIALS_SPACE)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 4:
+            pid = struct.unpack_from("i", payload)[0]
+            return data, pid if pid > 0 else None
+    return data, None
 
 
 @dataclass(eq=False)
@@ -87,6 +101,7 @@ class Agent:
         self._socks: dict[int, socket.socket] = {}
         self._isolation_update: IsolationStatus | None = None  # from the supervisor thread, for the loop
         self._verified: list[tuple[JobRecord, str | None, bool]] = []  # VerifyIsolation answers, from threads
+        self._training_answers: list[tuple[int, int, str | None, bool]] = []  # VerifyTraining answers, likewise
         self._supervisor: threading.Thread | None = None
         self._supervisor_stop = threading.Event()
         self._sel = selectors.DefaultSelector()
@@ -180,6 +195,9 @@ class Agent:
                 path.unlink()
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            # The kernel attaches each sender's credentials, its PID named in this agent's PID namespace (a training
+            # in a Pod included: the node agent has the host's), with no change on the hook's side.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             s.bind(str(path))
             s.setblocking(False)
             self._socks[ex.index] = s
@@ -295,6 +313,9 @@ class Agent:
         for job, problem, transient in verified:
             self.core.isolation_verified(job, problem, transient=transient)
             self._execute()
+        answers, self._training_answers = self._training_answers, []
+        for stage, pid, answer, transient in answers:
+            self.core.training_membership(stage, pid, answer, transient=transient)
 
     # -- carrying out the core's actions -----------------------------------------------------------------
     def _execute(self) -> None:
@@ -322,6 +343,9 @@ class Agent:
                 return
             threading.Thread(target=self._verify, args=(action.job, channel.proc.pid, action.device),
                              name="bubbles-verify", daemon=True).start()
+        elif isinstance(action, VerifyTraining):
+            threading.Thread(target=self._verify_training, args=(action,), name="bubbles-verify-training",
+                             daemon=True).start()
         elif isinstance(action, Release):
             self._close(action.job)
             # Leave no stale socket behind for the hook if the job died while armed.
@@ -344,6 +368,21 @@ class Agent:
             self._verified.append((job, problem, transient))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"v")
+
+    def _verify_training(self, action: VerifyTraining) -> None:
+        """A VerifyTraining, on a thread of its own (the check may block on the MPS control program)."""
+        transient = False
+        try:
+            answer = self.isolation.training_membership(action.pid, action.device)
+        except MpsError as exc:
+            answer, transient = str(exc), True
+        except Exception as exc:  # a bug: said, and nothing else changes (the answer is never acted on)
+            log.exception("checking the training's MPS membership failed")
+            answer, transient = repr(exc), True
+        with self.lock:
+            self._training_answers.append((action.stage, action.pid, answer, transient))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"t")
 
     def _launch(self, action: Launch) -> None:
         job = action.job
@@ -436,10 +475,10 @@ class Agent:
         sock = self._socks[stage]
         for _ in range(1024):  # bounded, so one flooding stage cannot starve the others
             try:
-                data = sock.recv(wire.MAX_DATAGRAM_BYTES + 1)
+                data, pid = recv_with_pid(sock, wire.MAX_DATAGRAM_BYTES + 1)
             except BlockingIOError:
                 return
-            self.core.on_datagram(stage, data)
+            self.core.on_datagram(stage, data, pid)
             self._execute()
 
     # -- reporting ---------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def stage_to_pb(s: StageReport) -> pb.StageReport:
     msg = pb.StageReport(namespace=s.namespace, training=s.training, pod=s.pod, stage=s.stage, device=s.device,
                          cycle_json=json.dumps(s.cycle) if s.cycle is not None else "",
                          hook_reporting=s.hook_reporting, bubble_s=s.bubble_s, filled_s=s.filled_s,
-                         gpu_uuid=s.gpu_uuid or "")
+                         gpu_uuid=s.gpu_uuid or "", training_membership=s.training_membership)
     if s.iteration_s is not None:
         msg.iteration_s = s.iteration_s
     if s.baseline_iteration_s is not None:
@@ -139,7 +139,20 @@ def stage_from_pb(m: pb.StageReport) -> StageReport:
     return StageReport(m.namespace, m.training, m.pod, m.stage, m.device, cycle, m.hook_reporting,
                        m.iteration_s if m.HasField("iteration_s") else None,
                        m.baseline_iteration_s if m.HasField("baseline_iteration_s") else None,
-                       m.bubble_s, m.filled_s, m.gpu_uuid or None)
+                       m.bubble_s, m.filled_s, m.gpu_uuid or None, _membership(m.training_membership))
+
+
+MAX_MEMBERSHIP_CHARS = 2048
+
+
+def _membership(text: str) -> str:
+    """A stage's ``training_membership``: "client", "not a client: ..." or "" (anything else from a newer agent is
+    kept only if it is one of those; a message is cut to ``MAX_MEMBERSHIP_CHARS``)."""
+    if text == "client" or not text:
+        return text
+    if text.startswith("not a client"):
+        return text[:MAX_MEMBERSHIP_CHARS]
+    return ""
 
 
 def progress_from_pb(m: pb.JobProgress) -> JobProgress:

@@ -85,6 +85,7 @@ class StageView:
     bubble_s: float = 0.0  # bubble time seen so far while harvesting
     filled_s: float = 0.0  # fill-step time inside those bubbles
     gpu_uuid: str | None = None  # the GPU's UUID, when the agent knows it (NVML)
+    training_membership: str = ""  # under MPS: "client", "not a client: ..." (resources.StageReport), or unknown ""
 
     @property
     def key(self) -> str:
@@ -1041,6 +1042,22 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
                 "SpecMatches", "False" if differ else "True", "Differs" if differ else "Matches",
                 "; ".join(differ) + " (the hook's are used: fix the spec or the selector)" if differ
                 else "the hook reports what the spec says", observed_generation=gen), view.now)
+        told = sorted((s for s in mine if s.training_membership), key=lambda s: (s.stage, s.pod))
+        if told:
+            # Said, never acted on: the fill jobs' own isolation holds either way; what the training loses outside
+            # MPS is concurrency (its kernels time-slice with the fill jobs' instead of running beside them).
+            outside = [s for s in told if s.training_membership != "client"]
+            if outside:
+                # The first stage's words in full, the others named (the status has room for one message, not many).
+                first, more = outside[0], [f"{s.stage} ({s.pod} on {s.node})" for s in outside[1:]]
+                said = f"stage {first.stage} ({first.pod} on {first.node}): {first.training_membership}" + (
+                    f"; likewise stage(s) {', '.join(more[:20])}" + (f" and {len(more) - 20} more" if len(more) > 20
+                                                                     else "") if more else "")
+            else:
+                said = f"the training's process on {len(told)} stage(s) is a client of its node's MPS server"
+            conds = set_condition(conds, Condition(
+                "MpsClient", "False" if outside else "True", "NotMpsClient" if outside else "MpsClient", said,
+                observed_generation=gen), view.now)
         if profiled:
             bubble = sum(s.cycle.bubble_s for s in profiled if s.cycle)
             it = sum(s.cycle.iteration_s for s in profiled if s.cycle)

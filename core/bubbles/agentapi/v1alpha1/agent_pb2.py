@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%bubbles/agentapi/v1alpha1/agent.proto\x12\x19\x62ubbles.agentapi.v1alpha1\"\x0f\n\rReportRequest\"\"\n\x0cWatchRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\xa6\x02\n\x0bStageReport\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08training\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\ncycle_json\x18\x06 \x01(\t\x12\x16\n\x0ehook_reporting\x18\x07 \x01(\x08\x12\x18\n\x0biteration_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x62\x61seline_iteration_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x62ubble_s\x18\n \x01(\x01\x12\x10\n\x08\x66illed_s\x18\x0b \x01(\x01\x12\x10\n\x08gpu_uuid\x18\x0c \x01(\tB\x0e\n\x0c_iteration_sB\x17\n\x15_baseline_iteration_s\"|\n\x0bJobProgress\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nsteps_done\x18\x03 \x01(\x03\x12\r\n\x05\x66lops\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05kills\x18\x06 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\x05\"\x88\x01\n\nNodeReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x36\n\x06stages\x18\x02 \x03(\x0b\x32&.bubbles.agentapi.v1alpha1.StageReport\x12\x34\n\x04jobs\x18\x03 \x03(\x0b\x32&.bubbles.agentapi.v1alpha1.JobProgress\"4\n\x08\x46illNode\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\"\xff\x02\n\x0b\x46illJobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\r\n\x05\x65ntry\x18\x03 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x04 \x03(\t\x12\x11\n\targs_json\x18\x05 \x01(\t\x12\x12\n\x05steps\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cmemory_bytes\x18\x07 \x01(\x03\x12\x18\n\x0bstep_time_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x32\n\x05nodes\x18\t \x03(\x0b\x32#.bubbles.agentapi.v1alpha1.FillNode\x12\x12\n\x05stage\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04kind\x18\x0b \x01(\t\x12\x1b\n\x0einit_timeout_s\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x1b\n\x0e\x66lops_per_step\x18\r \x01(\x01H\x04\x88\x01\x01\x42\x08\n\x06_stepsB\x0e\n\x0c_step_time_sB\x08\n\x06_stageB\x11\n\x0f_init_timeout_sB\x11\n\x0f_flops_per_step\"\x82\x03\n\rAssignRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x10\n\x08training\x18\x06 \x01(\t\x12\r\n\x05stage\x18\x07 \x01(\x05\x12\x0b\n\x03pod\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08gpu_uuid\x18\n \x01(\t\x12\x10\n\x08\x66ill_pod\x18\x0b \x01(\t\x12\x34\n\x04spec\x18\x0c \x01(\x0b\x32&.bubbles.agentapi.v1alpha1.FillJobSpec\x12\x1c\n\x0fslowdown_budget\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0emax_fill_share\x18\x0e \x01(\x01H\x01\x88\x01\x01\x12\x16\n\ttail_risk\x18\x0f \x01(\x01H\x02\x88\x01\x01\x42\x12\n\x10_slowdown_budgetB\x11\n\x0f_max_fill_shareB\x0c\n\n_tail_risk\"\xb7\x01\n\x0b\x41ssignReply\x12?\n\x07outcome\x18\x01 \x01(\x0e\x32..bubbles.agentapi.v1alpha1.AssignReply.Outcome\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x14\n\x10\x41LREADY_ASSIGNED\x10\x02\x12\x0e\n\nSUPERSEDED\x10\x03\",\n\rCancelRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xf5\x02\n\x05\x41gent\x12Y\n\x06Report\x12(.bubbles.agentapi.v1alpha1.ReportRequest\x1a%.bubbles.agentapi.v1alpha1.NodeReport\x12Y\n\x05Watch\x12\'.bubbles.agentapi.v1alpha1.WatchRequest\x1a%.bubbles.agentapi.v1alpha1.NodeReport0\x01\x12Z\n\x06\x41ssign\x12(.bubbles.agentapi.v1alpha1.AssignRequest\x1a&.bubbles.agentapi.v1alpha1.AssignReply\x12Z\n\x06\x43\x61ncel\x12(.bubbles.agentapi.v1alpha1.CancelRequest\x1a&.bubbles.agentapi.v1alpha1.CancelReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%bubbles/agentapi/v1alpha1/agent.proto\x12\x19\x62ubbles.agentapi.v1alpha1\"\x0f\n\rReportRequest\"\"\n\x0cWatchRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\xc3\x02\n\x0bStageReport\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08training\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\ncycle_json\x18\x06 \x01(\t\x12\x16\n\x0ehook_reporting\x18\x07 \x01(\x08\x12\x18\n\x0biteration_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x62\x61seline_iteration_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x62ubble_s\x18\n \x01(\x01\x12\x10\n\x08\x66illed_s\x18\x0b \x01(\x01\x12\x10\n\x08gpu_uuid\x18\x0c \x01(\t\x12\x1b\n\x13training_membership\x18\r \x01(\tB\x0e\n\x0c_iteration_sB\x17\n\x15_baseline_iteration_s\"|\n\x0bJobProgress\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nsteps_done\x18\x03 \x01(\x03\x12\r\n\x05\x66lops\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05kills\x18\x06 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\x05\"\x88\x01\n\nNodeReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x36\n\x06stages\x18\x02 \x03(\x0b\x32&.bubbles.agentapi.v1alpha1.StageReport\x12\x34\n\x04jobs\x18\x03 \x03(\x0b\x32&.bubbles.agentapi.v1alpha1.JobProgress\"4\n\x08\x46illNode\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\"\xff\x02\n\x0b\x46illJobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\r\n\x05\x65ntry\x18\x03 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x04 \x03(\t\x12\x11\n\targs_json\x18\x05 \x01(\t\x12\x12\n\x05steps\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cmemory_bytes\x18\x07 \x01(\x03\x12\x18\n\x0bstep_time_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x32\n\x05nodes\x18\t \x03(\x0b\x32#.bubbles.agentapi.v1alpha1.FillNode\x12\x12\n\x05stage\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04kind\x18\x0b \x01(\t\x12\x1b\n\x0einit_timeout_s\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x1b\n\x0e\x66lops_per_step\x18\r \x01(\x01H\x04\x88\x01\x01\x42\x08\n\x06_stepsB\x0e\n\x0c_step_time_sB\x08\n\x06_stageB\x11\n\x0f_init_timeout_sB\x11\n\x0f_flops_per_step\"\x82\x03\n\rAssignRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x10\n\x08training\x18\x06 \x01(\t\x12\r\n\x05stage\x18\x07 \x01(\x05\x12\x0b\n\x03pod\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x10\n\x08gpu_uuid\x18\n \x01(\t\x12\x10\n\x08\x66ill_pod\x18\x0b \x01(\t\x12\x34\n\x04spec\x18\x0c \x01(\x0b\x32&.bubbles.agentapi.v1alpha1.FillJobSpec\x12\x1c\n\x0fslowdown_budget\x18\r \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0emax_fill_share\x18\x0e \x01(\x01H\x01\x88\x01\x01\x12\x16\n\ttail_risk\x18\x0f \x01(\x01H\x02\x88\x01\x01\x42\x12\n\x10_slowdown_budgetB\x11\n\x0f_max_fill_shareB\x0c\n\n_tail_risk\"\xb7\x01\n\x0b\x41ssignReply\x12?\n\x07outcome\x18\x01 \x01(\x0e\x32..bubbles.agentapi.v1alpha1.AssignReply.Outcome\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x14\n\x10\x41LREADY_ASSIGNED\x10\x02\x12\x0e\n\nSUPERSEDED\x10\x03\",\n\rCancelRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xf5\x02\n\x05\x41gent\x12Y\n\x06Report\x12(.bubbles.agentapi.v1alpha1.ReportRequest\x1a%.bubbles.agentapi.v1alpha1.NodeReport\x12Y\n\x05Watch\x12\'.bubbles.agentapi.v1alpha1.WatchRequest\x1a%.bubbles.agentapi.v1alpha1.NodeReport0\x01\x12Z\n\x06\x41ssign\x12(.bubbles.agentapi.v1alpha1.AssignRequest\x1a&.bubbles.agentapi.v1alpha1.AssignReply\x12Z\n\x06\x43\x61ncel\x12(.bubbles.agentapi.v1alpha1.CancelRequest\x1a&.bubbles.agentapi.v1alpha1.CancelReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREQUEST']._serialized_start=85
   _globals['_WATCHREQUEST']._serialized_end=119
   _globals['_STAGEREPORT']._serialized_start=122
-  _globals['_STAGEREPORT']._serialized_end=416
-  _globals['_JOBPROGRESS']._serialized_start=418
-  _globals['_JOBPROGRESS']._serialized_end=542
-  _globals['_NODEREPORT']._serialized_start=545
-  _globals['_NODEREPORT']._serialized_end=681
-  _globals['_FILLNODE']._serialized_start=683
-  _globals['_FILLNODE']._serialized_end=735
-  _globals['_FILLJOBSPEC']._serialized_start=738
-  _globals['_FILLJOBSPEC']._serialized_end=1121
-  _globals['_ASSIGNREQUEST']._serialized_start=1124
-  _globals['_ASSIGNREQUEST']._serialized_end=1510
-  _globals['_ASSIGNREPLY']._serialized_start=1513
-  _globals['_ASSIGNREPLY']._serialized_end=1696
-  _globals['_ASSIGNREPLY_OUTCOME']._serialized_start=1610
-  _globals['_ASSIGNREPLY_OUTCOME']._serialized_end=1696
-  _globals['_CANCELREQUEST']._serialized_start=1698
-  _globals['_CANCELREQUEST']._serialized_end=1742
-  _globals['_CANCELREPLY']._serialized_start=1744
-  _globals['_CANCELREPLY']._serialized_end=1772
-  _globals['_AGENT']._serialized_start=1775
-  _globals['_AGENT']._serialized_end=2148
+  _globals['_STAGEREPORT']._serialized_end=445
+  _globals['_JOBPROGRESS']._serialized_start=447
+  _globals['_JOBPROGRESS']._serialized_end=571
+  _globals['_NODEREPORT']._serialized_start=574
+  _globals['_NODEREPORT']._serialized_end=710
+  _globals['_FILLNODE']._serialized_start=712
+  _globals['_FILLNODE']._serialized_end=764
+  _globals['_FILLJOBSPEC']._serialized_start=767
+  _globals['_FILLJOBSPEC']._serialized_end=1150
+  _globals['_ASSIGNREQUEST']._serialized_start=1153
+  _globals['_ASSIGNREQUEST']._serialized_end=1539
+  _globals['_ASSIGNREPLY']._serialized_start=1542
+  _globals['_ASSIGNREPLY']._serialized_end=1725
+  _globals['_ASSIGNREPLY_OUTCOME']._serialized_start=1639
+  _globals['_ASSIGNREPLY_OUTCOME']._serialized_end=1725
+  _globals['_CANCELREQUEST']._serialized_start=1727
+  _globals['_CANCELREQUEST']._serialized_end=1771
+  _globals['_CANCELREPLY']._serialized_start=1773
+  _globals['_CANCELREPLY']._serialized_end=1801
+  _globals['_AGENT']._serialized_start=1804
+  _globals['_AGENT']._serialized_end=2177
 # @@protoc_insertion_point(module_scope)
