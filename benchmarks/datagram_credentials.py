@@ -29,6 +29,16 @@ from bubbles.agent.server import recv_with_pid
 from bubbles.stats import median_interval
 
 
+def _batch() -> int:
+    """Datagrams sent before they are received: 8, within the queue a datagram socket holds
+    (``net.unix.max_dgram_qlen``, 10 on the project's VM)."""
+    try:
+        qlen = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+    except (OSError, ValueError):
+        return 8
+    return max(1, min(8, qlen - 1))
+
+
 def _burst(path: Path, n: int, credentials: bool) -> tuple[float, float]:
     """Send ``n`` datagrams to a socket bound at ``path``, receiving them as they queue; seconds per datagram spent
     sending (the hook's side: the training's, or its helper thread's) and receiving (the agent's)."""
@@ -39,6 +49,8 @@ def _burst(path: Path, n: int, credentials: bool) -> tuple[float, float]:
     path.unlink(missing_ok=True)
     rx.bind(str(path))
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    tx.settimeout(5.0)  # a full queue fails the run rather than hanging it
+    batch = _batch()
     data = wire.encode_bubble_start(0, 1, 2, time.monotonic_ns(), time.monotonic_ns() + 5_000_000)
     size = wire.MAX_DATAGRAM_BYTES + 1
     clock = time.perf_counter_ns
@@ -46,7 +58,7 @@ def _burst(path: Path, n: int, credentials: bool) -> tuple[float, float]:
     try:
         sent = 0
         while sent < n:
-            chunk = min(8, n - sent)  # within the queue a datagram socket holds (net.unix.max_dgram_qlen, often 10)
+            chunk = min(batch, n - sent)
             t0 = clock()
             for _ in range(chunk):
                 tx.sendto(data, str(path))

@@ -620,9 +620,9 @@ def mps_stage(device: str = "cuda:0", isolation: IsolationStatus = MPS_READY) ->
 
 
 def test_under_mps_the_trainings_process_is_checked_once_its_stage_is_profiled_and_again_for_a_new_pid() -> None:
-    from bubbles.agent.core import VerifyTraining
+    from bubbles.agent.core import TRAINING_RECHECK_S, VerifyTraining
 
-    core, _clock = mps_stage()
+    core, clock = mps_stage()
     core.on_datagram(0, wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=4242)  # not profiled yet
     assert core.take_actions() == []
     core.on_datagram(0, wire.encode_profile(0, cycle()), pid=4242)
@@ -630,26 +630,38 @@ def test_under_mps_the_trainings_process_is_checked_once_its_stage_is_profiled_a
     assert core.stats()["executors"][0]["training_membership"] == "pending"
     core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=4242)
     assert core.take_actions() == []  # asked once
-    core.training_membership(0, 4242, "not a client: the training's process 4242 is not among the clients")
+    core.training_membership(0, 4242, "not a client: the training's process 4242 is not a client")
     ex = core.stats()["executors"][0]
     assert ex["training_pid"] == 4242 and ex["training_membership"].startswith("not a client: the training's")
     assert [e["message"] for e in core.stats()["events"] if e["kind"] == "training"] == \
-        ["not a client: the training's process 4242 is not among the clients"]
-    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=5151)  # the training restarted
+        ["not a client: the training's process 4242 is not a client"]
+    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=5151)  # the training restarted ...
+    assert core.take_actions() == []  # ... within the rate: asked later (two senders cannot make a check each)
+    assert core.stats()["executors"][0]["training_membership"] == ""
+    clock.now += int(TRAINING_RECHECK_S * 1e9)
+    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=5151)
     assert core.take_actions() == [VerifyTraining(0, 5151, "cuda:0")]
-    core.training_membership(0, 4242, "client")  # an answer about the old process changes nothing
-    assert core.stats()["executors"][0]["training_membership"] == "pending"
-    core.training_membership(0, 5151, "client")
+    core.on_datagram(0, wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=6161)  # another, while one is pending
+    assert core.take_actions() == []  # one check at a time
+    core.training_membership(0, 5151, "client")  # about a process the stage no longer has: dropped, and ...
+    assert core.stats()["executors"][0]["training_membership"] == ""
+    clock.now += int(TRAINING_RECHECK_S * 1e9)
+    core.on_datagram(0, wire.encode_iteration(0, 6, 900 * MS, 50 * MS), pid=6161)
+    assert core.take_actions() == [VerifyTraining(0, 6161, "cuda:0")]  # ... the current one asked about
+    core.training_membership(0, 6161, "client")
     assert core.stats()["executors"][0]["training_membership"] == "client"
-    assert core.stats()["events"][-1]["message"] == "the training's process 5151 is a client of the node's MPS server"
-    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS))  # a datagram the kernel named no sender for
-    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 5151
+    assert core.stats()["events"][-1]["message"] == "the training's process 6161 is a client of the node's MPS server"
+    core.on_datagram(0, wire.encode_iteration(0, 7, 900 * MS, 50 * MS))  # a datagram the kernel named no sender for
+    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 6161
     core.on_datagram(0, b"not a bubbles datagram", pid=999)  # refused: its sender is not taken for the training
-    core.on_datagram(0, wire.encode_iteration(1, 5, 900 * MS, 50 * MS), pid=999)  # another stage's: refused too
-    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 5151
+    core.on_datagram(0, wire.encode_iteration(1, 8, 900 * MS, 50 * MS), pid=999)  # another stage's: refused too
+    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 6161
+    core.reset_stage(0, "the training's Pod was replaced")  # the old process's answer goes with it
+    assert core.stats()["executors"][0]["training_pid"] is None
+    assert core.stats()["executors"][0]["training_membership"] == ""
 
 
-def test_a_training_check_that_could_not_be_made_is_asked_again_later_and_nothing_to_tell_is_not() -> None:
+def test_a_training_check_that_could_not_be_made_or_told_nothing_is_asked_again_later() -> None:
     from bubbles.agent.core import TRAINING_RECHECK_S, VerifyTraining
 
     core, clock = mps_stage()
@@ -662,12 +674,18 @@ def test_a_training_check_that_could_not_be_made_is_asked_again_later_and_nothin
     clock.now += int(TRAINING_RECHECK_S * 1e9)
     core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=77)
     assert core.take_actions() == [VerifyTraining(0, 77, "cuda:0")]
-    core.training_membership(0, 77, None)  # the daemon's PIDs are another namespace's: nothing can be told
+    core.training_membership(0, 77, None)  # the daemon's PIDs are another namespace's (now): nothing can be told
     assert core.stats()["executors"][0]["training_membership"] == "unknown"
-    clock.now += int(TRAINING_RECHECK_S * 1e9)
     core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=77)
     assert core.take_actions() == []
     assert not [e for e in core.stats()["events"] if e["kind"] == "training"]
+    clock.now += int(TRAINING_RECHECK_S * 1e9)
+    core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.UNAVAILABLE, "the daemon is gone", epoch=1))
+    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=77)
+    assert not [a for a in core.take_actions() if isinstance(a, VerifyTraining)]  # not while MPS is unavailable
+    core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.READY, "the daemon answers", epoch=2))
+    core.on_datagram(0, wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=77)
+    assert [a for a in core.take_actions() if isinstance(a, VerifyTraining)] == [VerifyTraining(0, 77, "cuda:0")]
 
 
 @pytest.mark.parametrize(("device", "isolation"), [

@@ -996,10 +996,18 @@ def test_a_training_outside_its_nodes_mps_server_is_said_per_stage_and_never_act
     assert said["status"] == "False" and said["reason"] == "NotMpsClient"
     assert said["message"] == f"stage 1 (llama-1 on node-b): {outside}"
     assert job["status"]["phase"] == "Placed"  # the job is placed and runs all the same
+    # A stage restarted and not checked again yet: a partial view changes nothing (no flapping to True).
+    step([job], [stage(training_membership="client"), stage(1, pod="llama-1", node="node-b")], [t])
+    assert cond(t, "MpsClient")["reason"] == "NotMpsClient"
     step([job], [stage(training_membership="client"), stage(1, pod="llama-1", node="node-b",
                                                             training_membership="client")], [t])
     said = cond(t, "MpsClient")
-    assert (said["status"], said["reason"]) == ("True", "MpsClient") and "on 2 stage(s)" in said["message"]
+    assert (said["status"], said["reason"]) == ("True", "MpsClient") and "every profiled stage (2)" in said["message"]
+    step([job], [stage(training_membership="client"), stage(1, pod="llama-1", node="node-b")], [t])
+    assert cond(t, "MpsClient")["reason"] == "MpsClient"  # still: nothing new is known against it
+    step([job], [stage(), stage(1, pod="llama-1", node="node-b")], [t])  # nothing known at all (mps switched off)
+    said = cond(t, "MpsClient")
+    assert (said["status"], said["reason"]) == ("Unknown", "NotChecked")
     # A training of many stages outside MPS: one stage's words, the others named, within the status's bound.
     many = [stage(k, pod=f"llama-{k}", node=f"node-{k}", cycle=None, training_membership=outside + " " + "x" * 2000)
             for k in range(64)]

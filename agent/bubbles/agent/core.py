@@ -438,16 +438,19 @@ class AgentCore:
             return
         ex.last_message_ns = self.clock()
         if pid is not None and pid > 0 and pid != ex.training_pid:  # a valid message's sender: the training's process
-            ex.training_pid, ex.training_membership, ex.training_asked_ns = pid, "", None
+            ex.training_pid = pid
+            if ex.training_membership != "pending":  # one check at a time per stage: a pending one is asked again
+                ex.training_membership = ""
         self._on_message(ex, msg)
-        if (ex.training_membership == "" and ex.cycle is not None and ex.training_pid is not None
+        if (ex.training_membership in ("", "unknown") and ex.cycle is not None and ex.training_pid is not None
                 and self.isolation_raw.mode is IsolationMode.MPS):
             self._ask_training_membership(ex)
 
     def _ask_training_membership(self, ex: ExecutorState) -> None:
-        """Under MPS on a GPU, ask once what the training's process is to the server (again after
-        ``TRAINING_RECHECK_S`` when the check could not be made)."""
-        if control.cuda_device_index(ex.device) is None:
+        """Under MPS on a GPU, ask what the training's process is to the server: at most once every
+        ``TRAINING_RECHECK_S`` per stage, whatever the processes sending (a check could not be made, nothing could be
+        told, a new process), and only while the isolation is ready."""
+        if control.cuda_device_index(ex.device) is None or self.isolation_raw.state is not IsolationState.READY:
             return
         now = self.clock()
         if ex.training_asked_ns is not None and now - ex.training_asked_ns < TRAINING_RECHECK_S * 1e9:
@@ -458,16 +461,20 @@ class AgentCore:
 
     def training_membership(self, stage: int, pid: int, answer: str | None, *, transient: bool = False) -> None:
         """The answer to ``VerifyTraining``: ``Isolation.training_membership``'s, or (``transient``) why the check
-        could not be made, asked again later. An answer for a PID the stage no longer has is dropped."""
+        could not be made, asked again later. An answer about a process the stage no longer has is dropped, and the
+        stage's current process asked about instead (no sooner than the rate allows)."""
         ex = self.executors[stage]
-        if ex.training_pid != pid or ex.training_membership != "pending":
+        if ex.training_membership != "pending":
+            return
+        if ex.training_pid != pid:
+            ex.training_membership = ""
             return
         if transient:
             ex.training_membership = ""
             log.warning("stage %d: could not check whether the training (pid %d) is an MPS client: %s; asking again "
                         "in %.0f s", stage, pid, answer, TRAINING_RECHECK_S)
             return
-        ex.training_membership = answer or "unknown"  # unknown: nothing can be told; not asked again for this PID
+        ex.training_membership = answer or "unknown"  # unknown: nothing can be told now; asked again later
         if answer is None:
             return
         if answer == "client":
@@ -552,6 +559,9 @@ class AgentCore:
         ex.cycle = None
         ex.open_bubbles.clear()
         ex.last_message_ns = None
+        if ex.training_membership != "pending":  # a pending answer is about the old process: dropped when it comes
+            ex.training_membership = ""
+        ex.training_pid = None
         if stage == self.guard_stage:
             self.guard = None
         job = ex.active

@@ -423,20 +423,18 @@ class MpsIsolation(Isolation):
                 "by the chart when agent.isolation is mps)")
 
     def training_membership(self, pid: int, device: str) -> str | None:
-        if cuda_device_index(device) is None:
-            return None
+        if cuda_device_index(device) is None or not self._daemon_is_ours():
+            return None  # nothing to join on a CPU; a daemon of another PID namespace lists PIDs we cannot compare
         listed = self._membership(pid)
         if listed is None:
             return "client"
-        if not self._daemon_is_ours():
-            return None  # its PIDs may be another namespace's: nothing can be told
-        return (f"not a client: the training's process {pid} is not among the clients of the MPS server in "
-                f"{self.control.pipe_dir} ({listed}). It runs in a CUDA context of its own, so the GPU time-slices "
-                "between it and the fill jobs instead of running their kernels beside its own at a lower priority: "
-                "harvesting still stops at each bubble's end, but fill steps cost the training more. Start the "
-                "training after the agent's MPS daemon, with $CUDA_MPS_PIPE_DIRECTORY set to that directory and the "
-                "same UID (in a Pod: the chart's agent.mps.pipeDir and agent.mps.shmDir mounted, as "
-                "examples/cluster/training-pod.yaml shows)")
+        return (f"not a client: the training's process {pid} is not a client of the MPS server in "
+                f"{self.control.pipe_dir}. It runs in a CUDA context of its own, so the GPU time-slices between it "
+                "and the fill jobs instead of running their kernels beside its own at a lower priority: harvesting "
+                "still stops at each bubble's end, but fill steps cost the training more. Start the training after "
+                "the agent's MPS daemon, with $CUDA_MPS_PIPE_DIRECTORY set to that directory and the same UID (in a "
+                "Pod: the chart's agent.mps.pipeDir and agent.mps.shmDir mounted, as "
+                f"examples/cluster/training-pod.yaml shows). The daemon lists: {listed[:500]}")
 
     def _membership(self, pid: int) -> str | None:
         """None if ``pid`` is a client of one of the daemon's servers; else the servers and clients listed, for a

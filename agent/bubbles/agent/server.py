@@ -341,11 +341,17 @@ class Agent:
             if channel is None:
                 self.core.isolation_verified(action.job, "its process is gone")
                 return
-            threading.Thread(target=self._verify, args=(action.job, channel.proc.pid, action.device),
-                             name="bubbles-verify", daemon=True).start()
+            try:
+                threading.Thread(target=self._verify, args=(action.job, channel.proc.pid, action.device),
+                                 name="bubbles-verify", daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: the check could not be made (the job is tried again)
+                self.core.isolation_verified(action.job, f"the check could not be made: {exc}", transient=True)
         elif isinstance(action, VerifyTraining):
-            threading.Thread(target=self._verify_training, args=(action,), name="bubbles-verify-training",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._verify_training, args=(action,), name="bubbles-verify-training",
+                                 daemon=True).start()
+            except RuntimeError as exc:
+                self.core.training_membership(action.stage, action.pid, str(exc), transient=True)
         elif isinstance(action, Release):
             self._close(action.job)
             # Leave no stale socket behind for the hook if the job died while armed.

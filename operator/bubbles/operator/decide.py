@@ -1043,21 +1043,29 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
                 "; ".join(differ) + " (the hook's are used: fix the spec or the selector)" if differ
                 else "the hook reports what the spec says", observed_generation=gen), view.now)
         told = sorted((s for s in mine if s.training_membership), key=lambda s: (s.stage, s.pod))
-        if told:
-            # Said, never acted on: the fill jobs' own isolation holds either way; what the training loses outside
-            # MPS is concurrency (its kernels time-slice with the fill jobs' instead of running beside them).
-            outside = [s for s in told if s.training_membership != "client"]
-            if outside:
-                # The first stage's words in full, the others named (the status has room for one message, not many).
-                first, more = outside[0], [f"{s.stage} ({s.pod} on {s.node})" for s in outside[1:]]
-                said = f"stage {first.stage} ({first.pod} on {first.node}): {first.training_membership}" + (
-                    f"; likewise stage(s) {', '.join(more[:20])}" + (f" and {len(more) - 20} more" if len(more) > 20
-                                                                     else "") if more else "")
-            else:
-                said = f"the training's process on {len(told)} stage(s) is a client of its node's MPS server"
-            conds = set_condition(conds, Condition(
-                "MpsClient", "False" if outside else "True", "NotMpsClient" if outside else "MpsClient", said,
-                observed_generation=gen), view.now)
+        outside = [s for s in told if s.training_membership != "client"]
+        had = any(c.get("type") == "MpsClient" for c in conds)
+        said: Condition | None = None
+        # Said, never acted on: the fill jobs' own isolation holds either way; what the training loses outside MPS is
+        # concurrency (its kernels time-slice with the fill jobs' instead of running beside them). True only when every
+        # profiled stage is known to be a client; a partial view (a stage restarted, not checked again yet) changes
+        # nothing; nothing known at all (isolation no longer mps) says Unknown where something was said before.
+        if outside:
+            # The first stage's words in full, the others named (the status has room for one message, not many).
+            first, more = outside[0], [f"{s.stage} ({s.pod} on {s.node})" for s in outside[1:]]
+            text = f"stage {first.stage} ({first.pod} on {first.node}): {first.training_membership}" + (
+                f"; likewise stage(s) {', '.join(more[:20])}" + (f" and {len(more) - 20} more" if len(more) > 20
+                                                                 else "") if more else "")
+            said = Condition("MpsClient", "False", "NotMpsClient", text, observed_generation=gen)
+        elif profiled and all(s.training_membership == "client" for s in profiled):
+            said = Condition("MpsClient", "True", "MpsClient", f"the training's process on every profiled stage "
+                             f"({len(profiled)}) is a client of its node's MPS server", observed_generation=gen)
+        elif not told and had:
+            said = Condition("MpsClient", "Unknown", "NotChecked", "no stage's training process has been checked "
+                             "against its node's MPS server (the agents do not run mps isolation, or the check is "
+                             "under way)", observed_generation=gen)
+        if said is not None:
+            conds = set_condition(conds, said, view.now)
         if profiled:
             bubble = sum(s.cycle.bubble_s for s in profiled if s.cycle)
             it = sum(s.cycle.iteration_s for s in profiled if s.cycle)
