@@ -656,7 +656,19 @@ def test_under_mps_the_trainings_process_is_checked_once_its_stage_is_profiled_a
     core.on_datagram(0, b"not a bubbles datagram", pid=999)  # refused: its sender is not taken for the training
     core.on_datagram(0, wire.encode_iteration(1, 8, 900 * MS, 50 * MS), pid=999)  # another stage's: refused too
     assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 6161
+    from prometheus_client import generate_latest
+
+    from bubbles.agent.metrics import AgentMetrics
+
+    text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
+    assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 1.0' in text
+    core.executors[0].training_membership = "not a client: ..."
+    text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
+    assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 0.0' in text
+    core.executors[0].training_membership = "client"
     core.reset_stage(0, "the training's Pod was replaced")  # the old process's answer goes with it
+    text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
+    assert "bubbles_training_mps_client" not in text  # not known: absent, not 0
     assert core.stats()["executors"][0]["training_pid"] is None
     assert core.stats()["executors"][0]["training_membership"] == ""
 

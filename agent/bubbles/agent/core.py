@@ -303,6 +303,8 @@ class Snapshot:
     held_jobs: tuple[tuple[int, str, str], ...] = ()  # (stage, device, name) of every job record held, steps or not
     newer_messages: int = 0  # datagrams of a kind only a newer hook sends (this agent ignores them)
     late_records: int = 0  # steps and bubbles reported after their time was folded (counted against fill work)
+    # (stage, device, is a client) for each stage whose training process's MPS membership is known
+    training_mps_clients: tuple[tuple[int, str, bool], ...] = ()
 
 
 def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationStatus:
@@ -1123,9 +1125,11 @@ class AgentCore:
         restarts = iso_st.daemon.restarts if iso_st.daemon is not None else None
         iso = IsolationTotals(str(iso_st.mode), str(iso_st.state), self.isolation_losses, restarts)
         held = tuple((j.stage, self.executors[j.stage].device, j.name) for j in self.jobs)
+        clients = tuple((ex.index, ex.device, ex.training_membership == "client") for ex in self.executors
+                        if ex.training_membership == "client" or ex.training_membership.startswith("not a client"))
         return Snapshot(stages, jobs, states, iso, self.guard.baseline_s if self.guard else None,
                         self.config.guard.budget, held, self.newer_messages,
-                        sum(ledger.late() for ledger in self.ledgers.values()))
+                        sum(ledger.late() for ledger in self.ledgers.values()), clients)
 
     def status(self) -> AgentStatus:
         """Everything the agent reports, typed (``stats()`` is its JSON form)."""

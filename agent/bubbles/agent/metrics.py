@@ -108,6 +108,13 @@ class _HarvestCollector(Collector):
                                      "that were its clients are stopped and resubmitted)", labels=["training", "mode"])
         losses.add_metric([self.training, iso.mode], iso.losses)
         yield from (ready, current, losses)
+        if snap.training_mps_clients:
+            client = GaugeMetricFamily("bubbles_training_mps_client", "1 while the training's process on the stage is "
+                                       "a client of the node's MPS server, 0 while it is not (under mps isolation; "
+                                       "absent while not known)", labels=["training", "stage", "device"])
+            for stage, device, yes in snap.training_mps_clients:
+                client.add_metric([self.training, str(stage), device], 1.0 if yes else 0.0)
+            yield client
         if iso.mps_restarts is not None:
             restarts = CounterMetricFamily("bubbles_mps_daemon_restarts",
                                            "MPS control daemon restarts by this agent after losing it",
