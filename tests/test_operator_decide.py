@@ -852,15 +852,30 @@ def test_a_fill_pod_that_cannot_start_is_said_at_once_and_given_up_after_the_tim
     assert "its image cannot be pulled" in job["status"]["message"] and "spec.image" in job["status"]["message"]
     assert cond(job, "Running")["reason"] == "PodNotStarting" and "not found" in cond(job, "Running")["message"]
     assert [(e.type, e.reason) for e in d.events] == [("Warning", "PodNotStarting")]
-    # The kubelet's words alternate with its retries: the status follows, no new Event.
-    d = step([job], [stage()], waiting_pods={"ml/fj-fj-a0": ('ImagePullBackOff: Back-off pulling "fill:1"', created)},
-             now=NOW + dt.timedelta(seconds=30))
-    assert d.events == [] and "Back-off" in cond(job, "Running")["message"]
-    # Ten minutes after the Pod's creation: off the stage, its Pod deleted, back in the queue.
-    d = step([job], [stage()], waiting_pods=pull, now=NOW + dt.timedelta(seconds=600))
+    # The kubelet alternates the failed pull's words with its back-off's: the pull's, which say why, are kept (no
+    # status write, no new Event).
+    said = dict(cond(job, "Running"))
+    backoff = {"ml/fj-fj-a0": ('ImagePullBackOff: Back-off pulling "fill:1"', created)}
+    d = step([job], [stage()], waiting_pods=backoff, now=NOW + dt.timedelta(seconds=30))
+    assert d.events == [] and cond(job, "Running") == said and "ml/fj" not in d.fill_job_status
+    # Ten minutes after the Pod's creation, in a back-off: off the stage, its Pod deleted, back in the queue, and the
+    # pull's words said.
+    d = step([job], [stage()], waiting_pods=backoff, now=NOW + dt.timedelta(seconds=600))
     assert job["status"]["phase"] == "Queued" and job["status"]["restarts"] == 1
     assert d.delete_pods == [("ml", "fj-fj-a0")] and d.cancel == [("node-a", "uid-fj")]
     assert "did not start within 600 s" in cond(job, "Evicted")["message"] and "not found" in job["status"]["message"]
+
+
+def test_a_back_off_with_no_failed_pull_said_before_is_said_as_it_is() -> None:
+    job = fill_job()
+    step([job], [stage()])
+    backoff = {"ml/fj-fj-a0": ('ImagePullBackOff: Back-off pulling "fill:1"', NOW.timestamp())}
+    step([job], [stage()], waiting_pods=backoff)
+    assert cond(job, "Running")["message"] == 'fill Pod fj-fj-a0: ImagePullBackOff: Back-off pulling "fill:1"'
+    # Another reason after a failed pull is said as it is.
+    step([job], [stage()], waiting_pods={"ml/fj-fj-a0": ('ErrImagePull: denied', NOW.timestamp())})
+    step([job], [stage()], waiting_pods={"ml/fj-fj-a0": ("CreateContainerConfigError: secret x", NOW.timestamp())})
+    assert cond(job, "Running")["message"] == "fill Pod fj-fj-a0: CreateContainerConfigError: secret x"
 
 
 def test_a_fill_pod_that_never_leaves_container_creating_is_given_up_too() -> None:

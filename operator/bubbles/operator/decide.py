@@ -459,6 +459,8 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
     # Its Pod not started yet (judged only while no process of it runs): (the kubelet's reason or "", since when).
     waiting = view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}") \
         if prog is None or prog.state is FillState.SUBMITTED else None
+    if waiting is not None and waiting[0]:
+        waiting = (_kubelet_words(st.status, str(a.get("pod")), waiting[0]), waiting[1])
     lost = None
     ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
     # The training's doing (its Pod or spec changed), not the job's: not counted as a restart. Unless the job had its
@@ -580,6 +582,21 @@ def pod_not_starting(pod: Mapping[str, Any]) -> str | None:
         if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
             return f"Unschedulable: {c['message']}" if c.get("message") else "Unschedulable"
     return None
+
+
+def _kubelet_words(status: Mapping[str, Any], pod: str, why: str) -> str:
+    """What keeps a fill Pod from starting, as said: the kubelet's "Reason: message", except that its back-off between
+    image pulls (``ImagePullBackOff: Back-off pulling image ...``) keeps the words of the failed pull said before it
+    (``ErrImagePull: <the registry's error>``), which say why; the kubelet alternates the two with every retry, and
+    the status would be rewritten each time for less."""
+    if why.split(":", 1)[0].strip() != "ImagePullBackOff":
+        return why
+    said = _condition(status, ConditionType.RUNNING)
+    prefix = f"fill Pod {pod}: "
+    message = str(said.get("message") or "")
+    if said.get("reason") == "PodNotStarting" and message.startswith(prefix + "ErrImagePull"):
+        return message[len(prefix):]
+    return why
 
 
 def _not_starting(why: str, pod: str) -> tuple[str, str]:
