@@ -461,9 +461,10 @@ def test_the_credentials_benchmark_times_both_sides_and_refuses_bad_flags(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import datagram_credentials  # benchmarks/ (on the path through conftest)
 
-    with pytest.raises(SystemExit) as exit_:
-        datagram_credentials.main(["--rounds", "0"])
-    assert exit_.value.code == 2 and "--rounds and --datagrams must be >= 1" in capsys.readouterr().err
+    for bad in (["--rounds", "0"], ["--datagrams", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            datagram_credentials.main(bad)
+        assert exit_.value.code == 2 and "--rounds and --datagrams must be >= 1" in capsys.readouterr().err
     out = tmp_path / "creds.json"
     assert datagram_credentials.main(["--rounds", "2", "--datagrams", "200", "--json", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -258,6 +258,19 @@ class SpecError(ValueError):
 # Steps past a bubble's predicted end (the fill runtime's tail, ``bubbles.gating.TailRisk``): the accepted chance that
 # such a step outlives its bubble. The fill process's ``$BUBBLES_TAIL_RISK`` sets its own (default below); the
 # training's limit (a PipelineTraining's ``spec.tailRisk``, the agent's ``--tail-risk``) caps it.
+# What a stage's training process is to its node's MPS server, as the agent answers (``ExecutorStatus``,
+# ``resources.StageReport``): a client, or not ("not a client: " then what that costs and what to do).
+MPS_CLIENT = "client"
+NOT_MPS_CLIENT = "not a client"
+
+
+def known_membership(text: str) -> str:
+    """``text`` if it is a known answer about a training's MPS membership (``MPS_CLIENT``, or one starting with
+    ``NOT_MPS_CLIENT``), else "": not known (not checked yet, a check under way, nothing to tell, a newer agent's
+    word)."""
+    return text if text == MPS_CLIENT or text.startswith(NOT_MPS_CLIENT) else ""
+
+
 DEFAULT_TAIL_RISK = 0.1
 MAX_TAIL_RISK = 0.5
 

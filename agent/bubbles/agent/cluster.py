@@ -34,7 +34,7 @@ from typing import Any
 
 from bubbles import control, paths
 from bubbles.agentapi import AssignmentMessage
-from bubbles.api import FillState
+from bubbles.api import FillState, known_membership
 from bubbles.resources import JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
@@ -475,8 +475,7 @@ class NodeAgent:
                             card.namespace, tr.name, card.pod, k, ex.device,
                             ex.cycle.to_dict() if ex.cycle is not None else None, heard, ex.last_iteration_s,
                             baseline, totals.bubble_s if totals else 0.0, totals.filled_s if totals else 0.0,
-                            card.gpu_uuid, ex.training_membership
-                            if ex.training_membership.startswith(("client", "not a client")) else ""))
+                            card.gpu_uuid, known_membership(ex.training_membership)))
             for uid, have in self.book.jobs.items():
                 if have.cancelled is not None:
                     continue

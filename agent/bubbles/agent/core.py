@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from bubbles import control, paths, wire
 from bubbles.api import (
     DEFAULT_CUDA_CONTEXT_MIB,
+    MPS_CLIENT,
     AgentStatus,
     ExecutorStatus,
     FillJobSpec,
@@ -44,6 +45,7 @@ from bubbles.api import (
     JobStatus,
     ModeTotals,
     check_tail_risk,
+    known_membership,
 )
 from bubbles.cycle import BubbleCycle
 from bubbles.lifecycle import InvalidTransition, transition
@@ -60,7 +62,7 @@ MAX_BUBBLE_RECORDS = 200_000
 MODE_SETTLE_ITERATIONS = 2
 MAX_EVENTS = 10_000
 FUTURE_SLACK_NS = 1_000_000_000  # a record stamped later than now plus this is refused (a wrong clock)
-TRAINING_RECHECK_S = 30.0  # a check of the training's MPS membership that could not be made is asked again after this
+TRAINING_RECHECK_S = 30.0  # at most one check of a stage's training MPS membership in this many seconds
 MAX_STOPPED_JOBS = 1_000  # finished job records kept (stats, reports); the oldest go first
 MAX_OPEN_BUBBLES = 256
 MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
@@ -225,8 +227,9 @@ class ExecutorState:
     since_mode_change: int = MODE_SETTLE_ITERATIONS  # iterations reported since the fill mode last changed
     # The training's process on this stage, as the kernel named the sender of its hook's datagrams in this agent's PID
     # namespace (SCM_CREDENTIALS), and what it is to the isolation's shared server (an MPS client or not): "" not
-    # asked, "pending", then Isolation.training_membership's answer ("client", "not a client: ...", or "" when
-    # nothing can be told). Asked once the stage is profiled (its CUDA is initialized by then), again for a new PID.
+    # asked, "pending", then Isolation.training_membership's answer (api.MPS_CLIENT, "not a client: ...", or
+    # "unknown" when nothing can be told). Asked once the stage is profiled (its CUDA is initialized by then), and
+    # again for a new process or after an answer that told nothing, at most every TRAINING_RECHECK_S.
     training_pid: int | None = None
     training_membership: str = ""
     training_asked_ns: int | None = None  # when last asked: a check that could not be made is asked again later
@@ -479,7 +482,7 @@ class AgentCore:
         ex.training_membership = answer or "unknown"  # unknown: nothing can be told now; asked again later
         if answer is None:
             return
-        if answer == "client":
+        if answer == MPS_CLIENT:
             log.info("stage %d: the training (pid %d) is a client of the node's MPS server", stage, pid)
             self._event(stage, "", "training", f"the training's process {pid} is a client of the node's MPS server")
         else:
@@ -1125,8 +1128,8 @@ class AgentCore:
         restarts = iso_st.daemon.restarts if iso_st.daemon is not None else None
         iso = IsolationTotals(str(iso_st.mode), str(iso_st.state), self.isolation_losses, restarts)
         held = tuple((j.stage, self.executors[j.stage].device, j.name) for j in self.jobs)
-        clients = tuple((ex.index, ex.device, ex.training_membership == "client") for ex in self.executors
-                        if ex.training_membership == "client" or ex.training_membership.startswith("not a client"))
+        clients = tuple((ex.index, ex.device, ex.training_membership == MPS_CLIENT) for ex in self.executors
+                        if known_membership(ex.training_membership))
         return Snapshot(stages, jobs, states, iso, self.guard.baseline_s if self.guard else None,
                         self.config.guard.budget, held, self.newer_messages,
                         sum(ledger.late() for ledger in self.ledgers.values()), clients)

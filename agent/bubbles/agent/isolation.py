@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bubbles import paths
-from bubbles.api import DaemonStatus, IsolationMode, IsolationState, IsolationStatus
+from bubbles.api import MPS_CLIENT, NOT_MPS_CLIENT, DaemonStatus, IsolationMode, IsolationState, IsolationStatus
 from bubbles.control import cuda_device_index
 from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE, fill_client_env
 
@@ -427,8 +427,8 @@ class MpsIsolation(Isolation):
             return None  # nothing to join on a CPU; a daemon of another PID namespace lists PIDs we cannot compare
         listed = self._membership(pid)
         if listed is None:
-            return "client"
-        return (f"not a client: the training's process {pid} is not a client of the MPS server in "
+            return MPS_CLIENT
+        return (f"{NOT_MPS_CLIENT}: the training's process {pid} is not a client of the MPS server in "
                 f"{self.control.pipe_dir}. It runs in a CUDA context of its own, so the GPU time-slices between it "
                 "and the fill jobs instead of running their kernels beside its own at a lower priority: harvesting "
                 "still stops at each bubble's end, but fill steps cost the training more. Start the training after "

@@ -22,6 +22,7 @@ from bubbles.api import (
     check_flops_per_step,
     check_init_timeout,
     check_tail_risk,
+    known_membership,
 )
 from bubbles.resources import JobProgress, NodeReport, StageReport
 
@@ -146,13 +147,9 @@ MAX_MEMBERSHIP_CHARS = 2048
 
 
 def _membership(text: str) -> str:
-    """A stage's ``training_membership``: "client", "not a client: ..." or "" (anything else from a newer agent is
-    kept only if it is one of those; a message is cut to ``MAX_MEMBERSHIP_CHARS``)."""
-    if text == "client" or not text:
-        return text
-    if text.startswith("not a client"):
-        return text[:MAX_MEMBERSHIP_CHARS]
-    return ""
+    """A stage's ``training_membership``: a known answer (``api.known_membership``; anything else, from a newer agent
+    say, reads as not known), cut to ``MAX_MEMBERSHIP_CHARS``."""
+    return known_membership(text)[:MAX_MEMBERSHIP_CHARS]
 
 
 def progress_from_pb(m: pb.JobProgress) -> JobProgress:

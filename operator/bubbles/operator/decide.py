@@ -23,7 +23,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from bubbles import mps_client
-from bubbles.api import FillJobSpec, FillState, WorkloadKind
+from bubbles.api import MPS_CLIENT, FillJobSpec, FillState, WorkloadKind
 from bubbles.cycle import BubbleCycle
 from bubbles.paths import MOUNTED_RUN_DIR
 from bubbles.plan import Bubble, FillNode
@@ -1060,7 +1060,7 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
                 "; ".join(differ) + " (the hook's are used: fix the spec or the selector)" if differ
                 else "the hook reports what the spec says", observed_generation=gen), view.now)
         told = sorted((s for s in mine if s.training_membership), key=lambda s: (s.stage, s.pod))
-        outside = [s for s in told if s.training_membership != "client"]
+        outside = [s for s in told if s.training_membership != MPS_CLIENT]
         had = any(c.get("type") == "MpsClient" for c in conds)
         said: Condition | None = None
         # Said, never acted on: the fill jobs' own isolation holds either way; what the training loses outside MPS is
@@ -1074,7 +1074,7 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
                 f"; likewise stage(s) {', '.join(more[:20])}" + (f" and {len(more) - 20} more" if len(more) > 20
                                                                  else "") if more else "")
             said = Condition("MpsClient", "False", "NotMpsClient", text, observed_generation=gen)
-        elif profiled and all(s.training_membership == "client" for s in profiled):
+        elif profiled and all(s.training_membership == MPS_CLIENT for s in profiled):
             said = Condition("MpsClient", "True", "MpsClient", f"the training's process on every profiled stage "
                              f"({len(profiled)}) is a client of its node's MPS server", observed_generation=gen)
         elif not told and had:
