@@ -466,10 +466,20 @@ def test_the_trainings_process_is_told_a_client_or_not_with_what_to_do(
         other.kill()
         other.wait()
         pid_file.write_text(f"{daemon}\n")
+    socket_path = mps_dirs.pipe / "control"
+    socket_path.rename(mps_dirs.pipe / "control.away")
+    try:  # the daemon is ours and alive but does not answer: the check cannot be made (the agent asks again later)
+        with pytest.raises(mps.MpsError):
+            iso.training_membership(training, "cuda:0")
+    finally:
+        (mps_dirs.pipe / "control.away").rename(socket_path)
     iso.close()
     mps_dirs.cleanup()
-    with pytest.raises(mps.MpsError):  # no daemon answers: the check cannot be made
-        iso.training_membership(training, "cuda:0")
+    assert daemon is not None
+    deadline = time.monotonic() + 10
+    while not _zombie(daemon) and time.monotonic() < deadline:  # SIGKILL takes effect asynchronously
+        time.sleep(0.01)
+    assert iso.training_membership(training, "cuda:0") is None  # no daemon any more: nothing to tell
     contexts = ContextsIsolation(mps_dirs.pipe / "none", GpuModeCheck([], None, allow_exclusive=False))
     assert contexts.training_membership(training, "cuda:0") is None  # no shared server in contexts mode
 
