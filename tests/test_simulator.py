@@ -90,6 +90,17 @@ def test_generator_follows_pipefill(tasks) -> None:
     assert 50 < sum(t.deadline_s is not None for t in trace) < 150
 
 
+def test_a_generated_deadline_leaves_room_for_the_jobs_start_up(tasks) -> None:
+    plain = generate_trace(tasks, PROFILES, jobs=50, hours=1.0, seed=4, deadline_share=1.0)
+    slow = generate_trace(tasks, PROFILES, jobs=50, hours=1.0, seed=4, deadline_share=1.0, setup_s=120.0)
+    assert [t.arrival_s for t in slow] == [t.arrival_s for t in plain]
+    assert all(s.deadline_s == pytest.approx(p.deadline_s + 120.0) for s, p in zip(slow, plain, strict=True)
+               if p.deadline_s is not None and s.deadline_s is not None)
+    assert all(t.deadline_s is not None for t in slow)
+    with pytest.raises(ValueError, match="setup_s must be >= 0"):
+        generate_trace(tasks, PROFILES, jobs=5, hours=1.0, setup_s=-1.0)
+
+
 def test_trace_round_trip_and_errors(tmp_path: Path, tasks) -> None:
     trace = generate_trace(tasks, PROFILES, jobs=20, hours=1.0, seed=0, deadline_share=0.5)
     p = tmp_path / "t.csv"

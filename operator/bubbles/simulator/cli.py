@@ -310,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
                 hours=cfg["hours"],
                 seed=args.seed,
                 deadline_share=args.deadline_share,
+                setup_s=args.init_s,
             )
             if args.write_trace is not None:
                 write_trace(args.write_trace, trace)

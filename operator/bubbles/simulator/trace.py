@@ -203,18 +203,22 @@ def generate_trace(
     seed: int = 0,
     deadline_share: float = 0.0,
     deadline_slack: float = 10.0,
+    setup_s: float = 0.0,
     mix: Sequence[tuple[str, int, float]] = MODEL_MIX,
 ) -> list[TraceJob]:
     """``jobs`` fill jobs arriving over ``hours``, sampled from the filtered trace ``tasks``.
 
     Arrival gaps and sizes are sampled together (one trace task per job) and the gaps are scaled so
     the jobs span ``hours``. A ``deadline_share`` of jobs get a deadline ``deadline_slack`` times their
-    isolated run time after arrival.
+    isolated run time after arrival, plus ``setup_s``: each job's start-up (the simulator's --init-s), which no
+    policy can shorten, so a deadline is no tighter for a job that must first load its model.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if not hours > 0:
         raise ValueError(f"hours must be > 0, got {hours}")
+    if not setup_s >= 0:
+        raise ValueError(f"setup_s must be >= 0, got {setup_s}")
     usable = sorted((t for t in tasks if t.gpu_hours > 0), key=lambda t: t.arrival_s)
     if len(usable) < 2:
         raise ValueError(
@@ -253,7 +257,7 @@ def generate_trace(
         kind = prof.kind
         work_s = float(sizes[k]) * 3600.0
         samples = max(1, round(work_s * prof.isolated_samples_per_s))
-        deadline = float(arrival_s[n]) + deadline_slack * work_s if dl[n] < deadline_share else None
+        deadline = float(arrival_s[n]) + deadline_slack * work_s + setup_s if dl[n] < deadline_share else None
         out.append(TraceJob(f"job-{n:06d}", float(arrival_s[n]), model, kind, samples, deadline))
     return out
 
