@@ -465,6 +465,31 @@ def test_progress_from_the_agent_becomes_running_then_succeeded() -> None:
     assert job["status"] == before and (d.cancel, d.delete_pods, d.events) == ([], [], [])
 
 
+def test_a_running_job_whose_training_falls_silent_is_paused_keeps_its_stage_and_runs_again() -> None:
+    job, other = fill_job(), fill_job("other", created="2026-11-23T07:30:00Z")
+    step([job, other], [stage()])
+    running = {"uid-fj": JobProgress("uid-fj", FillState.PAUSED, 400, 4e12)}  # between two bubbles: still Running
+    step([job, other], [stage()], progress=running)
+    assert job["status"]["phase"] == "Running" and other["status"]["phase"] == "Queued"
+    d = step([job, other], [stage(hook_reporting=False)], progress=running)  # evaluating, checkpointing, or hung
+    st = job["status"]
+    assert st["phase"] == "Paused" and "no bubble signals for 30 s" in st["message"] and "llama-0" in st["message"]
+    assert cond(job, "Running")["status"] == "False" and cond(job, "Running")["reason"] == "TrainingSilent"
+    assert [e.reason for e in d.events] == ["Paused"] and d.assign == [] and d.cancel == [] and d.delete_pods == []
+    assert other["status"]["phase"] == "Queued"  # the stage stays the paused job's
+    assert st["progressText"] == "40% (400/1000)" and st["assignment"]["stage"] == 0
+    d = step([job, other], [stage(hook_reporting=False)], progress=running)
+    assert d.events == [] and "fj" not in {k.split("/")[1] for k in d.fill_job_status}  # said once, not rewritten
+    d = step([job, other], [stage()], progress={"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 450, 4.5e12)})
+    assert job["status"]["phase"] == "Running" and cond(job, "Running")["reason"] == "Running"
+    assert [e.reason for e in d.events] == ["Running"] and job["status"]["progressText"] == "45% (450/1000)"
+    # Placed but not started yet: a silent training leaves it Placed (it has nothing to pause).
+    late = fill_job("late")
+    step([late], [stage(1, pod="llama-1")])
+    step([late], [stage(1, pod="llama-1", hook_reporting=False)])
+    assert late["status"]["phase"] == "Placed"
+
+
 def test_a_lost_training_pod_requeues_the_job_uncounted_and_its_own_losses_reach_the_restart_limit() -> None:
     job = fill_job(restartLimit=1, checkpoint={"path": "/ckpt"})
     step([job], [stage()])

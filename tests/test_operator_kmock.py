@@ -135,6 +135,16 @@ async def test_apply_queue_place_run_succeed(cluster: Cluster, operator: tuple[O
     op.wake()
     await cluster.until("Running 25%", lambda: (cluster.get(FJ, "ml", "fj")["status"].get("progressText")
                                                 == "25% (250/1000)"))
+    assert phase(cluster, "fj") == "Running"
+    silent = (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, False),)  # the training evaluates
+    agents.reports["node-a"] = NodeReport("node-a", silent, agents.reports["node-a"].jobs)
+    op.wake()
+    await cluster.until("Paused (its training silent)", lambda: phase(cluster, "fj") == "Paused")
+    assert "no bubble signals" in cluster.get(FJ, "ml", "fj")["status"]["message"]
+    agents.reports["node-a"] = NodeReport("node-a", (StageReport("ml", "llama", "llama-0", 0, "cuda:0", CYCLE, True),),
+                                          agents.reports["node-a"].jobs)
+    op.wake()
+    await cluster.until("Running again", lambda: phase(cluster, "fj") == "Running")
     agents.reports["node-a"] = NodeReport("node-a", agents.reports["node-a"].stages,
                                           (JobProgress("uid-fj", FillState.STOPPED, 1000, 4e12, "finished"),))
     op.wake()

@@ -19,13 +19,14 @@ from kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_TOKEN, OPERATOR_US
 from local_node import LocalNode
 from operator_thread import OperatorThread
 
+from bubbles.api import FillState
 from bubbles.operator.agents import InMemoryAgents
 from bubbles.operator.grpc_agents import GrpcAgents
 from bubbles.operator.kube import Connection, FinalizerConflict, KubeWriter
 from bubbles.operator.leader import LeaseElector
 from bubbles.operator.rbac import RULES, cluster_role, cluster_role_binding
 from bubbles.operator.shell import Operator, OperatorConfig
-from bubbles.resources import NodeReport, StageReport
+from bubbles.resources import JobProgress, NodeReport, StageReport
 
 pytestmark = pytest.mark.kube
 NS = "harvest"
@@ -144,6 +145,15 @@ def test_place_then_delete_on_a_real_api_server_under_rbac(cluster: ApiServer) -
         pt = until("the training counts its fill job",
                    lambda: (p := get(cluster, "pt", "llama")) and p["status"].get("fillJobs") == 1 and p, 15)
         assert pt["status"]["bubbleRatio"] == 0.1
+        # Its process runs, then its training falls silent: Paused, a phase the CRD's schema accepts, shown by kubectl.
+        agents.reports["node-a"] = NodeReport("node-a", agents.reports["node-a"].stages,
+                                              (JobProgress(uid, FillState.RUNNING, 100, 1e12),))
+        until("Running", lambda: phase(cluster, "resnet") == "Running")
+        agents.reports["node-a"] = NodeReport("node-a", (StageReport(NS, "llama", "llama-0", 0, "cuda:0", CYCLE,
+                                                                     False),), agents.reports["node-a"].jobs)
+        until("Paused", lambda: phase(cluster, "resnet") == "Paused")
+        row = cluster.kubectl("get", "fj", "resnet", "-n", NS, "--no-headers").stdout.split()
+        assert row[1:5] == ["Paused", "llama", "node-a", "10%"]
         cluster.kubectl("delete", "fj", "resnet", "-n", NS, "--wait=false")
         until("the FillJob gone (finalizer released)", lambda: get(cluster, "fj", "resnet") is None)
         # No kubelet here to finish a bound Pod's graceful deletion: it is marked deleted, and stays Terminating.

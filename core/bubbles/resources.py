@@ -69,7 +69,7 @@ class FillJobPhase(enum.StrEnum):
     QUEUED = "Queued"  # valid, waiting for a bubble it fits
     PLACED = "Placed"  # assigned to (training, stage, node, device); its Pod is being created
     RUNNING = "Running"  # its fill process runs steps in the bubbles
-    PAUSED = "Paused"  # held: the training's budget is exceeded or isolation is down
+    PAUSED = "Paused"  # placed and started, but its stage's training sends no bubble signals (HOOK_SILENCE_S)
     SUCCEEDED = "Succeeded"  # did all its work
     FAILED = "Failed"  # invalid, or out of restarts; the message says why
 
@@ -84,7 +84,6 @@ class ConditionType(enum.StrEnum):
     ADMITTED = "Admitted"
     PLACED = "Placed"
     RUNNING = "Running"
-    THROTTLED = "Throttled"
     EVICTED = "Evicted"
     FINISHED = "Finished"
     HOOK_REPORTING = "HookReporting"
@@ -815,6 +814,12 @@ PIPELINE_TRAINING_STATUS: tuple[Field, ...] = (
 
 
 # -- what node agents report to the operator -------------------------------------------------------------------
+# A stage whose hook has sent nothing for this long reports no hook (StageReport.hook_reporting False): its training
+# stopped, evaluates or checkpoints, or hangs. A training hook sends several messages per iteration (each bubble's start
+# and end), so a stage that trains is far from this silent.
+HOOK_SILENCE_S = 30.0
+
+
 @dataclass(frozen=True)
 class StageReport:
     """One pipeline stage of one training Pod on a node, as its agent sees it."""
@@ -825,7 +830,7 @@ class StageReport:
     stage: int
     device: str
     cycle: dict[str, Any] | None = None  # BubbleCycle.to_dict() once the hook has profiled the stage
-    hook_reporting: bool = False
+    hook_reporting: bool = False  # a hook message within HOOK_SILENCE_S
     iteration_s: float | None = None  # latest iteration time while harvesting
     baseline_iteration_s: float | None = None  # the slowdown guard's baseline (no fill work)
     bubble_s: float = 0.0

@@ -35,7 +35,7 @@ from typing import Any
 from bubbles import control, paths
 from bubbles.agentapi import AssignmentMessage
 from bubbles.api import FillState, known_membership
-from bubbles.resources import JobProgress, NodeReport, StageReport
+from bubbles.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
 from .launcher import FillProcess, Launcher, LaunchRequest
@@ -216,7 +216,7 @@ class ClusterConfig:
     template: AgentConfig  # per-training settings (mode, grace, budget, isolation); training/executors are set here
     gpus: Mapping[str, str] = field(default_factory=dict)  # GPU UUID -> this process's device ("cuda:N")
     scan_interval_s: float = 1.0
-    hook_silence_s: float = 30.0  # a stage whose hook has been silent this long does not report a hook
+    hook_silence_s: float = HOOK_SILENCE_S  # a stage whose hook has been silent this long does not report a hook
     retire_after_s: float = 30.0  # a training with no card for this long is stopped (a restart writes a new one)
 
     def __post_init__(self) -> None:

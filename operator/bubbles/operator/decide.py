@@ -30,6 +30,7 @@ from bubbles.plan import Bubble, FillNode
 from bubbles.resources import (
     API_VERSION,
     FINALIZER,
+    HOOK_SILENCE_S,
     VOLUME_SOURCES,
     Condition,
     ConditionType,
@@ -557,6 +558,17 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.get('pod')} started")
         st.phase(FillJobPhase.PLACED, _placed_message(stage))
     if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
+        if not stage.hook_reporting:
+            # No bubbles while the training sends no signals (stopped, evaluating or checkpointing, hung): the job's
+            # process is kept, waiting, and runs again at the next bubble. Said, so that a job making no progress
+            # says why; it keeps its stage.
+            st.condition(ConditionType.RUNNING, False, "TrainingSilent", f"no bubble signals from stage {stage.stage} "
+                         f"of {stage.training} (training Pod {stage.pod})")
+            st.phase(FillJobPhase.PAUSED, f"paused: the training's hook on {stage.training} stage {stage.stage} "
+                     f"(Pod {stage.pod}) has sent no bubble signals for {HOOK_SILENCE_S:g} s (the training stopped, "
+                     "is evaluating or checkpointing, or hangs); the job resumes at its next bubble",
+                     event="Paused")
+            return
         st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {stage.stage} "
                      f"on {stage.node}")
         st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {stage.training} stage {stage.stage} on "
