@@ -154,20 +154,23 @@ def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path
         while not fill.exists():  # the fill process imports torch, creates and initializes the model
             assert proc.poll() is None and time.monotonic() < deadline + 20, "fill job never armed"
             time.sleep(0.02)
+        sent_s = 0.0  # the bubbles' lengths as sent (the test's sleeps overshoot on a loaded machine)
         for seq in range(1, 21):
             start = time.monotonic_ns()
             for p in (stage_dir / "agent.sock", fill):
                 sock.sendto(wire.encode_bubble_start(1, 0, seq, start, start + 8_000_000), str(p))
             time.sleep(0.008)
+            end = time.monotonic_ns()
             for p in (stage_dir / "agent.sock", fill):
-                sock.sendto(wire.encode_bubble_end(1, 0, seq, time.monotonic_ns()), str(p))
+                sock.sendto(wire.encode_bubble_end(1, 0, seq, end), str(p))
+            sent_s += (end - start) / 1e9
             time.sleep(0.004)
         time.sleep(0.2)
     data = json.loads(stats.read_text())
     assert data["training"] == "demo" and data["budget"] == 0.01
     assert set(data["modes"]) == {"off", "naive", "harvest"}
     h = data["modes"]["harvest"]
-    assert h["fill_steps"] > 0 and h["fill_flops"] > 0 and h["bubble_s"] == pytest.approx(20 * 0.008, rel=0.5)
+    assert h["fill_steps"] > 0 and h["fill_flops"] > 0 and h["bubble_s"] == pytest.approx(sent_s, rel=0.1)
     job = data["jobs"][0]
     assert job["name"] == "batch-inference" and job["stage"] == 1 and job["state"] == "STOPPED"
     assert job["steps"] == h["fill_steps"] and job["flops"] > 0

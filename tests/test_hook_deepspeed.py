@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -99,13 +100,15 @@ def read_ranks(out: Path, stages: int) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def short_run_dir() -> Iterator[Path]:
     # AF_UNIX socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
-    d = Path(f"/tmp/bbds-{os.getpid()}")
-    d.mkdir(mode=0o700)
+    d = Path(tempfile.mkdtemp(prefix="bbds-", dir="/tmp"))  # mode 0700; never a leftover of an earlier run
     yield d
     subprocess.run(["rm", "-rf", str(d)], check=False)
 
 
-TWO = [*MODEL, "--sleep-compute-ms", "2", "--phases", "off:15,harvest:15"]
+# A harvest phase long enough for a fill process on a loaded machine to arm and be seen running steps before it ends.
+TWO_OFF, TWO_HARVEST = 15, 40
+TWO = [*MODEL, "--sleep-compute-ms", "2", "--phases", f"off:{TWO_OFF},harvest:{TWO_HARVEST}"]
+TWO_LOSSES = 2 + 5 + TWO_OFF + TWO_HARVEST  # the hook's warm-up and profiling iterations (train.py), then the phases
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +204,7 @@ def test_losses_bit_identical_with_and_without_hook_and_listener(
     hooked = two_stage_killed_listener["ranks"]
     for base, with_hook in zip(two_stage_baseline, hooked, strict=True):
         assert not base["hook"] and with_hook["hook"]
-        assert len(base["losses"]) == 7 + 30
+        assert len(base["losses"]) == TWO_LOSSES
         assert base["losses"] == with_hook["losses"]
     assert all(math.isfinite(float.fromhex(x)) for x in hooked[0]["losses"])
 
@@ -219,7 +222,7 @@ def test_killing_the_listener_mid_run_does_not_disturb_training(
         stats = r["stats"]
         assert stats["listeners_removed"] == 1 and stats["listeners"] == 0, stats  # the dead one dropped
         assert not stats["disabled"]
-        assert len(r["losses"]) == 37 and r["phase"][-1] == "harvest"
+        assert len(r["losses"]) == TWO_LOSSES and r["phase"][-1] == "harvest"
 
 
 def test_inference_schedule(tmp_path: Path) -> None:
