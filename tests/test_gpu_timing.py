@@ -307,6 +307,21 @@ def test_with_device_timing_the_iteration_length_is_the_device_s_not_the_host_s(
     inst.detach()
 
 
+def drain_signals(inst: Any, listener: socket.socket) -> None:
+    """Once the device has run what was queued: wait (bounded) until the event thread has taken every event off its
+    queue, then drop what the listener got until 50 ms pass without a datagram (the last event's signal)."""
+    timer = inst._timer
+    deadline = time.monotonic() + 10
+    while timer is not None and not timer._queue.empty():
+        assert time.monotonic() < deadline, "the event thread never caught up"
+        time.sleep(0.005)
+    listener.settimeout(0.05)
+    with contextlib.suppress(TimeoutError):
+        while True:
+            listener.recv(wire.MAX_DATAGRAM_BYTES)
+    listener.settimeout(5.0)
+
+
 def test_with_device_timing_predicted_lengths_follow_the_waits_the_device_measured(sockdir: Path) -> None:
     """As with host timing, a signalled bubble's predicted length follows its recent lengths after profiling; here
     the lengths are the device's, and the event thread recomputes the prediction (until 2026-11-24 device timing
@@ -333,12 +348,7 @@ def test_with_device_timing_predicted_lengths_follow_the_waits_the_device_measur
         done = FakeEvent(eng.stream)
         done.record()
         done.synchronize()
-        time.sleep(0.05)
-        listener.settimeout(0.001)
-        with contextlib.suppress(OSError):
-            while True:
-                listener.recv(wire.MAX_DATAGRAM_BYTES)
-        listener.settimeout(5.0)
+        drain_signals(inst, listener)
 
     def predicted_ms(batches: int) -> list[float]:
         for _ in range(batches):
@@ -673,14 +683,10 @@ def test_a_fill_mode_switch_reaches_listeners_after_the_bubbles_the_device_has_y
     assert inst.cycle is not None and len(inst.cycle.slots) == 4
     listener = bind(sdir / "fill-m.sock")
     eng.train_batch()  # the listener is discovered at the end of this batch
-    time.sleep(0.2)  # its device work and signals are done
-    while True:  # drop what arrived so far
-        listener.settimeout(0.05)
-        try:
-            listener.recv(wire.MAX_DATAGRAM_BYTES)
-        except TimeoutError:
-            break
-    listener.settimeout(5.0)
+    done = FakeEvent(eng.stream)
+    done.record()
+    done.synchronize()  # its device work is done
+    drain_signals(inst, listener)  # and its signals sent: drop them
     eng.train_batch()  # returns while the device still has about 50 ms of this batch to run
     inst.set_fill_mode(wire.FillMode.HARVEST)
     kinds = []
