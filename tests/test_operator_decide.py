@@ -471,7 +471,10 @@ def test_a_running_job_whose_training_falls_silent_is_paused_keeps_its_stage_and
     running = {"uid-fj": JobProgress("uid-fj", FillState.PAUSED, 400, 4e12)}  # between two bubbles: still Running
     step([job, other], [stage()], progress=running)
     assert job["status"]["phase"] == "Running" and other["status"]["phase"] == "Queued"
-    d = step([job, other], [stage(hook_reporting=False)], progress=running)  # evaluating, checkpointing, or hung
+    t = training()
+    d = step([job, other], [stage(hook_reporting=False)], [t], progress=running)  # evaluating, checkpointing, hung
+    hooks = cond(t, "HookReporting")  # heard before: not a hook to set up
+    assert hooks["reason"] == "Silent" and "llama-0" in hooks["message"] and "attach" not in hooks["message"]
     st = job["status"]
     assert st["phase"] == "Paused" and "no bubble signals for 30 s" in st["message"] and "llama-0" in st["message"]
     assert cond(job, "Running")["status"] == "False" and cond(job, "Running")["reason"] == "TrainingSilent"

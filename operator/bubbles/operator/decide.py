@@ -479,10 +479,10 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
                     "bubbles are not used until it is fixed")
             training_side = True
         elif any(s.pod == tpod and s.training == tkey for s in view.stages):
-            # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes)
-            # or the hook went silent.
+            # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes).
+            # (A silent hook leaves the stage reported, hook_reporting False: the job is Paused, below.)
             lost = (f"the bubbles agent on node {a.get('node')} no longer reports stage {a.get('stage')} of "
-                    f"{a.get('training')} (training Pod {tpod} still runs: the agent restarted, or the hook is silent)")
+                    f"{a.get('training')} (training Pod {tpod} still runs: the agent restarted)")
         else:
             lost = f"training Pod {tpod} (stage {a.get('stage')} of {a.get('training')}) is gone"
             training_side = not on_gpu
@@ -566,8 +566,8 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
                          f"of {stage.training} (training Pod {stage.pod})")
             st.phase(FillJobPhase.PAUSED, f"paused: the training's hook on {stage.training} stage {stage.stage} "
                      f"(Pod {stage.pod}) has sent no bubble signals for {HOOK_SILENCE_S:g} s (the training stopped, "
-                     "is evaluating or checkpointing, or hangs); the job resumes at its next bubble",
-                     event="Paused")
+                     "is evaluating or checkpointing, or hangs); fill work runs only in its bubbles, so the job "
+                     "runs again at its next one", event="Paused")
             return
         st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {stage.stage} "
                      f"on {stage.node}")
@@ -1021,6 +1021,9 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         conds = set_condition(status.get("conditions") or [], Condition(
             ConditionType.ADMITTED.value, "True", "Valid", "the spec is valid", observed_generation=gen), view.now)
         silent = [s.pod for s in mine if not s.hook_reporting]
+        # Heard before (profiled), silent now: the training pauses (evaluation, a checkpoint), stopped or hangs; not
+        # a hook to set up.
+        unheard = [s.pod for s in mine if not s.hook_reporting and s.cycle is None]
         unscheduled = sorted(s.pod for s in mine if not s.node)
         no_agent = sorted({s.node for s in mine if s.node and not s.agent_up})
         if not mine:
@@ -1037,17 +1040,23 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
                 "HookReporting", "False", "NoAgent", f"no bubbles agent answers on node(s) {', '.join(no_agent)}: the "
                 "agent DaemonSet must run there (its nodes need one of the chart's agent.gpuNodeLabels set to "
                 "\"true\"), and the operator needs --agent-ca to call it", observed_generation=gen), view.now)
+        elif silent and not unheard:
+            conds = set_condition(conds, Condition(
+                "HookReporting", "False", "Silent", f"no bubble signals for {HOOK_SILENCE_S:g} s from "
+                f"{', '.join(sorted(silent))}, profiled before: the training stopped, is evaluating or checkpointing, "
+                "or hangs. Fill jobs on those stages are Paused until it trains again", observed_generation=gen),
+                view.now)
         elif silent:
             # A silent Pod beside one of the training's reporting Pods on its node may be a second process of a stage
             # already reported there (the hook stands such a twin down: one process per stage and node is harvested).
-            shared = sorted(s.pod for s in mine if not s.hook_reporting and any(
+            shared = sorted(s.pod for s in mine if not s.hook_reporting and s.cycle is None and any(
                 o.hook_reporting and o.node == s.node for o in mine))
             twin = (f". {', '.join(shared)} share a node with Pods of this training that report: if one runs a stage "
                     "already reported there (tensor-parallel ranks or data-parallel replicas of one stage on one "
                     "node), its hook stood down, as one process per stage and node is harvested (its log says so)"
                     if shared else "")
             conds = set_condition(conds, Condition(
-                "HookReporting", "False", "NoHook", f"no bubble signals from {', '.join(sorted(silent))}: attach the "
+                "HookReporting", "False", "NoHook", f"no bubble signals from {', '.join(sorted(unheard))}: attach the "
                 "hook (bubbles.hook.instrument(engine)), set BUBBLES_TRAINING to this PipelineTraining's name and "
                 f"mount the node's bubbles run directory (the chart's agent.runDir) at /run/bubbles{twin}",
                 observed_generation=gen), view.now)

@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--deadline-share",
         type=float,
         default=0.0,
-        help="share of generated jobs with a deadline (10x their isolated run time; default 0)",
+        help="share of generated jobs with a deadline (10x their isolated run time, plus --init-s; default 0)",
     )
     f.add_argument(
         "--init-s",
