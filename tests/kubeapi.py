@@ -50,10 +50,13 @@ def find_assets() -> tuple[Path | None, str]:
                   "once (builds them from Debian's packages, about 10 minutes; `make test` does it)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports the kernel has free now (all held until all are picked, so none is picked twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 @dataclass
@@ -115,7 +118,7 @@ def _kubeconfig(path: Path, url: str, token: str, user: str) -> Path:
 def api_server(workdir: Path, assets: Path, timeout_s: float = 60.0) -> Iterator[ApiServer]:
     """Start etcd and kube-apiserver in ``workdir``; stop both (and remove their state) on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
-    etcd_port, peer_port, api_port = _free_port(), _free_port(), _free_port()
+    etcd_port, peer_port, api_port = _free_ports(3)
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
     key = workdir / "sa.key"

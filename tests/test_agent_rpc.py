@@ -279,12 +279,16 @@ def test_bubbles_agent_cluster_flags_are_checked_before_anything_starts(tmp_path
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
 
 
-def free_port() -> int:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports the kernel has free now (all held until all are picked, so none is picked twice)."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def test_bubbles_agent_cluster_serves_health_and_metrics_and_stops_on_sigterm(tmp_path: Path, pki: Pki) -> None:
@@ -292,7 +296,7 @@ def test_bubbles_agent_cluster_serves_health_and_metrics_and_stops_on_sigterm(tm
     import time
     import urllib.request
 
-    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    grpc_port, health_port, metrics_port = free_ports(3)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bubbles.cli", "agent", "--cluster", "--node", "node-x",
          "--run-dir", str(tmp_path / "run"), "--listen", f"127.0.0.1:{grpc_port}",
