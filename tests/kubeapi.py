@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -24,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bubbles.orchestrate.processes import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "kube-from-debian.sh"
@@ -48,15 +49,6 @@ def find_assets() -> tuple[Path | None, str]:
         return cache, ""
     return None, (f"no kube-apiserver/etcd/kubectl in $KUBEBUILDER_ASSETS or {cache}: run {SCRIPT.relative_to(ROOT)} "
                   "once (builds them from Debian's packages, about 10 minutes; `make test` does it)")
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the kernel has free now (all held until all are picked, so none is picked twice)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 @dataclass
@@ -118,7 +110,7 @@ def _kubeconfig(path: Path, url: str, token: str, user: str) -> Path:
 def api_server(workdir: Path, assets: Path, timeout_s: float = 60.0) -> Iterator[ApiServer]:
     """Start etcd and kube-apiserver in ``workdir``; stop both (and remove their state) on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
-    etcd_port, peer_port, api_port = _free_ports(3)
+    etcd_port, peer_port, api_port = free_ports(3)
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
     key = workdir / "sa.key"

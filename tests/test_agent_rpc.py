@@ -29,6 +29,7 @@ from bubbles.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
 from bubbles.api import FillState, IsolationMode, parse_spec
 from bubbles.operator.decide import Assignment
 from bubbles.operator.grpc_agents import IDLE_CLOSE_S, AgentCredentialsError, ClientSecurity, GrpcAgents
+from bubbles.orchestrate.processes import free_ports
 
 
 @pytest.fixture(scope="module")
@@ -277,18 +278,6 @@ def test_bubbles_agent_cluster_flags_are_checked_before_anything_starts(tmp_path
                           (("--node", "n"), "only apply with --cluster")):
         result = agent(*args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the kernel has free now (all held until all are picked, so none is picked twice)."""
-    import contextlib
-    import socket
-
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 def test_bubbles_agent_cluster_serves_health_and_metrics_and_stops_on_sigterm(tmp_path: Path, pki: Pki) -> None:

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 
 from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
-from bubbles.orchestrate.processes import fill_jobs_ready
+from bubbles.orchestrate.processes import fill_jobs_ready, free_port
 
 pytestmark = pytest.mark.deepspeed
 
@@ -68,12 +67,6 @@ while True:
         dump()
         last = time.monotonic()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def train_cmd(stages: int, out: Path, *flags: str) -> list[str]:

@@ -255,9 +255,6 @@ class SpecError(ValueError):
     """A fill-job spec that cannot be run; the message names the field and what to do."""
 
 
-# Steps past a bubble's predicted end (the fill runtime's tail, ``bubbles.gating.TailRisk``): the accepted chance that
-# such a step outlives its bubble. The fill process's ``$BUBBLES_TAIL_RISK`` sets its own (default below); the
-# training's limit (a PipelineTraining's ``spec.tailRisk``, the agent's ``--tail-risk``) caps it.
 # What a stage's training process is to its node's MPS server, as the agent answers (``ExecutorStatus``,
 # ``resources.StageReport``): a client, or not ("not a client: " then what that costs and what to do).
 MPS_CLIENT = "client"
@@ -271,6 +268,9 @@ def known_membership(text: str) -> str:
     return text if text == MPS_CLIENT or text.startswith(NOT_MPS_CLIENT) else ""
 
 
+# Steps past a bubble's predicted end (the fill runtime's tail, ``bubbles.gating.TailRisk``): the accepted chance that
+# such a step outlives its bubble. The fill process's ``$BUBBLES_TAIL_RISK`` sets its own (default below); the
+# training's limit (a PipelineTraining's ``spec.tailRisk``, the agent's ``--tail-risk``) caps it.
 DEFAULT_TAIL_RISK = 0.1
 MAX_TAIL_RISK = 0.5
 

@@ -17,11 +17,19 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago (all held until all are picked, so none is
+    picked twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for the agent's metrics endpoint, torchrun)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen[Any] | None, timeout_s: float, poll_s: float = 0.05) -> bool:

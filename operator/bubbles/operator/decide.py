@@ -559,9 +559,8 @@ def _track(out: Decisions, view: ClusterView, st: _JobState, job: FillJobResourc
         st.phase(FillJobPhase.PLACED, _placed_message(stage))
     if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
         if not stage.hook_reporting:
-            # No bubbles while the training sends no signals (stopped, evaluating or checkpointing, hung): the job's
-            # process is kept, waiting, and runs again at the next bubble. Said, so that a job making no progress
-            # says why; it keeps its stage.
+            # No bubbles while the training sends no signals (stopped, evaluating or checkpointing, hung), so no fill
+            # steps: said, so that a job making no progress says why. It keeps its stage and its process.
             st.condition(ConditionType.RUNNING, False, "TrainingSilent", f"no bubble signals from stage {stage.stage} "
                          f"of {stage.training} (training Pod {stage.pod})")
             st.phase(FillJobPhase.PAUSED, f"paused: the training's hook on {stage.training} stage {stage.stage} "
@@ -1021,9 +1020,9 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         conds = set_condition(status.get("conditions") or [], Condition(
             ConditionType.ADMITTED.value, "True", "Valid", "the spec is valid", observed_generation=gen), view.now)
         silent = [s.pod for s in mine if not s.hook_reporting]
-        # Heard before (profiled), silent now: the training pauses (evaluation, a checkpoint), stopped or hangs; not
-        # a hook to set up.
-        unheard = [s.pod for s in mine if not s.hook_reporting and s.cycle is None]
+        # Silent and never profiled: a hook to set up. Silent after it was profiled is the training's pause (an
+        # evaluation, a checkpoint), stop or hang: said apart (Silent), with no set-up advice.
+        unheard = [s for s in mine if not s.hook_reporting and s.cycle is None]
         unscheduled = sorted(s.pod for s in mine if not s.node)
         no_agent = sorted({s.node for s in mine if s.node and not s.agent_up})
         if not mine:
@@ -1049,14 +1048,14 @@ def _training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str
         elif silent:
             # A silent Pod beside one of the training's reporting Pods on its node may be a second process of a stage
             # already reported there (the hook stands such a twin down: one process per stage and node is harvested).
-            shared = sorted(s.pod for s in mine if not s.hook_reporting and s.cycle is None and any(
-                o.hook_reporting and o.node == s.node for o in mine))
+            shared = sorted(s.pod for s in unheard if any(o.hook_reporting and o.node == s.node for o in mine))
             twin = (f". {', '.join(shared)} share a node with Pods of this training that report: if one runs a stage "
                     "already reported there (tensor-parallel ranks or data-parallel replicas of one stage on one "
                     "node), its hook stood down, as one process per stage and node is harvested (its log says so)"
                     if shared else "")
+            pods = ", ".join(sorted(s.pod for s in unheard))
             conds = set_condition(conds, Condition(
-                "HookReporting", "False", "NoHook", f"no bubble signals from {', '.join(sorted(unheard))}: attach the "
+                "HookReporting", "False", "NoHook", f"no bubble signals from {pods}: attach the "
                 "hook (bubbles.hook.instrument(engine)), set BUBBLES_TRAINING to this PipelineTraining's name and "
                 f"mount the node's bubbles run directory (the chart's agent.runDir) at /run/bubbles{twin}",
                 observed_generation=gen), view.now)
