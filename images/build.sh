@@ -11,12 +11,19 @@ version="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' helm/bubbl
 tag="${2:-${REGISTRY:+${REGISTRY}/}bubbles-${what}:${version:-dev}}"
 [ -f "images/${what}/Dockerfile" ] || { echo "no images/${what}/Dockerfile" >&2; exit 2; }
 [ "${PRINT_TAG:-0}" = 1 ] && { echo "$tag"; exit 0; }  # the name it would build, and nothing else
-case "$what" in operator) extra="[operator]";; agent) extra="[agent]";; *) extra="";; esac
 mkdir -p wheels
 args=()
 if [ "${OFFLINE:-0}" = 1 ]; then
-  python3 -m pip download --quiet -c constraints.txt -d wheels ".${extra}"
-  python3 -m pip download --quiet -d wheels hatchling  # the build backend, for the offline wheel build
+  # One download serves all three images (their extras together) until the pins or the dependencies change:
+  # resolving them against the index takes about 15 s even when every wheel is already here (empty wheels/ to
+  # download again).
+  stamp="wheels/.downloaded-$(cat constraints.txt pyproject.toml | sha256sum | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    rm -f wheels/.downloaded-*
+    python3 -m pip download --quiet -c constraints.txt -d wheels ".[operator,agent]"
+    python3 -m pip download --quiet -d wheels hatchling  # the build backend, for the offline wheel build
+    touch "$stamp"
+  fi
   args+=(--build-arg "PIP_ARGS=--no-index --find-links /src/wheels")
 fi
 [ -n "${BASE:-}" ] && args+=(--build-arg "BASE=${BASE}")

@@ -71,12 +71,17 @@ class RealNode:
         self.api_port = int(port)
         self.name = os.environ.get("BUBBLES_NODE_NAME", "bubbles-node")
 
-    @classmethod
-    def up(cls, state: Path) -> RealNode:
+    @staticmethod
+    def can_run_here() -> None:
+        """The checks ``up`` makes before anything slow: raises ClusterUnavailable, saying why, where no node can."""
         if os.geteuid() != 0:
             raise ClusterUnavailable("needs root (containerd, the kubelet and their mounts)")
         if not shutil.which("apt-get") and not shutil.which("containerd"):
             raise ClusterUnavailable("no containerd and no apt-get to install it")
+
+    @classmethod
+    def up(cls, state: Path) -> RealNode:
+        cls.can_run_here()
         env = {**os.environ, "BUBBLES_NODE_DIR": str(state)}
         t0 = time.monotonic()
         lock = _hold(Path(f"{state}.lock"))  # another run's live node in the same directory: wait for it to finish

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from real_node import IMAGE_TAG, ROOT, ClusterUnavailable, RealNode, build_images, wait_for
+from real_node import IMAGE_TAG, ROOT, ClusterUnavailable, RealNode, build_image, build_images, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3600)]
 
@@ -170,29 +170,68 @@ def start_training(node: RealNode, iterations: int, out: Path, run_dir: Path, ho
     node.apply(training_pod(1, ip, iterations, out, run_dir, hook, name))
 
 
+def node_and_images(state: Path) -> tuple[RealNode, dict[str, str], dict[str, float]]:
+    """The node up, with the project's images in its containerd. The steps overlap where the 2 cores allow: the node
+    comes up (about 25 s, most of it waiting: about 4 s of CPU) while the images build, and each image goes into the
+    node while the next one builds, the fill-job's first (1.3 GB, about 30 s to import). Skips, saying why, where no
+    node can run; the node is taken down again if a later step fails."""
+    import os
+    import queue
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    try:
+        RealNode.can_run_here()
+    except ClusterUnavailable as exc:
+        pytest.skip(f"CLUSTER TIER SKIPPED: {exc}")
+    t0 = time.monotonic()
+    timeline: dict[str, float] = {}
+    built: queue.Queue[str | None] = queue.Queue()  # images to import, in the order they are built; None: no more
+
+    with ThreadPoolExecutor(2, thread_name_prefix="cluster-setup") as pool:
+        node_f = pool.submit(RealNode.up, state)
+
+        def importer() -> None:
+            node = node_f.result()
+            while (image := built.get()) is not None:
+                node.import_images(image)
+
+        import_f = pool.submit(importer)
+        try:
+            fill_job = build_image("fill-job")
+            subprocess.run(["buildah", "tag", fill_job, FILL_IMAGE], check=True, capture_output=True,
+                           env={**os.environ, "STORAGE_DRIVER": os.environ.get("STORAGE_DRIVER", "vfs")})
+            built.put(FILL_IMAGE)
+            for what in ("operator", "agent"):
+                built.put(build_image(what))
+            built.put(None)
+            timeline["images built (the node coming up, and importing, beside them)"] = time.monotonic() - t0
+            images = build_images()  # built above: the names
+            node = node_f.result()
+            import_f.result()
+            timeline["the last image imported"] = time.monotonic() - t0
+        except BaseException:
+            built.put(None)
+            wait([node_f, import_f])  # nothing left running into the node
+            if isinstance(node_f.exception(), ClusterUnavailable):
+                pytest.skip(f"CLUSTER TIER SKIPPED: {node_f.exception()}")
+            if node_f.exception() is None:
+                node_f.result().down()
+            raise
+    timeline["node up"] = node.up_s
+    return node, images, timeline
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     import os
 
     helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra) installs the chart")
     state = Path(os.environ.get("BUBBLES_NODE_DIR", "/tmp/bubbles-node"))
-    try:
-        node = RealNode.up(state)
-    except ClusterUnavailable as exc:
-        pytest.skip(f"CLUSTER TIER SKIPPED: {exc}")
     c: Cluster | None = None
+    node: RealNode | None = None
     try:
-        timeline = {"node up": node.up_s}
-        t0 = time.monotonic()
-        images = build_images()
-        import subprocess
-
-        subprocess.run(["buildah", "tag", images["fill-job"], FILL_IMAGE], check=True, capture_output=True,
-                       env={**os.environ, "STORAGE_DRIVER": os.environ.get("STORAGE_DRIVER", "vfs")})
-        timeline["images built"] = time.monotonic() - t0
-        t0 = time.monotonic()
-        node.import_images(images["operator"], images["agent"], FILL_IMAGE)
-        timeline["images imported"] = time.monotonic() - t0
+        node, images, timeline = node_and_images(state)
         # The node has no GPU; the label NVIDIA's feature discovery would set is what the agent DaemonSet selects.
         node.kubectl("label", "node", node.name, "nvidia.com/gpu.present=true", "--overwrite")
         node.kubectl("create", "namespace", NS)
@@ -209,9 +248,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             c.prometheus = start_prometheus(node, state / "prometheus")
         yield c
     finally:
-        if c is not None and c.prometheus is not None and not isinstance(c.prometheus, str):
-            c.prometheus.close()
-        if os.environ.get("BUBBLES_NODE_KEEP") == "1":  # to look around after a run: tools/node-from-debian.sh down
+        if c is not None:
+            print(json.dumps({"the cluster tier's timeline (s)": c.timeline}, indent=1))  # shown with -s
+            if c.prometheus is not None and not isinstance(c.prometheus, str):
+                c.prometheus.close()
+        if node is None:
+            pass
+        elif os.environ.get("BUBBLES_NODE_KEEP") == "1":  # to look around after a run: tools/node-from-debian.sh down
             print(f"BUBBLES_NODE_KEEP=1: the node stays up (kubectl --kubeconfig {node.kubeconfig})")
         else:
             result = node.down()
