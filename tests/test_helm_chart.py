@@ -399,6 +399,13 @@ def test_with_mps_the_daemon_runs_in_a_pod_of_its_own_that_upgrades_never_restar
     assert not [d for d in render() if d["metadata"]["name"].endswith("-mps-daemon")]  # contexts: none
 
 
+def test_the_notes_say_which_image_the_example_fill_job_needs() -> None:
+    """The example FillJob names an image without a registry: the notes say to set the one images/build.sh made."""
+    text = notes({"image": {"registry": "registry.example.com/ml"}})
+    step = text[text.index("3. Submit"):]
+    assert "set its spec.image" in step and "registry.example.com/ml/bubbles-fill-job:0.1.0" in step
+
+
 def test_the_notes_say_what_a_training_pod_needs_and_the_agent_never_preempts_one() -> None:
     text = notes({"agent": {"runDir": "/var/lib/bubbles"}})
     assert "/var/lib/bubbles mounted at /run/bubbles" in text and "BUBBLES_TRAINING" in text  # where the hook looks

@@ -93,6 +93,66 @@ def test_each_images_install_set_resolves_with_the_pins(name: str, tmp_path: Pat
         assert {"grpcio", "grpcio-health-checking", "nvidia-ml-py"} <= names and "kopf" not in names
 
 
+def _requirements_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "images" / "requirements.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _names(requirements: list[str]) -> set[str]:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    return {canonicalize_name(Requirement(r).name) for r in requirements}
+
+
+@pytest.mark.parametrize("extra", ["operator", "agent", "demo"])
+def test_the_dependency_layer_installs_what_the_projects_metadata_requires(extra: str) -> None:
+    """images/requirements.py against the installed project's own metadata (hatchling's Requires-Dist), read an
+    independent way: an extra naming other extras of bubbles brings theirs. A dependency it left out would be
+    installed by the project's own install after the code is copied: correct, but no longer cached."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    def required(extras: set[str]) -> set[str]:
+        names: set[str] = set()
+        for line in importlib.metadata.requires("bubbles") or []:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras):
+                if req.name == "bubbles":
+                    names |= required(set(req.extras))
+                else:
+                    names |= _names([line])
+        return names
+
+    result = _requirements_script(extra)
+    assert result.returncode == 0, result.stderr
+    assert _names(result.stdout.splitlines()) == required({extra})
+
+
+@pytest.mark.parametrize("name", ["operator", "agent"])
+def test_the_dependencies_are_installed_before_the_code_is_copied(name: str) -> None:
+    ins = instructions(name)
+    deps = next(i for i, (op, rest) in enumerate(ins) if op == "RUN" and "-r requirements.txt" in rest)
+    assert f"requirements.py {name} " in ins[deps][1]
+    code = next(i for i, (op, rest) in enumerate(ins) if op == "COPY" and rest.startswith("core/"))
+    assert deps < code, f"{name}: the dependency layer must come before the code, or every change reinstalls it"
+    assert not any(op == "COPY" and rest.split()[0].rstrip("/") in {"core", "training", "agent", "operator", "demo"}
+                   for op, rest in ins[:deps]), f"{name}: code copied before the dependency layer"
+
+
+def test_the_requirements_script_refuses_bad_input_saying_what_to_do(tmp_path: Path) -> None:
+    unknown = _requirements_script("operatr")
+    assert unknown.returncode == 2 and not unknown.stdout
+    assert "no extra 'operatr'" in unknown.stderr and "agent, demo, dev, operator, simulate" in unknown.stderr
+    usage = _requirements_script()
+    assert usage.returncode == 2 and "usage: python3 images/requirements.py EXTRA" in usage.stderr
+    flag = _requirements_script("--all")
+    assert flag.returncode == 2 and "usage:" in flag.stderr
+    elsewhere = _requirements_script("operator", cwd=tmp_path)
+    assert elsewhere.returncode == 2 and "no pyproject.toml in" in elsewhere.stderr
+
+
 @pytest.mark.image
 @pytest.mark.timeout(900)
 def test_the_operator_image_builds_offline_and_runs_as_its_user_without_torch() -> None:

@@ -3,9 +3,11 @@
 Like DeepSpeed's pipeline schedules, which yield instructions for the engine to execute, ``AgentCore``
 never touches a socket, a process, a thread or the wall clock. Its inputs are the training's datagrams
 (``on_datagram``), a fill process's control lines (``on_control_line``), launch results, process exits,
-isolation health (``on_isolation``) and timer ticks (``tick``); what it decides comes out of
-``take_actions()`` as ``Launch``, ``Send``, ``Signal`` and ``Release`` values, which the shell
-(``bubbles.agent.server.Agent``) carries out. Tests drive it with plain calls and a fake clock.
+isolation health (``on_isolation``), the answers to the MPS membership checks (``isolation_verified``,
+``training_membership``) and timer ticks (``tick``); what it decides comes out of ``take_actions()`` as
+``Launch``, ``Send``, ``Signal``, ``Release``, ``VerifyIsolation`` and ``VerifyTraining`` values, which the shell
+(``bubbles.agent.server.Agent``) carries out (the two checks off its loop). Tests drive it with plain calls and a
+fake clock.
 
 Per executor (stage k): the PROFILE gives the bubble cycle; the queued job is planned against it
 (``bubbles.plan``; a job that fits no bubble is rejected), launched, initialized and armed in the
