@@ -37,6 +37,7 @@ def test_round_trip_commands_and_events() -> None:
         (b'{"type": "limits", "tail_risk": true}', "limits.tail_risk must be int or float"),
         (b'{"type": "limits", "tail_risk": NaN}', "limits.tail_risk must be finite"),
         (b"\xff\xfe", "not UTF-8"),
+        (b'{"type": "share", "share": ' + b"[" * 60_000 + b"}", "nested too deeply"),  # not a RecursionError
     ],
 )
 def test_bad_commands_are_rejected_with_a_reason(line: bytes, needle: str) -> None:
@@ -61,6 +62,9 @@ def test_bad_commands_are_rejected_with_a_reason(line: bytes, needle: str) -> No
         (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": 1.5}', "sync_ns must be int"),
         (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": true}', "sync_ns must be int"),
         (b'{"type": "step", "start_ns": 1, "end_ns": 5, "flops": 0, "sync_ns": "3"}', "sync_ns must be int"),
+        # A fill process's line within the size limit, deeper than the JSON parser's stack: not a RecursionError,
+        # which would have stopped the agent's loop.
+        (b'{"type": "step", "start_ns": ' + b"[" * 60_000, "nested too deeply"),
     ],
 )
 def test_bad_events_are_rejected_with_a_reason(line: bytes, needle: str) -> None:

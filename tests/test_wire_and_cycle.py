@@ -46,6 +46,8 @@ def test_every_message_round_trips() -> None:
     (struct.pack("<2sBBHB", b"BB", 1, 5, 0, 7), "unknown fill mode 7"),
     (b"BB\x01\x01\x00\x00{not json", "not valid JSON"),
     (b"BB\x01\x01\x00\x00[1, 2]", "must be a JSON object"),
+    # Within the size limit, deeper than the JSON parser's stack: a RecursionError would have stopped the agent.
+    (b"BB\x01\x01\x00\x00" + b"[" * 60_000, "nested too deeply"),
     (b"BB\x01\x01\x00\x00" + b" " * wire.MAX_DATAGRAM_BYTES, "exceeds"),
 ])
 def test_malformed_datagrams_are_refused_with_the_reason(data: bytes, reason: str) -> None:

@@ -223,6 +223,8 @@ def _parse(line: bytes | str, schema: dict[str, dict[str, tuple[tuple[type, ...]
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ControlError(f"{what} line is not JSON ({exc}): {line[:80]!r}") from None
+    except RecursionError:  # nested deeper than the parser's stack: no message is, and it must not stop the agent
+        raise ControlError(f"{what} line is nested too deeply: {line[:80]!r}") from None
     if not isinstance(obj, dict):
         raise ControlError(f"{what} line must be a JSON object, got {type(obj).__name__}")
     type_ = obj.pop("type", None)

@@ -210,6 +210,8 @@ def decode(data: bytes) -> Message:
         body = json.loads(data[_HEADER.size:].decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"PROFILE body is not valid JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the parser's stack: no profile is, and it must not stop the agent
+        raise WireError("PROFILE body is nested too deeply") from None
     if not isinstance(body, dict):
         raise WireError("PROFILE body must be a JSON object")
     return Profile(stage=stage, cycle=body)
