@@ -249,6 +249,54 @@ def test_a_full_listener_loses_datagrams_but_never_blocks(sockdir: Path) -> None
     ls.close(), slow.close()
 
 
+def test_only_sockets_are_listeners_and_fill_sockets_are_capped_the_agent_never(sockdir: Path) -> None:
+    """The stage directory is writable by fill jobs: a link named *.sock would have sendto resolve its target in the
+    training's file system, and every listener costs each signal a sendto on the training's path."""
+    from bubbles.hook import MAX_LISTENERS
+
+    real = bind(sockdir / "fill-real.sock")
+    os.symlink(sockdir / "fill-real.sock", sockdir / "fill-link.sock")
+    os.mkfifo(sockdir / "fill-fifo.sock")
+    (sockdir / "fill-dir.sock").mkdir()
+    ls = Listeners(sockdir)
+    assert ls.refresh() == [str(sockdir / "fill-real.sock")]
+    many = [bind(sockdir / f"fill-{i:02d}.sock") for i in range(2 * MAX_LISTENERS)]
+    agent = bind(sockdir / "agent.sock")  # arrives last, with the directory full of fill sockets
+    bump_mtime(sockdir)
+    ls.refresh()
+    assert len(ls.targets) == MAX_LISTENERS and ls.targets[-1] == str(sockdir / "agent.sock")
+    assert ls.ignored == 2 * MAX_LISTENERS - (MAX_LISTENERS - 2)
+    ls.send(b"x")
+    assert agent.recv(10) == b"x"
+    ls.close(), real.close(), agent.close()
+    for s in many:
+        s.close()
+
+
+def test_fill_sockets_that_stop_reading_leave_the_agent_its_datagrams(sockdir: Path) -> None:
+    """Datagrams queued at a receiver count against the sender's buffer until read: with one sending socket, fill
+    processes that stopped reading used it all up and every later send failed, the agent's included."""
+    from bubbles.hook import MAX_LISTENERS
+
+    idle = [bind(sockdir / f"fill-{i:02d}.sock") for i in range(MAX_LISTENERS - 1)]  # never read
+    agent = bind(sockdir / "agent.sock")
+    ls = Listeners(sockdir)
+    ls.refresh()
+    big = wire.encode_profile(0, {"pad": "x" * 8000})
+    for _ in range(20):  # fills every idle queue and, before, the one send buffer
+        ls.send(big)
+    drain(agent)  # the agent reads what it was sent
+    ends = []
+    for i in range(50):
+        ls.send(wire.encode_bubble_end(0, 0, i, 1))
+        ends += [m.seq for m in drain(agent) if isinstance(m, wire.BubbleEnd)]
+    assert ends == list(range(50)), ends  # every END reached the agent, which reads
+    assert ls.dropped > 0  # the idle fill sockets' queues are full: theirs are lost, as before
+    ls.close(), agent.close()
+    for s in idle:
+        s.close()
+
+
 # ---------------------------------------------------------------------------------------------------
 # the wiring, on a stand-in engine driven by DeepSpeed's own dispatch loop and schedules
 
@@ -602,6 +650,35 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
         assert eng2.train_batch() == 1.5  # the training goes on
     assert "could not write its card" in caplog.text
     inst2.detach()
+
+
+def test_what_a_fill_job_plants_in_the_stage_directory_neither_holds_the_training_nor_gets_written(
+        tmp_path: Path) -> None:
+    """Fill jobs can write in the stage directory. A FIFO under the card's temporary name (.hook.json.<pid>: pids
+    in a container are small and easy to guess) held the training in instrument(), an open for writing that waits
+    for a reader; a link there or under the card's name had the training write where it pointed; and a FIFO under
+    the lock's name was taken for the lock."""
+    victim = tmp_path / "checkpoint.pt"
+    victim.write_bytes(b"weights")
+    for training, plant in (("t10", "fifo"), ("t11", "link")):
+        stage = paths.stage_dir(tmp_path, training, 0)
+        paths.make_private_dir(stage)
+        os.mkfifo(paths.hook_lock(tmp_path, training, 0))
+        os.symlink(victim, paths.hook_card(tmp_path, training, 0))
+        tmp = stage / f".{paths.HOOK_CARD_NAME}.{os.getpid()}"
+        os.mkfifo(tmp) if plant == "fifo" else os.symlink(victim, tmp)
+        eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+        done: list[Any] = []
+        t = threading.Thread(target=lambda e=eng, n=training, d=done: d.append(
+            instrument(e, training=n, run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)), daemon=True)
+        t.start()
+        t.join(5)
+        assert done, f"{plant}: instrument() did not return, the training would be held"
+        assert eng.train_batch() == 1.5  # the training goes on
+        assert victim.read_bytes() == b"weights", plant
+        card = paths.hook_card(tmp_path, training, 0)
+        assert not card.is_symlink() and json.loads(card.read_text())["lock"] is False  # a FIFO is no lock
+        done[0].detach()
 
 
 def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path) -> None:

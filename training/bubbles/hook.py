@@ -39,6 +39,8 @@ import json
 import logging
 import os
 import socket
+import stat
+import tempfile
 import threading
 import time
 from collections import deque
@@ -76,6 +78,11 @@ TIMINGS = ("auto", "host", "cuda")
 _GONE_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.EPROTOTYPE,
                           errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR})
 _FULL_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
+MAX_LISTENERS = 16  # sockets a stage's signals go to, the agent's among them (see Listeners._refresh)
+
+
+def _is_agent(path: str) -> bool:
+    return os.path.basename(path) == paths.AGENT_SOCKET_NAME
 _NO_SIGNALS: dict[int, tuple[int, int]] = {}
 # What an iteration's entry on the event thread is for (device timing): a profiled sample, the ITERATION message,
 # or nothing (its events go back to the pool in order).
@@ -180,8 +187,12 @@ class Listeners:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        # Two sending sockets: datagrams queued at a receiver count against the sender's buffer until read, so fill
+        # processes that stopped reading (26 of them were enough) would otherwise leave no room for the agent's.
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
+        self._agent_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._agent_sock.setblocking(False)
         # With device timing the event thread sends BUBBLE_START/END while the training's thread sends the
         # rest; uncontended, the lock costs a fraction of a microsecond.
         self._lock = threading.Lock()
@@ -193,6 +204,7 @@ class Listeners:
         self.sent = 0
         self.dropped = 0  # datagrams lost to a full queue
         self.removed = 0  # listeners dropped as gone
+        self.ignored = 0  # fill sockets left out past MAX_LISTENERS
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -225,16 +237,27 @@ class Listeners:
                 for entry in it:
                     if entry.name.endswith(paths.SOCKET_SUFFIX):
                         est = entry.stat(follow_symlinks=False)
-                        found[entry.path] = (est.st_ino, est.st_ctime_ns)
+                        # Sockets only: a link would have sendto resolve its target in the training's file system.
+                        if stat.S_ISSOCK(est.st_mode):
+                            found[entry.path] = (est.st_ino, est.st_ctime_ns)
         except OSError:
+            self._mtime = None  # listed again at the next refresh, not only when the directory changes again
             return []
         self._gone = {p: ino for p, ino in self._gone.items() if found.get(p) == ino}
         known = set(self._targets)
         new = sorted(p for p in found if p not in known and p not in self._gone)
+        # Every listener costs each signal a sendto on the training's path: the agent always, fill sockets up to
+        # MAX_LISTENERS in all (a stage runs one fill job at a time: more are leftovers, or a fill job's mischief).
+        kept = [p for p in self._targets if p in found]
+        room = max(0, MAX_LISTENERS - 1 - sum(not _is_agent(p) for p in kept))
+        fresh = [p for p in new if not _is_agent(p)]
+        if len(fresh) > room:
+            self.ignored += len(fresh) - room
+            left_out = set(fresh[room:])
+            new = [p for p in new if p not in left_out]
         # Fill jobs first: they start work on a BUBBLE_START, while the agent only keeps accounts and its
         # watchdog; the agent's sendto must not delay the fill job's wake-up.
-        self._targets = tuple(sorted((p for p in (*self._targets, *new) if p in found),
-                                     key=lambda p: os.path.basename(p) == paths.AGENT_SOCKET_NAME))
+        self._targets = tuple(sorted((*kept, *new), key=_is_agent))
         return new
 
     def send(self, data: bytes, targets: Sequence[str] | None = None) -> None:
@@ -244,7 +267,7 @@ class Listeners:
     def _send(self, data: bytes, targets: Sequence[str]) -> None:
         for path in targets:
             try:
-                self._sock.sendto(data, path)
+                (self._agent_sock if _is_agent(path) else self._sock).sendto(data, path)
                 self.sent += 1
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
@@ -264,6 +287,7 @@ class Listeners:
     def close(self) -> None:
         with self._lock:
             self._sock.close()
+            self._agent_sock.close()
             self._targets = ()
 
 
@@ -502,7 +526,12 @@ class Instrumentation:
         0.5 s (another live process of this stage holds it): the card then says so and is never taken for stale."""
         import fcntl
 
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Never through a link, never waiting to open (a FIFO planted under the name would hold the training here),
+        # and only a regular file: the stage directory is writable by the fill jobs too.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
         _HELD_LOCKS.add(fd)  # from the open on: a fork while it waits must not leave the child sharing the lock
         deadline = time.monotonic() + 0.5
         while True:
@@ -545,9 +574,17 @@ class Instrumentation:
                     self._stand_down()
                     return
             card["lock"] = self._lock_fd is not None
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(card) + "\n")
-            tmp.replace(path)
+            # A new file of a name no one could plant beforehand (mkstemp: O_EXCL, no link followed), then renamed
+            # over the card: nothing in the directory can make this write block or land elsewhere.
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(card) + "\n")
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             self._card = path
         except Exception as exc:
             self._warn_once("card", f"bubbles hook on stage {self.stage} could not write its card for the node "
