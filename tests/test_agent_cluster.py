@@ -125,6 +125,36 @@ def test_cards_that_cannot_be_used_are_reported_not_fatal(tmp_path: Path) -> Non
         ClusterConfig(NODE, template, retire_after_s=-1.0)
 
 
+def test_cards_a_fill_job_planted_are_reported_without_holding_the_agent(tmp_path: Path) -> None:
+    """Fill Pods can write in the stage directories: a FIFO under a card's name held the agent's read for good, a
+    link had it read where it pointed, and a card nested past the JSON parser's stack raised RecursionError."""
+    import threading
+
+    write_card(tmp_path, stage=0)
+    fifo = paths.hook_card(tmp_path, "fifo", 0)
+    paths.make_private_dir(fifo.parent)
+    os.mkfifo(fifo)
+    link = paths.hook_card(tmp_path, "link", 0)
+    paths.make_private_dir(link.parent)
+    os.symlink(paths.hook_card(tmp_path, TRAINING, 0), link)  # a valid card, elsewhere
+    deep = paths.hook_card(tmp_path, "deep", 0)
+    paths.make_private_dir(deep.parent)
+    deep.write_text("[" * 30_000)
+    big = paths.hook_card(tmp_path, "big", 0)
+    paths.make_private_dir(big.parent)
+    big.write_text(json.dumps({"training": "big", "stage": 0, "stages": 1, "pod": "p", "pad": "x" * 100_000}))
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(read_cards(tmp_path)), daemon=True)
+    t.start()
+    t.join(5)
+    assert out, "read_cards did not return: a FIFO held the agent"
+    cards, problems = out[0]
+    assert [c.training for c in cards] == [TRAINING]
+    assert len(problems) == 4, problems
+    assert any("not a regular file" in p for p in problems) and any("nested too deeply" in p for p in problems)
+    assert any("larger than" in p for p in problems)
+
+
 # -- the node, for real ----------------------------------------------------------------------------------------
 def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancelled(node: NodeAgent) -> None:
     run_dir = node.run_dir

@@ -24,6 +24,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -88,6 +89,27 @@ class Card:
                    d.get("lock") is True)
 
 
+MAX_CARD_BYTES = 64 * 1024  # a card is a few hundred bytes
+
+
+def read_card(path: Path) -> Card:
+    """The card at ``path``, read as a file a fill job may have replaced: never through a link, never waiting on an
+    open (a FIFO would hold the agent), at most MAX_CARD_BYTES. Raises OSError or ValueError, saying what is wrong."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        data = os.read(fd, MAX_CARD_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CARD_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_CARD_BYTES} bytes, not a card")
+    try:
+        return Card.parse(json.loads(data), str(path))
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply, not a card") from None
+
+
 def card_is_stale(run_dir: Path, card: Card) -> bool:
     """Whether ``card``'s process is gone: nothing holds its stage's ``hook.lock`` (a card that says its process
     holds none, or whose lock file cannot be read, is taken as live). A stale card is removed, under the lock, unless
@@ -97,7 +119,8 @@ def card_is_stale(run_dir: Path, card: Card) -> bool:
     import fcntl
 
     try:
-        fd = os.open(paths.hook_lock(run_dir, card.training, card.stage), os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(paths.hook_lock(run_dir, card.training, card.stage),
+                     os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -107,7 +130,7 @@ def card_is_stale(run_dir: Path, card: Card) -> bool:
             return False
         path = paths.hook_card(run_dir, card.training, card.stage)
         try:
-            now = Card.parse(json.loads(path.read_text()), str(path))
+            now = read_card(path)
         except (OSError, ValueError):
             return True  # gone or unreadable already
         if now.instance != card.instance:
@@ -124,7 +147,7 @@ def read_cards(run_dir: Path) -> tuple[list[Card], list[str]]:
     cards, problems = [], []
     for path in sorted(run_dir.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}")):
         try:
-            card = Card.parse(json.loads(path.read_text()), str(path))
+            card = read_card(path)
         except (OSError, ValueError) as exc:
             problems.append(str(exc))
             continue
