@@ -63,3 +63,31 @@ class CountingImperativeJob(ImperativeFillJob):
         n = 0
         while True:
             n += 1
+
+
+def test_fill_processes_are_the_oom_killers_first_choice(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """When the node runs out of memory, the kernel's OOM killer must take a fill process, not the training: the
+    agent raises the score of what it starts (a plain command too), and the SDK raises its own (a fill Pod's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bubbles.agent.launcher import LaunchRequest, ProcessLauncher
+    from bubbles.api import FillInterface, FillJobSpec
+
+    spec = FillJobSpec(name="oom", interface=FillInterface.IMPERATIVE, entry=None,
+                       command=(sys.executable, "-c", "import time; time.sleep(30)"))
+    proc = ProcessLauncher().launch(LaunchRequest(spec=spec, socket_path=tmp_path / "fill-oom.sock"))
+    try:
+        assert Path(f"/proc/{proc.pid}/oom_score_adj").read_text().strip() == str(control.FILL_OOM_SCORE_ADJ)
+    finally:
+        proc.send_signal(9)
+        while proc.poll() is None:
+            time.sleep(0.01)
+    # The SDK's own, before anything else it does (here it then refuses a bad --entry): inherited by a child.
+    probe = ("import subprocess, sys; from bubbles.sdk import run_fill_process as r\n"
+             "try:\n    r(['--entry', 'no-colon'])\nexcept SystemExit:\n    pass\n"
+             "print(open('/proc/self/oom_score_adj').read().strip())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip().splitlines()[-1] == str(control.FILL_OOM_SCORE_ADJ), out.stderr

@@ -50,6 +50,10 @@ ATTEMPT_ENV = "BUBBLES_FILL_ATTEMPT"  # its status.restarts when placed
 ARGS_ENV = "BUBBLES_FILL_ARGS"  # the job's keyword arguments (a JSON object), when not given as --args
 CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job's state across attempts
 
+# A fill process's /proc/PID/oom_score_adj, the highest: when the node runs out of memory the kernel's OOM killer takes
+# fill processes before the training. The agent sets it on the processes it starts, the SDK on its own process (a fill
+# Pod's too); raising one's own score needs no privilege, and children inherit it.
+FILL_OOM_SCORE_ADJ = 1000
 MAX_LINE_BYTES = 64 * 1024
 
 # The fill modes a fill process is armed in, as the channel writes them (FillMode labels; OFF is disarm).

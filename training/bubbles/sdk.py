@@ -951,6 +951,9 @@ def exec_attached(command: Sequence[str]) -> int:
 def run_fill_process(argv: Sequence[str] | None = None) -> int:
     """The fill process's main: load the job, create it, then serve the agent's commands."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # First in line for the kernel's OOM killer, before the training (inherited by what --exec runs).
+    with contextlib.suppress(OSError):
+        Path("/proc/self/oom_score_adj").write_text(str(control.FILL_OOM_SCORE_ADJ))
     if args[:1] == ["--exec"]:
         return exec_attached(args[1:])
     parser = argparse.ArgumentParser(prog="python -m bubbles.sdk", description="Run one fill job.")

@@ -144,6 +144,10 @@ class ProcessLauncher(Launcher):
             # If this fails (exited already, or the core is not ours) the runtime pins itself too.
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(popen.pid, {request.core})
+        # The OOM killer's first choice, before the training (control.FILL_OOM_SCORE_ADJ; the SDK sets it too, from
+        # inside, and a process that exited already has nothing to set).
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{popen.pid}/oom_score_adj").write_text(str(control.FILL_OOM_SCORE_ADJ))
         if ours is not None:
             ours.setblocking(False)
         return LocalProcess(popen, ours)
