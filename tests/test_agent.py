@@ -236,6 +236,49 @@ def test_job_too_big_for_every_bubble_is_rejected_naming_the_bubble(start_agent:
     assert h.agent.process(h.agent.jobs[0]) is None  # never started
 
 
+def test_only_the_process_holding_the_stages_lock_speaks_for_the_training(start_agent: StartAgent) -> None:
+    """Fill processes share the stage directory: a PROFILE one sent claiming 8 GiB free had a 2 GiB job planned into
+    a stage whose bubbles have 64 MiB. The training's hook holds the stage's hook.lock for its process's life; the
+    agent takes datagrams only from that process."""
+    h = start_agent([spec("big", "test_agent_jobs:BusyJob", memory="2Gi", step_time="1ms")])
+    lock = paths.hook_lock(h.run_dir, TRAINING, 0)
+    script = ("import fcntl, os, socket, sys\n"
+              f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
+              "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+              "print('locked', flush=True)\n"
+              "data = bytes.fromhex(sys.stdin.readline())\n"
+              f"socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(data, {str(h.run_dir)!r} + "
+              f"'/{TRAINING}/stage-0/agent.sock')\n"
+              "print('sent', flush=True)\n"
+              "sys.stdin.read()\n")
+    training = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        assert training.stdout is not None and training.stdin is not None
+        assert training.stdout.readline().strip() == "locked"
+        forger = Hook(h.run_dir)  # this test's process: not the lock's holder
+        forger.send(wire.encode_profile(0, cycle(slots=((0.005, 8 << 30),))), agent_only=True)
+        wait_for(lambda: h.agent.stats()["rejected_messages"] >= 1, what="the forged profile refused")
+        assert h.job("big")["state"] == "SUBMITTED"  # nothing planned against it
+        training.stdin.write(wire.encode_profile(0, cycle(slots=((0.005, 64 * MIB),))).hex() + "\n")
+        training.stdin.flush()
+        assert training.stdout.readline().strip() == "sent"
+        job = h.wait_state("big", "STOPPED")
+        assert job["reason"].startswith("rejected: ")  # planned against the training's own bubbles
+        # The training's process goes: its lock with it, and the stage takes datagrams from whoever sends again.
+        training.stdin.close()
+        training.wait(10)
+        before = h.agent.stats()["rejected_messages"]
+        forger.send(wire.encode_bubble_start(0, 0, 1, 10, 20), agent_only=True)
+        forger.send(wire.encode_bubble_end(0, 0, 1, 30), agent_only=True)
+        time.sleep(0.3)
+        assert h.agent.stats()["rejected_messages"] == before
+        forger.close()
+    finally:
+        training.kill()
+        training.wait(10)
+
+
 def test_malformed_input_is_dropped_and_the_agent_keeps_serving(start_agent: StartAgent) -> None:
     h = start_agent([spec("garbage", "test_agent_jobs:GarbageControlJob", args={"step_ms": 0.5},
                           step_time="1ms")])

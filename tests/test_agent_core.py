@@ -325,6 +325,38 @@ def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_
     assert done.state is not FillState.STOPPED
 
 
+def test_a_job_asked_to_stop_that_is_still_there_after_the_grace_is_killed() -> None:
+    """A fill process that ignores the request (SIGTERM trapped, a stop command ignored) ran on, never paused again,
+    through the training's compute. One that exits in time is left alone, and the kill is timed once."""
+    from bubbles.agent.core import STOP_GRACE_S
+
+    core, clock, sink = make_core()
+    deaf = armed(core)
+    core.take_actions()
+    assert core.cancel(deaf.name, "cancelled: by the test")
+    assert core.take_actions() == [Send(deaf, "stop"), Signal(deaf, signal.SIGCONT)]
+    core.begin_shutdown()  # asked again: still one deadline
+    core.take_actions()
+    clock.now += int((STOP_GRACE_S - 1) * 1e9)
+    core.tick(clock.now)
+    assert core.take_actions() == []  # not yet
+    clock.now += 2 * 10**9
+    core.tick(clock.now)
+    assert core.take_actions() == [Signal(deaf, signal.SIGCONT), Signal(deaf, signal.SIGKILL)]
+    assert core.kills == 1 and ("kill", 0, "cpu", deaf.name) in sink.calls
+    core.on_exit(deaf, -9)
+    core.take_actions()
+    # One that exits within the grace is not signalled again.
+    polite = armed(core, name="polite")
+    core.take_actions()
+    core.cancel(polite.name, "cancelled: by the test")
+    core.on_exit(polite, 0)
+    core.take_actions()
+    clock.now += int((STOP_GRACE_S + 1) * 1e9)
+    core.tick(clock.now)
+    assert not any(isinstance(a, Signal) for a in core.take_actions())
+
+
 def test_a_jobs_own_init_timeout_takes_the_place_of_the_agents() -> None:
     """A job that loads a large model says so in its spec (FillJob spec.initTimeout): its deadline is its own, the
     agent's applies to the others, and the reason says whose limit it was."""

@@ -91,3 +91,57 @@ def test_fill_processes_are_the_oom_killers_first_choice(tmp_path) -> None:  # t
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip().splitlines()[-1] == str(control.FILL_OOM_SCORE_ADJ), out.stderr
+
+
+def _group(pgid: int) -> dict[int, str]:
+    """PID -> state of every live process in process group ``pgid``."""
+    from pathlib import Path
+
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out[int(stat.parent.name)] = fields[0]
+    return out
+
+
+def test_a_wrapped_commands_children_are_paused_resumed_and_ended_with_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A plain command is often a wrapper (sh -c, torchrun) whose children do the work: signalling its process alone
+    paused only the wrapper, and the children ran on through the training's compute; the ones a wrapper left behind
+    when it exited ran on with the executor taken by the next job."""
+    import signal
+
+    from bubbles.agent.launcher import LaunchRequest, ProcessLauncher
+    from bubbles.api import FillInterface, FillJobSpec
+
+    def launch(script: str):  # type: ignore[no-untyped-def]
+        spec = FillJobSpec(name="wrapped", interface=FillInterface.IMPERATIVE, entry=None, command=("sh", "-c", script))
+        return ProcessLauncher().launch(LaunchRequest(spec=spec, socket_path=tmp_path / "fill-wrapped.sock"))
+
+    def until(what, probe) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 10
+        while not probe():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    proc = launch("sleep 300 & sleep 300 & wait")
+    try:
+        until("the wrapper's two children", lambda: len(_group(proc.pid)) == 3)
+        proc.send_signal(signal.SIGSTOP)
+        until("every member stopped", lambda: set(_group(proc.pid).values()) == {"T"})
+        proc.send_signal(signal.SIGCONT)
+        until("every member running again", lambda: "T" not in _group(proc.pid).values())
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(10) is not None
+        until("no member left", lambda: not _group(proc.pid))
+    finally:
+        proc.close()
+    left = launch("sleep 300 & exit 0")  # the wrapper exits at once, its child lives on
+    try:
+        assert left.wait(10) == 0
+        until("the child it left behind ended", lambda: not _group(left.pid))
+    finally:
+        left.close()

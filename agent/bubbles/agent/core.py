@@ -70,6 +70,18 @@ MAX_OPEN_BUBBLES = 256
 MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
 UNISOLATED = "unisolated"  # JobRecord.isolation of a job launched without working isolation
 _INIT_DEADLINE = -2  # the bubble seq of a timer that is a job's init deadline, not a watchdog
+_STOP_DEADLINE = -3  # ... and of one that is the end of a stop request's grace
+# How long a fill process asked to stop (cancelled, its training restarted, its isolation lost) may take to exit, its
+# checkpoint saved, before it is SIGKILLed: one that ignores the request (SIGTERM trapped) would otherwise run on,
+# never paused again, through the training's compute. Kubernetes' default grace for a Pod.
+STOP_GRACE_S = 30.0
+
+
+def sent_by_the_training(pid: int, holder: int | None) -> bool:
+    """Whether a datagram from process ``pid`` is the training's: the hook holds its stage's ``hook.lock`` for its
+    process's life (``holder``, None where no process holds it or it cannot be told, as on a file system without
+    flock). While a process holds it, only that one speaks for the stage."""
+    return holder is None or holder == pid
 
 
 # -- what the core decides --------------------------------------------------------------------------------
@@ -186,6 +198,7 @@ class JobRecord:
     isolation_epoch: int = 0  # IsolationStatus.epoch at launch
     resubmission: int = 0  # how often this spec was resubmitted after losing isolation
     verification: str = ""  # "" (none asked), "pending" (a VerifyIsolation out), "verified"
+    stop_deadline: bool = False  # asked to stop, with a SIGKILL timed STOP_GRACE_S later
 
     @property
     def name(self) -> str:
@@ -647,6 +660,8 @@ class AgentCore:
             _, _, job, seq, end_ns = heapq.heappop(self._timers)
             if seq == _INIT_DEADLINE:
                 self._init_overdue(job)
+            elif seq == _STOP_DEADLINE:
+                self._stop_overdue(job)
             else:
                 self._watchdog(job, seq, end_ns)
 
@@ -696,10 +711,18 @@ class AgentCore:
         self._release(job)
 
     # -- bubble signals ------------------------------------------------------------------------------------
+    def foreign_datagram(self, stage: int, pid: int, holder: int | None) -> None:
+        """A datagram on ``stage``'s socket from process ``pid`` while process ``holder`` holds the stage's hook lock
+        (the training's; None: not looked up, too many senders this second): refused unread. Fill processes share the
+        stage directories, and a PROFILE sent by one would have set the free memory fill jobs are planned against."""
+        why = (f"not by the training's process {holder} (which holds the stage's {paths.HOOK_LOCK_NAME})"
+               if holder is not None else "one of too many processes sending this second, not looked up")
+        self._reject(stage, "datagram", f"sent by process {pid}, {why}")
+
     def _reject(self, stage: int, source: str, why: str) -> None:
         self.rejected_messages += 1
         self.sink.rejected(stage, source)
-        self._rejected_log.warning("stage %d: dropped a malformed %s message: %s", stage, source, why)
+        self._rejected_log.warning("stage %d: dropped a %s message: %s", stage, source, why)
 
     def _on_message(self, ex: ExecutorState, msg: wire.Message) -> None:
         if isinstance(msg, wire.BubbleStart):
@@ -1086,6 +1109,23 @@ class AgentCore:
         self._signal(job, signal.SIGCONT)
         if not job.has_control:
             self._signal(job, signal.SIGTERM)
+        if job.launched and not job.stop_deadline:
+            job.stop_deadline = True
+            deadline = self.clock() + int(STOP_GRACE_S * 1e9)
+            heapq.heappush(self._timers, (deadline, next(self._tie), job, _STOP_DEADLINE, deadline))
+
+    def _stop_overdue(self, job: JobRecord) -> None:
+        """The stop request's grace is over: a process still there is killed (its record is STOPPED already, or the
+        agent is shutting down)."""
+        if not job.launched:
+            return
+        why = f"killed: still running {STOP_GRACE_S:g} s after it was asked to stop"
+        log.error("stage %d: fill job %r %s", job.stage, job.name, why)
+        self._event(job.stage, job.name, "kill", why)
+        self.kills += 1
+        self.sink.kill(job.stage, self.executors[job.stage].device, job.name)
+        self._signal(job, signal.SIGCONT)
+        self._signal(job, signal.SIGKILL)
 
     def _stop_job(self, job: JobRecord, reason: str, sig: int | None = None) -> None:
         """STOPPED with ``reason``; ask the process to stop (or signal it) if it runs."""

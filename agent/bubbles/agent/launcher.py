@@ -68,20 +68,38 @@ class LocalProcess(FillProcess):
         self.pid = popen.pid
         self.control = ctrl
         self.exit_fd = os.pidfd_open(popen.pid)
+        self._group_ended = False
+
+    # The process leads a process group of its own (start_new_session), and what it starts joins it: a wrapper's
+    # children (sh -c, torchrun, multiprocessing) are paused, resumed and killed with it. Until the leader is reaped
+    # its PID cannot be reused, and after that it stays allocated while any member of its group lives: signalling
+    # the group by that number reaches no one else.
 
     def send_signal(self, sig: int) -> None:
         if self.popen.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self.exit_fd, sig)
+                os.killpg(self.pid, sig)
 
     def poll(self) -> int | None:
-        return self.popen.poll()
+        code = self.popen.poll()
+        if code is not None:
+            self._end_group()
+        return code
 
     def wait(self, timeout_s: float) -> int | None:
         try:
-            return self.popen.wait(timeout=timeout_s)
+            code = self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return None
+        self._end_group()
+        return code
+
+    def _end_group(self) -> None:
+        """The leader has exited: what it left running in its group (holding memory, a GPU) goes too."""
+        if not self._group_ended:
+            self._group_ended = True
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
         if self.control is not None:

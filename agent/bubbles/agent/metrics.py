@@ -133,8 +133,9 @@ class AgentMetrics:
         self.kills = Counter("bubbles_fill_kills",
                              "Fill jobs SIGKILLed for not pausing within the grace period",
                              ["training", "stage", "device", "fill_job"], registry=None)  # after the collector
-        self.rejected_total = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped",
-                                ["training", "stage", "source"], registry=r)
+        self.rejected_total = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped, and "
+                                      "datagrams from a process other than the training's",
+                                      ["training", "stage", "source"], registry=r)
         self.iteration_s = Gauge("bubbles_main_iteration_seconds", "Latest training iteration time",
                                ["training", "stage"], registry=r)
         self.share_gauge = Gauge("bubbles_fill_share", "Share of each bubble the slowdown guard gives fill work",

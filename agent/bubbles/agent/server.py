@@ -18,6 +18,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import threading
 import time
@@ -43,6 +44,7 @@ from .core import (
     Snapshot,
     VerifyIsolation,
     VerifyTraining,
+    sent_by_the_training,
 )
 from .isolation import Isolation, make_isolation
 from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher
@@ -54,6 +56,7 @@ __all__ = ["MAX_ISOLATION_RESUBMISSIONS", "Agent", "AgentConfig"]
 log = logging.getLogger("bubbles.agent")
 
 _STOP_WAIT_S = 2.0
+_HOLDER_LOOKUPS_PER_S = 20  # per stage: who holds its hook lock, asked for datagrams of a sender not known to speak
 _CREDENTIALS_SPACE = socket.CMSG_SPACE(struct.calcsize("3i"))  # struct ucred: pid, uid, gid
 
 
@@ -66,6 +69,26 @@ def recv_with_pid(sock: socket.socket, bufsize: int) -> tuple[bytes, int | None]
             pid = struct.unpack_from("i", payload)[0]
             return data, pid if pid > 0 else None
     return data, None
+
+
+def lock_holder(path: Path) -> int | None:
+    """The process (in this process's PID namespace) holding a ``flock`` on ``path``; None where none does, or
+    where it cannot be told (no such regular file, no /proc/locks, a holder outside this PID namespace)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in text.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:56789 0 EOF"; a waiter's line has "->" after the number
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == want:
+            with contextlib.suppress(ValueError):
+                return int(f[4]) or None
+    return None
 
 
 @dataclass(eq=False)
@@ -99,6 +122,8 @@ class Agent:
         self._channels: dict[JobRecord, _Channel] = {}  # processes whose exit is not handled yet
         self._started: dict[JobRecord, FillProcess] = {}  # every process started, for callers and tests
         self._socks: dict[int, socket.socket] = {}
+        self._speaker: dict[int, int] = {}  # stage -> the last process found to speak for it (_from_training)
+        self._lookups: dict[int, tuple[int, int]] = {}  # stage -> (window start ns, lock lookups in it)
         self._isolation_update: IsolationStatus | None = None  # from the supervisor thread, for the loop
         self._verified: list[tuple[JobRecord, str | None, bool]] = []  # VerifyIsolation answers, from threads
         self._training_answers: list[tuple[int, int, str | None, bool]] = []  # VerifyTraining answers, likewise
@@ -484,8 +509,32 @@ class Agent:
                 data, pid = recv_with_pid(sock, wire.MAX_DATAGRAM_BYTES + 1)
             except BlockingIOError:
                 return
+            if pid is not None and not self._from_training(stage, pid):
+                continue
             self.core.on_datagram(stage, data, pid)
             self._execute()
+
+    def _from_training(self, stage: int, pid: int) -> bool:
+        """Whether ``pid`` may speak for ``stage`` (``core.sent_by_the_training``). The last process found to may is
+        remembered, so the training's own datagrams cost a dictionary lookup; any other sender costs a look at who
+        holds the stage's lock, at most _HOLDER_LOOKUPS_PER_S a second per stage (beyond that, refused unlooked)."""
+        if self._speaker.get(stage) == pid:
+            return True
+        now = self.clock()
+        window, count = self._lookups.get(stage, (now, 0))
+        if now - window > 1_000_000_000:
+            window, count = now, 0
+        if count >= _HOLDER_LOOKUPS_PER_S:
+            self.core.foreign_datagram(stage, pid, None)
+            return False
+        self._lookups[stage] = (window, count + 1)
+        holder = lock_holder(paths.hook_lock(self.config.run_dir, self.config.training, stage))
+        if sent_by_the_training(pid, holder):
+            self._speaker[stage] = pid
+            return True
+        assert holder is not None
+        self.core.foreign_datagram(stage, pid, holder)
+        return False
 
     # -- reporting ---------------------------------------------------------------------------------------
     def _snapshot(self) -> Snapshot:
