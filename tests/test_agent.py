@@ -260,6 +260,8 @@ def test_only_the_process_holding_the_stages_lock_speaks_for_the_training(start_
         forger.send(wire.encode_profile(0, cycle(slots=((0.005, 8 << 30),))), agent_only=True)
         wait_for(lambda: h.agent.stats()["rejected_messages"] >= 1, what="the forged profile refused")
         assert h.job("big")["state"] == "SUBMITTED"  # nothing planned against it
+        for i in range(300):  # a flood from the same sender: refused, and no reason to stop hearing the training
+            forger.send(wire.encode_bubble_end(0, 0, i, 1), agent_only=True)
         training.stdin.write(wire.encode_profile(0, cycle(slots=((0.005, 64 * MIB),))).hex() + "\n")
         training.stdin.flush()
         assert training.stdout.readline().strip() == "sent"
@@ -277,6 +279,40 @@ def test_only_the_process_holding_the_stages_lock_speaks_for_the_training(start_
     finally:
         training.kill()
         training.wait(10)
+
+
+def test_lock_holder_names_the_process_holding_the_lock_and_no_other(tmp_path: Path) -> None:
+    """/proc/locks as the agent reads it: the holder by the file's device and inode, a waiter's line ("->") not taken
+    for it, no answer for a file not there, not locked, not regular, or reached through a link."""
+    from bubbles.agent.server import lock_holder
+
+    path = tmp_path / "hook.lock"
+    assert lock_holder(path) is None
+    path.touch()
+    assert lock_holder(path) is None
+    hold = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\nsys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    waiter = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        assert lock_holder(path) == holder.pid
+        waiter = subprocess.Popen([sys.executable, "-c", hold, str(path)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)  # blocks in flock: a "->" line
+        inode = f":{path.stat().st_ino} "
+        wait_for(lambda: any(" -> " in line and inode in line for line in Path("/proc/locks").read_text().splitlines()),
+                 what="the waiter's line")
+        assert lock_holder(path) == holder.pid
+        os.symlink(path, tmp_path / "link.lock")
+        assert lock_holder(tmp_path / "link.lock") is None
+    finally:
+        for proc in (holder, waiter):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+    os.mkfifo(tmp_path / "fifo.lock")
+    assert lock_holder(tmp_path / "fifo.lock") is None
 
 
 def test_malformed_input_is_dropped_and_the_agent_keeps_serving(start_agent: StartAgent) -> None:

@@ -145,3 +145,9 @@ def test_a_wrapped_commands_children_are_paused_resumed_and_ended_with_it(tmp_pa
         until("the child it left behind ended", lambda: not _group(left.pid))
     finally:
         left.close()
+    polled = launch("sleep 300 & sleep 0.2")  # the same, seen by poll()
+    try:
+        until("the wrapper's exit", lambda: polled.poll() is not None)
+        until("the child it left behind ended", lambda: not _group(polled.pid))
+    finally:
+        polled.close()

@@ -268,6 +268,13 @@ def test_only_sockets_are_listeners_and_fill_sockets_are_capped_the_agent_never(
     assert ls.ignored == 2 * MAX_LISTENERS - (MAX_LISTENERS - 2)
     ls.send(b"x")
     assert agent.recv(10) == b"x"
+    # A listener that goes makes room for one left out, without the directory changing again.
+    first = ls.targets[0]
+    next(s for s in [*many, real] if s.getsockname() == first).close()
+    ls.send(b"y")  # ECONNREFUSED: dropped
+    assert first not in ls.targets
+    ls.refresh()
+    assert len(ls.targets) == MAX_LISTENERS and first not in ls.targets
     ls.close(), real.close(), agent.close()
     for s in many:
         s.close()

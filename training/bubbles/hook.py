@@ -280,6 +280,8 @@ class Listeners:
             return
         self._targets = tuple(p for p in self._targets if p != path)
         self.removed += 1
+        if self.ignored:
+            self._mtime = None  # sockets left out past MAX_LISTENERS: listed again, one may have room now
         with contextlib.suppress(OSError):
             st = os.stat(path, follow_symlinks=False)
             self._gone[path] = (st.st_ino, st.st_ctime_ns)

@@ -713,11 +713,10 @@ class AgentCore:
     # -- bubble signals ------------------------------------------------------------------------------------
     def foreign_datagram(self, stage: int, pid: int, holder: int | None) -> None:
         """A datagram on ``stage``'s socket from process ``pid`` while process ``holder`` holds the stage's hook lock
-        (the training's; None: not looked up, too many senders this second): refused unread. Fill processes share the
+        (the training's): refused unread. Fill processes share the
         stage directories, and a PROFILE sent by one would have set the free memory fill jobs are planned against."""
-        why = (f"not by the training's process {holder} (which holds the stage's {paths.HOOK_LOCK_NAME})"
-               if holder is not None else "one of too many processes sending this second, not looked up")
-        self._reject(stage, "datagram", f"sent by process {pid}, {why}")
+        self._reject(stage, "datagram", f"sent by process {pid}, not by the training's process {holder} (which holds "
+                                        f"the stage's {paths.HOOK_LOCK_NAME})")
 
     def _reject(self, stage: int, source: str, why: str) -> None:
         self.rejected_messages += 1

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -77,25 +78,40 @@ class LocalProcess(FillProcess):
 
     def send_signal(self, sig: int) -> None:
         if self.popen.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
+            try:
                 os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError:  # no member this user may signal (a setuid child): the leader at least
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self.exit_fd, sig)
 
     def poll(self) -> int | None:
-        code = self.popen.poll()
-        if code is not None:
+        if self.popen.returncode is None and self._exited(0.0):
             self._end_group()
-        return code
+        return self.popen.poll()
 
     def wait(self, timeout_s: float) -> int | None:
-        try:
-            code = self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-        self._end_group()
-        return code
+        if self.popen.returncode is None:
+            if not self._exited(timeout_s):
+                return None
+            self._end_group()
+        return self.popen.wait()  # exited: at once
+
+    def _exited(self, timeout_s: float) -> bool:
+        """Whether the leader has exited, without reaping it: until it is reaped its PID, and so its group's number,
+        cannot be taken by another process."""
+        if self.exit_fd < 0:  # closed: the plain way
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        return bool(select.select([self.exit_fd], [], [], timeout_s)[0])
 
     def _end_group(self) -> None:
-        """The leader has exited: what it left running in its group (holding memory, a GPU) goes too."""
+        """The leader has exited, not yet reaped: what it left running in its group (holding memory, a GPU) goes too.
+        A child that left the group (setsid, setpgid) is not found this way."""
         if not self._group_ended:
             self._group_ended = True
             with contextlib.suppress(OSError):

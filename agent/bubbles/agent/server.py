@@ -56,7 +56,8 @@ __all__ = ["MAX_ISOLATION_RESUBMISSIONS", "Agent", "AgentConfig"]
 log = logging.getLogger("bubbles.agent")
 
 _STOP_WAIT_S = 2.0
-_HOLDER_LOOKUPS_PER_S = 20  # per stage: who holds its hook lock, asked for datagrams of a sender not known to speak
+_VERDICT_TTL_S = 1.0  # how long an answer of _from_training other than "the lock's holder" stands
+_MAX_VERDICTS = 256  # senders remembered per stage
 _CREDENTIALS_SPACE = socket.CMSG_SPACE(struct.calcsize("3i"))  # struct ucred: pid, uid, gid
 
 
@@ -122,8 +123,8 @@ class Agent:
         self._channels: dict[JobRecord, _Channel] = {}  # processes whose exit is not handled yet
         self._started: dict[JobRecord, FillProcess] = {}  # every process started, for callers and tests
         self._socks: dict[int, socket.socket] = {}
-        self._speaker: dict[int, int] = {}  # stage -> the last process found to speak for it (_from_training)
-        self._lookups: dict[int, tuple[int, int]] = {}  # stage -> (window start ns, lock lookups in it)
+        self._speaker: dict[int, int] = {}  # stage -> the process last found holding its lock (_from_training)
+        self._verdicts: dict[int, dict[int, tuple[bool, int, int | None]]] = {}  # stage -> pid -> (ok, until, holder)
         self._isolation_update: IsolationStatus | None = None  # from the supervisor thread, for the loop
         self._verified: list[tuple[JobRecord, str | None, bool]] = []  # VerifyIsolation answers, from threads
         self._training_answers: list[tuple[int, int, str | None, bool]] = []  # VerifyTraining answers, likewise
@@ -515,26 +516,31 @@ class Agent:
             self._execute()
 
     def _from_training(self, stage: int, pid: int) -> bool:
-        """Whether ``pid`` may speak for ``stage`` (``core.sent_by_the_training``). The last process found to may is
-        remembered, so the training's own datagrams cost a dictionary lookup; any other sender costs a look at who
-        holds the stage's lock, at most _HOLDER_LOOKUPS_PER_S a second per stage (beyond that, refused unlooked)."""
+        """Whether ``pid`` may speak for ``stage`` (``core.sent_by_the_training``), looked up at most once a second
+        per sender: the process found to hold the stage's lock is remembered until another is, so the training's own
+        datagrams cost a dictionary lookup; any other answer (refused, or taken because no process held the lock) is
+        remembered for _VERDICT_TTL_S, so a sender flooding the socket costs one look at /proc/locks a second, and a
+        restarted training that got a refused process's PID is heard within that second."""
         if self._speaker.get(stage) == pid:
             return True
         now = self.clock()
-        window, count = self._lookups.get(stage, (now, 0))
-        if now - window > 1_000_000_000:
-            window, count = now, 0
-        if count >= _HOLDER_LOOKUPS_PER_S:
-            self.core.foreign_datagram(stage, pid, None)
-            return False
-        self._lookups[stage] = (window, count + 1)
-        holder = lock_holder(paths.hook_lock(self.config.run_dir, self.config.training, stage))
-        if sent_by_the_training(pid, holder):
-            self._speaker[stage] = pid
-            return True
-        assert holder is not None
-        self.core.foreign_datagram(stage, pid, holder)
-        return False
+        verdicts = self._verdicts.setdefault(stage, {})
+        known = verdicts.get(pid)
+        if known is not None and known[1] > now:
+            allowed, holder = known[0], known[2]
+        else:
+            if len(verdicts) >= _MAX_VERDICTS:
+                verdicts.clear()  # a process per datagram: start over rather than grow
+            holder = lock_holder(paths.hook_lock(self.config.run_dir, self.config.training, stage))
+            allowed = sent_by_the_training(pid, holder)
+            if allowed and holder == pid:
+                self._speaker[stage] = pid
+                verdicts.clear()
+                return True
+            verdicts[pid] = (allowed, now + int(_VERDICT_TTL_S * 1e9), holder)
+        if not allowed:
+            self.core.foreign_datagram(stage, pid, holder)
+        return allowed
 
     # -- reporting ---------------------------------------------------------------------------------------
     def _snapshot(self) -> Snapshot:
