@@ -688,6 +688,35 @@ def test_what_a_fill_job_plants_in_the_stage_directory_neither_holds_the_trainin
         done[0].detach()
 
 
+def test_a_process_out_of_file_descriptors_trains_on_without_the_hook(tmp_path: Path) -> None:
+    """instrument() opens sockets; in a process at its descriptor limit that raised into the training's script."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os, resource, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_hook import StandInEngine
+from bubbles.hook import instrument
+eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+inst = instrument(eng, training="t", run_dir={str(tmp_path)!r}, warmup_iterations=0, profile_iterations=1)
+for fd in held:
+    os.close(fd)
+print(inst.stats["disabled"], eng.train_batch())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].split() == ["True", "1.5"], (out.stdout, out.stderr[-2000:])
+    assert "could not open its sockets" in out.stderr
+
+
 def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path) -> None:
     """A DataLoader worker forked by the training shares the lock's open file; if it kept it, a dead training's card
     would be taken for live until the worker exited too. The child lets go of its copy at the fork."""

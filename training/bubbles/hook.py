@@ -191,7 +191,11 @@ class Listeners:
         # processes that stopped reading (26 of them were enough) would otherwise leave no room for the agent's.
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self._agent_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._agent_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        except OSError:
+            self._sock.close()
+            raise
         self._agent_sock.setblocking(False)
         # With device timing the event thread sends BUBBLE_START/END while the training's thread sends the
         # rest; uncontended, the lock costs a fraction of a microsecond.
@@ -1134,18 +1138,22 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
             log.warning("bubbles hook: %s exists but this process (uid %d) cannot write it (owner uid %d): signalling "
                         "in %s, where no agent listens; run the training as the agent's UID (the chart's "
                         "agent.runAsUser)", mounted, os.getuid(), owner, run_dir)
-    inst = Instrumentation(
-        engine,
-        training=paths.check_name("training", training),
-        run_dir=Path(run_dir),
-        memory_probe=memory_probe,
-        warmup_iterations=warmup_iterations,
-        profile_iterations=profile_iterations,
-        min_bubble_s=min_bubble_s,
-        trace=trace,
-        timing=resolve_timing(timing, engine),
-        event_factory=event_factory,
-    )
+    training = paths.check_name("training", training)
+    try:
+        inst = Instrumentation(
+            engine,
+            training=training,
+            run_dir=Path(run_dir),
+            memory_probe=memory_probe,
+            warmup_iterations=warmup_iterations,
+            profile_iterations=profile_iterations,
+            min_bubble_s=min_bubble_s,
+            trace=trace,
+            timing=resolve_timing(timing, engine),
+            event_factory=event_factory,
+        )
+    except OSError as exc:  # the process's environment (out of descriptors, say): nothing is attached yet
+        return _unattached(engine, f"the hook could not open its sockets ({exc})")
     if not inst._disabled:  # one that stood down has said why
         log.info("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
                  inst.stages, inst.stage_dir, inst.timing)
