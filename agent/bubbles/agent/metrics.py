@@ -131,7 +131,8 @@ class AgentMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.kills = Counter("bubbles_fill_kills",
-                             "Fill jobs SIGKILLed for not pausing within the grace period",
+                             "Fill jobs SIGKILLed: in a step past its bubble's end and the grace period, in init past "
+                             "its deadline, or still running 30 s after being asked to stop",
                              ["training", "stage", "device", "fill_job"], registry=None)  # after the collector
         self.rejected_total = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped, and "
                                       "datagrams from a process other than the training's",
