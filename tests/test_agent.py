@@ -434,6 +434,29 @@ def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: Sta
     wait_for(lambda: proc_state() == "T", what="process stopped again")
 
 
+def test_an_imperative_job_whose_bubble_end_is_lost_is_stopped_by_the_agent_itself(start_agent: StartAgent) -> None:
+    h = start_agent([parse_spec({"name": "imp", "interface": "imperative",
+                                 "entry": "test_agent_jobs:CountingImperativeJob"})], metrics=True, metrics_port=0)
+    hook = Hook(h.run_dir)
+    hook.send(wire.encode_profile(0, cycle()))
+    h.wait_state("imp", "PAUSED")
+    proc = h.agent.process(h.agent.jobs[0])
+    assert proc is not None
+
+    def proc_state() -> str:
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    wait_for(lambda: proc_state() == "T", what="process stopped")
+    start = time.monotonic_ns()
+    hook.send(wire.encode_bubble_start(0, 0, hook.seq + 1, start, start + 100_000_000))  # and no END, ever
+    h.wait_state("imp", "RUNNING")
+    h.wait_state("imp", "PAUSED")  # at 2 x 100 ms + the 50 ms grace
+    assert time.monotonic_ns() - start >= 250_000_000
+    wait_for(lambda: proc_state() == "T", what="process stopped again")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{h.agent.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'bubbles_missed_bubble_ends_total{stage="0",training="t"} 1.0' in body
+
+
 def test_metrics_endpoint_serves_the_documented_names(start_agent: StartAgent) -> None:
     h = start_agent([spec("busy", "test_agent_jobs:BusyJob", step_time="1ms")], metrics=True, metrics_port=0)
     hook = Hook(h.run_dir)

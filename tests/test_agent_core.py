@@ -41,6 +41,9 @@ class Sink:
     def rejected(self, stage: int, source: str) -> None:
         self.calls.append(("rejected", stage, source))
 
+    def missed_end(self, stage: int) -> None:
+        self.calls.append(("missed_end", stage))
+
     def iteration(self, stage: int, seconds: float) -> None:
         self.calls.append(("iteration", stage, seconds))
 
@@ -169,6 +172,61 @@ def test_a_plain_command_is_thawed_for_each_bubble_and_frozen_after_it() -> None
     assert core.take_actions() == [Signal(job, signal.SIGCONT)] and job.state is FillState.RUNNING
     core.on_datagram(0, wire.encode_bubble_end(0, 0, 1, clock.now + 5 * MS))
     assert core.take_actions() == [Signal(job, signal.SIGSTOP)] and job.state is FillState.PAUSED
+
+
+def test_a_plain_command_whose_bubble_end_is_lost_is_frozen_at_twice_the_predicted_length() -> None:
+    core, clock, sink = make_core()  # grace 50 ms
+    job = core.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"]}))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.take_actions()
+    core.launched(job, has_control=False)
+    core.take_actions()
+    t0 = clock.now
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, t0, t0 + 5 * MS))  # predicted: 5 ms
+    assert core.take_actions() == [Signal(job, signal.SIGCONT)]
+    assert core.next_deadline_ns() == t0 + 60 * MS  # 2 x 5 ms + 50 ms
+    clock.now = t0 + 60 * MS - 1
+    core.tick(clock.now)
+    assert core.take_actions() == [] and job.state is FillState.RUNNING  # not yet
+    clock.now = t0 + 60 * MS
+    core.tick(clock.now)  # its END never came
+    assert core.take_actions() == [Signal(job, signal.SIGSTOP)] and job.state is FillState.PAUSED
+    assert core.missed_ends == 1 and ("missed_end", 0) in sink.calls
+    # The lost END's bubble still counts nowhere; the next bubble thaws and freezes the job as usual.
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 2, clock.now, clock.now + 5 * MS))
+    assert core.take_actions() == [Signal(job, signal.SIGCONT)]
+    core.on_datagram(0, wire.encode_bubble_end(0, 0, 2, clock.now + 4 * MS))
+    assert core.take_actions() == [Signal(job, signal.SIGSTOP)]
+    clock.now += 60 * MS
+    core.tick(clock.now)  # that END came: its deadline does nothing
+    assert core.take_actions() == [] and core.missed_ends == 1
+
+
+def test_a_lost_ends_deadline_leaves_a_later_bubble_and_a_job_no_longer_running_alone() -> None:
+    core, clock, _ = make_core()
+    job = core.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"]}))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.take_actions()
+    core.launched(job, has_control=False)
+    core.take_actions()
+    t0 = clock.now
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, t0, t0 + 5 * MS))  # its END is lost...
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 2, t0 + 8 * MS, t0 + 100 * MS))  # ...and a long bubble opens
+    assert core.take_actions() == [Signal(job, signal.SIGCONT)]  # thawed once: it was already running
+    clock.now = t0 + 60 * MS
+    core.tick(clock.now)  # bubble 1's deadline: bubble 2 is open, and its own deadline (t0 + 242 ms) covers it
+    assert core.take_actions() == [] and job.state is FillState.RUNNING
+    clock.now = t0 + 242 * MS
+    core.tick(clock.now)
+    assert core.take_actions() == [Signal(job, signal.SIGSTOP)] and core.missed_ends == 1
+    # Naive mode: the command runs freely, and a lost END's deadline must not freeze it.
+    core.on_datagram(0, wire.encode_bubble_start(0, 0, 3, clock.now, clock.now + 5 * MS))
+    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))
+    core.take_actions()
+    assert job.state is FillState.RUNNING
+    clock.now += 60 * MS
+    core.tick(clock.now)
+    assert core.take_actions() == [] and job.state is FillState.RUNNING and core.missed_ends == 1
 
 
 def test_a_job_that_fits_no_bubble_is_rejected_without_a_launch_and_the_next_one_runs() -> None:

@@ -71,6 +71,7 @@ MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its iso
 UNISOLATED = "unisolated"  # JobRecord.isolation of a job launched without working isolation
 _INIT_DEADLINE = -2  # the bubble seq of a timer that is a job's init deadline, not a watchdog
 _STOP_DEADLINE = -3  # ... and of one that is the end of a stop request's grace
+_END_OVERDUE = -4  # ... and of one that pauses a plain command whose bubble's END never came (see _end_overdue)
 # How long a fill process asked to stop (cancelled, its training restarted, its isolation lost) may take to exit, its
 # checkpoint saved, before it is SIGKILLed: one that ignores the request (SIGTERM trapped) would otherwise run on,
 # never paused again, through the training's compute. Kubernetes' default grace for a Pod.
@@ -151,6 +152,7 @@ class MetricsSink(Protocol):
 
     def kill(self, stage: int, device: str, job: str) -> None: ...
     def rejected(self, stage: int, source: str) -> None: ...
+    def missed_end(self, stage: int) -> None: ...
     def iteration(self, stage: int, seconds: float) -> None: ...
     def share(self, value: float) -> None: ...
 
@@ -162,6 +164,9 @@ class NullSink:
         pass
 
     def rejected(self, stage: int, source: str) -> None:
+        pass
+
+    def missed_end(self, stage: int) -> None:
         pass
 
     def iteration(self, stage: int, seconds: float) -> None:
@@ -375,6 +380,7 @@ class AgentCore:
         self.rejected_messages = 0
         self.rejected_jobs = 0
         self.kills = 0
+        self.missed_ends = 0  # plain commands frozen because their bubble's END never came
         self.guard: SlowdownGuard | None = None
         self.guard_stage: int | None = None
         self.share = 1.0
@@ -385,10 +391,13 @@ class AgentCore:
         self.isolation_losses = 0
         self.serving = False  # the shell has bound the executors' sockets: queued jobs may be admitted
         self._actions: list[Action] = []
-        self._timers: list[tuple[int, int, JobRecord, int, int]] = []  # (deadline, tie, job, bubble seq, end)
+        # (deadline, tie, job, bubble seq, its end): a watchdog; (deadline, tie, job, _INIT_DEADLINE or _STOP_DEADLINE,
+        # deadline); (deadline, tie, job, _END_OVERDUE, bubble seq)
+        self._timers: list[tuple[int, int, JobRecord, int, int]] = []
         self._tie = itertools.count()
         self._ids = itertools.count()
         self._rejected_log = _RateLimitedLog(clock)
+        self._missed_end_log = _RateLimitedLog(clock)
         self._newer_seen: set[tuple[int, int]] = set()  # (version, kind) of messages from a newer hook, said once
         self.newer_messages = 0
 
@@ -662,6 +671,8 @@ class AgentCore:
                 self._init_overdue(job)
             elif seq == _STOP_DEADLINE:
                 self._stop_overdue(job)
+            elif seq == _END_OVERDUE:
+                self._end_overdue(job, bubble_seq=end_ns)
             else:
                 self._watchdog(job, seq, end_ns)
 
@@ -733,9 +744,17 @@ class AgentCore:
             if len(ex.open_bubbles) > MAX_OPEN_BUBBLES:  # ENDs lost: forget the oldest
                 ex.open_bubbles.pop(next(iter(ex.open_bubbles)))
             if (job is not None and job.launched and not job.iterative and ex.mode is FillMode.HARVEST
-                    and not self.fill_paused and job.state is FillState.PAUSED):
-                self._signal(job, signal.SIGCONT)
-                self._set_state(job, FillState.RUNNING)
+                    and not self.fill_paused and job.state in (FillState.PAUSED, FillState.RUNNING)):
+                if job.state is FillState.PAUSED:
+                    self._signal(job, signal.SIGCONT)
+                    self._set_state(job, FillState.RUNNING)
+                # A plain command runs until this bubble's END freezes it. Should the END be lost (the agent's
+                # socket full: the hook never waits), it is frozen here instead, once the bubble has lasted twice
+                # its predicted length plus the grace: an END lost costs the training at most that, not the time
+                # until some later END arrives.
+                predicted = max(0, msg.predicted_end_ns - msg.start_ns)
+                deadline = msg.start_ns + 2 * predicted + int(self.config.grace_s * 1e9)
+                heapq.heappush(self._timers, (deadline, next(self._tie), job, _END_OVERDUE, msg.seq))
         elif isinstance(msg, wire.BubbleEnd):
             ob = ex.open_bubbles.pop(msg.seq, None)
             if ob is not None and msg.end_ns > self.clock() + FUTURE_SLACK_NS:
@@ -923,6 +942,21 @@ class AgentCore:
                   ex.index, job.name, overdue_ms, seq)
         self._event(ex.index, job.name, "kill", f"still in a step {overdue_ms:.1f} ms after bubble {seq} ended")
         self._stop_job(job, f"killed: did not pause within {grace_ms} ms of bubble end", sig=signal.SIGKILL)
+
+    def _end_overdue(self, job: JobRecord, bubble_seq: int) -> None:
+        """A plain command thawed for bubble ``bubble_seq``, whose END has not come by its deadline: frozen, unless
+        the END came (the bubble is closed), a later bubble opened (its own deadline covers it), or the job is no
+        longer running in harvest mode."""
+        ex = self.executors[job.stage]
+        if (ex.active is not job or job.state is not FillState.RUNNING or ex.mode is not FillMode.HARVEST
+                or not ex.open_bubbles or next(reversed(ex.open_bubbles)) != bubble_seq):
+            return
+        self.missed_ends += 1
+        self.sink.missed_end(ex.index)
+        self._signal(job, signal.SIGSTOP)
+        self._set_state(job, FillState.PAUSED)
+        self._missed_end_log.warning("stage %d: no END for bubble %d by twice its predicted length: fill job %r "
+                                   "frozen (an END the hook could not send)", ex.index, bubble_seq, job.name)
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def _oldest_open_bubble(self, stage: int) -> int | None:

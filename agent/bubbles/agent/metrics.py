@@ -137,6 +137,9 @@ class AgentMetrics:
         self.rejected_total = Counter("bubbles_rejected_messages", "Malformed datagrams or control lines dropped, and "
                                       "datagrams from a process other than the training's",
                                       ["training", "stage", "source"], registry=r)
+        self.missed_ends = Counter("bubbles_missed_bubble_ends",
+                                   "Plain fill commands frozen by the agent because their bubble's END did not come "
+                                   "within twice its predicted length (ENDs lost)", ["training", "stage"], registry=r)
         self.iteration_s = Gauge("bubbles_main_iteration_seconds", "Latest training iteration time",
                                ["training", "stage"], registry=r)
         self.share_gauge = Gauge("bubbles_fill_share", "Share of each bubble the slowdown guard gives fill work",
@@ -172,6 +175,9 @@ class AgentMetrics:
 
     def rejected(self, stage: int, source: str) -> None:
         self.rejected_total.labels(self.training, str(stage), source).inc()
+
+    def missed_end(self, stage: int) -> None:
+        self.missed_ends.labels(self.training, str(stage)).inc()
 
     def iteration(self, stage: int, seconds: float) -> None:
         self.iteration_s.labels(self.training, str(stage)).set(seconds)
