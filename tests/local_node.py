@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,7 +51,8 @@ class LocalNode:
         self.name, self.namespace, self.training, self.stages = name, namespace, training, stages
         pki = Pki.make(tmp / "pki")
         self.client_security = ClientSecurity(pki.ca.cert, pki.client.cert, pki.client.key)
-        self.run_dir = tmp / "run"
+        # Not under pytest's tmp_path: a fill socket's path there can be longer than a Unix socket allows.
+        self.run_dir = Path(tempfile.mkdtemp(prefix="bbnode-", dir="/tmp"))
         self.node = NodeAgent(ClusterConfig(name, AgentConfig(run_dir=self.run_dir, training="placeholder",
                                                               isolation=IsolationConfig(mode=IsolationMode.NONE)),
                                             scan_interval_s=0.1))
@@ -74,7 +77,8 @@ class LocalNode:
         self.processes: list[subprocess.Popen[str]] = []
 
     def _send(self, stage: int, data: bytes) -> None:
-        for p in sorted(self.cards[stage].parent.glob("*.sock")):
+        stage_dir = self.cards[stage].parent
+        for p in [stage_dir / "agent.sock", *sorted((stage_dir / paths.FILLS_DIR_NAME).glob("*.sock"))]:
             with contextlib.suppress(OSError):
                 self.hook.sendto(data, str(p))
 
@@ -115,3 +119,4 @@ class LocalNode:
         self.hook.close()
         self.server.stop()
         self.node.stop()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -68,7 +68,7 @@ def cycle(stage: int = 0, slots: tuple[tuple[float, int], ...] = ((0.005, 1 << 3
 
 
 class Hook:
-    """Sends datagrams the way bubbles.hook does: to every *.sock in the stage directory."""
+    """Sends datagrams the way bubbles.hook does: to the agent's socket and every *.sock in the stage's fills/."""
 
     def __init__(self, run_dir: Path, stage: int = 0) -> None:
         self.dir = paths.stage_dir(run_dir, TRAINING, stage)
@@ -78,13 +78,15 @@ class Hook:
         self.sent: list[tuple[int, int, int, int]] = []  # (seq, start_ns, predicted_end_ns, end_ns)
 
     def send(self, data: bytes, agent_only: bool = False) -> None:
-        targets = [self.dir / "agent.sock"] if agent_only else sorted(self.dir.glob("*.sock"))
+        targets = [self.dir / "agent.sock"]
+        if not agent_only:
+            targets += sorted((self.dir / paths.FILLS_DIR_NAME).glob("*.sock"))
         for p in targets:
             with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
                 self.sock.sendto(data, str(p))
 
     def fill_armed(self, job: str) -> bool:
-        return (self.dir / f"fill-{job}.sock").exists()
+        return paths.fill_socket(self.dir.parent.parent, TRAINING, self.stage, job).exists()
 
     def bubble(self, duration_s: float, slot: int = 0, end_late_s: float = 0.0) -> tuple[int, int, int]:
         """START now, busy-wait, END at the predicted end (plus ``end_late_s``)."""

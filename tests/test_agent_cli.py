@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,7 +140,15 @@ def ready_agent(*flags: str, ready: Path) -> Iterator[subprocess.Popen[str]]:
 
 
 def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path) -> None:
-    run_dir, ready, stats = tmp_path / "run", tmp_path / "ready", tmp_path / "stats.json"
+    ready, stats = tmp_path / "ready", tmp_path / "stats.json"
+    run_dir = Path(tempfile.mkdtemp(prefix="bbcli-", dir="/tmp"))  # pytest's tmp_path is too long for socket paths
+    try:
+        _run_an_example_fill_job(run_dir, ready, stats)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_an_example_fill_job(run_dir: Path, ready: Path, stats: Path) -> None:
     with ready_agent("--run-dir", str(run_dir), "--training", "demo", "--executors", "2",
                      "--fill-job", str(ROOT / "examples/fill-jobs/batch-inference.yaml"), "--stats", str(stats),
                      "--log-level", "WARNING", ready=ready) as proc:
@@ -150,7 +160,7 @@ def test_cli_runs_an_example_fill_job_and_writes_stats_on_sigterm(tmp_path: Path
                  "slots": [{"slot": 0, "position": 3, "instruction": "RecvActivation", "kind": "fill",
                             "duration_s": 0.008, "p10_s": 0.008, "p90_s": 0.008, "free_bytes": 2**30}]}
         sock.sendto(wire.encode_profile(1, cycle), str(stage_dir / "agent.sock"))
-        fill = stage_dir / "fill-batch-inference.sock"
+        fill = paths.fill_socket(run_dir, "demo", 1, "batch-inference")
         while not fill.exists():  # the fill process imports torch, creates and initializes the model
             assert proc.poll() is None and time.monotonic() < deadline + 20, "fill job never armed"
             time.sleep(0.02)

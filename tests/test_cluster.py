@@ -12,8 +12,11 @@ Skipped, saying why, where the node cannot run (not root, no apt-get); everythin
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -340,7 +343,19 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     c["command"] = ["python", "-c", "import os; print('fill-saw', open('/dev/shm/from-agent').read(), "
                     "open('/dev/shm/from-daemon').read()); "
                     "open('/dev/shm/from-fill', 'w').write('fill'); "
-                    "print('fill-env', os.environ['CUDA_MPS_PIPE_DIRECTORY'])"]
+                    "print('fill-env', os.environ['CUDA_MPS_PIPE_DIRECTORY']); "
+                    "open('/run/bubbles/llama/stage-0/fills/from-fill', 'w').write('fill'); "
+                    "print('fill-sees', sorted(os.path.relpath(os.path.join(r, n), '/run/bubbles') "
+                    "for r, ds, fs in os.walk('/run/bubbles') for n in ds + fs))"]
+    # The stage the fill Pod is placed on (training llama, stage 0: not one the other tests run), with a stand-in for
+    # the training's lock beside its fills/: the Pod must see fills/ and the attach directory of the node's run
+    # directory, and nothing else of it (not the lock, not the other trainings' stages).
+    stage_dir = cluster.run_dir / "llama" / "stage-0"
+    for d in (cluster.run_dir / "_attach", cluster.run_dir / "llama", stage_dir, stage_dir / "fills"):
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chown(d, UID, UID)
+    (stage_dir / "hook.lock").touch()
+    os.chown(stage_dir / "hook.lock", UID, UID)
     with explained(cluster):
         agent_log = _run_to_end(node, probe)
         # The init container gave the directory to the agent's UID, private to it (the training's shared memory).
@@ -350,6 +365,13 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
         assert "daemon-saw agent" in daemon_log and (pipe / "control-stand-in").stat().st_uid == UID, daemon_log
         fill_log = _run_to_end(node, fill)
         assert "fill-saw agent daemon" in fill_log and f"fill-env {pipe}" in fill_log, fill_log
+        (seen,) = [ast.literal_eval(line.split(" ", 1)[1]) for line in fill_log.splitlines()
+                   if line.startswith("fill-sees ")]
+        assert "llama/stage-0/fills/from-fill" in seen and "_attach" in seen, seen
+        assert not [p for p in seen if p not in ("llama", "llama/stage-0") and not p.startswith(
+            ("_attach", "llama/stage-0/fills"))], seen  # no lock, no card, no agent socket, no other training
+        assert (stage_dir / "fills" / "from-fill").stat().st_uid == UID
+        shutil.rmtree(cluster.run_dir / "llama")
         assert (shm / "from-fill").read_text() == "fill" and (shm / "from-fill").stat().st_uid == UID
         # A Pod without the mount (and without host IPC) has a /dev/shm of its own.
         other = {"apiVersion": "v1", "kind": "Pod",

@@ -189,6 +189,43 @@ def test_listeners_discovered_only_when_the_directory_changes(sockdir: Path) -> 
     ls.close(), a.close(), b.close()
 
 
+def test_fill_sockets_in_fills_are_listeners_and_none_there_passes_for_the_agent(sockdir: Path) -> None:
+    """Fill jobs bind their sockets in the stage's fills/ (what a fill Pod mounts), and a change there is seen without
+    the stage directory changing. A socket named agent.sock there is a fill's: capped, sent to from the fill jobs'
+    sending socket. A fills/ that is a link is not followed."""
+    from bubbles.hook import MAX_LISTENERS
+
+    fills = sockdir / "fills"
+    fills.mkdir()
+    ls = Listeners(sockdir)
+    agent = bind(sockdir / "agent.sock")
+    assert ls.refresh() == [str(sockdir / "agent.sock")]
+    fill = bind(fills / "fill-a.sock")
+    bump_mtime(fills)  # the stage directory itself is unchanged
+    assert ls.refresh() == [str(fills / "fill-a.sock")]
+    assert ls.targets == (str(fills / "fill-a.sock"), str(sockdir / "agent.sock"))  # fill jobs first
+    many = [bind(fills / f"fill-{i:02d}.sock") for i in range(MAX_LISTENERS)]
+    impostor = bind(fills / "agent.sock")
+    bump_mtime(fills)
+    ls.refresh()
+    assert len(ls.targets) == MAX_LISTENERS and ls.targets[-1] == str(sockdir / "agent.sock")
+    assert str(fills / "agent.sock") not in ls.targets[-1:]  # not taken for the agent, whatever its name
+    ls.send(b"x")
+    assert agent.recv(10) == b"x" and fill.recv(10) == b"x"
+    ls.close()
+    for s in (agent, fill, impostor, *many):
+        s.close()
+    # fills/ replaced by a link to elsewhere: its sockets are not listed.
+    elsewhere = sockdir / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(fills)
+    os.symlink(elsewhere, fills)
+    planted = bind(elsewhere / "fill-p.sock")
+    ls = Listeners(sockdir)
+    assert ls.refresh() == [str(sockdir / "agent.sock")]  # the agent's file is still there
+    ls.close(), planted.close()
+
+
 def test_a_new_listener_gets_its_greeting_before_anything_another_thread_sends(sockdir: Path) -> None:
     """With device timing the event thread sends ITERATION and bubble messages while the training's thread finds
     a new listener: the listener must hold the profile (the greeting) before any of them, or it reads bubbles of a

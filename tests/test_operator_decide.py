@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from bubbles import paths
 from bubbles.api import FillState
 from bubbles.cycle import BubbleCycle
 from bubbles.operator.decide import (
@@ -32,6 +33,7 @@ from bubbles.operator.decide import (
 )
 
 NOW = dt.datetime(2026, 11, 23, 8, 0, tzinfo=dt.UTC)
+RUN_VOLUMES = ["bubbles-attach", "bubbles-fills"]  # a fill Pod's two directories of the node's run directory
 MIB = 2**20
 
 
@@ -126,14 +128,22 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1234" and env["BUBBLES_DEVICE"] == "cuda:0"
 
 
-def test_fill_pods_mount_the_agents_run_dir_and_run_as_its_user() -> None:
-    (pod,) = step([fill_job()], [stage()]).create_pods
-    assert pod["spec"]["volumes"][0]["hostPath"]["path"] == "/run/bubbles" and "securityContext" not in pod["spec"]
+def test_fill_pods_mount_only_the_attach_and_their_stages_fill_directories_and_run_as_the_agents_user() -> None:
+    (pod,) = step([fill_job()], [stage(1)]).create_pods
+    assert pod["spec"]["volumes"] == [
+        {"name": "bubbles-attach", "hostPath": {"path": "/run/bubbles/_attach", "type": "Directory"}},
+        {"name": "bubbles-fills", "hostPath": {"path": "/run/bubbles/llama/stage-1/fills", "type": "Directory"}}]
+    assert "securityContext" not in pod["spec"]
     # The chart's agent.runDir and agent.runAsUser: the sockets live there and are private to that user.
     settings = FillPodSettings("/var/lib/bubbles/run", run_as_user=1000, run_as_group=2000)
     (pod,) = step([fill_job("other")], [stage()], fill_pods=settings).create_pods
-    assert pod["spec"]["volumes"][0]["hostPath"] == {"path": "/var/lib/bubbles/run", "type": "Directory"}
-    assert pod["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/run/bubbles"  # where the SDK looks
+    assert [v["hostPath"]["path"] for v in pod["spec"]["volumes"]] == [
+        "/var/lib/bubbles/run/_attach", "/var/lib/bubbles/run/llama/stage-0/fills"]
+    # Where the SDK looks ($BUBBLES_RUN_DIR) and where the agent tells it to bind its socket: the node's paths, under
+    # /run/bubbles. The stage's lock, card and agent socket, and the node's other trainings, are not in the Pod.
+    assert [m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]] == [
+        str(paths.attach_dir("/run/bubbles")), str(paths.fills_dir("/run/bubbles", "llama", 0))]
+    assert {"name": "BUBBLES_RUN_DIR", "value": "/run/bubbles"} in pod["spec"]["containers"][0]["env"]
     assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
 
 
@@ -197,7 +207,8 @@ def test_a_fill_pod_mounts_the_jobs_own_volumes_beside_the_runtimes() -> None:
     assert volumes["config"] == {"name": "config", "configMap": {"name": "job-config"}}
     assert volumes["creds"] == {"name": "creds", "secret": {"secretName": "s3", "optional": True}}
     assert volumes["scratch"] == {"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}}
-    assert mounts["bubbles-run"]["mountPath"] == "/run/bubbles" and "hostPath" in volumes["bubbles-run"]
+    assert mounts["bubbles-fills"]["mountPath"] == "/run/bubbles/llama/stage-0/fills" and "hostPath" in \
+        volumes["bubbles-fills"]
     assert "checkpoint" not in volumes  # no claim: the path is in the job's answers volume
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["BUBBLES_CHECKPOINT"] == "/data/answers/state"
@@ -251,8 +262,8 @@ def _volume(**kw: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("volumes", "checkpoint", "needle"), [
-    ([_volume(name="bubbles-run")], None, "spec.volumes[0].name 'bubbles-run' is the name of a volume the fill "
-                                          "runtime mounts itself"),
+    ([_volume(name="bubbles-fills")], None, "spec.volumes[0].name 'bubbles-fills' is the name of a volume the fill "
+                                            "runtime mounts itself"),
     ([_volume(), _volume(mountPath="/other")], None, "spec.volumes[1].name 'data' is given twice"),
     ([_volume(), _volume(name="more")], None, "spec.volumes[1].mountPath '/data' is also spec.volumes[0].mountPath"),
     ([_volume(mountPath="/data")], {"path": "/data", "claimName": "ckpt"},
@@ -342,9 +353,9 @@ def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     (cpu_pod,) = step([fill_job("on-cpu")], [stage()], fill_pods=settings).create_pods
     cpu_env = {e["name"] for e in cpu_pod["spec"]["containers"][0]["env"]}
     assert "hostIPC" not in cpu_pod["spec"] and not any(n.startswith("CUDA_MPS_") for n in cpu_env)
-    assert [v["name"] for v in cpu_pod["spec"]["volumes"]] == ["bubbles-run"]
+    assert [v["name"] for v in cpu_pod["spec"]["volumes"]] == RUN_VOLUMES
     (plain,) = step([fill_job("no-mps")], [stage(gpu_uuid="GPU-1234")]).create_pods  # agents on contexts
-    assert [v["name"] for v in plain["spec"]["volumes"]] == ["bubbles-run"]
+    assert [v["name"] for v in plain["spec"]["volumes"]] == RUN_VOLUMES
     assert not any(e["name"].startswith("CUDA_MPS_") for e in plain["spec"]["containers"][0]["env"])
 
 
@@ -812,7 +823,7 @@ def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt()
     assert {"name": "BUBBLES_CHECKPOINT", "value": "/state"} in c["env"]
     plain = fill_job("plain", checkpoint={"path": "/state"})  # no claim: nothing mounted, the path is the image's
     (pod,) = step([plain], [stage(1, pod="llama-1")]).create_pods
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["bubbles-run"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == RUN_VOLUMES
     bad = fill_job("bad", checkpoint={"path": "state", "claimName": "Not_A_Name"})
     step([bad], [stage(1, pod="llama-1")])
     assert bad["status"]["phase"] == "Failed" and "checkpoint" in cond(bad, "Admitted")["message"]

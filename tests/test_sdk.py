@@ -623,6 +623,7 @@ def test_attaching_reads_the_welcome_only_and_leaves_the_agents_next_commands_on
     monkeypatch.setenv(paths.RUN_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(control.UID_ENV, "uid-1")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    paths.make_private_dir(paths.attach_dir(tmp_path))
     server.bind(str(paths.attach_socket(tmp_path)))
     server.listen(1)
 
@@ -793,6 +794,32 @@ def test_step_gates_start_from_the_profile_then_follow_in_bubble_steps_first_ste
             StepGates(**bad)  # type: ignore[arg-type]
 
 
+class PreemptedJob(BusyJob):
+    """Steps of 1 ms, a few of them stretched as by a training computing beside the profile (scripted)."""
+
+    def __init__(self, slow_ms: tuple[float, ...]) -> None:
+        super().__init__(step_ms=1.0)
+        self.slow_ms = list(slow_ms)
+
+    def step(self) -> StepResult:
+        if self.slow_ms:
+            time.sleep(self.slow_ms.pop(0) / 1e3)
+        return super().step()
+
+
+def test_a_profile_with_preempted_steps_gates_on_its_median_so_the_job_is_not_starved(tmp_path: Path) -> None:
+    """Init's profile steps compete with the training; a gate from their slowest would fit no bubble, and a gate
+    that lets no step run never learns (the cluster tier's example job: 14.5 ms for a 1.5 ms step)."""
+    slow = (0, 0, 0, 0, 0, 30, 0, 0, 30, 0)  # after the 2 warm-up steps: 2 of 8 stretched by 30 ms
+    assert len(slow) == INIT_PROFILE_STEPS
+    job = PreemptedJob(slow)
+    with serving(tmp_path / "fill-busy.sock", job) as (ch, _rt):
+        ch.send("init")
+        step_s = ch.wait("profile", timeout_s=60)["step_s"]
+        assert 0.001 * PROFILE_MARGIN <= step_s < 0.015, step_s  # p90 x 1.2 would be over 37 ms
+        ch.send("stop")
+
+
 class SizedJob(BusyJob):
     """Steps of 1 or 4 units; a unit sleeps 1 ms (so the test's thread keeps its timing)."""
 
@@ -839,7 +866,9 @@ def test_a_job_with_step_sizes_runs_the_largest_that_fits_and_fills_the_tail_wit
         last_big = max(i for i, e in enumerate(steps) if e["size"] == 4)
         room_ns = start + length_ns - steps[last_big]["end_ns"]
         small_after = [e["size"] for e in steps[last_big + 1:]]
-        assert 1 in small_after or room_ns < sizes[1] * 1e9 + 200_000, (job.sizes_run, room_ns / 1e6)
+        # Slack: the runtime's own work between steps (signals drained, the channel polled) comes out of the room,
+        # and took more than 200 us once with the rest of the suite running beside it (room 1.533 ms, step 1.330 ms).
+        assert 1 in small_after or room_ns < sizes[1] * 1e9 + 500_000, (job.sizes_run, room_ns / 1e6)
         ch.send("stop")
 
 

@@ -2,14 +2,17 @@
 
 Layout under the run directory (one per node)::
 
-    <run_dir>/<training>/stage-<k>/agent.sock        the agent's datagram socket for stage k
-    <run_dir>/<training>/stage-<k>/fill-<job>.sock   an armed fill job's datagram socket
-    <run_dir>/<training>/stage-<k>/hook.json         the hook's card: which Pod and GPU the stage runs on
-    <run_dir>/attach.sock                            cluster mode: where fill Pods' processes attach
+    <run_dir>/<training>/stage-<k>/agent.sock              the agent's datagram socket for stage k
+    <run_dir>/<training>/stage-<k>/hook.json               the hook's card: which Pod and GPU the stage runs on
+    <run_dir>/<training>/stage-<k>/hook.lock               held (flock) by the training's process while it lives
+    <run_dir>/<training>/stage-<k>/fills/fill-<job>.sock   an armed fill job's datagram socket
+    <run_dir>/_attach/attach.sock                          cluster mode: where fill Pods' processes attach
 
-The hook sends every bubble signal to each ``*.sock`` in its stage directory, so the fill job that
-harvests the stage hears of a bubble directly (one hop, no relay through the agent), and the agent
-hears the same signal for accounting, the slowdown guard and the grace-period watchdog.
+The hook sends every bubble signal to the agent's socket and to each ``*.sock`` in ``fills/``, so the fill job
+that harvests the stage hears of a bubble directly (one hop, no relay through the agent), and the agent hears
+the same signal for accounting, the slowdown guard and the grace-period watchdog. Fill sockets have a directory
+of their own, and attaching one of its own too, so that a fill Pod mounts only those two: the stage's other files
+(the training's lock and card, the agent's socket) and the node's other trainings stay out of its reach.
 Directories are created with mode 0700: only the training's user can signal or listen.
 """
 
@@ -30,6 +33,9 @@ HOOK_CARD_NAME = "hook.json"
 # Held (flock) by the hook's process while it lives, so a node's agent can tell a card whose process is gone (a Pod
 # deleted or crashed leaves its card on the node) from a live one, across PID namespaces.
 HOOK_LOCK_NAME = "hook.lock"
+FILLS_DIR_NAME = "fills"
+# Not a name a training can have (check_name): a training named so would share the fill Pods' mount.
+ATTACH_DIR_NAME = "_attach"
 ATTACH_SOCKET_NAME = "attach.sock"
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
@@ -84,8 +90,13 @@ def agent_socket(run_dir: Path | str, training: str, stage: int) -> Path:
     return stage_dir(run_dir, training, stage) / AGENT_SOCKET_NAME
 
 
+def fills_dir(run_dir: Path | str, training: str, stage: int) -> Path:
+    """Where stage ``stage``'s fill jobs bind their sockets (the one directory of the stage a fill Pod mounts)."""
+    return stage_dir(run_dir, training, stage) / FILLS_DIR_NAME
+
+
 def fill_socket(run_dir: Path | str, training: str, stage: int, job: str) -> Path:
-    return stage_dir(run_dir, training, stage) / f"{FILL_SOCKET_PREFIX}{check_name('fill job', job)}{SOCKET_SUFFIX}"
+    return fills_dir(run_dir, training, stage) / f"{FILL_SOCKET_PREFIX}{check_name('fill job', job)}{SOCKET_SUFFIX}"
 
 
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
@@ -116,5 +127,11 @@ def hook_lock(run_dir: Path | str, training: str, stage: int) -> Path:
     return stage_dir(run_dir, training, stage) / HOOK_LOCK_NAME
 
 
+def attach_dir(run_dir: Path | str) -> Path:
+    """The directory of the attach socket (a fill Pod mounts it: a socket file mounted alone would keep the inode
+    it had when the Pod started, and lose the agent at its first restart)."""
+    return Path(run_dir) / ATTACH_DIR_NAME
+
+
 def attach_socket(run_dir: Path | str) -> Path:
-    return Path(run_dir) / ATTACH_SOCKET_NAME
+    return attach_dir(run_dir) / ATTACH_SOCKET_NAME

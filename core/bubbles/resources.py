@@ -52,7 +52,7 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a volume's name
 # The fill Pod's own volumes and the container paths they are mounted at (bubbles.operator.decide.fill_pod): a job's
 # spec.volumes may not take their names, and neither its volumes nor its checkpoint may lie in those paths (the agent's
 # sockets, the MPS server's shared memory) or in the container's system trees.
-RUNTIME_VOLUMES = ("bubbles-run", "mps-pipe", "mps-shm", "checkpoint")
+RUNTIME_VOLUMES = ("bubbles-attach", "bubbles-fills", "mps-pipe", "mps-shm", "checkpoint")
 RUNTIME_PATHS = (str(MOUNTED_RUN_DIR), "/dev", "/proc", "/sys")
 VOLUME_SOURCES = ("persistentVolumeClaim", "configMap", "secret", "emptyDir")
 # Variables the fill Pod's runtime is given by the operator (and the CUDA driver and NVIDIA's runtime read): a job's

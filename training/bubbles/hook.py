@@ -81,8 +81,6 @@ _FULL_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
 MAX_LISTENERS = 16  # sockets a stage's signals go to, the agent's among them (see Listeners._refresh)
 
 
-def _is_agent(path: str) -> bool:
-    return os.path.basename(path) == paths.AGENT_SOCKET_NAME
 _NO_SIGNALS: dict[int, tuple[int, int]] = {}
 # What an iteration's entry on the event thread is for (device timing): a profiled sample, the ITERATION message,
 # or nothing (its events go back to the pool in order).
@@ -183,10 +181,14 @@ def build_cycle(*, training: str, stage: int, stages: int, microbatches: int, sc
 
 
 class Listeners:
-    """The ``*.sock`` endpoints of one stage directory; ``send`` never blocks and never raises OSError."""
+    """The ``*.sock`` endpoints of one stage directory and of its ``fills/`` (``bubbles.paths``); ``send`` never blocks
+    and never raises OSError. Fill sockets in the stage directory itself (where agents before 2026-11-25 had fill jobs
+    bind them) are listeners too."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.fills = directory / paths.FILLS_DIR_NAME
+        self._agent_path = str(directory / paths.AGENT_SOCKET_NAME)  # the agent's: a name in fills/ is a fill's
         # Two sending sockets: datagrams queued at a receiver count against the sender's buffer until read, so fill
         # processes that stopped reading (26 of them were enough) would otherwise leave no room for the agent's.
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -200,7 +202,7 @@ class Listeners:
         # With device timing the event thread sends BUBBLE_START/END while the training's thread sends the
         # rest; uncontended, the lock costs a fraction of a microsecond.
         self._lock = threading.Lock()
-        self._mtime: tuple[int, int] | None = None
+        self._mtime: tuple[tuple[int, int], tuple[int, int] | None] | None = None
         self._targets: tuple[str, ...] = ()
         # path -> identity (inode, ctime) of a dropped listener's file, so a dead listener's leftover
         # socket file is not taken back on every re-listing while a re-bound one is
@@ -225,25 +227,35 @@ class Listeners:
                     self._send(data, new)
             return new
 
+    def _is_agent(self, path: str) -> bool:
+        return path == self._agent_path
+
     def _refresh(self) -> list[str]:
         try:
             st = os.stat(self.directory)
         except OSError:
             self._mtime = None
             return []
-        stamp = (st.st_mtime_ns, st.st_ino)
+        try:
+            # Not followed: fills/ replaced by a link would have the training list (and send into) another directory.
+            fst = os.stat(self.fills, follow_symlinks=False)
+            fills = (fst.st_mtime_ns, fst.st_ino) if stat.S_ISDIR(fst.st_mode) else None
+        except OSError:
+            fills = None
+        stamp = ((st.st_mtime_ns, st.st_ino), fills)
         if stamp == self._mtime:
             return []
         self._mtime = stamp
         found: dict[str, tuple[int, int]] = {}
         try:
-            with os.scandir(self.directory) as it:
-                for entry in it:
-                    if entry.name.endswith(paths.SOCKET_SUFFIX):
-                        est = entry.stat(follow_symlinks=False)
-                        # Sockets only: a link would have sendto resolve its target in the training's file system.
-                        if stat.S_ISSOCK(est.st_mode):
-                            found[entry.path] = (est.st_ino, est.st_ctime_ns)
+            for directory in (self.directory, self.fills) if fills is not None else (self.directory,):
+                with os.scandir(directory) as it:
+                    for entry in it:
+                        if entry.name.endswith(paths.SOCKET_SUFFIX):
+                            est = entry.stat(follow_symlinks=False)
+                            # Sockets only: a link would have sendto resolve its target in the training's file system.
+                            if stat.S_ISSOCK(est.st_mode):
+                                found[entry.path] = (est.st_ino, est.st_ctime_ns)
         except OSError:
             self._mtime = None  # listed again at the next refresh, not only when the directory changes again
             return []
@@ -253,15 +265,15 @@ class Listeners:
         # Every listener costs each signal a sendto on the training's path: the agent always, fill sockets up to
         # MAX_LISTENERS in all (a stage runs one fill job at a time: more are leftovers, or a fill job's mischief).
         kept = [p for p in self._targets if p in found]
-        room = max(0, MAX_LISTENERS - 1 - sum(not _is_agent(p) for p in kept))
-        fresh = [p for p in new if not _is_agent(p)]
+        room = max(0, MAX_LISTENERS - 1 - sum(not self._is_agent(p) for p in kept))
+        fresh = [p for p in new if not self._is_agent(p)]
         if len(fresh) > room:
             self.ignored += len(fresh) - room
             left_out = set(fresh[room:])
             new = [p for p in new if p not in left_out]
         # Fill jobs first: they start work on a BUBBLE_START, while the agent only keeps accounts and its
         # watchdog; the agent's sendto must not delay the fill job's wake-up.
-        self._targets = tuple(sorted((*kept, *new), key=_is_agent))
+        self._targets = tuple(sorted((*kept, *new), key=self._is_agent))
         return new
 
     def send(self, data: bytes, targets: Sequence[str] | None = None) -> None:
@@ -271,7 +283,7 @@ class Listeners:
     def _send(self, data: bytes, targets: Sequence[str]) -> None:
         for path in targets:
             try:
-                (self._agent_sock if _is_agent(path) else self._sock).sendto(data, path)
+                (self._agent_sock if self._is_agent(path) else self._sock).sendto(data, path)
                 self.sent += 1
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
@@ -570,6 +582,7 @@ class Instrumentation:
             }
             path = paths.hook_card(self.run_dir, self.training, self.stage)
             paths.make_private_dir(path.parent)
+            paths.make_private_dir(paths.fills_dir(self.run_dir, self.training, self.stage))  # a fill Pod mounts it
             # The lock before the card: a card is never on disk, new, with its lock not yet held.
             try:
                 self._lock_fd = self._take_lock(paths.hook_lock(self.run_dir, self.training, self.stage))

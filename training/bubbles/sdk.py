@@ -44,7 +44,7 @@ from bubbles.probes import gpu_uuid
 
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
-PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
+PROFILE_MARGIN = 1.2  # step time used for gating = median of the samples * this margin (see _profile_step_time)
 _NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
 _NAIVE_FLUSH_NS = 20_000_000
 
@@ -646,7 +646,13 @@ class FillRuntime:
         any bubble, so the program-directed limit holds from the first bubble on. These steps run once,
         outside bubbles, like process start-up and ``init()``; they are not counted as fill work. Each
         timed step includes waiting for its device work, as in ``_run_step``: on a GPU the host-side
-        time of a step is only its launch cost, and gating on it would start steps that outlive bubbles."""
+        time of a step is only its launch cost, and gating on it would start steps that outlive bubbles.
+
+        The median, with a margin, not the 90th percentile: these steps compete with the training's compute, which
+        a step in a bubble does not, so preemption inflates a few of them. The gate stands only until
+        ``StepGates.min_samples`` steps have run in bubbles (then their own 90th percentile takes over), but a gate
+        no bubble fits lets no step run, so never learns: a profile of p90 x 1.2 = 14.5 ms for a step whose author
+        says 1.5 ms starved the cluster tier's example job for ten minutes (2026-11-25)."""
         samples = []
         for _ in range(INIT_PROFILE_STEPS):
             if self.job.is_finished():
@@ -659,7 +665,7 @@ class FillRuntime:
             self._synchronize()
             samples.append((time.monotonic_ns() - t0) / 1e9)
         samples = samples[INIT_PROFILE_WARMUP:]
-        return robust_stats(samples)[2] * PROFILE_MARGIN if samples else None
+        return robust_stats(samples)[0] * PROFILE_MARGIN if samples else None
 
     def _profile_sizes(self, sizes: tuple[int, ...]) -> None:
         """Time every step size. A gate never shrinks with the size (a larger step is not gated as shorter

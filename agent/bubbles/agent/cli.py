@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cl = parser.add_argument_group("cluster mode (a DaemonSet: every training on the node, called by the operator)")
     cl.add_argument("--cluster", action="store_const", const=True, default=None,
                     help="serve every training whose hook runs on this node, and the operator's gRPC calls; fill "
-                         "Pods attach to <run-dir>/attach.sock (--training and --executors are then per training)")
+                         "Pods attach to <run-dir>/_attach/attach.sock (--training and --executors are then per "
+                         "training)")
     cl.add_argument("--node", default=None, help="this node's name (the chart sets $BUBBLES_AGENT_NODE)")
     cl.add_argument("--listen", default=None, metavar="HOST:PORT",
                     help="gRPC address for the operator (TLS; default 0.0.0.0:7070)")

@@ -9,8 +9,8 @@ What it does, as thin shells around pure code:
   anything runs there again.
 - **Keeps the operator's assignments** (``bubbles.agent.node.NodeBook``: idempotent by uid, attempt and generation).
 - **Admits attaching fill processes**: the operator's fill Pod runs ``python -m bubbles.sdk``, which connects to
-  ``<run_dir>/attach.sock`` and says which FillJob it is and which GPU it sees. Only an assigned job, seeing its
-  assigned GPU, visible to the agent (so the watchdog can SIGKILL it), is admitted; the connection then becomes the
+  ``<run_dir>/_attach/attach.sock`` and says which FillJob it is and which GPU it sees. Only an assigned job, seeing
+  its assigned GPU, visible to the agent (so the watchdog can SIGKILL it), is admitted; the connection then becomes the
   job's control channel, exactly as a locally started process's socketpair.
 - **Reports** every stage and every assigned job (``report()``, served over gRPC by ``bubbles.agent.rpc``).
 """
@@ -302,6 +302,7 @@ class NodeAgent:
     # -- life cycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
         paths.make_private_dir(self.run_dir)
+        paths.make_private_dir(paths.attach_dir(self.run_dir))
         path = paths.attach_socket(self.run_dir)
         if (problem := paths.socket_path_problem(path)) is not None:
             raise OSError(problem)

@@ -217,6 +217,9 @@ class Agent:
             if (problem := paths.socket_path_problem(path)) is not None:
                 raise OSError(problem)
             paths.make_private_dir(path.parent)
+            # Where the stage's fill jobs bind their sockets: made here too, for a training whose hook predates it
+            # (a fill Pod's mount of it must find it there).
+            paths.make_private_dir(paths.fills_dir(self.config.run_dir, self.config.training, ex.index))
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from bubbles import mps_client
+from bubbles import mps_client, paths
 from bubbles.api import MPS_CLIENT, FillJobSpec, FillState, WorkloadKind
 from bubbles.cycle import BubbleCycle
 from bubbles.paths import MOUNTED_RUN_DIR
@@ -886,10 +886,23 @@ def _check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
                                 "a path apart from it")
 
 
+def fill_pod_mounts(training: str, stage: int, node_run_dir: str) -> list[tuple[str, str, str]]:
+    """(volume name, path on the node, path in the Pod) of the two directories of the node's run directory a fill Pod
+    mounts, each at its place under RUN_DIR: the agent's attach socket's, and its stage's fill sockets'. Not the run
+    directory: the stage's other files (the training's lock and card, the agent's socket) and the node's other
+    trainings stay out of the fill job's reach."""
+    name = training.split("/", 1)[-1]
+    fills = posixpath.join(name, f"stage-{stage}", paths.FILLS_DIR_NAME)
+    return [("bubbles-attach", posixpath.join(node_run_dir, paths.ATTACH_DIR_NAME),
+             posixpath.join(RUN_DIR, paths.ATTACH_DIR_NAME)),
+            ("bubbles-fills", posixpath.join(node_run_dir, fills), posixpath.join(RUN_DIR, fills))]
+
+
 def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | None = None) -> dict[str, Any]:
-    """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets (the
-    node's run directory at RUN_DIR, as the agent's UID)."""
+    """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets (two
+    directories of the node's run directory, under RUN_DIR, as the agent's UID: ``fill_pod_mounts``)."""
     settings = settings or FillPodSettings()
+    mounts = fill_pod_mounts(a.training, a.stage, settings.node_run_dir)
     env = [
         {"name": "BUBBLES_FILL_JOB", "value": job.name},
         {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},  # with the attempt: how the process attaches to the agent
@@ -929,7 +942,7 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
     env += [dict(v) for v in job.env]  # spec.env: the job's own (names apart from the runtime's, checked)
     container: dict[str, Any] = {
         "name": "fill", "image": job.image, "env": env,
-        "volumeMounts": [{"name": "bubbles-run", "mountPath": RUN_DIR}],
+        "volumeMounts": [{"name": name, "mountPath": in_pod} for name, _, in_pod in mounts],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     if job.pod_resources:  # spec.resources: the Pod's own CPU and host memory (quotas count them)
@@ -949,8 +962,9 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         # The job runs as the agent's UID, not as whoever wrote its claims' files: the kubelet gives the claims' files
         # to its group (once, where their root does not have it already) so that the job can write its results.
         security.update(fsGroup=settings.run_as_group, fsGroupChangePolicy="OnRootMismatch")
-    volumes: list[dict[str, Any]] = [{"name": "bubbles-run",
-                                      "hostPath": {"path": settings.node_run_dir, "type": "Directory"}}]
+    # Both made by the node's agent before it reports the stage (the hook makes fills/ too): a Pod finds them there.
+    volumes: list[dict[str, Any]] = [{"name": name, "hostPath": {"path": on_node, "type": "Directory"}}
+                                     for name, on_node, _ in mounts]
     if mps:
         # The agent's pipe directory, and its /dev/shm (a node directory the agent's Pod mounts there: the MPS server
         # keeps its shared state with its clients in /dev/shm). Not host IPC: the node's other IPC stays out.
