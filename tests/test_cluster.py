@@ -118,13 +118,20 @@ def explained(cluster: Cluster) -> Iterator[None]:
 
 def chart_values(node: RealNode, run_dir: Path) -> dict[str, Any]:
     """What a user sets for this node: local images, its GPU label (faked: it has none), no MPS, and the API
-    server's address for Pods (no kube-proxy here, so Service IPs do not route)."""
+    server's address for Pods (no kube-proxy here, so Service IPs do not route).
+
+    And a grace of 200 ms, not the default 50: two cores run the node's control plane, both training ranks, the fill
+    Pods and, in the fault tests, a new operator or agent Pod starting up. A fill process descheduled for 50 ms past
+    its bubble's end was killed by the watchdog once (2026-11-25, while the operator's new Pod started), and the
+    fault test counted the restart. The watchdog and the grace are tested apart (tests/test_agent.py); this tier tests
+    the life cycle around them."""
     api = [{"name": "KUBERNETES_SERVICE_HOST", "value": node.api_host},
            {"name": "KUBERNETES_SERVICE_PORT", "value": str(node.api_port)}]
     return {
         "image": {"registry": "localhost", "tag": IMAGE_TAG, "pullPolicy": "Never"},
         "operator": {"interval": 1, "extraEnv": api, "agentDownAfter": 10},
-        "agent": {"isolation": "contexts", "runDir": str(run_dir), "runAsUser": UID, "runAsGroup": UID},
+        "agent": {"isolation": "contexts", "runDir": str(run_dir), "runAsUser": UID, "runAsGroup": UID,
+                  "graceMs": 200},
     }
 
 

@@ -159,6 +159,17 @@ def test_the_fill_process_refuses_a_bad_tail_risk_before_it_starts(monkeypatch, 
     assert "BUBBLES_TAIL_RISK='lots'" in capsys.readouterr().err
 
 
+def test_relaxing_lowers_only_the_profiled_gates_and_never_raises_them() -> None:
+    g = StepGates([(1, 0.014), (4, 0.020)], min_samples=2)
+    for _ in range(2):
+        g.observe(4, True, 9 * MS)  # size 4's first steps have a gate of their own: 9 ms
+    g.relax([(1, 0.002), (4, 0.030), (8, 0.001)])  # 30 ms is more than size 4's profile; size 8 is none of its sizes
+    assert g.gate_ns(1, True) == 2 * MS and g.gate_ns(1, False) == 2 * MS
+    assert g.gate_ns(4, True) == 9 * MS  # what was seen in bubbles stands
+    assert g.gate_ns(4, False) == 9 * MS  # bounded by the first steps' gate, the profile's 20 ms kept
+    assert g.fitting(3 * MS, True) == [1]
+
+
 def test_a_step_record_with_a_gate_other_than_tail_is_rejected() -> None:
     line = control.encode("step", start_ns=1, end_ns=2, flops=0.0, gate="tail")
     assert control.parse_event(line)["gate"] == "tail"

@@ -76,6 +76,13 @@ class StepGates:
         """Each size's gate for a bubble's first step, in seconds: what a bubble must offer to be used at all."""
         return [(size, self.gate_ns(size, True) / 1e9) for size in self.sizes]
 
+    def relax(self, profiled: Sequence[tuple[int | None, float]]) -> None:
+        """Lower the sizes' profiled gates to ``profiled`` (seconds) where that is less. For a profile that fits no
+        bubble: a gate no bubble fits lets no step run, so it never learns (the runtime's starvation fallback)."""
+        for size, t in profiled:
+            if size in self._profiled:
+                self._profiled[size] = min(self._profiled[size], int(t * 1e9))
+
     def fitting(self, left_ns: int, first: bool) -> list[int | None]:
         """The sizes whose gate fits in ``left_ns``, smallest first (run the last); empty when none does."""
         return [size for size in self.sizes if self.gate_ns(size, first) <= left_ns]

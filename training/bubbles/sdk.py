@@ -44,7 +44,10 @@ from bubbles.probes import gpu_uuid
 
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
-PROFILE_MARGIN = 1.2  # step time used for gating = median of the samples * this margin (see _profile_step_time)
+PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
+# Bubbles in a row with no step run although the profile's median (times the margin) would have fitted one: then the
+# gates fall back to the medians, once (see FillRuntime._starving).
+STARVED_BUBBLES = 32
 _NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
 _NAIVE_FLUSH_NS = 20_000_000
 
@@ -405,6 +408,11 @@ class FillRuntime:
         self.tail_risk_limit: float | None = None
         self.unknown_fields: set[str] = set()  # "type.field" the agent sent that this SDK does not know
         self._started: _Bubble | None = None  # the last START read, until its END (``_bubble`` is dropped after a pass)
+        # The profile's medians (with the margin), by size, and the bubbles in a row that ran no step though they would
+        # have fitted them (``_starving``); the fallback is used at most once.
+        self._fallback: list[tuple[int | None, float]] = []
+        self._starved = 0
+        self.relaxed = False
 
     # -- channel ---------------------------------------------------------------------------------
     def _emit(self, type_: str, **fields: Any) -> None:
@@ -466,7 +474,10 @@ class FillRuntime:
                 if sizes:
                     self._profile_sizes(sizes)
                 elif self.step_s is None:
-                    self.step_s = self._profile_step_time()
+                    timed = self._profile_step_time()
+                    if timed is not None:
+                        self.step_s = timed[0]
+                        self._fallback = [(None, timed[1])]
                 given = self.given_step_s
                 if self.sized:
                     self.gates = StepGates(self.sized, floors={self.sized[-1][0]: given} if given else None)
@@ -641,18 +652,15 @@ class FillRuntime:
             raise RuntimeError("a step ran before init(): no device to synchronize")
         self.device_sync.synchronize()
 
-    def _profile_step_time(self, size: int | None = None) -> float | None:
+    def _profile_step_time(self, size: int | None = None) -> tuple[float, float] | None:
         """FreeRide's side-task profiler: time a few steps during initialization, before the job is offered
         any bubble, so the program-directed limit holds from the first bubble on. These steps run once,
         outside bubbles, like process start-up and ``init()``; they are not counted as fill work. Each
         timed step includes waiting for its device work, as in ``_run_step``: on a GPU the host-side
         time of a step is only its launch cost, and gating on it would start steps that outlive bubbles.
 
-        The median, with a margin, not the 90th percentile: these steps compete with the training's compute, which
-        a step in a bubble does not, so preemption inflates a few of them. The gate stands only until
-        ``StepGates.min_samples`` steps have run in bubbles (then their own 90th percentile takes over), but a gate
-        no bubble fits lets no step run, so never learns: a profile of p90 x 1.2 = 14.5 ms for a step whose author
-        says 1.5 ms starved the cluster tier's example job for ten minutes (2026-11-25)."""
+        Returns the gate (the 90th percentile, with a margin) and the fallback (the median, with the margin): see
+        ``_starving``."""
         samples = []
         for _ in range(INIT_PROFILE_STEPS):
             if self.job.is_finished():
@@ -665,21 +673,28 @@ class FillRuntime:
             self._synchronize()
             samples.append((time.monotonic_ns() - t0) / 1e9)
         samples = samples[INIT_PROFILE_WARMUP:]
-        return robust_stats(samples)[0] * PROFILE_MARGIN if samples else None
+        if not samples:
+            return None
+        median, _p10, p90 = robust_stats(samples)
+        return p90 * PROFILE_MARGIN, median * PROFILE_MARGIN
 
     def _profile_sizes(self, sizes: tuple[int, ...]) -> None:
         """Time every step size. A gate never shrinks with the size (a larger step is not gated as shorter
         than a smaller one: timing noise); a given step time is the largest size's floor (what the job's
         author said a full step takes is respected where it is more than was measured)."""
         sized: list[tuple[int, float]] = []
+        fallback: list[tuple[int | None, float]] = []
         for size in sizes:
-            t = self._profile_step_time(size)
-            if t is None:  # finished while being profiled
+            timed = self._profile_step_time(size)
+            if timed is None:  # finished while being profiled
                 break
+            t, median = timed
             if size == sizes[-1] and self.step_s is not None:
-                t = max(t, self.step_s)
+                t, median = max(t, self.step_s), max(median, self.step_s)
             sized.append((size, max(t, sized[-1][1]) if sized else t))
+            fallback.append((size, max(median, fallback[-1][1]) if fallback else median))
         self.sized = sized
+        self._fallback = fallback
         self.step_s = sized[0][1] if sized else self.step_s
 
     def _check_finished(self) -> None:
@@ -728,6 +743,10 @@ class FillRuntime:
             self._check_finished()
             self._drain_signals()
             self._poll_control()
+        if not ran:
+            self._starving(b, gates)
+        else:
+            self._starved = 0
         if ran:
             self._emit("state", state="PAUSED")
             first = gates.first_steps_s()
@@ -738,6 +757,28 @@ class FillRuntime:
             self._flush()
         if self._bubble is b:
             self._bubble = None  # one pass per bubble: a bubble too short now stays too short
+
+    def _starving(self, b: _Bubble, gates: StepGates) -> None:
+        """A bubble ran no step. The gates come from init's profile until steps have run in bubbles, and init's steps
+        compete with the training's compute: a few slowed ones can lift the profile's 90th percentile past every
+        bubble, and a gate no bubble fits lets no step run, so it never learns (the cluster tier's example job:
+        14.5 ms for a step whose author says 1.5 ms, ten minutes at 0 steps, 2026-11-25). After STARVED_BUBBLES such
+        bubbles in a row that the profile's median would have fitted, the gates fall back to the medians, once: at
+        worst some of the next steps outlive their bubbles, until the steps' own times take over the gates."""
+        if self.relaxed or not self._fallback or self.steps:
+            return
+        if not any(t * 1e9 <= b.predicted_end_ns - b.start_ns for _, t in self._fallback):
+            return  # the median would not have fitted either: the bubbles are too short for this job
+        self._starved += 1
+        if self._starved < STARVED_BUBBLES:
+            return
+        self.relaxed = True
+        gates.relax(self._fallback)
+        print(f"bubbles.sdk: no step fitted {STARVED_BUBBLES} bubbles in a row with the step time profiled at init "
+              f"({gates.first_steps_s()[0][1] * 1e3:.2f} ms now, from its median; it was the 90th percentile): init's "
+              "steps ran beside the training's compute", file=sys.stderr, flush=True)
+        first = gates.first_steps_s()
+        self._report_step_time(first[0][1], first)
 
     def _naive_loop(self) -> None:
         """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location
