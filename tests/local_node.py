@@ -65,7 +65,7 @@ class LocalNode:
             paths.make_private_dir(card.parent)
             card.write_text(json.dumps({"training": training, "stage": stage, "stages": stages,
                                         "namespace": namespace, "pod": pod, "device": f"cpu:{stage}",
-                                        "gpu_uuid": None}))
+                                        "gpu_uuid": None, "fills": True}))
         self.hook = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.stop = threading.Event()
         self.node.scan()

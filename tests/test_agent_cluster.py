@@ -38,7 +38,7 @@ def write_card(run_dir: Path, stage: int = 0, pod: str = "llama-0", stages: int 
     path = paths.hook_card(run_dir, TRAINING, stage)
     paths.make_private_dir(path.parent)
     card = {"training": TRAINING, "stage": stage, "stages": stages, "namespace": "ml", "pod": pod, "device": "cpu",
-            "gpu_uuid": None, "pid": 1, **extra}
+            "gpu_uuid": None, "pid": 1, "fills": True, **extra}
     path.write_text(json.dumps(card))
     return path
 
@@ -260,6 +260,17 @@ def test_processes_the_operator_did_not_assign_are_refused_with_the_reason(node:
         reply = control.parse_reply(s.makefile("rb").readline())
     assert reply.type == "refused" and "bad hello" in reply["reason"]
     assert job(node, "uid-1") is not None and job(node, "uid-gpu") is not None  # the assignments are untouched
+
+
+def test_a_fill_pod_on_a_stage_whose_hook_predates_fills_is_refused_saying_to_upgrade(node: NodeAgent) -> None:
+    """A hook from before 2026-11-25 signals only the stage directory, which fill Pods no longer mount: the job would
+    sit at 0 steps without a word. Its card has no ``fills``."""
+    write_card(node.run_dir, fills=None)
+    node.scan()
+    node.assign(assignment())
+    proc = fill_process(node.run_dir, "uid-1")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and "predates 2026-11-25" in err and "Upgrade bubbles in the training's image" in err
 
 
 def test_a_replaced_training_pod_invalidates_the_stage_until_it_is_profiled_again(node: NodeAgent) -> None:

@@ -671,6 +671,7 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
         {"training": "t7", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3", "device": "cpu",
          "gpu_uuid": None}
     assert card["pid"] == os.getpid() and card["started_ns"] > 0
+    assert card["fills"] is True and paths.fills_dir(tmp_path, "t7", 1).is_dir()  # it signals fill sockets there
     # The hook holds the stage's lock while it lives: a node agent takes its card for live.
     from bubbles.agent.cluster import Card, card_is_stale
 

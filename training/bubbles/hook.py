@@ -593,6 +593,7 @@ class Instrumentation:
                     self._stand_down()
                     return
             card["lock"] = self._lock_fd is not None
+            card["fills"] = True  # this hook signals the fill sockets in the stage's fills/ (a cluster agent checks)
             # A new file of a name no one could plant beforehand (mkstemp: O_EXCL, no link followed), then renamed
             # over the card: nothing in the directory can make this write block or land elsewhere.
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

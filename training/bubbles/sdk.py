@@ -779,6 +779,7 @@ class FillRuntime:
               "steps ran beside the training's compute", file=sys.stderr, flush=True)
         first = gates.first_steps_s()
         self._report_step_time(first[0][1], first)
+        self._flush()  # now: the agent plans with it, and the next step may be bubbles away
 
     def _naive_loop(self) -> None:
         """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location

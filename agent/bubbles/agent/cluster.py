@@ -64,6 +64,7 @@ class Card:
     gpu_uuid: str | None
     instance: str = ""  # which process wrote it (pid and start time): a restarted training writes a new one
     lock: bool = False  # its process holds the stage's hook.lock while it lives (hooks before 2026-11-24 do not)
+    fills: bool = False  # its hook sends to the fill sockets in the stage's fills/ (hooks before 2026-11-25 do not)
 
     @classmethod
     def parse(cls, d: Any, where: str) -> Card:
@@ -86,7 +87,7 @@ class Card:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         return cls(training, stage, stages, ns, pod, device, uuid, f"{d.get('pid', '')}@{d.get('started_ns', '')}",
-                   d.get("lock") is True)
+                   d.get("lock") is True, d.get("fills") is True)
 
 
 MAX_CARD_BYTES = 64 * 1024  # a card is a few hundred bytes
@@ -570,6 +571,13 @@ class NodeAgent:
                 if tr is None or msg.stage not in tr.cards:
                     raise AttachRefused(f"stage {msg.stage} of training {msg.training} has no hook on this node "
                                         "(no card): is the training Pod running with the bubbles hook?")
+                if not tr.cards[msg.stage].fills:
+                    # Its bubble signals go only to sockets in the stage directory, which a fill Pod no longer mounts:
+                    # admitted, the job would sit at 0 steps, saying nothing.
+                    raise AttachRefused(f"the bubbles hook in training {msg.training}'s Pod "
+                                        f"{tr.cards[msg.stage].pod} predates 2026-11-25: it does not signal fill "
+                                        "jobs in the stage's fills/ directory, the one a fill Pod mounts. Upgrade "
+                                        "bubbles in the training's image to the agent's version")
                 sock = paths.fill_socket(self.run_dir, msg.training, msg.stage, have.job_name)
                 # The welcome goes first, on the blocking socket: the agent's commands (init) follow it on the
                 # same stream once the job is launched, from the non-blocking socket AttachedProcess makes of it.

@@ -138,8 +138,9 @@ class AgentMetrics:
                                       "datagrams from a process other than the training's",
                                       ["training", "stage", "source"], registry=r)
         self.missed_ends = Counter("bubbles_missed_bubble_ends",
-                                   "Plain fill commands frozen by the agent because their bubble's END did not come "
-                                   "within twice its predicted length (ENDs lost)", ["training", "stage"], registry=r)
+                                   "Plain fill commands frozen by the agent because their bubble's END had not come "
+                                   "within twice its predicted length (an END lost, or a bubble that long)",
+                                   ["training", "stage"], registry=r)
         self.iteration_s = Gauge("bubbles_main_iteration_seconds", "Latest training iteration time",
                                ["training", "stage"], registry=r)
         self.share_gauge = Gauge("bubbles_fill_share", "Share of each bubble the slowdown guard gives fill work",
