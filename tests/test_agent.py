@@ -413,10 +413,11 @@ def test_the_agents_tail_risk_reaches_the_fill_process_and_0_keeps_steps_inside_
         assert not tails and stage.tail_filled_s == stage.tail_overrun_s == 0
 
 
-def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: StartAgent) -> None:
-    imperative = parse_spec({"name": "imp", "interface": "imperative",
-                             "entry": "test_agent_jobs:CountingImperativeJob"})
-    h = start_agent([imperative])
+def frozen_imperative_job(start_agent: StartAgent, **agent_kw: Any) -> tuple[Harness, Hook, Callable[[], str]]:
+    """An imperative job launched on a profiled stage and frozen until its first bubble: the agent, the hook, and
+    its process's state letter (``/proc/<pid>/stat``: T when stopped)."""
+    h = start_agent([parse_spec({"name": "imp", "interface": "imperative",
+                                 "entry": "test_agent_jobs:CountingImperativeJob"})], **agent_kw)
     hook = Hook(h.run_dir)
     hook.send(wire.encode_profile(0, cycle()))
     h.wait_state("imp", "PAUSED")
@@ -427,6 +428,11 @@ def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: Sta
         return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
     wait_for(lambda: proc_state() == "T", what="process stopped")
+    return h, hook, proc_state
+
+
+def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: StartAgent) -> None:
+    h, hook, proc_state = frozen_imperative_job(start_agent)
     seq = hook.seq + 1
     hook.send(wire.encode_bubble_start(0, 0, seq, time.monotonic_ns(), time.monotonic_ns() + 10**9))
     h.wait_state("imp", "RUNNING")
@@ -437,18 +443,7 @@ def test_imperative_job_is_stopped_and_continued_around_bubbles(start_agent: Sta
 
 
 def test_an_imperative_job_whose_bubble_end_is_lost_is_stopped_by_the_agent_itself(start_agent: StartAgent) -> None:
-    h = start_agent([parse_spec({"name": "imp", "interface": "imperative",
-                                 "entry": "test_agent_jobs:CountingImperativeJob"})], metrics=True, metrics_port=0)
-    hook = Hook(h.run_dir)
-    hook.send(wire.encode_profile(0, cycle()))
-    h.wait_state("imp", "PAUSED")
-    proc = h.agent.process(h.agent.jobs[0])
-    assert proc is not None
-
-    def proc_state() -> str:
-        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-    wait_for(lambda: proc_state() == "T", what="process stopped")
+    h, hook, proc_state = frozen_imperative_job(start_agent, metrics=True, metrics_port=0)
     start = time.monotonic_ns()
     hook.send(wire.encode_bubble_start(0, 0, hook.seq + 1, start, start + 100_000_000))  # and no END, ever
     h.wait_state("imp", "RUNNING")

@@ -174,13 +174,19 @@ def test_a_plain_command_is_thawed_for_each_bubble_and_frozen_after_it() -> None
     assert core.take_actions() == [Signal(job, signal.SIGSTOP)] and job.state is FillState.PAUSED
 
 
-def test_a_plain_command_whose_bubble_end_is_lost_is_frozen_at_twice_the_predicted_length() -> None:
-    core, clock, sink = make_core()  # grace 50 ms
+def launched_plain_command(core: AgentCore) -> JobRecord:
+    """A plain command, its stage profiled, launched and frozen until its first bubble (actions taken)."""
     job = core.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"]}))
     core.on_datagram(0, wire.encode_profile(0, cycle()))
     core.take_actions()
     core.launched(job, has_control=False)
     core.take_actions()
+    return job
+
+
+def test_a_plain_command_whose_bubble_end_is_lost_is_frozen_at_twice_the_predicted_length() -> None:
+    core, clock, sink = make_core()  # grace 50 ms
+    job = launched_plain_command(core)
     t0 = clock.now
     core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, t0, t0 + 5 * MS))  # predicted: 5 ms
     assert core.take_actions() == [Signal(job, signal.SIGCONT)]
@@ -204,11 +210,7 @@ def test_a_plain_command_whose_bubble_end_is_lost_is_frozen_at_twice_the_predict
 
 def test_a_lost_ends_deadline_leaves_a_later_bubble_and_a_job_no_longer_running_alone() -> None:
     core, clock, _ = make_core()
-    job = core.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"]}))
-    core.on_datagram(0, wire.encode_profile(0, cycle()))
-    core.take_actions()
-    core.launched(job, has_control=False)
-    core.take_actions()
+    job = launched_plain_command(core)
     t0 = clock.now
     core.on_datagram(0, wire.encode_bubble_start(0, 0, 1, t0, t0 + 5 * MS))  # its END is lost...
     core.on_datagram(0, wire.encode_bubble_start(0, 0, 2, t0 + 8 * MS, t0 + 100 * MS))  # ...and a long bubble opens

@@ -807,6 +807,18 @@ class PreemptedJob(BusyJob):
         return super().step()
 
 
+def send_bubbles(path: Path, count: int, *, length_s: float, gap_s: float, sleep_s: float | None = None) -> None:
+    """Bubbles 1..count to the runtime's socket as the hook sends them: START (predicted ``length_s``), a sleep
+    (``sleep_s``, default the length), END, then ``gap_s`` before the next."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sig:
+        for seq in range(1, count + 1):
+            start = time.monotonic_ns()
+            sig.sendto(wire.encode_bubble_start(0, 0, seq, start, start + int(length_s * 1e9)), str(path))
+            time.sleep(length_s if sleep_s is None else sleep_s)
+            sig.sendto(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()), str(path))
+            time.sleep(gap_s)
+
+
 def test_a_profile_that_fits_no_bubble_falls_back_to_its_median_after_32_starved_bubbles(tmp_path: Path) -> None:
     """Init's profile steps compete with the training, and a gate no bubble fits lets no step run, so never learns
     (the cluster tier's example job: 14.5 ms for a 1.5 ms step, ten minutes at 0 steps). The 90th percentile stays
@@ -823,13 +835,7 @@ def test_a_profile_that_fits_no_bubble_falls_back_to_its_median_after_32_starved
         assert step_s > 0.030 * PROFILE_MARGIN, step_s  # the 90th percentile: a stretched step
         ch.send("arm", mode="harvest", share=1.0)
         wait_for_socket(path)
-        sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        for seq in range(1, STARVED_BUBBLES + 9):
-            start = time.monotonic_ns()
-            sig.sendto(wire.encode_bubble_start(0, 0, seq, start, start + 10_000_000), str(path))  # 10 ms
-            time.sleep(0.010)
-            sig.sendto(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()), str(path))
-            time.sleep(0.002)
+        send_bubbles(path, STARVED_BUBBLES + 8, length_s=0.010, gap_s=0.002)
         ch.wait_count(2, "profile", timeout_s=5)
         relaxed = [e for e in ch.events if e.type == "profile"][1]["step_s"]
         assert relaxed < 0.005, relaxed  # the median: about 1.2 ms
@@ -837,7 +843,6 @@ def test_a_profile_that_fits_no_bubble_falls_back_to_its_median_after_32_starved
         steps = [e for e in ch.events if e.type == "step"]
         assert rt.relaxed and min(e["bubble_seq"] for e in steps) >= STARVED_BUBBLES, [e["bubble_seq"] for e in steps]
         ch.send("stop")
-        sig.close()
 
 
 def test_bubbles_too_short_even_for_the_median_do_not_relax_the_gates(tmp_path: Path) -> None:
@@ -849,16 +854,10 @@ def test_bubbles_too_short_even_for_the_median_do_not_relax_the_gates(tmp_path: 
         ch.wait("profile", timeout_s=60)
         ch.send("arm", mode="harvest", share=1.0)
         wait_for_socket(path)
-        sig = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        for seq in range(1, STARVED_BUBBLES + 5):
-            start = time.monotonic_ns()
-            sig.sendto(wire.encode_bubble_start(0, 0, seq, start, start + 300_000), str(path))  # 0.3 ms
-            time.sleep(0.001)
-            sig.sendto(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()), str(path))
+        send_bubbles(path, STARVED_BUBBLES + 4, length_s=0.0003, sleep_s=0.001, gap_s=0.0)  # 0.3 ms predicted
         time.sleep(0.1)
         assert not rt.relaxed and ch.count("step") == 0 and ch.count("profile") == 1
         ch.send("stop")
-        sig.close()
 
 
 class SizedJob(BusyJob):

@@ -45,8 +45,8 @@ from bubbles.probes import gpu_uuid
 INIT_PROFILE_STEPS = 10  # steps timed during init when the spec gives no step time
 INIT_PROFILE_WARMUP = 2  # of those, the first pay one-time costs (allocations, lazy initialization)
 PROFILE_MARGIN = 1.2  # step time used for gating = p90 of the samples * this margin
-# Bubbles in a row with no step run although the profile's median (times the margin) would have fitted one: then the
-# gates fall back to the medians, once (see FillRuntime._starving).
+# Bubbles with no step run, before any step ran, that the profile's median (times the margin) would have fitted: then
+# the gates fall back to the medians, once (see FillRuntime._starving).
 STARVED_BUBBLES = 32
 _NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
 _NAIVE_FLUSH_NS = 20_000_000
@@ -408,8 +408,8 @@ class FillRuntime:
         self.tail_risk_limit: float | None = None
         self.unknown_fields: set[str] = set()  # "type.field" the agent sent that this SDK does not know
         self._started: _Bubble | None = None  # the last START read, until its END (``_bubble`` is dropped after a pass)
-        # The profile's medians (with the margin), by size, and the bubbles in a row that ran no step though they would
-        # have fitted them (``_starving``); the fallback is used at most once.
+        # The profile's medians (with the margin), by size, and the bubbles before the first step that ran none though
+        # they would have fitted them (``_starving``); the fallback is used at most once.
         self._fallback: list[tuple[int | None, float]] = []
         self._starved = 0
         self.relaxed = False
@@ -746,8 +746,6 @@ class FillRuntime:
         if not ran:
             self._starving(b, gates)
         else:
-            self._starved = 0
-        if ran:
             self._emit("state", state="PAUSED")
             first = gates.first_steps_s()
             # The agent plans, and accounts bubbles too short to use, with the smallest step's time: tell it
@@ -763,8 +761,8 @@ class FillRuntime:
         compete with the training's compute: a few slowed ones can lift the profile's 90th percentile past every
         bubble, and a gate no bubble fits lets no step run, so it never learns (the cluster tier's example job:
         14.5 ms for a step whose author says 1.5 ms, ten minutes at 0 steps, 2026-11-25). After STARVED_BUBBLES such
-        bubbles in a row that the profile's median would have fitted, the gates fall back to the medians, once: at
-        worst some of the next steps outlive their bubbles, until the steps' own times take over the gates."""
+        bubbles, before any step ran, that the profile's median would have fitted, the gates fall back to the medians,
+        once: at worst some of the next steps outlive their bubbles, until the steps' own times take over the gates."""
         if self.relaxed or not self._fallback or self.steps:
             return
         if not any(t * 1e9 <= b.predicted_end_ns - b.start_ns for _, t in self._fallback):
@@ -774,10 +772,10 @@ class FillRuntime:
             return
         self.relaxed = True
         gates.relax(self._fallback)
-        print(f"bubbles.sdk: no step fitted {STARVED_BUBBLES} bubbles in a row with the step time profiled at init "
-              f"({gates.first_steps_s()[0][1] * 1e3:.2f} ms now, from its median; it was the 90th percentile): init's "
-              "steps ran beside the training's compute", file=sys.stderr, flush=True)
         first = gates.first_steps_s()
+        print(f"bubbles.sdk: no step fitted {STARVED_BUBBLES} bubbles with the step time profiled at init "
+              f"({first[0][1] * 1e3:.2f} ms now, from its median; it was the 90th percentile): init's "
+              "steps ran beside the training's compute", file=sys.stderr, flush=True)
         self._report_step_time(first[0][1], first)
         self._flush()  # now: the agent plans with it, and the next step may be bubbles away
 
