@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bubbles import wire
 from bubbles.agent.server import recv_with_pid
-from bubbles.stats import median_interval
+from bubbles.core import wire
+from bubbles.core.stats import median_interval
 
 
 def _batch() -> int:

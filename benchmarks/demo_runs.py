@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bubbles import control
-from bubbles.sdk import tail_risk
+from bubbles.core import control
+from bubbles.training.sdk import tail_risk
 
 
 def spin_on(core: int) -> subprocess.Popen[bytes]:

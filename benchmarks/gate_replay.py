@@ -6,8 +6,9 @@ fills, and how much its steps overrun, for fill steps of a given length.
 
 What is real: the bubbles (each harvest-phase bubble's slot and length as the agent recorded it, in order, from
 ``benchmarks/gpu_harvest.py`` on the H100; ``benchmarks/data/h100-bubbles-2026-11-24.json``), the shape of the fill
-steps' durations (the same runs' in-bubble steps, device-synchronized) and the decisions: ``bubbles.gating.StepGates``
-and ``TailRisk`` and the hook's prediction (``bubbles.cycle.RecentLengths``: each slot's 10th percentile over its last
+steps' durations (the same runs' in-bubble steps, device-synchronized) and the decisions:
+``bubbles.training.gating.StepGates`` and ``TailRisk`` and the hook's prediction
+(``bubbles.core.cycle.RecentLengths``: each slot's 10th percentile over its last
 32 lengths), the code the runtime and the hook run. What is modelled: a step's duration is a draw from the recorded
 ones scaled to a median of ``--step-ms`` (what a shorter step, such as a CUDA-graph replay, would take), independent
 of the training; the first step of a bubble starts ``--latency-ms`` after it (0.7 ms: the recorded median over the
@@ -36,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bubbles.cycle import RecentLengths
-from bubbles.gating import StepGates, TailRisk
-from bubbles.sdk import INIT_PROFILE_STEPS, INIT_PROFILE_WARMUP, PROFILE_MARGIN
-from bubbles.stats import percentile
+from bubbles.core.cycle import RecentLengths
+from bubbles.core.stats import percentile
+from bubbles.training.gating import StepGates, TailRisk
+from bubbles.training.sdk import INIT_PROFILE_STEPS, INIT_PROFILE_WARMUP, PROFILE_MARGIN
 
 DATA = Path(__file__).resolve().parent / "data" / "h100-bubbles-2026-11-24.json"
 PROFILE_ITERATIONS = 8  # the hook's profile: the prediction is seeded with this many iterations' lengths

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_event_wake.py [--waits 200] [--out FILE.json]
 
-The real ``EventTimer`` (``bubbles.gpu_timing``) with the real CUDA events, as the hook uses them: the host queues
+The real ``EventTimer`` (``gpu_timing``) with the real CUDA events, as the hook uses them: the host queues
 ``--waits`` signalled waits at once (a 1 ms spin kernel, the wait's start event, a 2 ms spin, its end event), as a
 training's host runs ahead of its GPU, then keeps its main thread busy until the helper thread has resolved them.
 Each signal's lag is ``EventTimer.wake_lag_ns``: the helper's wake-up minus the event's completion on the device's
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bubbles.gpu_timing import EVENT_WAITS, EventTimer, cuda_event_factory
+from bubbles.training.gpu_timing import EVENT_WAITS, EventTimer, cuda_event_factory
 
 LOADS = ("idle", "python", "torch")
 INTERVALS_S = (0.005, 0.0002)

@@ -9,7 +9,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from bubbles.wire import SIGNAL_BYTES
+from bubbles.core.wire import SIGNAL_BYTES
 
 METHOD = "/bubbles.bench.Echo/Ping"
 

@@ -37,9 +37,9 @@ from typing import Any
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from bubbles import paths
-from bubbles.gpu_timing import HostEvent
-from bubbles.hook import instruction_stream, instrument
+from bubbles.core import paths
+from bubbles.training.gpu_timing import HostEvent
+from bubbles.training.hook import instruction_stream, instrument
 
 
 class StandInEngine:

@@ -38,12 +38,12 @@ from kubeapi import (  # noqa: E402
 )
 from operator_thread import OperatorThread  # noqa: E402
 
+from bubbles.core.resources import NodeReport, StageReport  # noqa: E402
+from bubbles.core.stats import percentile  # noqa: E402
 from bubbles.operator.agents import InMemoryAgents  # noqa: E402
 from bubbles.operator.kube import Connection  # noqa: E402
 from bubbles.operator.rbac import cluster_role, cluster_role_binding  # noqa: E402
 from bubbles.operator.shell import Operator, OperatorConfig  # noqa: E402
-from bubbles.resources import NodeReport, StageReport  # noqa: E402
-from bubbles.stats import percentile  # noqa: E402
 
 NS = "scale"
 CYCLE = {"training": "t", "stage": 0, "stages": 8, "microbatches": 16, "schedule": "TrainSchedule",

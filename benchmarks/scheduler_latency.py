@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from bubbles.scheduler import FillJobRequest, Scheduler
-from bubbles.simulator import MainJob, load_profiles
+from bubbles.operator.scheduler import FillJobRequest, Scheduler
+from bubbles.operator.simulator import MainJob, load_profiles
 
 
 def main() -> None:

@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bubbles import control, paths, wire
-from bubbles.api import FillMode
-from bubbles.cycle import BubbleCycle, BubbleSlot
-from bubbles.hook import Listeners
-from bubbles.stats import percentile
+from bubbles.core import control, paths, wire
+from bubbles.core.api import FillMode
+from bubbles.core.cycle import BubbleCycle, BubbleSlot
+from bubbles.core.stats import percentile
+from bubbles.training.hook import Listeners
 from grpc_reference import grpc_round_trips_us
 
 TRAINING = "bench"

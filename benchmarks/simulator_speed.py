@@ -10,8 +10,8 @@ import os
 import platform
 import time
 
-from bubbles.simulator import MainJob, generate_trace, load_profiles, read_alibaba, simulate, summarize
-from bubbles.simulator.report import format_summary
+from bubbles.operator.simulator import MainJob, generate_trace, load_profiles, read_alibaba, simulate, summarize
+from bubbles.operator.simulator.report import format_summary
 
 DEFAULT = os.environ.get(
     "BUBBLES_ALIBABA_TRACE", "/work/shared/data/alibaba-gpu-2023/openb_pod_list_default.csv"

@@ -30,11 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bubbles import paths, wire
-from bubbles.api import FillMode
-from bubbles.cycle import BubbleCycle, BubbleSlot
-from bubbles.hook import Listeners
-from bubbles.stats import median_interval, percentile
+from bubbles.core import paths, wire
+from bubbles.core.api import FillMode
+from bubbles.core.cycle import BubbleCycle, BubbleSlot
+from bubbles.core.stats import median_interval, percentile
+from bubbles.training.hook import Listeners
 
 TRAINING = "gap"
 SPIN = "bubbles.fill_examples.spin:SpinJob"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bubbles.orchestrate.processes import free_ports
+from bubbles.demo.orchestrate.processes import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "kube-from-debian.sh"

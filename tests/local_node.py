@@ -24,12 +24,12 @@ from typing import Any
 from kubeapi import ApiServer
 from pki import Pki
 
-from bubbles import paths, wire
 from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.rpc import ServerSecurity, serve
-from bubbles.api import IsolationMode
+from bubbles.core import paths, wire
+from bubbles.core.api import IsolationMode
 from bubbles.operator.grpc_agents import ClientSecurity
 
 MIB = 2**20

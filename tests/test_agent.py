@@ -1,4 +1,4 @@
-"""The agent end to end: real sockets, real fill subprocesses, datagrams encoded by bubbles.wire.
+"""The agent end to end: real sockets, real fill subprocesses, datagrams encoded by bubbles.core.wire.
 
 The test plays the training's hook: it sends each signal to every ``*.sock`` in the stage
 directory, as ``bubbles.hook`` does, so armed fill jobs hear bubbles directly. Waits poll with
@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
-from bubbles import paths, wire
 from bubbles.agent.guard import GuardConfig
 from bubbles.agent.metrics import names
 from bubbles.agent.server import Agent, AgentConfig
-from bubbles.api import FillJobSpec, parse_spec
-from bubbles.lifecycle import FillState, InvalidTransition, transition
+from bubbles.core import paths, wire
+from bubbles.core.api import FillJobSpec, parse_spec
+from bubbles.core.lifecycle import FillState, InvalidTransition, transition
 
 TESTS = str(Path(__file__).parent)
 TRAINING = "t"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bubbles import paths, wire
-from bubbles.api import FillInterface, SpecError, load_spec, parse_duration, parse_quantity, parse_spec
+from bubbles.core import paths, wire
+from bubbles.core.api import FillInterface, SpecError, load_spec, parse_duration, parse_quantity, parse_spec
 
 ROOT = Path(__file__).parent.parent
 GOOD = {"name": "job", "entry": "pkg.mod:Job"}

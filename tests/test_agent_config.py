@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bubbles.agent.config import AgentConfig, ConfigError, load_settings
-from bubbles.api import FillMode, IsolationMode
+from bubbles.core.api import FillMode, IsolationMode
 
 NO_FLAGS: dict[str, Any] = {}
 

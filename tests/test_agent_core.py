@@ -1,7 +1,7 @@
 """The agent's pure core (bubbles.agent.core): messages and ticks in, actions out, with a fake clock.
 
-No sockets, no processes, no sleeps: each test plays the training's hook (datagrams from bubbles.wire),
-the fill process (control lines from bubbles.control) and the shell (launch results, exits), and checks
+No sockets, no processes, no sleeps: each test plays the training's hook (datagrams from bubbles.core.wire),
+the fill process (control lines from bubbles.core.control) and the shell (launch results, exits), and checks
 the actions the core decides.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from bubbles import control, wire
 from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch, Release, Send, Signal, VerifyIsolation
 from bubbles.agent.guard import GuardConfig
-from bubbles.api import FillMode, FillState, IsolationMode, IsolationState, IsolationStatus, parse_spec
+from bubbles.core import control, wire
+from bubbles.core.api import FillMode, FillState, IsolationMode, IsolationState, IsolationStatus, parse_spec
 
 MS = 1_000_000
 READY = IsolationStatus(IsolationMode.CONTEXTS, IsolationState.READY, "ready for tests", epoch=1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import time
 
-from bubbles import control
-from bubbles.sdk import ImperativeFillJob, IterativeFillJob, StepResult
+from bubbles.core import control
+from bubbles.training.sdk import ImperativeFillJob, IterativeFillJob, StepResult
 
 
 class BusyJob(IterativeFillJob):
@@ -73,7 +73,7 @@ def test_fill_processes_are_the_oom_killers_first_choice(tmp_path) -> None:  # t
     from pathlib import Path
 
     from bubbles.agent.launcher import LaunchRequest, ProcessLauncher
-    from bubbles.api import FillInterface, FillJobSpec
+    from bubbles.core.api import FillInterface, FillJobSpec
 
     spec = FillJobSpec(name="oom", interface=FillInterface.IMPERATIVE, entry=None,
                        command=(sys.executable, "-c", "import time; time.sleep(30)"))
@@ -85,7 +85,7 @@ def test_fill_processes_are_the_oom_killers_first_choice(tmp_path) -> None:  # t
         while proc.poll() is None:
             time.sleep(0.01)
     # The SDK's own, before anything else it does (here it then refuses a bad --entry): inherited by a child.
-    probe = ("import subprocess, sys; from bubbles.sdk import run_fill_process as r\n"
+    probe = ("import subprocess, sys; from bubbles.training.sdk import run_fill_process as r\n"
              "try:\n    r(['--entry', 'no-colon'])\nexcept SystemExit:\n    pass\n"
              "print(open('/proc/self/oom_score_adj').read().strip())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
@@ -115,7 +115,7 @@ def test_a_wrapped_commands_children_are_paused_resumed_and_ended_with_it(tmp_pa
     import signal
 
     from bubbles.agent.launcher import LaunchRequest, ProcessLauncher
-    from bubbles.api import FillInterface, FillJobSpec
+    from bubbles.core.api import FillInterface, FillJobSpec
 
     def launch(script: str):  # type: ignore[no-untyped-def]
         spec = FillJobSpec(name="wrapped", interface=FillInterface.IMPERATIVE, entry=None, command=("sh", "-c", script))

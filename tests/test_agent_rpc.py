@@ -23,13 +23,13 @@ from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.rpc import RpcServer, SecurityError, ServerSecurity, serve
-from bubbles.agentapi import assignment_to_pb
-from bubbles.agentapi.v1alpha1 import agent_pb2 as pb
-from bubbles.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
-from bubbles.api import FillState, IsolationMode, parse_spec
+from bubbles.core.agentapi import assignment_to_pb
+from bubbles.core.agentapi.v1alpha1 import agent_pb2 as pb
+from bubbles.core.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
+from bubbles.core.api import FillState, IsolationMode, parse_spec
+from bubbles.demo.orchestrate.processes import free_ports
 from bubbles.operator.decide import Assignment
 from bubbles.operator.grpc_agents import IDLE_CLOSE_S, AgentCredentialsError, ClientSecurity, GrpcAgents
-from bubbles.orchestrate.processes import free_ports
 
 
 @pytest.fixture(scope="module")

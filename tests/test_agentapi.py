@@ -12,19 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from bubbles import agentapi
-from bubbles.agentapi.v1alpha1 import agent_pb2 as pb
-from bubbles.api import FillInterface, FillJobSpec, FillNode, FillState, WorkloadKind
-from bubbles.resources import JobProgress, NodeReport, StageReport
+from bubbles.core import agentapi
+from bubbles.core.agentapi.v1alpha1 import agent_pb2 as pb
+from bubbles.core.api import FillInterface, FillJobSpec, FillNode, FillState, WorkloadKind
+from bubbles.core.resources import JobProgress, NodeReport, StageReport
 
 ROOT = Path(__file__).resolve().parent.parent
-STUBS = ROOT / "core" / "bubbles" / "agentapi" / "v1alpha1"
+STUBS = ROOT / "core" / "bubbles" / "core" / "agentapi" / "v1alpha1"
 
 
 def test_the_committed_stubs_are_generated_from_the_proto(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     subprocess.run([str(ROOT / "tools" / "gen-proto.sh"), str(tmp_path)], check=True, env=env, cwd=ROOT, timeout=120)
-    fresh = tmp_path / "bubbles" / "agentapi" / "v1alpha1"
+    fresh = tmp_path / "bubbles" / "core" / "agentapi" / "v1alpha1"
     names = sorted(p.name for p in fresh.iterdir())
     assert names == ["agent_pb2.py", "agent_pb2.pyi", "agent_pb2_grpc.py"]
     stale = [n for n in names if not filecmp.cmp(fresh / n, STUBS / n, shallow=False)]

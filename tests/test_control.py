@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bubbles import control
-from bubbles.api import FillMode
+from bubbles.core import control
+from bubbles.core.api import FillMode
 
 
 def test_round_trip_commands_and_events() -> None:

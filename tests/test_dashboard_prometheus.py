@@ -26,10 +26,10 @@ from local_node import LocalNode
 from operator_thread import OperatorThread
 from test_operator_kube import NS, cluster, get, phase, until  # noqa: F401  (cluster: a fixture)
 
+from bubbles.demo.orchestrate.processes import free_port
 from bubbles.operator.grpc_agents import GrpcAgents
 from bubbles.operator.kube import Connection
 from bubbles.operator.shell import Operator, OperatorConfig
-from bubbles.orchestrate.processes import free_port
 
 pytestmark = [pytest.mark.kube, pytest.mark.deepspeed]
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bubbles.cli import main
-from bubbles.cycle import theoretical_bubble_ratio
+from bubbles.core.cycle import theoretical_bubble_ratio
 
 COMPUTE = {"ForwardPass", "BackwardPass", "OptimizerStep"}
 # A fill step that was running when its bubble ended early keeps the core for about one step (0.5-2 ms here) plus

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from bubbles.api import FillMode
+from bubbles.core.api import FillMode
+from bubbles.core.stats import median_interval
+from bubbles.demo.orchestrate.phases import format_phases, iterations_by_round
 from bubbles.demo.report import format_breakdown, format_summary, over_rounds, round_figures
-from bubbles.orchestrate.phases import format_phases, iterations_by_round
-from bubbles.stats import median_interval
 
 MS = 1_000_000
 

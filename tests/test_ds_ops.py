@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bubbles.demo.ds_ops import OP
-from bubbles.orchestrate.processes import free_port
+from bubbles.demo.orchestrate.processes import free_port
 
 INIT = textwrap.dedent("""
     import os, sys

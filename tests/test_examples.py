@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bubbles.api import load_spec
-from bubbles.sdk import load_entry
+from bubbles.core.api import load_spec
+from bubbles.training.sdk import load_entry
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples" / "fill-jobs").glob("*.yaml"))
 

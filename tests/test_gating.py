@@ -1,4 +1,4 @@
-"""When a fill step may start past its bubble's predicted end (bubbles.gating.TailRisk), pure and in the runtime."""
+"""When a fill step may start past its bubble's predicted end (gating.TailRisk), pure and in the runtime."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from test_agent_jobs import BusyJob
 from test_sdk import init_and_arm, serving
 
-from bubbles import control, wire
-from bubbles.gating import StepGates, TailRisk
-from bubbles.sdk import DEFAULT_TAIL_RISK, run_fill_process, tail_risk
-from bubbles.stats import percentile
+from bubbles.core import control, wire
+from bubbles.core.stats import percentile
+from bubbles.training.gating import StepGates, TailRisk
+from bubbles.training.sdk import DEFAULT_TAIL_RISK, run_fill_process, tail_risk
 
 MS = 1_000_000
 

@@ -25,8 +25,8 @@ import torch
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from bubbles import paths, wire
-from bubbles.gpu_timing import (
+from bubbles.core import paths, wire
+from bubbles.training.gpu_timing import (
     DEFAULT_EVENT_WAIT,
     DEFAULT_SWITCH_INTERVAL_US,
     EventTimer,
@@ -36,8 +36,8 @@ from bubbles.gpu_timing import (
     event_wait_from_env,
     switch_interval_from_env,
 )
-from bubbles.hook import instrument, resolve_timing
-from bubbles.probes import StaticMemoryProbe
+from bubbles.training.hook import instrument, resolve_timing
+from bubbles.training.probes import StaticMemoryProbe
 
 COMPUTE_S = 0.004  # per forward/backward pass, on the fake device
 WAIT_S = 0.006  # how long each receive waits for its data, on the fake device
@@ -326,7 +326,7 @@ def test_with_device_timing_predicted_lengths_follow_the_waits_the_device_measur
     """As with host timing, a signalled bubble's predicted length follows its recent lengths after profiling; here
     the lengths are the device's, and the event thread recomputes the prediction (until 2026-11-24 device timing
     kept the profile's for good)."""
-    from bubbles.hook import RECENT_ITERATIONS, REPREDICT_EVERY
+    from bubbles.training.hook import RECENT_ITERATIONS, REPREDICT_EVERY
 
     class Waits(RunAheadEngine):
         wait_s = 0.002
@@ -421,7 +421,7 @@ def test_cuda_events_record_on_the_engines_device_not_the_current_one() -> None:
 
 
 def test_the_hook_times_the_engines_device(sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bubbles.hook as hook_mod
+    import bubbles.training.hook as hook_mod
 
     eng = AsyncEngine(FakeStream())
     eng.device = torch.device("cuda", 1)  # type: ignore[attr-defined]

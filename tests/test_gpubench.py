@@ -28,10 +28,10 @@ import torch
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 import gpubench.emulator as emulator_mod
-from bubbles import paths
 from bubbles.agent.ledger import BREAKDOWN
-from bubbles.hook import candidate_slots, instruction_stream, instrument
-from bubbles.probes import StaticMemoryProbe
+from bubbles.core import paths
+from bubbles.training.hook import candidate_slots, instruction_stream, instrument
+from bubbles.training.probes import StaticMemoryProbe
 from gpubench.emulator import CudaOps, DeviceOps, StageEmulator, StageShape
 from gpubench.pipeline_model import simulate_pipeline
 from gpubench.report import cost_savings, regimes_of_run
@@ -830,7 +830,7 @@ def test_bad_benchmark_flags_exit_2_saying_what_to_do(flags: list[str], message:
 
 
 def test_the_tail_risk_reaches_the_agents_environment_and_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bubbles import control
+    from bubbles.core import control
     from gpubench.run import _env, build_parser, resolve
 
     monkeypatch.setenv(control.TAIL_RISK_ENV, "0.2")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bubbles.api import FillMode
+from bubbles.core.api import FillMode
 from gpubench.clocks import (
     ClockSampler,
     NvmlClockReader,

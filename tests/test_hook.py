@@ -25,9 +25,10 @@ import pytest
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from bubbles import hook, paths, wire
-from bubbles.cycle import BUBBLE_KINDS, BubbleCycle
-from bubbles.hook import (
+from bubbles.core import paths, wire
+from bubbles.core.cycle import BUBBLE_KINDS, BubbleCycle
+from bubbles.training import hook
+from bubbles.training.hook import (
     ITERATION_HISTORY,
     Candidate,
     Listeners,
@@ -36,7 +37,7 @@ from bubbles.hook import (
     instruction_stream,
     instrument,
 )
-from bubbles.probes import CudaAllocatorProbe, MemoryProbe, MemorySample, StaticMemoryProbe, default_probe
+from bubbles.training.probes import CudaAllocatorProbe, MemoryProbe, MemorySample, StaticMemoryProbe, default_probe
 
 SHAPES = [(p, m) for p in (2, 3, 4) for m in (1, 2, 4, 8)]
 
@@ -193,7 +194,7 @@ def test_fill_sockets_in_fills_are_listeners_and_none_there_passes_for_the_agent
     """Fill jobs bind their sockets in the stage's fills/ (what a fill Pod mounts), and a change there is seen without
     the stage directory changing. A socket named agent.sock there is a fill's: capped, sent to from the fill jobs'
     sending socket. A fills/ that is a link is not followed."""
-    from bubbles.hook import MAX_LISTENERS
+    from bubbles.training.hook import MAX_LISTENERS
 
     fills = sockdir / "fills"
     fills.mkdir()
@@ -289,7 +290,7 @@ def test_a_full_listener_loses_datagrams_but_never_blocks(sockdir: Path) -> None
 def test_only_sockets_are_listeners_and_fill_sockets_are_capped_the_agent_never(sockdir: Path) -> None:
     """The stage directory is writable by fill jobs: a link named *.sock would have sendto resolve its target in the
     training's file system, and every listener costs each signal a sendto on the training's path."""
-    from bubbles.hook import MAX_LISTENERS
+    from bubbles.training.hook import MAX_LISTENERS
 
     real = bind(sockdir / "fill-real.sock")
     os.symlink(sockdir / "fill-real.sock", sockdir / "fill-link.sock")
@@ -320,7 +321,7 @@ def test_only_sockets_are_listeners_and_fill_sockets_are_capped_the_agent_never(
 def test_fill_sockets_that_stop_reading_leave_the_agent_its_datagrams(sockdir: Path) -> None:
     """Datagrams queued at a receiver count against the sender's buffer until read: with one sending socket, fill
     processes that stopped reading used it all up and every later send failed, the agent's included."""
-    from bubbles.hook import MAX_LISTENERS
+    from bubbles.training.hook import MAX_LISTENERS
 
     idle = [bind(sockdir / f"fill-{i:02d}.sock") for i in range(MAX_LISTENERS - 1)]  # never read
     agent = bind(sockdir / "agent.sock")
@@ -735,7 +736,7 @@ def test_a_process_out_of_file_descriptors_trains_on_without_the_hook(tmp_path: 
 import os, resource, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_hook import StandInEngine
-from bubbles.hook import instrument
+from bubbles.training.hook import instrument
 eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
@@ -788,7 +789,7 @@ def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_nai
     """A profile of a few iterations is noisy and goes stale: with host timing, each signalled bubble's predicted
     length follows its last RECENT_ITERATIONS lengths (recomputed every REPREDICT_EVERY iterations). Iterations
     under naive co-location are not the training's own bubbles and do not count."""
-    from bubbles.hook import RECENT_ITERATIONS, REPREDICT_EVERY
+    from bubbles.training.hook import RECENT_ITERATIONS, REPREDICT_EVERY
 
     run_dir, training = sockdir, "t-follow"
     sdir = paths.make_private_dir(paths.stage_dir(run_dir, training, 0))

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
-from bubbles.orchestrate.processes import fill_jobs_ready, free_port
+from bubbles.core.cycle import BubbleCycle, theoretical_bubble_ratio
+from bubbles.demo.orchestrate.processes import fill_jobs_ready, free_port
 
 pytestmark = pytest.mark.deepspeed
 
@@ -40,7 +40,7 @@ KILL_AFTER_STARTS = 10
 LISTENER = r"""
 import json, os, selectors, socket, sys, time
 from pathlib import Path
-from bubbles import paths, wire
+from bubbles.core import paths, wire
 run_dir, training, stages, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 sel = selectors.DefaultSelector()
 for k in range(stages):

@@ -23,7 +23,6 @@ import pytest
 from prometheus_client import generate_latest
 from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, environ, spec, start_agent, wait_for
 
-from bubbles import wire
 from bubbles.agent import mps
 from bubbles.agent.isolation import (
     READY,
@@ -51,7 +50,8 @@ from bubbles.agent.launcher import (
     parse_devices,
 )
 from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
-from bubbles.api import FillState, parse_spec
+from bubbles.core import wire
+from bubbles.core.api import FillState, parse_spec
 
 __all__ = ["start_agent"]  # the fixture, shared with test_agent
 

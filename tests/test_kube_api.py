@@ -1,4 +1,4 @@
-"""The CRDs on a real kube-apiserver (1.20, RBAC on): what the API server enforces is what bubbles.resources says.
+"""The CRDs on a real kube-apiserver (1.20, RBAC on): what the API server enforces is what bubbles.core.resources says.
 
 One API server for the whole module (tests/kubeapi.py). Skipped, loudly, where its binaries cannot be had.
 """
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from kubeapi import ApiServer
 
-from bubbles.resources import (
+from bubbles.core.resources import (
     API_VERSION,
     FILL_JOB_SPEC,
     FILL_JOB_STATUS,

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bubbles.agent.ledger import BREAKDOWN, HarvestLedger, LedgerTotals, StepRecord, bubble_breakdown, filled_share
-from bubbles.stats import percentile
+from bubbles.core.stats import percentile
 
 MS = 1_000_000  # ns
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from bubbles import paths
-from bubbles.api import FillState
-from bubbles.cycle import BubbleCycle
+from bubbles.core import paths
+from bubbles.core.api import FillState
+from bubbles.core.cycle import BubbleCycle
 from bubbles.operator.decide import (
     ClusterView,
     Decisions,
@@ -339,7 +339,7 @@ def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     assert {"name": "mps-shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert {"name": "mps-shm", "hostPath": {"path": "/run/mps-shm", "type": "Directory"}} in spec["volumes"]
     # The same variables the agent gives the fill processes it starts itself, for the device they see.
-    from bubbles.mps_client import fill_client_env
+    from bubbles.core.mps_client import fill_client_env
 
     assert fill_client_env(PurePosixPath("/run/nvidia-mps"), 40, 0, 64 * MIB) == \
         {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")}
@@ -733,7 +733,7 @@ def test_a_finalizer_is_held_only_while_a_job_has_something_to_clean_up() -> Non
 
 
 def test_a_pod_whose_hook_never_reported_gets_a_status_the_server_accepts() -> None:
-    from bubbles.resources import PIPELINE_TRAINING_STATUS, validate
+    from bubbles.core.resources import PIPELINE_TRAINING_STATUS, validate
 
     t = training()
     silent = StageView("ml/llama", -1, "llama-0", "uid-llama-0", "node-a", "", None)
@@ -831,8 +831,8 @@ def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt()
 
 def test_a_stages_scheduler_class_follows_its_cycle_and_its_trainings_share_and_reserve() -> None:
     """The class is memoized per stage; an edited share or reserve, or a newly reported cycle, must show at once."""
+    from bubbles.core.resources import PipelineTrainingResource
     from bubbles.operator.decide import executor_class
-    from bubbles.resources import PipelineTrainingResource
 
     s = stage(0)
     half = PipelineTrainingResource.from_object(training(maxFillShare=0.5))

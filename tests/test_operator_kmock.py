@@ -19,10 +19,10 @@ import pytest
 import pytest_asyncio
 from operator_thread import OperatorThread
 
+from bubbles.core.resources import FillState, JobProgress, NodeReport, StageReport
 from bubbles.operator.agents import InMemoryAgents
 from bubbles.operator.kube import Connection
 from bubbles.operator.shell import Operator, OperatorConfig
-from bubbles.resources import FillState, JobProgress, NodeReport, StageReport
 
 pytestmark = pytest.mark.asyncio
 MIB = 2**20

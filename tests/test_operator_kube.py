@@ -19,14 +19,14 @@ from kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_TOKEN, OPERATOR_US
 from local_node import LocalNode
 from operator_thread import OperatorThread
 
-from bubbles.api import FillState
+from bubbles.core.api import FillState
+from bubbles.core.resources import JobProgress, NodeReport, StageReport
 from bubbles.operator.agents import InMemoryAgents
 from bubbles.operator.grpc_agents import GrpcAgents
 from bubbles.operator.kube import Connection, FinalizerConflict, KubeWriter
 from bubbles.operator.leader import LeaseElector
 from bubbles.operator.rbac import RULES, cluster_role, cluster_role_binding
 from bubbles.operator.shell import Operator, OperatorConfig
-from bubbles.resources import JobProgress, NodeReport, StageReport
 
 pytestmark = pytest.mark.kube
 NS = "harvest"
@@ -330,9 +330,9 @@ def test_a_fill_pod_with_a_claim_waits_for_the_scheduler_and_is_not_taken_for_an
     """A fill Pod with a PersistentVolumeClaim is pinned by affinity, not nodeName (the scheduler must bind a
     WaitForFirstConsumer claim): until it is scheduled it has no node, and creating it again (a round whose status
     write was lost) must find it the same placement, not delete it."""
+    from bubbles.core.resources import FillJobResource
     from bubbles.operator.decide import FillPodSettings, fill_pod
     from bubbles.operator.decide import fill_pod_place as on_node
-    from bubbles.resources import FillJobResource
 
     job = FillJobResource.from_object({
         "metadata": {"name": "claimed", "namespace": NS, "uid": "u-claimed"},

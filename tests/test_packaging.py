@@ -60,7 +60,7 @@ else:
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         out["run_rc"] = cli.main(["operator", "--interval", "0"])
     out["run_stderr"] = stderr.getvalue()
-    import bubbles.api, bubbles.operator, bubbles.operator.cli, bubbles.scheduler, bubbles.wire  # noqa: E401,F401
+    import bubbles.core.api, bubbles.core.wire, bubbles.operator.cli, bubbles.operator.scheduler  # noqa: E401,F401
     out["imported"] = True
     out["loaded_by_cli"] = sorted({m.partition(".")[0] for m in sys.modules} & {"torch", "deepspeed", "kopf",
                                                                                   "kubernetes"})
@@ -218,10 +218,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]
 
 def test_the_wheel_holds_every_source_file_of_the_product(wheel: zipfile.ZipFile) -> None:
     names = set(wheel.namelist())
-    for must in ("bubbles/api.py", "bubbles/wire.py", "bubbles/cli.py", "bubbles/hook.py", "bubbles/sdk.py",
-                 "bubbles/agent/server.py", "bubbles/scheduler/policies.py", "bubbles/simulator/engine.py",
-                 "bubbles/simulator/data/model_profiles.json", "bubbles/operator/__init__.py",
-                 "bubbles/operator/cli.py", "bubbles/demo/cli.py", "bubbles/orchestrate/phases.py"):
+    for must in ("bubbles/core/api.py", "bubbles/core/wire.py", "bubbles/cli.py", "bubbles/hook.py", "bubbles/sdk.py",
+                 "bubbles/training/__init__.py", "bubbles/agent/server.py", "bubbles/operator/scheduler/policies.py",
+                 "bubbles/operator/simulator/engine.py", "bubbles/operator/simulator/data/model_profiles.json",
+                 "bubbles/operator/__init__.py", "bubbles/operator/cli.py", "bubbles/demo/cli.py",
+                 "bubbles/demo/orchestrate/phases.py", "bubbles/fill_examples/spin.py"):
         assert must in names, must
     # Every source file of every source root is in the wheel, at its place in the one `bubbles` package.
     for root in SOURCE_ROOTS:
@@ -247,7 +248,7 @@ def test_the_installed_metadata_is_this_trees(wheel: zipfile.ZipFile) -> None:
         "the installed bubbles is stale: re-install it (make setup)"
     entry_points = {(ep.group, ep.name): ep.value for ep in built.entry_points}
     assert entry_points[("console_scripts", "bubbles")] == "bubbles.cli:main"
-    assert entry_points[("bubbles.policies", "fifo")] == "bubbles.scheduler.policies:FifoPolicy"
+    assert entry_points[("bubbles.policies", "fifo")] == "bubbles.operator.scheduler.policies:FifoPolicy"
 
 
 def _cli_without(blocked: str, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bubbles import paths
+from bubbles.core import paths
 
 NOBODY = 65534
 

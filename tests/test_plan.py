@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubbles.cycle import BubbleCycle, BubbleSlot
-from bubbles.plan import (
+from bubbles.core.cycle import BubbleCycle, BubbleSlot
+from bubbles.core.plan import (
     Bubble,
     FillNode,
     PlanError,

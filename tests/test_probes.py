@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bubbles.probes import (
+from bubbles.training.probes import (
     DEFAULT_MARGIN_BYTES,
     CudaAllocatorProbe,
     MemoryProbe,
@@ -244,8 +244,8 @@ def test_real_cuda_probe_sees_the_trainings_tensors_and_its_peak() -> None:
 def test_the_profile_states_the_margin_its_free_memory_is_net_of(tmp_path: Any) -> None:
     from test_hook import StandInEngine
 
-    from bubbles.cycle import BubbleCycle
-    from bubbles.hook import instrument
+    from bubbles.core.cycle import BubbleCycle
+    from bubbles.training.hook import instrument
 
     cuda = FakeCuda(free=8 * GIB, allocated=GIB, peak=GIB, cached=0)
     eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)

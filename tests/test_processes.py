@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bubbles.orchestrate.processes import fill_jobs_in, fill_jobs_ready, wait_for_file, wait_for_fill_jobs
+from bubbles.demo.orchestrate.processes import fill_jobs_in, fill_jobs_ready, wait_for_file, wait_for_fill_jobs
 
 METRICS = """# HELP bubbles_fill_jobs Fill jobs by state
 bubbles_fill_jobs{training="demo",stage="0",device="cpu:0",state="PAUSED"} 1.0

@@ -1,4 +1,4 @@
-"""The custom resources (bubbles.resources) and their CRDs (bubbles.operator.crd): one table, no drift."""
+"""The custom resources (bubbles.core.resources) and their CRDs (bubbles.operator.crd): one table, no drift."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from bubbles.api import FillInterface, WorkloadKind
-from bubbles.operator.crd import all_crds, render
-from bubbles.resources import (
+from bubbles.core.api import FillInterface, WorkloadKind
+from bubbles.core.resources import (
     FILL_JOB_SPEC,
     PIPELINE_TRAINING_SPEC,
     Condition,
@@ -24,6 +23,7 @@ from bubbles.resources import (
     set_condition,
     validate,
 )
+from bubbles.operator.crd import all_crds, render
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "cluster"
@@ -38,7 +38,7 @@ def test_committed_crds_are_what_the_code_generates() -> None:
         committed = ROOT / "crds" / name
         assert committed.exists(), f"crds/{name} is missing: run python -m bubbles.operator.crd crds/"
         assert committed.read_text() == render(crd), (
-            f"crds/{name} differs from bubbles.resources: run python -m bubbles.operator.crd crds/ and commit it")
+            f"crds/{name} differs from bubbles.core.resources: run python -m bubbles.operator.crd crds/ and commit it")
 
 
 def test_the_schema_carries_every_field_enum_and_default_of_the_table() -> None:

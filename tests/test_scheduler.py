@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubbles.api import WorkloadKind
-from bubbles.plan import Bubble, FillNode
-from bubbles.scheduler import (
+from bubbles.core.api import WorkloadKind
+from bubbles.core.plan import Bubble, FillNode
+from bubbles.operator.scheduler import (
     ExecutorClass,
     FillConfig,
     FillJobRequest,
@@ -22,7 +22,7 @@ from bubbles.scheduler import (
     available_policies,
     get_policy,
 )
-from bubbles.scheduler import policies as pol_mod
+from bubbles.operator.scheduler import policies as pol_mod
 
 GIB = 2**30
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from test_agent_jobs import BusyJob
 
-from bubbles import control, wire
 from bubbles.agent.ledger import HarvestLedger
-from bubbles.api import FillMode
-from bubbles.gating import StartPredictor, StepGates
-from bubbles.sdk import (
+from bubbles.core import control, wire
+from bubbles.core.api import FillMode
+from bubbles.training.gating import StartPredictor, StepGates
+from bubbles.training.sdk import (
     INIT_PROFILE_STEPS,
     PROFILE_MARGIN,
     CudaDeviceSync,
@@ -560,7 +560,7 @@ class Counter(IterativeFillJob):
 
 def test_a_job_resumes_from_the_state_its_last_attempt_saved(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from bubbles.sdk import CheckpointStore
+    from bubbles.training.sdk import CheckpointStore
 
     monkeypatch.delenv("BUBBLES_CHECKPOINT", raising=False)
     assert CheckpointStore.from_environment() is None
@@ -580,7 +580,7 @@ def test_a_job_resumes_from_the_state_its_last_attempt_saved(tmp_path: Path,
 
 def test_an_unreadable_checkpoint_means_starting_over_with_a_warning(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from bubbles.sdk import CheckpointStore
+    from bubbles.training.sdk import CheckpointStore
 
     (tmp_path / "state.bin").mkdir()  # a directory where the state file should be
     assert CheckpointStore(tmp_path).restore(Counter()) is False
@@ -617,8 +617,8 @@ def test_attaching_reads_the_welcome_only_and_leaves_the_agents_next_commands_on
     swallow it with the welcome (the cluster tier saw fill Pods fail with 'reply line is not JSON (Extra data)')."""
     import threading
 
-    from bubbles import paths
-    from bubbles.sdk import attach_to_agent
+    from bubbles.core import paths
+    from bubbles.training.sdk import attach_to_agent
 
     monkeypatch.setenv(paths.RUN_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(control.UID_ENV, "uid-1")
@@ -824,7 +824,7 @@ def test_a_profile_that_fits_no_bubble_falls_back_to_its_median_after_32_starved
     (the cluster tier's example job: 14.5 ms for a 1.5 ms step, ten minutes at 0 steps). The 90th percentile stays
     the gate (the demo fills more with it); after STARVED_BUBBLES bubbles in a row that the median would have fitted,
     the gates fall back to the median, once, and the agent is told."""
-    from bubbles.sdk import STARVED_BUBBLES
+    from bubbles.training.sdk import STARVED_BUBBLES
 
     slow = (0, 0, 0, 0, 0, 30, 0, 0, 30, 0)  # after the 2 warm-up steps: 2 of 8 stretched by 30 ms
     assert len(slow) == INIT_PROFILE_STEPS
@@ -846,7 +846,7 @@ def test_a_profile_that_fits_no_bubble_falls_back_to_its_median_after_32_starved
 
 
 def test_bubbles_too_short_even_for_the_median_do_not_relax_the_gates(tmp_path: Path) -> None:
-    from bubbles.sdk import STARVED_BUBBLES
+    from bubbles.training.sdk import STARVED_BUBBLES
 
     path = tmp_path / "fill-busy.sock"
     with serving(path, PreemptedJob((0,) * INIT_PROFILE_STEPS)) as (ch, rt):  # 1 ms steps, gated at about 1.2 ms
@@ -985,7 +985,7 @@ class _CudaState:
 
 
 def test_contexts_are_the_devices_holding_one_and_none_before_cuda_is_initialised() -> None:
-    from bubbles.sdk import cuda_contexts
+    from bubbles.training.sdk import cuda_contexts
 
     assert cuda_contexts(_CudaState(True, {1})) == {1}
     assert cuda_contexts(_CudaState(True, set())) == set()  # initialised by a query (device properties): no context
@@ -994,7 +994,7 @@ def test_contexts_are_the_devices_holding_one_and_none_before_cuda_is_initialise
 
 
 def test_a_create_that_made_a_cuda_context_is_refused_on_a_gpu_executor_only() -> None:
-    from bubbles.sdk import check_create_left_cuda_alone
+    from bubbles.training.sdk import check_create_left_cuda_alone
 
     with pytest.raises(RuntimeError, match=r"create\(\) made a CUDA context \(on device 0\) .*cuda:1.* into init\(\)"):
         check_create_left_cuda_alone("cuda:1", frozenset(), frozenset({0}))
@@ -1045,7 +1045,7 @@ def test_a_job_whose_create_made_a_cuda_context_tells_the_agent_and_never_report
 @pytest.mark.parametrize(("env", "wait"), [(None, "block"), ("spin", "spin")])
 def test_the_fill_process_waits_for_its_steps_as_bubbles_fill_wait_says(env: str | None, wait: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import bubbles.sdk as sdk_mod
+    import bubbles.training.sdk as sdk_mod
 
     made: list[tuple[str, str]] = []
 
@@ -1079,11 +1079,11 @@ def _has_cuda() -> bool:
 @pytest.mark.skipif(not _has_cuda(), reason="needs an NVIDIA GPU")
 def test_on_a_gpu_a_query_makes_no_context_and_an_allocation_does() -> None:
     """What the create() check rests on, with the real driver, in a fresh process: attaching's device query (as
-    bubbles.probes.gpu_uuid makes it) leaves no context, a tensor on the device makes one there."""
+    bubbles.training.probes.gpu_uuid makes it) leaves no context, a tensor on the device makes one there."""
     script = textwrap.dedent("""
         import torch
-        from bubbles.probes import gpu_uuid
-        from bubbles.sdk import cuda_contexts
+        from bubbles.training.probes import gpu_uuid
+        from bubbles.training.sdk import cuda_contexts
         print("start", sorted(cuda_contexts()))
         gpu_uuid("cuda:0")
         print("queried", torch.cuda.is_initialized(), sorted(cuda_contexts()))
@@ -1103,7 +1103,7 @@ def test_on_a_gpu_a_blocking_fill_wait_sleeps_and_a_spinning_one_holds_a_core() 
     return only after the kernel."""
     script = textwrap.dedent("""
         import time, torch
-        from bubbles.sdk import device_sync_for
+        from bubbles.training.sdk import device_sync_for
         torch.cuda.set_device(0)
         torch.cuda._sleep(1_000_000)
         torch.cuda.synchronize()

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubbles.api import WorkloadKind
 from bubbles.cli import main as bubbles_main
-from bubbles.cycle import theoretical_bubble_ratio
-from bubbles.plan import Bubble
-from bubbles.simulator import (
+from bubbles.core.api import WorkloadKind
+from bubbles.core.cycle import theoretical_bubble_ratio
+from bubbles.core.plan import Bubble
+from bubbles.operator.simulator import (
     MainJob,
     generate_trace,
     load_profiles,
@@ -24,8 +24,8 @@ from bubbles.simulator import (
     simulate,
     summarize,
 )
-from bubbles.simulator.profiles import parse_profiles
-from bubbles.simulator.trace import TRACE_MODEL_PATH, TraceError, TraceJob, load_trace_model, write_trace
+from bubbles.operator.simulator.profiles import parse_profiles
+from bubbles.operator.simulator.trace import TRACE_MODEL_PATH, TraceError, TraceJob, load_trace_model, write_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "alibaba-excerpt.csv"
 PROFILES = load_profiles()

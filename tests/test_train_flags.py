@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bubbles.api import FillMode
+from bubbles.core.api import FillMode
+from bubbles.demo.orchestrate.phases import format_phases, iteration_times_by_mode, parse_phases
 from bubbles.demo.train import main
-from bubbles.orchestrate.phases import format_phases, iteration_times_by_mode, parse_phases
 
 
 def test_phases_parse() -> None:

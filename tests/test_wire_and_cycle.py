@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bubbles import wire
-from bubbles.cycle import BubbleCycle, BubbleSlot, robust_stats
+from bubbles.core import wire
+from bubbles.core.cycle import BubbleCycle, BubbleSlot, robust_stats
 
 
 def cycle_dict(**overrides: Any) -> dict[str, Any]:
@@ -181,7 +181,7 @@ def test_robust_stats_ignore_one_slow_sample() -> None:
 
 
 def test_recent_lengths_predict_the_smaller_of_p10_and_median_of_the_last_window() -> None:
-    from bubbles.cycle import RecentLengths, predicted_length
+    from bubbles.core.cycle import RecentLengths, predicted_length
 
     r = RecentLengths({7: [100, 100, 100]}, window=4)
     assert r.predicted_ns(7) == 100
@@ -201,7 +201,7 @@ def test_recent_lengths_predict_the_smaller_of_p10_and_median_of_the_last_window
 
 
 def test_a_profiles_memory_margin_is_optional_and_never_negative() -> None:
-    from bubbles.cycle import BubbleCycle
+    from bubbles.core.cycle import BubbleCycle
 
     d = {"training": "t", "stage": 0, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
          "iteration_s": 0.1, "slots": [], "samples": 3}

@@ -4,7 +4,7 @@
     tools/fit-trace-model.py PATH/openb_pod_list_default.csv [--out operator/bubbles/simulator/data/...]
 
 `bubbles simulate` with no trace generates fill jobs from this model: the quantiles of the inter-arrival gaps and of
-the sizes (GPU-hours) of the tasks PipeFill's filter keeps (``bubbles.simulator.trace.read_alibaba``: not
+the sizes (GPU-hours) of the tasks PipeFill's filter keeps (``bubbles.operator.simulator.trace.read_alibaba``: not
 latency-sensitive, scheduled, at most 1 GPU-hour). Run it again when the filter changes; the file records its source
 and the counts it was fitted to.
 """
@@ -21,7 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "core"), str(ROOT / "operator")]
 
-from bubbles.simulator.trace import TRACE_MODEL_PATH, TraceError, read_alibaba  # noqa: E402
+from bubbles.operator.simulator.trace import TRACE_MODEL_PATH, TraceError, read_alibaba  # noqa: E402
 
 QUANTILES = 101  # 0%, 1%, ..., 100%
 

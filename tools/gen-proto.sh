@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-core}"
 "${PYTHON:-python3}" -m grpc_tools.protoc -Iproto --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
-  proto/bubbles/agentapi/v1alpha1/agent.proto
+  proto/bubbles/core/agentapi/v1alpha1/agent.proto

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from bubbles.api import FillMode
+from bubbles.core.api import FillMode
 
 SAMPLE_INTERVAL_S = 0.05
 MAX_SAMPLES = 200_000  # about 2.8 hours at the interval: the sampler stops adding beyond it

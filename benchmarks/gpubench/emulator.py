@@ -197,7 +197,7 @@ def deepspeed_streams(stages: int, microbatches: int) -> list[list[str]]:
     """The instruction names DeepSpeed's ``TrainSchedule`` makes each stage execute, for pipeline_model."""
     from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-    from bubbles.hook import instruction_stream
+    from bubbles.training.hook import instruction_stream
 
     return [instruction_stream(TrainSchedule(micro_batches=microbatches, stages=stages, stage_id=s))
             for s in range(stages)]
@@ -292,7 +292,7 @@ class StageEmulator:
     def stream(self) -> list[str]:
         from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-        from bubbles.hook import instruction_stream
+        from bubbles.training.hook import instruction_stream
 
         return instruction_stream(TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages,
                                                 stage_id=self.stage_id))

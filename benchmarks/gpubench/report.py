@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share, mode_records
-from bubbles.api import FillMode
-from bubbles.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
-from bubbles.stats import median_interval, percentile
+from bubbles.core.api import FillMode
+from bubbles.core.stats import median_interval, percentile
+from bubbles.demo.orchestrate.phases import COMPARED_MODES, iteration_times_by_mode, iterations_by_round
 from gpubench.clocks import clocks_by_mode
 from gpubench.clocks import describe as describe_clocks
 
@@ -278,7 +278,7 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines += ["", "Where the harvest phases' bubble time went, from the agent's records (the columns: "
                   "`bubbles.agent.ledger.BREAKDOWN`; too_short: no step size fit in what was left, "
                   "past_prediction: after the slot's predicted end, not filled; tail: of filled, what steps that "
-                  "the prediction did not allow filled, started on `bubbles.gating.TailRisk`'s word):", "",
+                  "the prediction did not allow filled, started on `bubbles.training.gating.TailRisk`'s word):", "",
                   "| fill job | isolation | " + " | ".join(keys) + " |",
                   "| --- | --- |" + " ---: |" * len(keys)]
         for r in broken:

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bubbles import control
 from bubbles.agent.mps import MpsControl, MpsError
-from bubbles.api import FillInterface, FillMode
-from bubbles.orchestrate.phases import COMPARED_MODES, format_phases
-from bubbles.orchestrate.processes import (
+from bubbles.core import control
+from bubbles.core.api import FillInterface, FillMode
+from bubbles.demo.orchestrate.phases import COMPARED_MODES, format_phases
+from bubbles.demo.orchestrate.processes import (
     EchoedProcess,
     free_port,
     stop_gracefully,
@@ -42,7 +42,7 @@ from bubbles.orchestrate.processes import (
     wait_for_file,
     wait_for_fill_jobs,
 )
-from bubbles.sdk import tail_risk
+from bubbles.training.sdk import tail_risk
 from gpubench.clocks import ClockReader, ClockSampler, NvmlClockReader
 
 TRAINING = "gpubench"
@@ -510,7 +510,7 @@ def _start_clock_sampler(device: str, reader: ClockReader | None = None) -> Cloc
     if not device.startswith("cuda"):
         return "a CPU run has no SM clock"
     if reader is None:
-        from bubbles.probes import gpu_uuid
+        from bubbles.training.probes import gpu_uuid
 
         uuid = gpu_uuid(device)
         if uuid is None:

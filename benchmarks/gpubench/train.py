@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bubbles.api import FillMode
-from bubbles.orchestrate.phases import PROFILE_PHASE
-from bubbles.orchestrate.processes import wait_for_file
+from bubbles.core.api import FillMode
+from bubbles.demo.orchestrate.phases import PROFILE_PHASE
+from bubbles.demo.orchestrate.processes import wait_for_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from bubbles.orchestrate.phases import parse_phases
+    from bubbles.demo.orchestrate.phases import parse_phases
 
     try:
         phases = parse_phases(args.phases)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bubbles.hook import instrument
-    from bubbles.probes import CudaAllocatorProbe, MemoryProbe, StaticMemoryProbe
+    from bubbles.training.probes import CudaAllocatorProbe, MemoryProbe, StaticMemoryProbe
     from gpubench.emulator import StageEmulator, StageShape, modelled_summary
 
     device = torch.device(args.device)

@@ -13,7 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("bubbles.demo.cli", "run the one-machine harvesting demo on CPU (no GPU, no cluster)", "demo"),
     "agent": ("bubbles.agent.cli", "run the node agent that drives fill jobs in the bubbles", "agent"),
     "simulate": (
-        "bubbles.simulator.cli", "estimate what harvesting would recover on a cluster (event-driven simulator)",
+        "bubbles.operator.simulator.cli",
+        "estimate what harvesting would recover on a cluster (event-driven simulator)",
         "simulate",
     ),
     "operator": (

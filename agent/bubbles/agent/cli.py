@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from bubbles.api import FillMode, IsolationMode
+from bubbles.core.api import FillMode, IsolationMode
 
 from .config import AgentConfig, ClusterSettings
 
@@ -140,7 +140,7 @@ def _path_problem(config: AgentConfig) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bubbles.api import SpecError, load_spec
+    from bubbles.core.api import SpecError, load_spec
 
     from .config import ConfigError, load_settings
     from .server import Agent

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bubbles import control, paths
-from bubbles.agentapi import AssignmentMessage
-from bubbles.api import FillState, known_membership
-from bubbles.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
+from bubbles.core import control, paths
+from bubbles.core.agentapi import AssignmentMessage
+from bubbles.core.api import FillState, known_membership
+from bubbles.core.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
 from .launcher import FillProcess, Launcher, LaunchRequest

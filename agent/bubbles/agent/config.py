@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bubbles import paths
-from bubbles.api import (
+from bubbles.core import paths
+from bubbles.core.api import (
     DEFAULT_CUDA_CONTEXT_MIB,
     FillMode,
     IsolationMode,
@@ -24,7 +24,7 @@ from bubbles.api import (
     check_tail_risk,
     read_yaml,
 )
-from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
+from bubbles.core.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
 
 from .core import CoreConfig
 from .guard import GuardConfig

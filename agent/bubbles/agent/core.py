@@ -10,7 +10,7 @@ isolation health (``on_isolation``), the answers to the MPS membership checks (`
 fake clock.
 
 Per executor (stage k): the PROFILE gives the bubble cycle; the queued job is planned against it
-(``bubbles.plan``; a job that fits no bubble is rejected), launched, initialized and armed in the
+(``bubbles.core.plan``; a job that fits no bubble is rejected), launched, initialized and armed in the
 executor's fill mode. Each BUBBLE_END arms a watchdog: a job still inside a step ``grace`` after the bubble
 ended is SIGKILLed. ITERATION messages from the lowest stage feed the slowdown guard, whose share goes to
 every armed job. Isolation fails closed: a fill job starts only while the chosen mode works (or the user
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from bubbles import control, paths, wire
-from bubbles.api import (
+from bubbles.core import control, paths, wire
+from bubbles.core.api import (
     DEFAULT_CUDA_CONTEXT_MIB,
     MPS_CLIENT,
     AgentStatus,
@@ -49,9 +49,9 @@ from bubbles.api import (
     check_tail_risk,
     known_membership,
 )
-from bubbles.cycle import BubbleCycle
-from bubbles.lifecycle import InvalidTransition, transition
-from bubbles.plan import PlanError, bubbles_of, plan_partitions
+from bubbles.core.cycle import BubbleCycle
+from bubbles.core.lifecycle import InvalidTransition, transition
+from bubbles.core.plan import PlanError, bubbles_of, plan_partitions
 
 from .guard import GuardConfig, SlowdownGuard
 from .ledger import HarvestLedger
@@ -100,7 +100,7 @@ class Launch:
 
 @dataclass(frozen=True)
 class Send:
-    """Write one control command (``bubbles.control``) to ``job``'s process."""
+    """Write one control command (``bubbles.core.control``) to ``job``'s process."""
 
     job: JobRecord
     type: str

@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bubbles import paths
-from bubbles.api import MPS_CLIENT, NOT_MPS_CLIENT, DaemonStatus, IsolationMode, IsolationState, IsolationStatus
-from bubbles.control import cuda_device_index
-from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE, fill_client_env
+from bubbles.core import paths
+from bubbles.core.api import MPS_CLIENT, NOT_MPS_CLIENT, DaemonStatus, IsolationMode, IsolationState, IsolationStatus
+from bubbles.core.control import cuda_device_index
+from bubbles.core.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE, fill_client_env
 
 from . import mps
 from .core import effective_status as effective_status  # re-exported beside the backends

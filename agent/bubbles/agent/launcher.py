@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bubbles import control
-from bubbles.api import FillInterface, FillJobSpec
+from bubbles.core import control
+from bubbles.core.api import FillInterface, FillJobSpec
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
-from bubbles.stats import percentile
+from bubbles.core.stats import percentile
 
 _NS_PER_S = 1_000_000_000
 
@@ -342,7 +342,7 @@ BREAKDOWN = (
     ("latency", "signal and resume latency (before the first step, between steps)"),
     ("too_short", "too short for a step (a bubble, or the tail after the last step)"),
     ("past_prediction", "past the predicted end (the slot's 10th-percentile length), where a step starts only at a "
-                        "small risk of outliving its bubble (bubbles.gating.TailRisk)"),
+                        "small risk of outliving its bubble (bubbles.training.gating.TailRisk)"),
 )
 
 
@@ -354,7 +354,7 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
     ``guard_paused``, ``share``, ``job``, ``step_s``; the agent's ``status().bubbles``), ``steps`` its step records
     (``stage``, ``start_ns``, ``end_ns``, ``tail``); pass one mode's of each. A step belongs to the bubble it started
     in. Of the filled time and the overrun, ``tail_s`` and ``tail_overrun_s`` are those of the steps the predicted end
-    did not allow (``tail``: started on ``bubbles.gating.TailRisk``'s word). Pure.
+    did not allow (``tail``: started on ``bubbles.training.gating.TailRisk``'s word). Pure.
     """
     by_stage: dict[int, list[tuple[int, int]]] = {}
     tails: set[tuple[int, int, int]] = set()

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bubbles.api import IsolationState
+from bubbles.core.api import IsolationState
 
 from .core import IsolationTotals, JobTotals, Snapshot, StageTotals
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bubbles.mps_client import (  # noqa: F401 - the client's side, defined once in the core; re-exported here
+from bubbles.core.mps_client import (  # noqa: F401 - the client's side, defined once in the core; re-exported here
     CONTROL_SOCKET,
     DEFAULT_PIPE_DIR,
     LOG_ENV,

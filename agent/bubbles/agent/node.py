@@ -18,7 +18,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bubbles.agentapi import AssignmentMessage
+from bubbles.core.agentapi import AssignmentMessage
 
 
 class Outcome(enum.Enum):

@@ -1,7 +1,7 @@
 """The agent's gRPC service for the operator (``proto/bubbles/agentapi/v1alpha1/agent.proto``): a thin shell.
 
 Every answer comes from the node (``bubbles.agent.cluster.NodeAgent``: ``report``, ``assign``, ``cancel``); this
-module only converts messages (``bubbles.agentapi``), authenticates and serves.
+module only converts messages (``bubbles.core.agentapi``), authenticates and serves.
 
 Who may call: only the operator. The server always runs TLS (its certificate and key, from the chart's Secret)
 and checks every call against each credential it is configured with:
@@ -28,10 +28,10 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from bubbles.agentapi import SERVICE, TOKEN_METADATA, ApiError, AssignmentMessage, assignment_from_pb, report_to_pb
-from bubbles.agentapi.v1alpha1 import agent_pb2 as pb
-from bubbles.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
-from bubbles.resources import NodeReport
+from bubbles.core.agentapi import SERVICE, TOKEN_METADATA, ApiError, AssignmentMessage, assignment_from_pb, report_to_pb
+from bubbles.core.agentapi.v1alpha1 import agent_pb2 as pb
+from bubbles.core.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
+from bubbles.core.resources import NodeReport
 
 from .node import Decision, Outcome, StaleAssignment
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bubbles import control, paths, wire
-from bubbles.api import FillJobSpec, IsolationState, IsolationStatus
+from bubbles.core import control, paths, wire
+from bubbles.core.api import FillJobSpec, IsolationState, IsolationStatus
 
 from .config import AgentConfig
 from .core import (

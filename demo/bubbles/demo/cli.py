@@ -19,10 +19,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from bubbles import paths
-from bubbles.api import FillMode
-from bubbles.orchestrate.phases import COMPARED_MODES, format_phases
-from bubbles.orchestrate.processes import (
+from bubbles.core import paths
+from bubbles.core.api import FillMode
+from bubbles.demo.orchestrate.phases import COMPARED_MODES, format_phases
+from bubbles.demo.orchestrate.processes import (
     EchoedProcess,
     free_port,
     stop_gracefully,

@@ -7,10 +7,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bubbles.agent.ledger import BREAKDOWN, bubble_breakdown, filled_share, mode_records
-from bubbles.api import FillMode
-from bubbles.cycle import BubbleCycle, theoretical_bubble_ratio
-from bubbles.orchestrate.phases import iteration_times_by_mode, iterations_by_round
-from bubbles.stats import median_interval, percentile
+from bubbles.core.api import FillMode
+from bubbles.core.cycle import BubbleCycle, theoretical_bubble_ratio
+from bubbles.core.stats import median_interval, percentile
+from bubbles.demo.orchestrate.phases import iteration_times_by_mode, iterations_by_round
 
 # The report's name of each fill mode (its key in ``modes``): OFF is the baseline the other two are compared with.
 MODE_NAMES = {FillMode.OFF: "baseline", FillMode.NAIVE: "naive", FillMode.HARVEST: "harvest"}

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bubbles.api import FillMode
+from bubbles.core.api import FillMode
 
 COMPUTE_COLOR = "#3b6ea8"
 BUBBLE_COLOR = "#f2c14e"

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from bubbles.api import FillMode
-from bubbles.orchestrate.phases import PROFILE_PHASE, parse_phases
-from bubbles.orchestrate.processes import wait_for_file
+from bubbles.core.api import FillMode
+from bubbles.demo.orchestrate.phases import PROFILE_PHASE, parse_phases
+from bubbles.demo.orchestrate.processes import wait_for_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     inst = None
     if not args.no_hook:
         from bubbles.hook import instrument
-        from bubbles.probes import StaticMemoryProbe
+        from bubbles.training.probes import StaticMemoryProbe
 
         probe = StaticMemoryProbe(args.free_bytes) if args.free_bytes is not None else None
         timing, event_factory = args.timing, None
         if timing == "host-events":
-            from bubbles.gpu_timing import HostEvent
+            from bubbles.training.gpu_timing import HostEvent
 
             timing, event_factory = "cuda", HostEvent
         inst = instrument(engine, training=args.training, run_dir=args.run_dir, memory_probe=probe,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from bubbles.resources import NodeReport
+from bubbles.core.resources import NodeReport
 
 from .decide import Assignment
 

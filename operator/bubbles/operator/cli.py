@@ -1,7 +1,7 @@
 """``bubbles operator``: the control-plane operator for FillJob and PipelineTraining resources.
 
 It watches the custom resources and the training Pods (kopf), places fill jobs on profiled bubbles with
-``bubbles.scheduler``, creates each fill job's Pod on its training's node and keeps both resources' status
+``bubbles.operator.scheduler``, creates each fill job's Pod on its training's node and keeps both resources' status
 current (``bubbles.operator.shell``). With ``--leader-election`` (the default) only the holder of a
 coordination.k8s.io Lease acts. Bad flags exit 2 with a message saying what to fix.
 
@@ -21,7 +21,7 @@ import socket
 import sys
 from pathlib import Path
 
-from bubbles.api import DEFAULT_CUDA_CONTEXT_MIB, check_cuda_context_mib
+from bubbles.core.api import DEFAULT_CUDA_CONTEXT_MIB, check_cuda_context_mib
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--metrics-port must be a TCP port (0 = no endpoint), got {args.metrics_port}")
     if not args.interval > 0:
         return _fail(f"--interval must be > 0 seconds, got {args.interval}")
-    from bubbles.scheduler import UnknownPolicyError, get_policy
+    from bubbles.operator.scheduler import UnknownPolicyError, get_policy
 
     try:
         get_policy(args.policy)
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.agent_client_cert or args.agent_client_key or args.agent_token_file:
         return _fail("--agent-client-cert, --agent-client-key and --agent-token-file need --agent-ca (the CA that "
                      "signed the agents' server certificate)")
-    from bubbles.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE, DEFAULT_SHM_DIR
+    from bubbles.core.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE, DEFAULT_SHM_DIR
 
     from .decide import FillPodSettings
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from bubbles import mps_client, paths
-from bubbles.api import MPS_CLIENT, FillJobSpec, FillState, WorkloadKind
-from bubbles.cycle import BubbleCycle
-from bubbles.paths import MOUNTED_RUN_DIR
-from bubbles.plan import Bubble, FillNode
-from bubbles.resources import (
+from bubbles.core import mps_client, paths
+from bubbles.core.api import MPS_CLIENT, FillJobSpec, FillState, WorkloadKind
+from bubbles.core.cycle import BubbleCycle
+from bubbles.core.paths import MOUNTED_RUN_DIR
+from bubbles.core.plan import Bubble, FillNode
+from bubbles.core.resources import (
     API_VERSION,
     FINALIZER,
     HOOK_SILENCE_S,
@@ -44,7 +44,7 @@ from bubbles.resources import (
     selector_matches,
     set_condition,
 )
-from bubbles.scheduler import (
+from bubbles.operator.scheduler import (
     ExecutorClass,
     FillConfig,
     FillJobRequest,

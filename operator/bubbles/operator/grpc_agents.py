@@ -22,10 +22,10 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from bubbles.agentapi import TOKEN_METADATA, ApiError, AssignmentMessage, assignment_to_pb, report_from_pb
-from bubbles.agentapi.v1alpha1 import agent_pb2 as pb
-from bubbles.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
-from bubbles.resources import NodeReport
+from bubbles.core.agentapi import TOKEN_METADATA, ApiError, AssignmentMessage, assignment_to_pb, report_from_pb
+from bubbles.core.agentapi.v1alpha1 import agent_pb2 as pb
+from bubbles.core.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
+from bubbles.core.resources import NodeReport
 
 from .decide import Assignment
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bubbles.api import read_yaml
-from bubbles.resources import FINALIZER, GROUP, VERSION
+from bubbles.core.api import read_yaml
+from bubbles.core.resources import FINALIZER, GROUP, VERSION
 
 from .decide import Event, fill_pod_node
 

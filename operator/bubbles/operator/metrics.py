@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from bubbles.resources import FillJobPhase
+from bubbles.core.resources import FillJobPhase
 
 
 class OperatorMetrics:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bubbles.resources import GROUP
+from bubbles.core.resources import GROUP
 
 RULES: list[dict[str, Any]] = [
     # Watch the custom resources; patch a FillJob's metadata to add or remove the clean-up finalizer.

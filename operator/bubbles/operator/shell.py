@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bubbles.api import DEFAULT_CUDA_CONTEXT_MIB
-from bubbles.cycle import BubbleCycle
-from bubbles.resources import (
+from bubbles.core.api import DEFAULT_CUDA_CONTEXT_MIB
+from bubbles.core.cycle import BubbleCycle
+from bubbles.core.resources import (
     GROUP,
     VERSION,
     JobProgress,

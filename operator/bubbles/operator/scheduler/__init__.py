@@ -1,0 +1,61 @@
+"""Which pending fill job runs in which training's bubbles, on which stage's GPUs: PipeFill section 4.4.
+
+Pure Python (numpy): the scheduler knows nothing of Kubernetes. Policies are pluggable through the
+``bubbles.policies`` entry-point group (see ``bubbles.operator.scheduler.policies``).
+"""
+
+from bubbles.operator.scheduler.core import (
+    DeadlineAnswer,
+    ExecutorClass,
+    FillConfig,
+    FillJobRequest,
+    FillProfile,
+    Placement,
+    Rate,
+    Scheduler,
+    best_rate,
+    classes_from_cycles,
+)
+from bubbles.operator.scheduler.policies import (
+    ENTRY_POINT_GROUP,
+    DeadlinePolicy,
+    FifoPolicy,
+    FunctionPolicy,
+    JobInfo,
+    MakespanPolicy,
+    Policy,
+    QueueView,
+    SchedulerState,
+    ShortestJobFirstPolicy,
+    UnknownPolicyError,
+    WeightedPolicy,
+    available_policies,
+    get_policy,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DeadlineAnswer",
+    "DeadlinePolicy",
+    "ExecutorClass",
+    "FifoPolicy",
+    "FillConfig",
+    "FillJobRequest",
+    "FillProfile",
+    "FunctionPolicy",
+    "JobInfo",
+    "MakespanPolicy",
+    "Placement",
+    "Policy",
+    "QueueView",
+    "Rate",
+    "Scheduler",
+    "SchedulerState",
+    "ShortestJobFirstPolicy",
+    "UnknownPolicyError",
+    "WeightedPolicy",
+    "available_policies",
+    "best_rate",
+    "classes_from_cycles",
+    "get_policy",
+]

@@ -1,0 +1,545 @@
+"""The fill-job scheduler (PipeFill section 4.4) as plain data and functions: no Kubernetes, no sockets.
+
+Executors with the same bubble cycle form an ``ExecutorClass``; everything that depends on the
+cycle (the execution plan, a job's processing time) is computed once per class and cached, so a
+cluster of 8,192 GPUs in 16-stage pipelines costs 16 plans per job profile, not 8,192.
+
+A job's processing time on a class comes from the execution plan (PipeFill Algorithm 1,
+``bubbles.core.plan.plan_partitions``) over the class's bubbles: one plan with ``steps=None`` (Algorithm
+1's replication, one cycle's worth of steps) gives the steps the job completes per bubble cycle, and
+    processing time = steps needed / steps per cycle * iteration time
+(fractional cycles: the last cycle counts only for the part used, an expectation rather than
+``plan_wall_time_s``'s upper bound). Of a job's configurations (batch sizes, offloading) the one
+with the highest sample throughput that fits the class's bubbles is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from bubbles.core.api import WorkloadKind
+from bubbles.core.cycle import BubbleCycle
+from bubbles.core.plan import Bubble, FillNode, PlanError, bubbles_of, plan_partitions
+from bubbles.operator.scheduler.policies import Policy, QueueView, SchedulerState, get_policy
+
+
+@dataclass(frozen=True)
+class FillConfig:
+    """One way to run a fill job: its batch size and the node chain of one step (from its profile)."""
+
+    name: str
+    batch_size: int  # samples per step
+    nodes: tuple[FillNode, ...]
+    offload: bool = False
+
+    @property
+    def step_s(self) -> float:
+        return sum(n.duration_s for n in self.nodes)
+
+    @property
+    def memory_bytes(self) -> int:
+        return max((n.memory_bytes for n in self.nodes), default=0)
+
+
+@dataclass(frozen=True)
+class FillProfile:
+    """What the scheduler knows of a kind of fill job: its configurations and its work per sample."""
+
+    model: str
+    kind: WorkloadKind
+    flops_per_sample: float
+    isolated_samples_per_s: float  # best throughput alone on one whole GPU (for GPU-equivalents)
+    configs: tuple[FillConfig, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.kind.label}"
+
+
+@dataclass(frozen=True)
+class FillJobRequest:
+    """A fill job submitted to the scheduler: its profile, how many samples it needs, when it arrived, its deadline."""
+
+    job_id: str
+    profile: FillProfile
+    samples: int
+    arrival_s: float = 0.0
+    deadline_s: float | None = None
+    # Names of the executor classes the job may use (e.g. the trainings its selector admits); None: any.
+    eligible: frozenset[str] | None = None
+    # How long the job holds its executor before its first step (its process starting, its model loading): part of
+    # its processing time on every class it fits.
+    setup_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.setup_s) and self.setup_s >= 0):
+            raise ValueError(f"a fill job's setup time must be a finite number of seconds >= 0, got {self.setup_s!r}")
+
+
+@dataclass(frozen=True)
+class ExecutorClass:
+    """Executors (GPUs) that share one bubble cycle, e.g. stage k of every data-parallel replica."""
+
+    name: str
+    bubbles: tuple[Bubble, ...]
+    iteration_s: float
+    executors: int
+
+    @classmethod
+    def from_cycle(cls, cycle: BubbleCycle, executors: int, name: str = "") -> ExecutorClass:
+        return cls(
+            name=name or f"{cycle.training}/stage-{cycle.stage}",
+            bubbles=bubbles_of(cycle),
+            iteration_s=cycle.iteration_s,
+            executors=executors,
+        )
+
+
+@dataclass(frozen=True)
+class Rate:
+    """How fast a profile runs on a class: the chosen configuration and its steps per bubble cycle."""
+
+    config: FillConfig
+    steps_per_cycle: float
+    samples_per_s: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A decision: ``job`` runs on ``executor`` (of class ``class_index``) from ``start_s`` to ``end_s``."""
+
+    job: FillJobRequest
+    executor: int
+    class_index: int
+    config: FillConfig
+    steps: int
+    start_s: float
+    end_s: float
+
+    @property
+    def processing_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def filled_s(self) -> float:
+        """Bubble time the job's work occupies: its steps times the step's duration."""
+        return self.steps * self.config.step_s
+
+
+class DeadlineAnswer(NamedTuple):
+    """Whether a deadline can be met, and when the job is expected to finish."""
+
+    feasible: bool
+    expected_completion_s: float
+
+
+class _Queue:
+    """The queued jobs as growable numpy columns; removal swaps the last row in (O(1))."""
+
+    def __init__(self, classes: int) -> None:
+        self.n = 0
+        cap = 64
+        self.jobs: list[FillJobRequest] = []
+        self.ids: list[str] = []
+        self.arrival_s = np.empty(cap)
+        self.deadline_s = np.empty(cap)
+        self.proc_s = np.empty((cap, classes))
+        self.min_proc_s = np.empty(cap)
+        self.seq = np.empty(cap, dtype=np.int64)
+        self.index: dict[str, int] = {}
+
+    def add(self, job: FillJobRequest, proc: np.ndarray, seq: int) -> None:
+        if self.n == len(self.arrival_s):
+            cap = 2 * self.n
+            self.arrival_s = np.resize(self.arrival_s, cap)
+            self.deadline_s = np.resize(self.deadline_s, cap)
+            self.min_proc_s = np.resize(self.min_proc_s, cap)
+            self.seq = np.resize(self.seq, cap)
+            grown = np.empty((cap, self.proc_s.shape[1]))
+            grown[: self.n] = self.proc_s[: self.n]
+            self.proc_s = grown
+        k = self.n
+        self.jobs.append(job)
+        self.ids.append(job.job_id)
+        self.arrival_s[k] = job.arrival_s
+        self.deadline_s[k] = math.nan if job.deadline_s is None else job.deadline_s
+        self.proc_s[k] = proc
+        self.min_proc_s[k] = proc.min()
+        self.seq[k] = seq
+        self.index[job.job_id] = k
+        self.n += 1
+
+    def remove(self, k: int) -> FillJobRequest:
+        job = self.jobs[k]
+        last = self.n - 1
+        if k != last:
+            self.jobs[k] = self.jobs[last]
+            self.ids[k] = self.ids[last]
+            for col in (self.arrival_s, self.deadline_s, self.min_proc_s, self.seq, self.proc_s):
+                col[k] = col[last]
+            self.index[self.ids[k]] = k
+        self.jobs.pop()
+        self.ids.pop()
+        del self.index[job.job_id]
+        self.n -= 1
+        return job
+
+    def view(self) -> QueueView:
+        n = self.n
+        return QueueView(
+            job_ids=self.ids,
+            arrival_s=self.arrival_s[:n],
+            deadline_s=self.deadline_s[:n],
+            proc_s=self.proc_s[:n],
+            min_proc_s=self.min_proc_s[:n],
+            seq=self.seq[:n],
+        )
+
+
+@dataclass
+class _Projection:
+    """Expected completion times, cached until the queue or the executors change."""
+
+    at_s: float
+    version: int
+    completion_s: dict[str, float] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Chooses which queued fill job runs on which executor, by a policy; answers ETA and deadline queries.
+
+    Executors are numbered 0..N-1, class by class. ``submit`` queues a job and places it at once if
+    an idle executor fits it; ``release`` frees an executor and fills it with the best queued job.
+    """
+
+    def __init__(self, classes: Sequence[ExecutorClass], policy: str | Policy = "fifo") -> None:
+        if not classes:
+            raise ValueError(
+                "the scheduler needs at least one executor class (one per distinct bubble cycle)"
+            )
+        for c in classes:
+            if c.executors < 1:
+                raise ValueError(f"executor class {c.name!r} has {c.executors} executors; give it at least 1")
+            if not math.isfinite(c.iteration_s) or c.iteration_s <= 0:
+                raise ValueError(f"executor class {c.name!r} needs an iteration_s > 0, got {c.iteration_s!r}")
+        self.classes = tuple(classes)
+        self.policy = get_policy(policy)
+        self.executor_class = np.repeat(np.arange(len(classes)), [c.executors for c in classes])
+        self.busy_until_s = np.zeros(len(self.executor_class))
+        self.running: dict[int, Placement] = {}
+        self._occupied: dict[int, tuple[str, float]] = {}  # executor -> (job id, busy until), see occupy()
+        self._eligible_masks: dict[frozenset[str], np.ndarray] = {}
+        self._running_by_job: dict[str, Placement] = {}
+        # Idle executors per class, as stacks (the lowest index is used first).
+        self._idle: list[list[int]] = []
+        start = 0
+        for c in classes:
+            self._idle.append(list(range(start + c.executors - 1, start - 1, -1)))
+            start += c.executors
+        self._queue = _Queue(len(classes))
+        self._tables: dict[
+            int, tuple[FillProfile, tuple[np.ndarray, np.ndarray, tuple[Rate | None, ...]]]
+        ] = {}
+        self._seq = 0
+        self._version = 0
+        self._projection: _Projection | None = None
+
+    # ---- processing times -------------------------------------------------------------------------
+
+    def rate(self, class_index: int, profile: FillProfile) -> Rate | None:
+        """The fastest configuration of ``profile`` that fits the class's bubbles, or None if none fits."""
+        return self._table(profile)[2][class_index]
+
+    def processing_times_s(self, job: FillJobRequest) -> np.ndarray:
+        """The job's processing time on each class (inf where no configuration fits)."""
+        batch, s_per_step, _ = self._table(job.profile)
+        with np.errstate(invalid="ignore"):
+            proc = np.ceil(job.samples / batch) * s_per_step
+        if job.setup_s:
+            proc = proc + job.setup_s  # inf (fits no configuration) stays inf
+        if job.eligible is not None:
+            mask = self._eligible_masks.get(job.eligible)
+            if mask is None:
+                mask = self._eligible_masks[job.eligible] = np.array([c.name in job.eligible for c in self.classes])
+            proc = np.where(mask, proc, math.inf)
+        return proc
+
+    def _table(self, profile: FillProfile) -> tuple[np.ndarray, np.ndarray, tuple[Rate | None, ...]]:
+        # Keyed by identity: hashing a profile walks every node of every configuration, and the
+        # simulator submits tens of thousands of jobs sharing a handful of profile objects.
+        hit = self._tables.get(id(profile))
+        if hit is not None and hit[0] is profile:
+            return hit[1]
+        rates = tuple(_best_rate(c.bubbles, c.iteration_s, profile) for c in self.classes)
+        batch = np.array([r.config.batch_size if r else 1 for r in rates], dtype=float)
+        s_per_step = np.array(
+            [
+                c.iteration_s / r.steps_per_cycle if r else math.inf
+                for c, r in zip(self.classes, rates, strict=True)
+            ]
+        )
+        table = (batch, s_per_step, rates)
+        self._tables[id(profile)] = (profile, table)
+        return table
+
+    # ---- decisions ---------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return self._queue.n
+
+    def queued_jobs(self) -> list[FillJobRequest]:
+        return list(self._queue.jobs)
+
+    def idle_executors(self) -> int:
+        return sum(len(s) for s in self._idle)
+
+    def submit(self, job: FillJobRequest, now_s: float, *, place: bool = True) -> Placement | None:
+        """Queue ``job``; with ``place``, start it at once on the idle class where it runs fastest.
+
+        Raises ValueError if the job fits no executor's bubbles (saying what limits it) or its id is taken.
+        """
+        if job.job_id in self._queue.index or job.job_id in self._running_by_job:
+            raise ValueError(
+                f"fill job {job.job_id!r} is already queued or running; give each job a unique id"
+            )
+        if job.samples < 1:
+            raise ValueError(f"fill job {job.job_id!r} has {job.samples} samples; give it at least 1")
+        proc = self.processing_times_s(job)
+        if not np.isfinite(proc).any():
+            raise ValueError(self._no_fit_message(job))
+        self._queue.add(job, proc, self._seq)
+        self._seq += 1
+        self._version += 1
+        if not place:
+            return None
+        # Idle executors only coexist with queued jobs that do not fit them, so this job is the only
+        # candidate for any idle executor: it goes where it runs fastest.
+        best_c = -1
+        for c, idle in enumerate(self._idle):
+            if idle and math.isfinite(proc[c]) and (best_c < 0 or proc[c] < proc[best_c]):
+                best_c = c
+        if best_c < 0:
+            return None
+        return self._start(self._queue.index[job.job_id], self._idle[best_c].pop(), now_s)
+
+    def occupy(self, executor: int, job_id: str, until_s: float) -> None:
+        """Mark the idle ``executor`` busy with a job placed elsewhere (say, before a restart) until ``until_s``:
+        no job is placed on it, and projections count it free from then on."""
+        c = int(self.executor_class[executor])
+        if executor not in self._idle[c]:
+            raise ValueError(f"executor {executor} is busy already; occupy each executor once")
+        self._idle[c].remove(executor)
+        self.busy_until_s[executor] = until_s
+        self._occupied[executor] = (job_id, until_s)
+        self._version += 1
+
+    def release(self, executor: int, now_s: float, *, fill: bool = True) -> Placement | None:
+        """Mark ``executor``'s job done; with ``fill``, start the best queued job on it (or None)."""
+        done = self.running.pop(executor, None)
+        if done is None:
+            raise ValueError(f"executor {executor} runs no job; release only executors a placement started")
+        del self._running_by_job[done.job.job_id]
+        self.busy_until_s[executor] = 0.0
+        self._idle[int(self.executor_class[executor])].append(executor)
+        self._version += 1
+        return self.fill(executor, now_s) if fill else None
+
+    def fill(self, executor: int, now_s: float) -> Placement | None:
+        """Start the queued job with the highest score on the idle ``executor``."""
+        c = int(self.executor_class[executor])
+        idle = self._idle[c]
+        if executor not in idle[-1:] and executor not in idle:
+            raise ValueError(f"executor {executor} is busy; release it before filling it")
+        k = self.choose(executor, now_s)
+        if k is None:
+            return None
+        idle.remove(executor)
+        return self._start(k, executor, now_s)
+
+    def choose(self, executor: int, now_s: float) -> int | None:
+        """Index in the queue of the job the policy puts on ``executor`` (None if no queued job fits it)."""
+        return _choose(self.policy, self._queue.view(), self.state(now_s), executor)
+
+    def dispatch(self, now_s: float) -> list[Placement]:
+        """Fill every idle executor that some queued job fits (after ``submit(..., place=False)``)."""
+        out: list[Placement] = []
+        for c in range(len(self.classes)):
+            while self._idle[c] and self._queue.n:
+                p = self.fill(self._idle[c][-1], now_s)
+                if p is None:
+                    break
+                out.append(p)
+        return out
+
+    def state(self, now_s: float) -> SchedulerState:
+        return SchedulerState(now_s, self.busy_until_s, self.executor_class)
+
+    def _start(self, k: int, executor: int, now_s: float) -> Placement:
+        c = int(self.executor_class[executor])
+        proc_s = float(self._queue.proc_s[k, c])
+        job = self._queue.remove(k)
+        rate = self.rate(c, job.profile)
+        assert rate is not None  # proc_s is finite only where a rate exists
+        p = Placement(
+            job=job,
+            executor=executor,
+            class_index=c,
+            config=rate.config,
+            steps=math.ceil(job.samples / rate.config.batch_size),
+            start_s=now_s,
+            end_s=now_s + proc_s,
+        )
+        self.running[executor] = p
+        self._running_by_job[job.job_id] = p
+        self.busy_until_s[executor] = p.end_s
+        self._version += 1
+        return p
+
+    # ---- queries -----------------------------------------------------------------------------------
+
+    def expected_completions(self, now_s: float) -> dict[str, float]:
+        """Expected completion time of every running and queued job, with no further arrivals.
+
+        Replays the policy over the queue: each time an executor frees up (earliest first) it takes
+        the job the policy would choose then. O(queue x decision); cached until the state changes.
+        """
+        pr = self._projection
+        if pr is not None and pr.version == self._version and pr.at_s == now_s:
+            return dict(pr.completion_s)
+        out = {p.job.job_id: p.end_s for p in self.running.values()}
+        out.update(dict(self._occupied.values()))
+        busy = self.busy_until_s.copy()
+        heap = [(max(float(t), now_s), e) for e, t in enumerate(busy)]
+        heapq.heapify(heap)
+        q = self._queue
+        n = q.n
+        if n:
+            ids = list(q.ids)
+            view = QueueView(
+                job_ids=ids,
+                arrival_s=q.arrival_s[:n].copy(),
+                deadline_s=q.deadline_s[:n].copy(),
+                proc_s=q.proc_s[:n].copy(),
+                min_proc_s=q.min_proc_s[:n].copy(),
+                seq=q.seq[:n].copy(),
+            )
+            left = n
+            # Jobs already projected get +inf processing time everywhere, which _choose skips.
+            while left and heap:
+                t, e = heapq.heappop(heap)
+                busy[e] = t
+                k = _choose(self.policy, view, SchedulerState(t, busy, self.executor_class), e)
+                if k is None:
+                    continue  # no remaining job fits this executor's class: it stays idle
+                c = int(self.executor_class[e])
+                end = t + float(view.proc_s[k, c])
+                out[ids[k]] = end
+                view.proc_s[k] = math.inf
+                view.min_proc_s[k] = math.inf
+                busy[e] = end
+                heapq.heappush(heap, (end, e))
+                left -= 1
+        self._projection = _Projection(at_s=now_s, version=self._version, completion_s=dict(out))
+        return out
+
+    def expected_completion_s(self, job_id: str, now_s: float) -> float:
+        """When the running or queued job ``job_id`` is expected to finish (inf if never)."""
+        etas = self.expected_completions(now_s)
+        if job_id not in etas:
+            if job_id in self._queue.index:
+                return math.inf
+            raise KeyError(f"fill job {job_id!r} is neither queued nor running")
+        return etas[job_id]
+
+    def can_meet_deadline(self, job: FillJobRequest | str, deadline_s: float, now_s: float) -> DeadlineAnswer:
+        """Whether ``job`` (queued, running, or not yet submitted) would finish by ``deadline_s``."""
+        if isinstance(job, str):
+            eta = self.expected_completion_s(job, now_s)
+            return DeadlineAnswer(eta <= deadline_s, eta)
+        if job.job_id in self._queue.index or job.job_id in self._running_by_job:
+            eta = self.expected_completion_s(job.job_id, now_s)
+            return DeadlineAnswer(eta <= deadline_s, eta)
+        self.submit(job, now_s, place=False)
+        try:
+            eta = self.expected_completions(now_s).get(job.job_id, math.inf)
+        finally:
+            self._queue.remove(self._queue.index[job.job_id])
+            self._version += 1
+        return DeadlineAnswer(eta <= deadline_s, eta)
+
+    def _no_fit_message(self, job: FillJobRequest) -> str:
+        cls = self.classes[0]
+        reason = ""
+        for cfg in job.profile.configs:
+            try:
+                plan_partitions(cls.bubbles, cfg.nodes, 1, job=job.profile.key)
+            except PlanError as e:
+                reason = str(e)
+                break
+        return (
+            f"fill job {job.job_id!r} ({job.profile.key}) fits the bubbles of no executor with any of its "
+            f"{len(job.profile.configs)} configurations. {reason}"
+        ).strip()
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_rate(bubbles: tuple[Bubble, ...], iteration_s: float, profile: FillProfile) -> Rate | None:
+    """The configuration with the most samples per second whose plan fits ``bubbles`` (None if none)."""
+    best: Rate | None = None
+    for cfg in profile.configs:
+        try:
+            plan = plan_partitions(bubbles, cfg.nodes, None, job=profile.key)
+        except PlanError:
+            continue
+        spc = plan.steps_per_cycle()
+        sps = spc * cfg.batch_size / iteration_s
+        if best is None or sps > best.samples_per_s:
+            best = Rate(config=cfg, steps_per_cycle=spc, samples_per_s=sps)
+    return best
+
+
+def best_rate(bubbles: tuple[Bubble, ...], iteration_s: float, profile: FillProfile) -> Rate | None:
+    """The fastest configuration of ``profile`` that fits ``bubbles`` and its rate (None if none fits); cached."""
+    return _best_rate(bubbles, iteration_s, profile)
+
+
+def _choose(policy: Policy, queue: QueueView, state: SchedulerState, executor: int) -> int | None:
+    if len(queue) == 0:
+        return None
+    col = queue.proc_s[:, state.class_of(executor)]
+    fits = np.isfinite(col)
+    scores = np.asarray(policy.scores(queue, state, executor), dtype=float)
+    scores = np.where(fits & ~np.isnan(scores), scores, -math.inf)
+    best = scores.max()
+    if best == -math.inf:
+        return None
+    cand = np.flatnonzero(scores == best)
+    if len(cand) == 1:
+        return int(cand[0])
+    tb = policy.tie_break(queue, state, executor)
+    if tb is not None:
+        sub = np.asarray(tb)[cand]
+        cand = cand[sub == sub.max()]
+    return int(cand[np.argmin(queue.seq[cand])])
+
+
+def classes_from_cycles(cycles: Iterable[tuple[BubbleCycle, int]]) -> list[ExecutorClass]:
+    """Executor classes from (cycle, executor count) pairs, merging cycles with identical bubbles."""
+    merged: dict[tuple[tuple[Bubble, ...], float], ExecutorClass] = {}
+    for cycle, count in cycles:
+        cls = ExecutorClass.from_cycle(cycle, count)
+        key = (tuple(Bubble(b.duration_s, b.free_bytes) for b in cls.bubbles), cls.iteration_s)
+        if key in merged:
+            old = merged[key]
+            merged[key] = ExecutorClass(old.name, old.bubbles, old.iteration_s, old.executors + count)
+        else:
+            merged[key] = cls
+    return list(merged.values())

@@ -1,0 +1,118 @@
+"""What a simulation recovered, as numbers (JSON-ready) and as a short text summary."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bubbles.operator.simulator.engine import SimResult
+
+
+def summarize(r: SimResult) -> dict[str, Any]:
+    """Recovered TFLOPS (per GPU and total), GPU-equivalents, bubble figures, JCTs, makespan, misses."""
+    main = r.main
+    gpus = main.gpus
+    horizon_s = r.horizon_s
+    flops = sum(o.flops for o in r.outcomes)
+    gpu_s_equiv = sum(o.samples_done / o.job.profile.isolated_samples_per_s for o in r.outcomes)
+    filled_s = sum(o.filled_s for o in r.outcomes)
+    bubble_ratio = main.bubble_ratio()
+    bubble_s_total = gpus * horizon_s * bubble_ratio
+    done = [o for o in r.outcomes if o.done]
+    jcts = np.array([o.jct_s for o in done if o.jct_s is not None], dtype=float)
+    submitted = [o for o in r.outcomes if o.job.arrival_s <= horizon_s]
+    misses = 0
+    with_deadline = 0
+    for o in submitted:
+        dl = o.job.deadline_s
+        if dl is None:
+            continue
+        with_deadline += 1
+        end = o.placement.end_s if (o.done and o.placement) else math.inf
+        if end > dl and (o.done or dl <= horizon_s):
+            misses += 1
+    ends = [o.placement.end_s for o in done if o.placement]
+    starts = [o.job.arrival_s for o in submitted]
+    per_gpu = flops / (gpus * horizon_s) / 1e12 if horizon_s > 0 else 0.0
+    return {
+        "policy": r.policy,
+        "main_job": main.to_dict(),
+        "gpus": gpus,
+        "simulated_s": horizon_s,
+        "events": r.events,
+        "bubble_ratio": bubble_ratio,
+        "fillable_bubble_ratio": main.fillable_ratio(),
+        "bubble_time_filled_share": filled_s / bubble_s_total if bubble_s_total > 0 else 0.0,
+        "recovered_flops": flops,
+        "recovered_tflops_per_gpu": per_gpu,
+        "recovered_tflops_total": per_gpu * gpus,
+        "gpu_equivalents": gpu_s_equiv / horizon_s if horizon_s > 0 else 0.0,
+        "jobs": {
+            "submitted": len(submitted),
+            "completed": len(done),
+            "unfinished": len(submitted) - len(done) - sum(1 for o in submitted if o.rejected),
+            "rejected": sum(1 for o in submitted if o.rejected),
+            "with_deadline": with_deadline,
+            "deadline_misses": misses,
+        },
+        "jct_s": {
+            "mean": float(jcts.mean()) if len(jcts) else None,
+            "p50": float(np.percentile(jcts, 50)) if len(jcts) else None,
+            "p99": float(np.percentile(jcts, 99)) if len(jcts) else None,
+        },
+        "makespan_s": (max(ends) - min(starts)) if ends and starts else None,
+    }
+
+
+def comparison(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON report: the first run's headline figures plus every policy's summary."""
+    if not summaries:
+        raise ValueError("nothing to report")
+    head = summaries[0]
+    return {
+        "bubble_ratio": head["bubble_ratio"],
+        "gpus": head["gpus"],
+        "main_job": head["main_job"],
+        "policies": {s["policy"]: s for s in summaries},
+    }
+
+
+def format_summary(summaries: Sequence[dict[str, Any]]) -> str:
+    s0 = summaries[0]
+    mj = s0["main_job"]
+    lines = [
+        f"main job: {mj['stages']} stages x {mj['microbatches']} micro-batches, {mj['schedule']}, "
+        f"{s0['gpus']} GPUs, iteration {mj['iteration_s']:.2f} s, simulated {s0['simulated_s'] / 3600:.2f} h",
+        f"bubble ratio {s0['bubble_ratio']:.1%} (fillable {s0['fillable_bubble_ratio']:.1%}, "
+        f"{mj['fill_fraction']:.0%} of each bubble offered to fill jobs)",
+    ]
+    head = (
+        f"{'policy':<16}{'TFLOPS/GPU':>11}{'GPU-equiv':>11}{'filled':>8}{'done':>8}{'left':>7}"
+        f"{'JCT mean':>10}{'p50':>9}{'p99':>9}{'makespan':>10}{'missed':>7}"
+    )
+    lines.append(head)
+    for s in summaries:
+        j, jct = s["jobs"], s["jct_s"]
+        lines.append(
+            f"{s['policy']:<16}{s['recovered_tflops_per_gpu']:>11.2f}{s['gpu_equivalents']:>11.1f}"
+            f"{s['bubble_time_filled_share']:>8.1%}{j['completed']:>8}{j['unfinished']:>7}"
+            f"{_dur(jct['mean']):>10}{_dur(jct['p50']):>9}{_dur(jct['p99']):>9}{_dur(s['makespan_s']):>10}"
+            f"{j['deadline_misses']:>7}"
+        )
+    rej = s0["jobs"]["rejected"]
+    if rej:
+        lines.append(f"{rej} jobs fit no bubble and were rejected (see model profiles or --free-gib)")
+    return "\n".join(lines)
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"

@@ -1,0 +1,205 @@
+"""When a fill step may start: the fill runtime's gating decisions, pure (every time is given, nothing is read).
+
+``StepGates``: how long a step of each size takes where it would run. FreeRide's program-directed limit starts a step
+only if its gate fits before the bubble's predicted end, a low percentile of the bubble's past lengths
+(``bubbles.core.cycle.predicted_length``), so that steps rarely outlive their bubbles.
+
+``TailRisk``: what to do once a bubble has lasted past that prediction. Most bubbles do (by construction nine in
+ten), and the time they have left went unused: 16-17% of the bubble time on the H100, 34% on the CPU demo
+(docs/benchmarks.md). There a step may still start when the chance that it outlives the bubble, given how long the
+bubble has lasted, is small.
+
+``StartPredictor``: when the next bubble should start, for busy-polling around it.
+
+``bubbles.sdk.FillRuntime`` is the shell that feeds them the signals and step times and runs what they allow.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+from collections import deque
+from collections.abc import Sequence
+
+from bubbles.core.stats import percentile
+
+
+class StepGates:
+    """How long a step of each size may be expected to take where it would run, kept current. Pure.
+
+    Starts from the sizes' gates timed at init (FreeRide's profile, outside bubbles); once ``min_samples`` steps of
+    a size have run at a place (a bubble's first step, or a later one), its gate there is the 90th percentile of
+    its last ``window`` durations there. A bubble's first step pays for what the training evicted from the caches
+    while it computed (about +1 ms a step on the CPU demo, seen 2026-11-23), so it is tracked apart; a gate from
+    outside bubbles would let first steps overrun. Until later steps of a size have a gate of their own, the first
+    steps' bounds theirs (see ``gate_ns``). ``size`` None: a job whose step takes no size. ``floors`` (seconds by
+    size): gates never go below them (a step time the job's spec states).
+    """
+
+    def __init__(self, profiled: Sequence[tuple[int | None, float]], *, window: int = 32,
+                 min_samples: int = 8, floors: dict[int | None, float] | None = None) -> None:
+        if not profiled or window < 1 or not 1 <= min_samples <= window:
+            raise ValueError("StepGates needs profiled gates, window >= 1 and 1 <= min_samples <= window")
+        self.sizes = [size for size, _ in profiled]  # smallest first
+        self._profiled = {size: int(t * 1e9) for size, t in profiled}
+        self._seen: dict[tuple[int | None, bool], list[int]] = {}
+        self._gate: dict[tuple[int | None, bool], int] = {}
+        self._floor = {size: int(t * 1e9) for size, t in (floors or {}).items()}
+        self.window = window
+        self.min_samples = min_samples
+
+    def gate_ns(self, size: int | None, first: bool) -> int:
+        gate = self._gate.get((size, first))
+        if gate is not None:
+            return gate
+        if not first and (size, True) in self._gate:
+            # No later step of this size has run yet, but first ones have: they are the slower kind, so their gate
+            # bounds a later step's, and a profile inflated by an outlier at init (a later step's gate that never
+            # fits, so never learns) gives way to what was seen in bubbles.
+            return min(self._gate[(size, True)], self._profiled[size])
+        return self._profiled[size]
+
+    def observe(self, size: int | None, first: bool, duration_ns: int) -> None:
+        seen = self._seen.setdefault((size, first), [])
+        seen.append(duration_ns)
+        if len(seen) > self.window:
+            del seen[0]
+        if len(seen) >= self.min_samples:
+            self._gate[(size, first)] = max(int(percentile(seen, 90)), self._floor.get(size, 0))
+
+    def durations_ns(self, size: int | None, first: bool) -> list[int]:
+        """The step durations a size's gate stands for there: its recent ones once ``min_samples`` have run, else
+        its gate alone (the profiled time, conservative: it carries the profile's margin)."""
+        seen = self._seen.get((size, first), [])
+        return list(seen) if len(seen) >= self.min_samples else [self.gate_ns(size, first)]
+
+    def first_steps_s(self) -> list[tuple[int | None, float]]:
+        """Each size's gate for a bubble's first step, in seconds: what a bubble must offer to be used at all."""
+        return [(size, self.gate_ns(size, True) / 1e9) for size in self.sizes]
+
+    def relax(self, profiled: Sequence[tuple[int | None, float]]) -> None:
+        """Lower the sizes' profiled gates to ``profiled`` (seconds) where that is less. For a profile that fits no
+        bubble: a gate no bubble fits lets no step run, so it never learns (the runtime's starvation fallback)."""
+        for size, t in profiled:
+            if size in self._profiled:
+                self._profiled[size] = min(self._profiled[size], int(t * 1e9))
+
+    def fitting(self, left_ns: int, first: bool) -> list[int | None]:
+        """The sizes whose gate fits in ``left_ns``, smallest first (run the last); empty when none does."""
+        return [size for size in self.sizes if self.gate_ns(size, first) <= left_ns]
+
+
+class TailRisk:
+    """Whether a step may start past its bubble's predicted end: the chance that the bubble, having lasted past the
+    prediction, ends while a fill step runs. Pure.
+
+    A bubble's length is random (its neighbour's compute and the network jitter). Once it has lasted ``a``, what is
+    left of it follows the lengths of its slot's past bubbles that lasted longer than ``a`` (the survivors). The
+    bound is per bubble, not per step: from the moment ``since`` the bubble entered its tail (the prediction first
+    refused a step), a step of duration ``d`` may start at ``a`` if at most ``max_risk`` of the bubbles that lasted
+    past ``since`` ended before ``a + d``. So of the bubbles whose tails are filled, at most that share (in the
+    slot's recent lengths) end while a tail step runs, however many tail steps a bubble takes; ending between two
+    of them counts too. Over the slot's last ``window`` lengths and the step's recent durations
+    (``StepGates.durations_ns``), the share of (length, duration) pairs for which it would is the risk. With fewer
+    than ``min_survivors`` survivors the tail is unknown and nothing starts there.
+
+    A bubble whose end has not been read yet may have ended already: its END signal takes time to arrive. So the
+    survivors are the lengths above ``since`` less the END signals' lag (the 90th percentile of the recent ones,
+    ``end_lag``), and the lengths between the two count as overruns for any step.
+
+    ``window`` is the hook's (``bubbles.core.cycle.RecentLengths``, 32), so the tail follows a change in the bubbles as
+    fast as the prediction does.
+    """
+
+    def __init__(self, max_risk: float, *, window: int = 32, min_survivors: int = 8, lag_window: int = 64) -> None:
+        if not 0.0 <= max_risk < 1.0:
+            raise ValueError(f"TailRisk's max_risk is a probability below 1 (0 turns it off), got {max_risk!r}")
+        if window < 1 or not 1 <= min_survivors <= window or lag_window < 1:
+            raise ValueError("TailRisk needs window >= 1, 1 <= min_survivors <= window and lag_window >= 1")
+        self.max_risk = max_risk
+        self.window = window
+        self.min_survivors = min_survivors
+        self._order: dict[int, deque[int]] = {}  # slot -> its last lengths, oldest first
+        self._sorted: dict[int, list[int]] = {}  # slot -> the same lengths, sorted
+        self._lags: deque[int] = deque(maxlen=lag_window)
+        self._lag_ns: int | None = 0  # their 90th percentile; None: to be computed (when a risk is asked for)
+
+    def ended(self, slot: int, length_ns: int) -> None:
+        """A bubble of ``slot`` lasted ``length_ns`` (from its START's stamp to its END's)."""
+        if length_ns <= 0:
+            return
+        order = self._order.setdefault(slot, deque())
+        ordered = self._sorted.setdefault(slot, [])
+        order.append(length_ns)
+        insort(ordered, length_ns)
+        if len(order) > self.window:
+            old = order.popleft()
+            del ordered[bisect_left(ordered, old)]
+
+    def end_lag(self, lag_ns: int) -> None:
+        """An END signal was read ``lag_ns`` after its stamp (read at once, not after a step)."""
+        self._lags.append(max(0, lag_ns))
+        self._lag_ns = None  # not computed here: the END path stays light; most bubbles never ask for a risk
+
+    @property
+    def lag_ns(self) -> int:
+        if self._lag_ns is None:
+            self._lag_ns = int(percentile(list(self._lags), 90))
+        return self._lag_ns
+
+    def risk(self, slot: int, elapsed_ns: int, durations_ns: Sequence[int],
+             since_ns: int | None = None) -> float | None:
+        """The chance that a bubble of ``slot`` that lasted past ``since_ns`` (default: ``elapsed_ns``) ends before a
+        step of one of ``durations_ns`` (equally likely) started at ``elapsed_ns`` does; None when too few of the
+        slot's bubbles lasted that long to tell."""
+        lengths = self._sorted.get(slot)
+        if not lengths or not durations_ns:
+            return None
+        since = elapsed_ns if since_ns is None else min(since_ns, elapsed_ns)
+        lo = bisect_right(lengths, since - self.lag_ns)  # the survivors are lengths[lo:]
+        survivors = len(lengths) - lo
+        if survivors < self.min_survivors:
+            return None
+        short = sum(max(0, bisect_left(lengths, elapsed_ns + d) - lo) for d in durations_ns)
+        return short / (survivors * len(durations_ns))
+
+    def fitting(self, slot: int, elapsed_ns: int, gates: StepGates, first: bool,
+                since_ns: int | None = None) -> list[int | None]:
+        """The sizes (smallest first, run the last) whose risk is at most ``max_risk``; empty when none is, when
+        the risk is unknown or when the tail is off (``max_risk`` 0). ``since_ns``: when this bubble entered its
+        tail (see the class). The scan stops at the first size that risks too much: a larger one is not tried past a
+        smaller one refused (launch-bound, their durations differ by noise alone)."""
+        if self.max_risk <= 0.0:
+            return []
+        out: list[int | None] = []
+        for size in gates.sizes:
+            r = self.risk(slot, elapsed_ns, gates.durations_ns(size, first), since_ns)
+            if r is None or r > self.max_risk:
+                break
+            out.append(size)
+        return out
+
+
+class StartPredictor:
+    """When the next bubble should start: each slot recurs once per iteration, so its next start is its last start
+    plus the time between its last two. Pure (times are given); the runtime busy-polls around the prediction."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, int | None]] = {}  # slot -> (last start, period or None)
+
+    def started(self, slot: int, start_ns: int) -> None:
+        prev = self._last.get(slot)
+        period = start_ns - prev[0] if prev is not None and start_ns > prev[0] else None
+        self._last[slot] = (start_ns, period if period is not None else (prev[1] if prev else None))
+
+    def next_start(self, now_ns: int, slack_ns: int) -> int | None:
+        """The earliest predicted start not more than ``slack_ns`` in the past; None without a prediction."""
+        best = None
+        for last, period in self._last.values():
+            if not period:
+                continue
+            nxt = last + period
+            if nxt < now_ns - slack_ns:  # missed (a skipped iteration): project forward
+                nxt += ((now_ns - slack_ns - nxt) // period + 1) * period
+            if best is None or nxt < best:
+                best = nxt
+        return best
