@@ -28,7 +28,7 @@ FILL_FIELDS = ("fill_steps", "fill_flops", "bubble_s", "filled_s", "overruns", "
 
 def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, Any] | None, *,
                  settle: int = 2, machine: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """Assemble the demo report (see README: `bubbles demo --report`). ``machine``: what else used the CPU
+    """Assemble the demo report (docs/demo.md: `bubbles demo --report`). ``machine``: what else used the CPU
     (``machine_load``), when known."""
     if not ranks:
         raise ValueError("no training ranks reported")
