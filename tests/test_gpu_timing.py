@@ -310,7 +310,7 @@ def test_with_device_timing_the_iteration_length_is_the_device_s_not_the_host_s(
 def drain_signals(inst: Any, listener: socket.socket) -> None:
     """Once the device has run what was queued: wait (bounded) until the event thread has taken every event off its
     queue, then drop what the listener got until 50 ms pass without a datagram (the last event's signal)."""
-    timer = inst._timer
+    timer = getattr(inst._timing, "timer", None)  # device timing's EventTimer
     deadline = time.monotonic() + 10
     while timer is not None and not timer._queue.empty():
         assert time.monotonic() < deadline, "the event thread never caught up"
@@ -421,7 +421,7 @@ def test_cuda_events_record_on_the_engines_device_not_the_current_one() -> None:
 
 
 def test_the_hook_times_the_engines_device(sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bubbles.training.hook as hook_mod
+    import bubbles.training.hook.timing as hook_timing
 
     eng = AsyncEngine(FakeStream())
     eng.device = torch.device("cuda", 1)  # type: ignore[attr-defined]
@@ -431,7 +431,7 @@ def test_the_hook_times_the_engines_device(sockdir: Path, monkeypatch: pytest.Mo
         asked.append((wait, device))
         return lambda: FakeEvent(eng.stream)
 
-    monkeypatch.setattr(hook_mod, "cuda_event_factory", factory)
+    monkeypatch.setattr(hook_timing, "cuda_event_factory", factory)
     inst = instrument(eng, training="dev", run_dir=sockdir, memory_probe=StaticMemoryProbe(1))
     try:
         assert inst.timing == "cuda"

@@ -27,7 +27,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles.core import paths, wire
 from bubbles.core.cycle import BUBBLE_KINDS, BubbleCycle
-from bubbles.training import hook
 from bubbles.training.hook import (
     ITERATION_HISTORY,
     Candidate,
@@ -522,7 +521,7 @@ def test_bookkeeping_failure_disables_signalling_once_and_training_goes_on(
     def broken(*a: Any, **k: Any) -> bytes:
         raise RuntimeError("bug in the hook")
 
-    monkeypatch.setattr(hook.wire, "encode_bubble_start", broken)
+    monkeypatch.setattr(wire, "encode_bubble_start", broken)
     with caplog.at_level(logging.WARNING, logger="bubbles.hook"):
         for _ in range(3):
             assert eng.train_batch() == 1.5
@@ -674,7 +673,7 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
     assert card["pid"] == os.getpid() and card["started_ns"] > 0
     assert card["fills"] is True and paths.fills_dir(tmp_path, "t7", 1).is_dir()  # it signals fill sockets there
     # The hook holds the stage's lock while it lives: a node agent takes its card for live.
-    from bubbles.agent.cluster import Card, card_is_stale
+    from bubbles.core.card import Card, card_is_stale
 
     assert card["lock"] is True and not card_is_stale(tmp_path, Card.parse(card, "card"))
     # A second hook of the same stage (a twin) waits at most 0.5 s for the lock, then stands down: the first's card
