@@ -1,7 +1,7 @@
 """Bubble-start latency: from the hook sending BUBBLE_START to the fill job starting its step.
 
 Real parts end to end: the agent (`bubbles agent`) starts a real fill process (the SDK runtime with a
-SpinJob), and this script plays the training's side with the hook's own sender (`bubbles.hook.Listeners`),
+SpinJob), and this script plays the training's side with the hook's own sender (`bubbles.training.hook.Listeners`),
 signalling a bubble every ``--gap-ms``. The latency of a bubble is the first step's start (taken by
 the runtime when it decides to run the step) minus the signal's timestamp (taken by the sender just
 before `sendto`), both CLOCK_MONOTONIC. In the same run, a gRPC unary round trip on localhost is
@@ -29,7 +29,7 @@ from bubbles.core import control, paths, wire
 from bubbles.core.api import FillMode
 from bubbles.core.cycle import BubbleCycle, BubbleSlot
 from bubbles.core.stats import percentile
-from bubbles.training.hook import Listeners
+from bubbles.training.hook.listeners import Listeners
 from grpc_reference import grpc_round_trips_us
 
 TRAINING = "bench"

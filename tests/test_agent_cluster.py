@@ -21,13 +21,14 @@ import pytest
 from prometheus_client import generate_latest
 from test_agent import TRAINING, Hook, cycle, wait_for
 
-from bubbles.agent.cluster import FORGET_AFTER_S, Card, ClusterConfig, NodeAgent, card_is_stale, read_cards
+from bubbles.agent.cluster import FORGET_AFTER_S, ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.node import NodeBook, Outcome, StaleAssignment
 from bubbles.core import control, paths, wire
 from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, IsolationMode, parse_spec
+from bubbles.core.card import Card, card_is_stale, read_cards
 from bubbles.core.resources import JobProgress
 
 NODE = "node-a"

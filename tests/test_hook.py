@@ -1,19 +1,16 @@
 """The hook's fast tier: no DeepSpeed launch.
 
-The pure functions (``candidate_slots``, ``build_cycle``) run on the instruction streams of DeepSpeed's
-real schedule classes. The wiring runs on a small stand-in engine that uses DeepSpeed's own
-``PipelineEngine._exec_schedule`` dispatch loop and schedule classes, with handlers that sleep instead
-of computing. Sockets are real AF_UNIX datagram sockets.
+The wiring runs on a small stand-in engine that uses DeepSpeed's own ``PipelineEngine._exec_schedule`` dispatch loop
+and schedule classes, with handlers that sleep instead of computing. Sockets are real AF_UNIX datagram sockets. The
+pure functions are tested in test_hook_profile.py, the card the hook leaves in test_card.py.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import threading
 import time
@@ -26,114 +23,14 @@ from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from bubbles.core import paths, wire
-from bubbles.core.cycle import BUBBLE_KINDS, BubbleCycle
-from bubbles.training import hook
+from bubbles.core.cycle import BubbleCycle
 from bubbles.training.hook import (
     ITERATION_HISTORY,
-    Candidate,
     Listeners,
-    build_cycle,
-    candidate_slots,
     instruction_stream,
     instrument,
 )
 from bubbles.training.probes import CudaAllocatorProbe, MemoryProbe, MemorySample, StaticMemoryProbe, default_probe
-
-SHAPES = [(p, m) for p in (2, 3, 4) for m in (1, 2, 4, 8)]
-
-
-# ---------------------------------------------------------------------------------------------------
-# classification on DeepSpeed's real schedules
-
-
-@pytest.mark.parametrize("p,m", SHAPES)
-def test_train_schedule_waits_are_classified(p: int, m: int) -> None:
-    for s in range(p):
-        stream = instruction_stream(S.TrainSchedule(micro_batches=m, stages=p, stage_id=s))
-        cands = candidate_slots(stream)
-        waits = [i for i, n in enumerate(stream) if n in ("RecvActivation", "RecvGrad")]
-        assert [c.position for c in cands] == [*waits, len(stream)]
-        assert all(stream[c.position] == c.instruction for c in cands[:-1])
-        assert cands[-1] == Candidate(len(stream), "LossBroadcast", "drain")
-        assert {c.kind for c in cands} <= set(BUBBLE_KINDS)
-        kinds = [c.kind for c in cands]
-        first_fwd = stream.index("ForwardPass")
-        # fill: exactly the first activation a non-first stage waits for, before any forward
-        assert kinds.count("fill") == (1 if s > 0 else 0)
-        if s > 0:
-            assert cands[0].kind == "fill" and cands[0].position < first_fwd
-        # fwd-bwd: one RecvGrad right before the first backward, on every stage but the last
-        fb = [c for c in cands if c.kind == "fwd-bwd"]
-        assert len(fb) == (1 if s < p - 1 else 0)
-        if fb:
-            first_bwd = stream.index("BackwardPass")
-            assert fb[0].instruction == "RecvGrad" and fb[0].position < first_bwd
-            assert "RecvGrad" not in stream[fb[0].position + 1:first_bwd]
-        # drain: waits after the last forward, plus the loss broadcast
-        last_fwd = len(stream) - 1 - stream[::-1].index("ForwardPass")
-        for c in cands[:-1]:
-            if c.kind == "drain":
-                assert c.position > last_fwd
-            elif c.kind == "steady":
-                assert first_fwd < c.position < last_fwd
-
-
-@pytest.mark.parametrize("p,m", SHAPES)
-def test_inference_schedule_waits_are_classified(p: int, m: int) -> None:
-    for s in range(p):
-        stream = instruction_stream(S.InferenceSchedule(micro_batches=m, stages=p, stage_id=s))
-        cands = candidate_slots(stream)
-        assert "RecvGrad" not in {c.instruction for c in cands}
-        assert sum(c.instruction == "RecvActivation" for c in cands) == (m if s > 0 else 0)
-        kinds = [c.kind for c in cands]
-        assert kinds[-1] == "drain" and cands[-1].instruction == "LossBroadcast"
-        assert "fwd-bwd" not in kinds
-        if s > 0:
-            assert kinds[:m] == ["fill"] + ["steady"] * (m - 1)
-
-
-def test_two_stage_stream_by_hand() -> None:
-    stream = instruction_stream(S.TrainSchedule(micro_batches=3, stages=2, stage_id=0))
-    got = [(c.position, c.instruction, c.kind) for c in candidate_slots(stream)]
-    # L F SA L F RG SA B L F RG SA B RG B ...: the RecvGrad before the first backward ends warm-up;
-    # after the last forward the stage waits for the remaining gradients.
-    assert got == [(5, "RecvGrad", "fwd-bwd"), (10, "RecvGrad", "drain"), (13, "RecvGrad", "drain"),
-                   (18, "LossBroadcast", "drain")]
-    last = instruction_stream(S.TrainSchedule(micro_batches=3, stages=2, stage_id=1))
-    got = [(c.position, c.kind) for c in candidate_slots(last, loss_broadcast=False)]
-    assert got == [(0, "fill"), (5, "steady"), (10, "steady")]
-
-
-# ---------------------------------------------------------------------------------------------------
-# aggregation
-
-
-def test_build_cycle_takes_medians_thresholds_and_numbers_slots() -> None:
-    cands = [Candidate(0, "RecvActivation", "fill"), Candidate(4, "RecvGrad", "steady"),
-             Candidate(9, "LossBroadcast", "drain")]
-    durations = [[0.010, 0.0001, 0.003], [0.012, 0.0002, 0.100], [0.011, 0.0009, 0.004]]
-    cycle = build_cycle(training="t", stage=1, stages=2, microbatches=4, schedule="TrainSchedule",
-                        candidates=cands, durations_s=durations, free_bytes=[100, 200, 300],
-                        iteration_s=[0.05, 0.07, 0.06], min_bubble_s=0.0005)
-    assert [(s.slot, s.position, s.instruction, s.kind) for s in cycle.slots] == [
-        (0, 0, "RecvActivation", "fill"), (1, 9, "LossBroadcast", "drain")]
-    assert cycle.slots[0].duration_s == pytest.approx(0.011)
-    assert cycle.slots[1].duration_s == pytest.approx(0.004)  # one slow iteration does not move it
-    assert cycle.slots[1].p90_s > cycle.slots[1].duration_s
-    assert [s.free_bytes for s in cycle.slots] == [100, 300]
-    assert cycle.iteration_s == pytest.approx(0.06) and cycle.samples == 3
-    assert BubbleCycle.from_dict(cycle.to_dict()) == cycle
-
-
-def test_build_cycle_rejects_misshapen_samples() -> None:
-    cands = [Candidate(0, "RecvGrad", "steady")]
-    with pytest.raises(ValueError):
-        build_cycle(training="t", stage=0, stages=2, microbatches=1, schedule="X", candidates=cands,
-                    durations_s=[[0.1, 0.2]], free_bytes=[0], iteration_s=[1.0], min_bubble_s=0)
-    with pytest.raises(ValueError):
-        build_cycle(training="t", stage=0, stages=2, microbatches=1, schedule="X", candidates=cands,
-                    durations_s=[], free_bytes=[0], iteration_s=[], min_bubble_s=0)
-
 
 # ---------------------------------------------------------------------------------------------------
 # listeners: never block, never raise
@@ -522,7 +419,7 @@ def test_bookkeeping_failure_disables_signalling_once_and_training_goes_on(
     def broken(*a: Any, **k: Any) -> bytes:
         raise RuntimeError("bug in the hook")
 
-    monkeypatch.setattr(hook.wire, "encode_bubble_start", broken)
+    monkeypatch.setattr(wire, "encode_bubble_start", broken)
     with caplog.at_level(logging.WARNING, logger="bubbles.hook"):
         for _ in range(3):
             assert eng.train_batch() == 1.5
@@ -659,130 +556,6 @@ def test_the_default_probe_reads_the_engines_device_not_the_current_one(monkeypa
     monkeypatch.setenv("BUBBLES_FREE_BYTES", "1000")
     assert isinstance(default_probe(torch.device("cpu")), StaticMemoryProbe)  # a CPU engine on a GPU machine
 
-
-def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("POD_NAME", "llama-3")
-    monkeypatch.setenv("POD_NAMESPACE", "ml")
-    eng = StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001)
-    inst = instrument(eng, training="t7", run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
-    card_path = paths.hook_card(tmp_path, "t7", 1)
-    card = json.loads(card_path.read_text())
-    assert {k: card[k] for k in ("training", "stage", "stages", "namespace", "pod", "device", "gpu_uuid")} == \
-        {"training": "t7", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3", "device": "cpu",
-         "gpu_uuid": None}
-    assert card["pid"] == os.getpid() and card["started_ns"] > 0
-    assert card["fills"] is True and paths.fills_dir(tmp_path, "t7", 1).is_dir()  # it signals fill sockets there
-    # The hook holds the stage's lock while it lives: a node agent takes its card for live.
-    from bubbles.agent.cluster import Card, card_is_stale
-
-    assert card["lock"] is True and not card_is_stale(tmp_path, Card.parse(card, "card"))
-    # A second hook of the same stage (a twin) waits at most 0.5 s for the lock, then stands down: the first's card
-    # stays.
-    twin = instrument(StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001), training="t7",
-                      run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
-    assert json.loads(card_path.read_text()) == card and twin.stats["disabled"]
-    twin.detach()
-    inst.detach()
-    assert not card_path.exists()  # a training that is gone leaves no card behind
-    fd = os.open(paths.hook_lock(tmp_path, "t7", 1), os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with it
-    os.close(fd)
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    eng2 = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
-    with caplog.at_level("WARNING", logger="bubbles.hook"):
-        inst2 = instrument(eng2, training="t8", run_dir=blocker, warmup_iterations=0, profile_iterations=1)
-        assert eng2.train_batch() == 1.5  # the training goes on
-    assert "could not write its card" in caplog.text
-    inst2.detach()
-
-
-def test_what_a_fill_job_plants_in_the_stage_directory_neither_holds_the_training_nor_gets_written(
-        tmp_path: Path) -> None:
-    """Fill jobs can write in the stage directory. A FIFO under the card's temporary name (.hook.json.<pid>: pids
-    in a container are small and easy to guess) held the training in instrument(), an open for writing that waits
-    for a reader; a link there or under the card's name had the training write where it pointed; and a FIFO under
-    the lock's name was taken for the lock."""
-    victim = tmp_path / "checkpoint.pt"
-    victim.write_bytes(b"weights")
-    for training, plant in (("t10", "fifo"), ("t11", "link")):
-        stage = paths.stage_dir(tmp_path, training, 0)
-        paths.make_private_dir(stage)
-        os.mkfifo(paths.hook_lock(tmp_path, training, 0))
-        os.symlink(victim, paths.hook_card(tmp_path, training, 0))
-        tmp = stage / f".{paths.HOOK_CARD_NAME}.{os.getpid()}"
-        os.mkfifo(tmp) if plant == "fifo" else os.symlink(victim, tmp)
-        eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
-        done: list[Any] = []
-        t = threading.Thread(target=lambda e=eng, n=training, d=done: d.append(
-            instrument(e, training=n, run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)), daemon=True)
-        t.start()
-        t.join(5)
-        assert done, f"{plant}: instrument() did not return, the training would be held"
-        assert eng.train_batch() == 1.5  # the training goes on
-        assert victim.read_bytes() == b"weights", plant
-        card = paths.hook_card(tmp_path, training, 0)
-        assert not card.is_symlink() and json.loads(card.read_text())["lock"] is False  # a FIFO is no lock
-        done[0].detach()
-
-
-def test_a_process_out_of_file_descriptors_trains_on_without_the_hook(tmp_path: Path) -> None:
-    """instrument() opens sockets; in a process at its descriptor limit that raised into the training's script."""
-    import subprocess
-    import sys
-
-    script = f"""
-import os, resource, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_hook import StandInEngine
-from bubbles.training.hook import instrument
-eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-held = []
-try:
-    while True:
-        held.append(os.open("/dev/null", os.O_RDONLY))
-except OSError:
-    pass
-inst = instrument(eng, training="t", run_dir={str(tmp_path)!r}, warmup_iterations=0, profile_iterations=1)
-for fd in held:
-    os.close(fd)
-print(inst.stats["disabled"], eng.train_batch())
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[-1].split() == ["True", "1.5"], (out.stdout, out.stderr[-2000:])
-    assert "could not open its sockets" in out.stderr
-
-
-def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path) -> None:
-    """A DataLoader worker forked by the training shares the lock's open file; if it kept it, a dead training's card
-    would be taken for live until the worker exited too. The child lets go of its copy at the fork."""
-    inst = instrument(StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001), training="t9",
-                      run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
-    ready_r, ready_w = os.pipe()
-    done_r, done_w = os.pipe()
-    child = os.fork()
-    if child == 0:  # the "worker": outlives the training's hold on the lock, then leaves without cleanup
-        os.write(ready_w, b"x")  # os.fork has returned here, so the fork handlers have run
-        os.read(done_r, 1)  # lives until the parent has checked (EOF when the parent closes its end)
-        os._exit(0)
-    try:
-        os.close(ready_w)
-        os.close(done_r)
-        assert os.read(ready_r, 1) == b"x"
-        inst.detach()  # stands in for the training's process ending (its descriptor closes)
-        fd = os.open(paths.hook_lock(tmp_path, "t9", 0), os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the child still held it
-        finally:
-            os.close(fd)
-    finally:
-        os.close(ready_r)
-        os.close(done_w)
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
 
 
 def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_naive_iterations(sockdir: Path) -> None:

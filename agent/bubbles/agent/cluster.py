@@ -3,10 +3,10 @@
 What it does, as thin shells around pure code:
 
 - **Discovers the node's trainings** from the cards their hooks write (``<run_dir>/<training>/stage-<k>/hook.json``:
-  the training Pod, the stage, its GPU). Each training gets the same agent as local mode (``server.Agent`` around
-  the pure ``AgentCore``: bubble signals, planning, watchdog, slowdown guard, isolation), running on its own thread.
-  A card whose Pod changed means the training restarted: the stage's bubbles are forgotten and re-measured before
-  anything runs there again.
+  the training Pod, the stage, its GPU; read with ``bubbles.core.card``, which the hook writes with). Each training
+  gets the same agent as local mode (``server.Agent`` around the pure ``AgentCore``: bubble signals, planning,
+  watchdog, slowdown guard, isolation), running on its own thread. A card whose Pod changed means the training
+  restarted: the stage's bubbles are forgotten and re-measured before anything runs there again.
 - **Keeps the operator's assignments** (``bubbles.agent.node.NodeBook``: idempotent by uid, attempt and generation).
 - **Admits attaching fill processes**: the operator's fill Pod runs ``python -m bubbles.sdk``, which connects to
   ``<run_dir>/_attach/attach.sock`` and says which FillJob it is and which GPU it sees. Only an assigned job, seeing
@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import select
 import socket
-import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from bubbles.core import control, paths
 from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, known_membership
+from bubbles.core.card import Card, card_is_stale, read_cards
 from bubbles.core.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
@@ -48,115 +46,6 @@ log = logging.getLogger("bubbles.agent.cluster")
 
 HELLO_TIMEOUT_S = 5.0  # an attaching process must say who it is within this
 FORGET_AFTER_S = 3600.0  # cancelled assignments are remembered this long (a late retry is then refused)
-
-
-# -- cards --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Card:
-    """What a training's hook says about one stage (``hook.json``)."""
-
-    training: str
-    stage: int
-    stages: int
-    namespace: str
-    pod: str
-    device: str
-    gpu_uuid: str | None
-    instance: str = ""  # which process wrote it (pid and start time): a restarted training writes a new one
-    lock: bool = False  # its process holds the stage's hook.lock while it lives (hooks before 2026-11-24 do not)
-    fills: bool = False  # its hook sends to the fill sockets in the stage's fills/ (hooks before 2026-11-25 do not)
-
-    @classmethod
-    def parse(cls, d: Any, where: str) -> Card:
-        """ValueError naming ``where`` and the field when the card is not usable."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: a card must be a JSON object")
-        try:
-            training = paths.check_name("training", d["training"])
-            stage, stages = d["stage"], d["stages"]
-            if not (isinstance(stage, int) and isinstance(stages, int) and 0 <= stage < stages <= 4096):
-                raise ValueError(f"stage {stage!r} of {stages!r} stages is not a stage index")
-            pod, ns, device = d.get("pod"), d.get("namespace", ""), d.get("device", "cpu")
-            if not isinstance(pod, str) or not pod or not isinstance(ns, str) or not isinstance(device, str):
-                raise ValueError("pod (non-empty), namespace and device must be strings")
-            uuid = d.get("gpu_uuid")
-            if uuid is not None and not isinstance(uuid, str):
-                raise ValueError("gpu_uuid must be a string or null")
-        except KeyError as exc:
-            raise ValueError(f"{where}: the card has no {exc.args[0]!r}") from None
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-        return cls(training, stage, stages, ns, pod, device, uuid, f"{d.get('pid', '')}@{d.get('started_ns', '')}",
-                   d.get("lock") is True, d.get("fills") is True)
-
-
-MAX_CARD_BYTES = 64 * 1024  # a card is a few hundred bytes
-
-
-def read_card(path: Path) -> Card:
-    """The card at ``path``, read as a file a fill job may have replaced: never through a link, never waiting on an
-    open (a FIFO would hold the agent), at most MAX_CARD_BYTES. Raises OSError or ValueError, saying what is wrong."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        data = os.read(fd, MAX_CARD_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CARD_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_CARD_BYTES} bytes, not a card")
-    try:
-        return Card.parse(json.loads(data), str(path))
-    except RecursionError:
-        raise ValueError(f"{path}: nested too deeply, not a card") from None
-
-
-def card_is_stale(run_dir: Path, card: Card) -> bool:
-    """Whether ``card``'s process is gone: nothing holds its stage's ``hook.lock`` (a card that says its process
-    holds none, or whose lock file cannot be read, is taken as live). A stale card is removed, under the lock, unless
-    a new process has written its own meanwhile."""
-    if not card.lock:
-        return False
-    import fcntl
-
-    try:
-        fd = os.open(paths.hook_lock(run_dir, card.training, card.stage),
-                     os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: the hook's process (or a child it forked) lives
-            return False
-        path = paths.hook_card(run_dir, card.training, card.stage)
-        try:
-            now = read_card(path)
-        except (OSError, ValueError):
-            return True  # gone or unreadable already
-        if now.instance != card.instance:
-            return False  # a new process took over between the read and the lock: its card stays
-        with contextlib.suppress(OSError):
-            path.unlink()
-        return True
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def read_cards(run_dir: Path) -> tuple[list[Card], list[str]]:
-    """Every card under ``run_dir``, and what is wrong with the ones that cannot be used."""
-    cards, problems = [], []
-    for path in sorted(run_dir.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}")):
-        try:
-            card = read_card(path)
-        except (OSError, ValueError) as exc:
-            problems.append(str(exc))
-            continue
-        if path.parent != paths.stage_dir(run_dir, card.training, card.stage):
-            problems.append(f"{path}: the card names training {card.training!r} stage {card.stage}, not its directory")
-            continue
-        cards.append(card)
-    return cards, problems
 
 
 # -- attached fill processes --------------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""The hook card (``hook.json``) and its lock (``hook.lock``): what a training's hook tells the node's agent about one
+stage, written by the hook and read by the agent, both here.
+
+The stage directory is writable by the fill jobs too, so nothing here follows a link, waits on an open (a FIFO planted
+under a name would hold the training or the agent) or takes anything but a regular file. The lock lives exactly as
+long as the hook's process: a card whose lock nobody holds is stale. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bubbles.core import paths
+
+MAX_CARD_BYTES = 64 * 1024  # a card is a few hundred bytes
+LOCK_WAIT_S = 0.5  # the agent checks the lock for microseconds; a live twin of the stage holds it for good
+
+
+@dataclass(frozen=True)
+class Card:
+    """What a training's hook says about one stage (``hook.json``)."""
+
+    training: str
+    stage: int
+    stages: int
+    namespace: str
+    pod: str
+    device: str
+    gpu_uuid: str | None
+    # Which process wrote it, compared as ``instance``: a restarted process under the same Pod name differs.
+    pid: int | str = field(default="", compare=False)
+    started_ns: int | str = field(default="", compare=False)
+    lock: bool = False  # its process holds the stage's hook.lock while it lives (hooks before 2026-11-24 do not)
+    fills: bool = False  # its hook sends to the fill sockets in the stage's fills/ (hooks before 2026-11-25 do not)
+    instance: str = field(init=False)  # "<pid>@<started_ns>"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "instance", f"{self.pid}@{self.started_ns}")
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> Card:
+        """ValueError naming ``where`` and the field when the card is not usable."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: a card must be a JSON object")
+        try:
+            training = paths.check_name("training", d["training"])
+            stage, stages = d["stage"], d["stages"]
+            if not (isinstance(stage, int) and isinstance(stages, int) and 0 <= stage < stages <= 4096):
+                raise ValueError(f"stage {stage!r} of {stages!r} stages is not a stage index")
+            pod, ns, device = d.get("pod"), d.get("namespace", ""), d.get("device", "cpu")
+            if not isinstance(pod, str) or not pod or not isinstance(ns, str) or not isinstance(device, str):
+                raise ValueError("pod (non-empty), namespace and device must be strings")
+            uuid = d.get("gpu_uuid")
+            if uuid is not None and not isinstance(uuid, str):
+                raise ValueError("gpu_uuid must be a string or null")
+        except KeyError as exc:
+            raise ValueError(f"{where}: the card has no {exc.args[0]!r}") from None
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return cls(training, stage, stages, ns, pod, device, uuid, pid=d.get("pid", ""),
+                   started_ns=d.get("started_ns", ""), lock=d.get("lock") is True, fills=d.get("fills") is True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of ``hook.json``."""
+        return {"training": self.training, "stage": self.stage, "stages": self.stages, "namespace": self.namespace,
+                "pod": self.pod, "device": self.device, "gpu_uuid": self.gpu_uuid, "pid": self.pid,
+                "started_ns": self.started_ns, "lock": self.lock, "fills": self.fills}
+
+
+# -- the agent's side: reading ----------------------------------------------------------------------------------
+
+
+def read_card(path: Path) -> Card:
+    """The card at ``path``, read as a file a fill job may have replaced: never through a link, never waiting on an
+    open (a FIFO would hold the agent), at most MAX_CARD_BYTES. Raises OSError or ValueError, saying what is wrong."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        data = os.read(fd, MAX_CARD_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CARD_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_CARD_BYTES} bytes, not a card")
+    try:
+        return Card.parse(json.loads(data), str(path))
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply, not a card") from None
+
+
+def read_cards(run_dir: Path) -> tuple[list[Card], list[str]]:
+    """Every card under ``run_dir``, and what is wrong with the ones that cannot be used."""
+    cards, problems = [], []
+    for path in sorted(run_dir.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}")):
+        try:
+            card = read_card(path)
+        except (OSError, ValueError) as exc:
+            problems.append(str(exc))
+            continue
+        if path.parent != paths.stage_dir(run_dir, card.training, card.stage):
+            problems.append(f"{path}: the card names training {card.training!r} stage {card.stage}, not its directory")
+            continue
+        cards.append(card)
+    return cards, problems
+
+
+def card_is_stale(run_dir: Path, card: Card) -> bool:
+    """Whether ``card``'s process is gone: nothing holds its stage's ``hook.lock`` (a card that says its process
+    holds none, or whose lock file cannot be read, is taken as live). A stale card is removed, under the lock, unless
+    a new process has written its own meanwhile."""
+    if not card.lock:
+        return False
+    import fcntl
+
+    try:
+        fd = os.open(paths.hook_lock(run_dir, card.training, card.stage),
+                     os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: the hook's process (or a child it forked) lives
+            return False
+        path = paths.hook_card(run_dir, card.training, card.stage)
+        try:
+            now = read_card(path)
+        except (OSError, ValueError):
+            return True  # gone or unreadable already
+        if now.instance != card.instance:
+            return False  # a new process took over between the read and the lock: its card stays
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# -- the hook's side: the lock and the writing ------------------------------------------------------------------
+
+# The hook.lock descriptors this process holds. A child forked from the training (a DataLoader worker) shares each
+# lock's open file and would keep the lock, and so the card, alive after the training died. Children close their
+# copies right after the fork: the lock lives exactly as long as the training's own process. (A child that carries
+# on as the training after its parent exits has no lock then: its card is taken for stale, which stops fill work for
+# that stage and never the training.)
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_locks_in_child() -> None:
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
+def hold_lock(path: Path, wait_s: float = LOCK_WAIT_S) -> int | None:
+    """Hold ``hook.lock`` at ``path`` for this process's life: its descriptor, or None if it cannot be had within
+    ``wait_s`` (another live process of this stage holds it). OSError where it cannot be opened or flock is missing."""
+    import fcntl
+
+    # Never through a link, never waiting to open (a FIFO planted under the name would hold the training here),
+    # and only a regular file: the stage directory is writable by the fill jobs too.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    _HELD_LOCKS.add(fd)  # from the open on: a fork while it waits must not leave the child sharing the lock
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                _HELD_LOCKS.discard(fd)
+                os.close(fd)
+                return None
+            time.sleep(0.005)
+        except OSError:  # a file system without flock: no lock, and no leaked descriptor
+            _HELD_LOCKS.discard(fd)
+            os.close(fd)
+            raise
+
+
+def release_lock(fd: int) -> None:
+    """Let go of a lock ``hold_lock`` took (in a forked child, which closed its copy at the fork, nothing to do)."""
+    if fd in _HELD_LOCKS:  # not in a forked child, which closed its copy (and may reuse the number)
+        _HELD_LOCKS.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def write_card(path: Path, card: Card) -> None:
+    """Write ``card`` at ``path``, replacing any file there in one rename; raises OSError."""
+    # A new file of a name no one could plant beforehand (mkstemp: O_EXCL, no link followed), then renamed over the
+    # card: nothing in the directory can make this write block or land elsewhere.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(card.to_dict()) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

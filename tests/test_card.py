@@ -1,0 +1,243 @@
+"""The hook card and its lock (``bubbles.core.card``): one module both sides use, the hook writing, the agent reading;
+then the card as ``instrument`` leaves it (a FIFO or link planted in the stage directory, a forked child). The agent's
+own handling of cards (reported, not fatal; a stale card removed) is in test_agent_cluster.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_hook import StandInEngine
+
+from bubbles.core import paths
+from bubbles.core.card import (
+    MAX_CARD_BYTES,
+    Card,
+    card_is_stale,
+    hold_lock,
+    read_card,
+    read_cards,
+    release_lock,
+    write_card,
+)
+from bubbles.training.hook import instrument
+
+
+def a_card(**changes: object) -> Card:
+    fields: dict[str, object] = {"training": "llama", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3",
+                                 "device": "cuda:0", "gpu_uuid": "GPU-aaaa", "pid": 4242, "started_ns": 17,
+                                 "lock": True, "fills": True}
+    fields.update(changes)
+    return Card(**fields)  # type: ignore[arg-type]
+
+
+def test_a_card_round_trips_and_says_which_process_wrote_it() -> None:
+    card = a_card()
+    assert Card.parse(json.loads(json.dumps(card.to_dict())), "x") == card
+    assert card.instance == "4242@17"
+    assert list(card.to_dict()) == ["training", "stage", "stages", "namespace", "pod", "device", "gpu_uuid", "pid",
+                                    "started_ns", "lock", "fills"]
+    # A restarted process under the same Pod name is another card; the pid and start time are compared as one.
+    assert a_card(started_ns=18) != card
+    assert a_card(pid="4242") == card
+
+
+def test_a_card_the_writer_wrote_is_what_the_reader_reads(tmp_path: Path) -> None:
+    card = a_card()
+    path = paths.hook_card(tmp_path, card.training, card.stage)
+    paths.make_private_dir(path.parent)
+    write_card(path, card)
+    assert read_card(path) == card
+    assert not [p for p in path.parent.iterdir() if p.name != paths.HOOK_CARD_NAME]  # no temporary file left
+    write_card(path, a_card(pid=99))  # replaced in one rename
+    assert read_card(path).instance == "99@17"
+    assert read_cards(tmp_path) == ([a_card(pid=99)], [])
+    # An old hook's card (no pid, no lock, no fills) is read as one.
+    path.write_text(json.dumps({"training": "llama", "stage": 1, "stages": 4, "pod": "p"}))
+    old = read_card(path)
+    assert (old.namespace, old.device, old.gpu_uuid, old.instance, old.lock, old.fills) == ("", "cpu", None, "@",
+                                                                                            False, False)
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ([], "x: a card must be a JSON object"),
+    ({"stage": 0, "stages": 1, "pod": "p"}, "x: the card has no 'training'"),
+    ({"training": "t", "stages": 1, "pod": "p"}, "x: the card has no 'stage'"),
+    ({"training": "Bad_Name", "stage": 0, "stages": 1, "pod": "p"}, "x: training name 'Bad_Name' is not valid"),
+    ({"training": "t", "stage": 3, "stages": 2, "pod": "p"}, "x: stage 3 of 2 stages is not a stage index"),
+    ({"training": "t", "stage": 0, "stages": 4097, "pod": "p"}, "x: stage 0 of 4097 stages is not a stage index"),
+    ({"training": "t", "stage": 0, "stages": 1, "pod": ""},
+     "x: pod (non-empty), namespace and device must be strings"),
+    ({"training": "t", "stage": 0, "stages": 1, "pod": "p", "device": 0},
+     "x: pod (non-empty), namespace and device must be strings"),
+    ({"training": "t", "stage": 0, "stages": 1, "pod": "p", "gpu_uuid": 7}, "x: gpu_uuid must be a string or null"),
+])
+def test_a_card_that_cannot_be_used_is_refused_saying_why(doc: object, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        Card.parse(doc, "x")
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_the_reader_refuses_what_is_no_card_with_the_agents_words(tmp_path: Path) -> None:
+    deep, big, fifo = tmp_path / "deep.json", tmp_path / "big.json", tmp_path / "fifo.json"
+    deep.write_text("[" * 30_000)
+    big.write_text(json.dumps({"training": "big", "stage": 0, "stages": 1, "pod": "p", "pad": "x" * MAX_CARD_BYTES}))
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"deep\.json: nested too deeply, not a card$"):
+        read_card(deep)
+    with pytest.raises(ValueError, match=rf"big\.json: larger than {MAX_CARD_BYTES} bytes, not a card$"):
+        read_card(big)
+    with pytest.raises(ValueError, match=r"fifo\.json: not a regular file$"):
+        read_card(fifo)
+    link = tmp_path / "link.json"
+    os.symlink(big, link)
+    with pytest.raises(OSError):
+        read_card(link)  # never through a link
+
+
+def test_a_card_whose_lock_is_held_is_live_and_one_whose_lock_is_free_is_stale_and_removed(tmp_path: Path) -> None:
+    card = a_card()
+    path = paths.hook_card(tmp_path, card.training, card.stage)
+    paths.make_private_dir(path.parent)
+    fd = hold_lock(paths.hook_lock(tmp_path, card.training, card.stage))
+    assert fd is not None
+    write_card(path, card)
+    assert hold_lock(paths.hook_lock(tmp_path, card.training, card.stage), wait_s=0.01) is None  # a live twin
+    assert not card_is_stale(tmp_path, card) and path.exists()
+    release_lock(fd)
+    assert not card_is_stale(tmp_path, a_card(pid=1))  # a new process's card stays
+    assert card_is_stale(tmp_path, card) and not path.exists()
+
+
+# -- the hook writes it: instrument() on a stand-in engine ----------------------------------------------------
+
+
+def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("POD_NAME", "llama-3")
+    monkeypatch.setenv("POD_NAMESPACE", "ml")
+    eng = StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001)
+    inst = instrument(eng, training="t7", run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
+    card_path = paths.hook_card(tmp_path, "t7", 1)
+    card = json.loads(card_path.read_text())
+    assert {k: card[k] for k in ("training", "stage", "stages", "namespace", "pod", "device", "gpu_uuid")} == \
+        {"training": "t7", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3", "device": "cpu",
+         "gpu_uuid": None}
+    assert card["pid"] == os.getpid() and card["started_ns"] > 0
+    assert card["fills"] is True and paths.fills_dir(tmp_path, "t7", 1).is_dir()  # it signals fill sockets there
+    # The hook holds the stage's lock while it lives: a node agent takes its card for live.
+    from bubbles.core.card import Card, card_is_stale
+
+    assert card["lock"] is True and not card_is_stale(tmp_path, Card.parse(card, "card"))
+    # A second hook of the same stage (a twin) waits at most 0.5 s for the lock, then stands down: the first's card
+    # stays.
+    twin = instrument(StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001), training="t7",
+                      run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
+    assert json.loads(card_path.read_text()) == card and twin.stats["disabled"]
+    twin.detach()
+    inst.detach()
+    assert not card_path.exists()  # a training that is gone leaves no card behind
+    fd = os.open(paths.hook_lock(tmp_path, "t7", 1), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with it
+    os.close(fd)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    eng2 = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+    with caplog.at_level("WARNING", logger="bubbles.hook"):
+        inst2 = instrument(eng2, training="t8", run_dir=blocker, warmup_iterations=0, profile_iterations=1)
+        assert eng2.train_batch() == 1.5  # the training goes on
+    assert "could not write its card" in caplog.text
+    inst2.detach()
+
+
+def test_what_a_fill_job_plants_in_the_stage_directory_neither_holds_the_training_nor_gets_written(
+        tmp_path: Path) -> None:
+    """Fill jobs can write in the stage directory. A FIFO under the card's temporary name (.hook.json.<pid>: pids
+    in a container are small and easy to guess) held the training in instrument(), an open for writing that waits
+    for a reader; a link there or under the card's name had the training write where it pointed; and a FIFO under
+    the lock's name was taken for the lock."""
+    victim = tmp_path / "checkpoint.pt"
+    victim.write_bytes(b"weights")
+    for training, plant in (("t10", "fifo"), ("t11", "link")):
+        stage = paths.stage_dir(tmp_path, training, 0)
+        paths.make_private_dir(stage)
+        os.mkfifo(paths.hook_lock(tmp_path, training, 0))
+        os.symlink(victim, paths.hook_card(tmp_path, training, 0))
+        tmp = stage / f".{paths.HOOK_CARD_NAME}.{os.getpid()}"
+        os.mkfifo(tmp) if plant == "fifo" else os.symlink(victim, tmp)
+        eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+        done: list[Any] = []
+        t = threading.Thread(target=lambda e=eng, n=training, d=done: d.append(
+            instrument(e, training=n, run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)), daemon=True)
+        t.start()
+        t.join(5)
+        assert done, f"{plant}: instrument() did not return, the training would be held"
+        assert eng.train_batch() == 1.5  # the training goes on
+        assert victim.read_bytes() == b"weights", plant
+        card = paths.hook_card(tmp_path, training, 0)
+        assert not card.is_symlink() and json.loads(card.read_text())["lock"] is False  # a FIFO is no lock
+        done[0].detach()
+
+
+def test_a_process_out_of_file_descriptors_trains_on_without_the_hook(tmp_path: Path) -> None:
+    """instrument() opens sockets; in a process at its descriptor limit that raised into the training's script."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os, resource, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_hook import StandInEngine
+from bubbles.training.hook import instrument
+eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+inst = instrument(eng, training="t", run_dir={str(tmp_path)!r}, warmup_iterations=0, profile_iterations=1)
+for fd in held:
+    os.close(fd)
+print(inst.stats["disabled"], eng.train_batch())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].split() == ["True", "1.5"], (out.stdout, out.stderr[-2000:])
+    assert "could not open its sockets" in out.stderr
+
+
+def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path) -> None:
+    """A DataLoader worker forked by the training shares the lock's open file; if it kept it, a dead training's card
+    would be taken for live until the worker exited too. The child lets go of its copy at the fork."""
+    inst = instrument(StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001), training="t9",
+                      run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the "worker": outlives the training's hold on the lock, then leaves without cleanup
+        os.write(ready_w, b"x")  # os.fork has returned here, so the fork handlers have run
+        os.read(done_r, 1)  # lives until the parent has checked (EOF when the parent closes its end)
+        os._exit(0)
+    try:
+        os.close(ready_w)
+        os.close(done_r)
+        assert os.read(ready_r, 1) == b"x"
+        inst.detach()  # stands in for the training's process ending (its descriptor closes)
+        fd = os.open(paths.hook_lock(tmp_path, "t9", 0), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the child still held it
+        finally:
+            os.close(fd)
+    finally:
+        os.close(ready_r)
+        os.close(done_w)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
