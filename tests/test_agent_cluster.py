@@ -264,14 +264,17 @@ def test_processes_the_operator_did_not_assign_are_refused_with_the_reason(node:
 
 
 def test_a_fill_pod_on_a_stage_whose_hook_predates_fills_is_refused_saying_to_upgrade(node: NodeAgent) -> None:
-    """A hook from before 2026-11-25 signals only the stage directory, which fill Pods no longer mount: the job would
-    sit at 0 steps without a word. Its card has no ``fills``."""
+    """A hook of card v1 or v2 signals only the stage directory, which fill Pods do not mount: the job would sit at 0
+    steps without a word. Its card has neither ``fills`` nor a version."""
     write_card(node.run_dir, fills=None)
     node.scan()
     node.assign(assignment())
     proc = fill_process(node.run_dir, "uid-1")
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 3 and "predates 2026-11-25" in err and "Upgrade bubbles in the training's image" in err
+    assert proc.returncode == 3
+    assert "speaks card v1; this side needs v3" in err
+    assert "upgrade bubbles in the training's image to release" in err
+    assert "fills/" in err
 
 
 def test_a_replaced_training_pod_invalidates_the_stage_until_it_is_profiled_again(node: NodeAgent) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from test_hook import StandInEngine
 
+from bubbles.core import card as card_module
 from bubbles.core import paths
 from bubbles.core.card import (
     MAX_CARD_BYTES,
@@ -32,7 +33,7 @@ from bubbles.training.hook import instrument
 def a_card(**changes: object) -> Card:
     fields: dict[str, object] = {"training": "llama", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3",
                                  "device": "cuda:0", "gpu_uuid": "GPU-aaaa", "pid": 4242, "started_ns": 17,
-                                 "lock": True, "fills": True}
+                                 "lock": True}
     fields.update(changes)
     return Card(**fields)  # type: ignore[arg-type]
 
@@ -42,7 +43,9 @@ def test_a_card_round_trips_and_says_which_process_wrote_it() -> None:
     assert Card.parse(json.loads(json.dumps(card.to_dict())), "x") == card
     assert card.instance == "4242@17"
     assert list(card.to_dict()) == ["training", "stage", "stages", "namespace", "pod", "device", "gpu_uuid", "pid",
-                                    "started_ns", "lock", "fills"]
+                                    "started_ns", "lock", "fills", "version"]
+    assert card.to_dict()["version"] == card_module.VERSION
+    assert card.to_dict()["fills"] is True  # for readers that predate the version field
     # A restarted process under the same Pod name is another card; the pid and start time are compared as one.
     assert a_card(started_ns=18) != card
     assert a_card(pid="4242") == card
@@ -241,3 +244,25 @@ def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path)
         os.close(done_w)
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+@pytest.mark.parametrize(("written", "version"), [({"fills": True, "lock": True}, 3), ({"fills": True}, 3),
+                                                  ({"lock": True}, 2), ({}, 1)])
+def test_a_card_written_before_the_version_field_gets_the_version_its_fields_show(
+        written: dict[str, object], version: int) -> None:
+    base = {"training": "t", "stage": 0, "stages": 2, "pod": "p"}
+    card = Card.parse({**base, **written}, "x")
+    assert card.version == version
+    assert card.fills is (version >= card_module.FILLS_VERSION)
+
+
+def test_a_newer_card_is_read_for_the_fields_this_side_knows() -> None:
+    card = Card.parse({"training": "t", "stage": 0, "stages": 2, "pod": "p", "version": 9, "later": [1]}, "x")
+    assert card.version == 9
+    assert card.fills
+
+
+@pytest.mark.parametrize("bad", [0, -1, "3", 2.5, True])
+def test_a_card_version_that_is_no_version_is_refused_saying_so(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"x: version .* is not a card version \(an integer from 1\)"):
+        Card.parse({"training": "t", "stage": 0, "stages": 2, "pod": "p", "version": bad}, "x")

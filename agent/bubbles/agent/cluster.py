@@ -30,7 +30,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bubbles.core import control, paths
+from bubbles.core import card as cards
+from bubbles.core import control, paths, versions
 from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, known_membership
 from bubbles.core.card import Card, card_is_stale, read_cards
@@ -460,13 +461,15 @@ class NodeAgent:
                 if tr is None or msg.stage not in tr.cards:
                     raise AttachRefused(f"stage {msg.stage} of training {msg.training} has no hook on this node "
                                         "(no card): is the training Pod running with the bubbles hook?")
-                if not tr.cards[msg.stage].fills:
-                    # Its bubble signals go only to sockets in the stage directory, which a fill Pod no longer mounts:
+                card = tr.cards[msg.stage]
+                if not card.fills:
+                    # Its bubble signals go only to sockets in the stage directory, which a fill Pod does not mount:
                     # admitted, the job would sit at 0 steps, saying nothing.
-                    raise AttachRefused(f"the bubbles hook in training {msg.training}'s Pod "
-                                        f"{tr.cards[msg.stage].pod} predates 2026-11-25: it does not signal fill "
-                                        "jobs in the stage's fills/ directory, the one a fill Pod mounts. Upgrade "
-                                        "bubbles in the training's image to the agent's version")
+                    raise AttachRefused(versions.needs_newer(
+                        f"the bubbles hook in training {msg.training}'s Pod {card.pod}", "card", card.version,
+                        cards.FILLS_VERSION, "bubbles in the training's image") + " (from card v"
+                        f"{cards.FILLS_VERSION} on, the hook signals fill jobs in the stage's fills/ directory, the "
+                        "one a fill Pod mounts)")
                 sock = paths.fill_socket(self.run_dir, msg.training, msg.stage, have.job_name)
                 # The welcome goes first, on the blocking socket: the agent's commands (init) follow it on the
                 # same stream once the job is launched, from the non-blocking socket AttachedProcess makes of it.

@@ -4,6 +4,14 @@ stage, written by the hook and read by the agent, both here.
 The stage directory is writable by the fill jobs too, so nothing here follows a link, waits on an open (a FIFO planted
 under a name would hold the training or the agent) or takes anything but a regular file. The lock lives exactly as
 long as the hook's process: a card whose lock nobody holds is stale. Standard library only.
+
+Versions (``VERSION``; the card only grows, so a reader takes the fields it knows from a newer card):
+1. the stage, its Pod, device and GPU, and the process that wrote it;
+2. ``lock``: the hook holds the stage's ``hook.lock`` while its process lives (false where the file system has no
+   flock), so a card whose lock nobody holds is stale;
+3. the hook signals the fill sockets in the stage's ``fills/``, the directory a fill Pod mounts (``fills`` in the
+   JSON, for readers that predate the version field).
+A card without ``version`` was written before the field existed: its version follows from ``fills`` and ``lock``.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from typing import Any
 
 from bubbles.core import paths
 
+VERSION = 3
+FILLS_VERSION = 3  # the first version whose hook signals fills/ (a cluster agent places fill Pods only beside it)
 MAX_CARD_BYTES = 64 * 1024  # a card is a few hundred bytes
 LOCK_WAIT_S = 0.5  # the agent checks the lock for microseconds; a live twin of the stage holds it for good
 
@@ -40,9 +50,14 @@ class Card:
     # Which process wrote it, compared as ``instance``: a restarted process under the same Pod name differs.
     pid: int | str = field(default="", compare=False)
     started_ns: int | str = field(default="", compare=False)
-    lock: bool = False  # its process holds the stage's hook.lock while it lives (hooks before 2026-11-24 do not)
-    fills: bool = False  # its hook sends to the fill sockets in the stage's fills/ (hooks before 2026-11-25 do not)
+    lock: bool = False  # its process holds the stage's hook.lock while it lives (card v2 on)
+    version: int = VERSION
     instance: str = field(init=False)  # "<pid>@<started_ns>"
+
+    @property
+    def fills(self) -> bool:
+        """Whether its hook signals the fill sockets in the stage's ``fills/`` (card v3 on)."""
+        return self.version >= FILLS_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instance", f"{self.pid}@{self.started_ns}")
@@ -63,18 +78,23 @@ class Card:
             uuid = d.get("gpu_uuid")
             if uuid is not None and not isinstance(uuid, str):
                 raise ValueError("gpu_uuid must be a string or null")
+            version = d.get("version")
+            if version is None:  # written before the field existed
+                version = FILLS_VERSION if d.get("fills") is True else 2 if d.get("lock") is True else 1
+            elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
+                raise ValueError(f"version {version!r} is not a card version (an integer from 1)")
         except KeyError as exc:
             raise ValueError(f"{where}: the card has no {exc.args[0]!r}") from None
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         return cls(training, stage, stages, ns, pod, device, uuid, pid=d.get("pid", ""),
-                   started_ns=d.get("started_ns", ""), lock=d.get("lock") is True, fills=d.get("fills") is True)
+                   started_ns=d.get("started_ns", ""), lock=d.get("lock") is True, version=version)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of ``hook.json``."""
         return {"training": self.training, "stage": self.stage, "stages": self.stages, "namespace": self.namespace,
                 "pod": self.pod, "device": self.device, "gpu_uuid": self.gpu_uuid, "pid": self.pid,
-                "started_ns": self.started_ns, "lock": self.lock, "fills": self.fills}
+                "started_ns": self.started_ns, "lock": self.lock, "fills": self.fills, "version": self.version}
 
 
 # -- the agent's side: reading ----------------------------------------------------------------------------------

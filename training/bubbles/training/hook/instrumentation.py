@@ -225,11 +225,10 @@ class Instrumentation:
                 if self._lock_fd is None:
                     self._stand_down()
                     return
-            # fills: this hook signals the fill sockets in the stage's fills/ (a cluster agent checks)
             cards.write_card(path, cards.Card(
                 training=self.training, stage=self.stage, stages=self.stages, namespace=namespace, pod=pod,
                 device=str(device), gpu_uuid=uuid, pid=os.getpid(), started_ns=started_ns,
-                lock=self._lock_fd is not None, fills=True))
+                lock=self._lock_fd is not None))
             self._card = path
         except Exception as exc:
             self._warn_once("card", f"bubbles hook on stage {self.stage} could not write its card for the node "
