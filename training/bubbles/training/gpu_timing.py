@@ -27,7 +27,7 @@ One event is kept as a reference: every event's time on the device's clock is th
 ``wake - device time`` among the wake-ups of the last ``OFFSET_WINDOW_S`` seconds (the newest always counts), so
 the lag of the luckiest recent wake-up is the only error left (and every stamp is at most its wake-up time).
 Recent, because the two clocks drift apart: on an H100 the device's timer ran about 25 us a second slower than
-the host's ``CLOCK_MONOTONIC``, and the smallest offset ever seen (the estimate until 2026-11-24) left the stamps
+the host's ``CLOCK_MONOTONIC``, and the smallest offset ever seen (an earlier estimate) left the stamps
 2.5 ms early after 75 s, and further every second. The reference moves forward every ``REANCHOR_S``
 (``elapsed_time`` is a float of milliseconds: precision falls with the span). ``wake_lag_ns`` keeps each
 signal's wake-up minus its stamp.

@@ -22,8 +22,8 @@ MAX_LISTENERS = 16  # sockets a stage's signals go to, the agent's among them (s
 
 class Listeners:
     """The ``*.sock`` endpoints of one stage directory and of its ``fills/`` (``paths``); ``send`` never blocks
-    and never raises OSError. Fill sockets in the stage directory itself (where agents before 2026-11-25 had fill jobs
-    bind them) are listeners too."""
+    and never raises OSError. Fill sockets in the stage directory itself (where agents that predate card v3 had
+    fill jobs bind them) are listeners too."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
