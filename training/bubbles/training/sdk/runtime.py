@@ -34,6 +34,8 @@ _NAIVE_FLUSH_NS = 20_000_000
 
 
 class _Bubble:
+    """A bubble as its START signal announced it; ``ended`` once its END has been read."""
+
     __slots__ = ("ended", "predicted_end_ns", "seq", "slot", "start_ns")
 
     def __init__(self, seq: int, start_ns: int, predicted_end_ns: int, slot: int = 0) -> None:
