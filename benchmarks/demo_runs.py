@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles.core import control
-from bubbles.training.sdk import tail_risk
+from bubbles.training.sdk.env import tail_risk
 
 
 def spin_on(core: int) -> subprocess.Popen[bytes]:

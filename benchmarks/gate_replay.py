@@ -40,7 +40,7 @@ from typing import Any
 from bubbles.core.cycle import RecentLengths
 from bubbles.core.stats import percentile
 from bubbles.training.gating import StepGates, TailRisk
-from bubbles.training.sdk import INIT_PROFILE_STEPS, INIT_PROFILE_WARMUP, PROFILE_MARGIN
+from bubbles.training.sdk.profiling import INIT_PROFILE_STEPS, INIT_PROFILE_WARMUP, PROFILE_MARGIN
 
 DATA = Path(__file__).resolve().parent / "data" / "h100-bubbles-2026-11-24.json"
 PROFILE_ITERATIONS = 8  # the hook's profile: the prediction is seeded with this many iterations' lengths

@@ -9,29 +9,10 @@ from __future__ import annotations
 import os
 import time
 
+from helpers.sdk import BusyJob
+
 from bubbles.core import control
-from bubbles.training.sdk import ImperativeFillJob, IterativeFillJob, StepResult
-
-
-class BusyJob(IterativeFillJob):
-    """Each step keeps the CPU busy for ``step_ms`` (like a kernel would keep a GPU busy)."""
-
-    def __init__(self, step_ms: float = 1.0, flops: float = 1e6) -> None:
-        self.step_ns = int(step_ms * 1e6)
-        self.flops = flops
-        self.created = self.initialized = False
-
-    def create(self) -> None:
-        self.created = True
-
-    def init(self) -> None:
-        self.initialized = True
-
-    def step(self) -> StepResult:
-        end = time.monotonic_ns() + self.step_ns
-        while time.monotonic_ns() < end:
-            pass
-        return StepResult(flops=self.flops, samples=1)
+from bubbles.training.sdk import ImperativeFillJob, IterativeFillJob
 
 
 class SleepyJob(IterativeFillJob):

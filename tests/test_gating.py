@@ -8,15 +8,16 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.sdk import BusyJob, init_and_arm, serving
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_agent_jobs import BusyJob
-from test_sdk import init_and_arm, serving
 
 from bubbles.core import control, wire
+from bubbles.core.api import DEFAULT_TAIL_RISK
 from bubbles.core.stats import percentile
 from bubbles.training.gating import StepGates, TailRisk
-from bubbles.training.sdk import DEFAULT_TAIL_RISK, run_fill_process, tail_risk
+from bubbles.training.sdk.env import tail_risk
+from bubbles.training.sdk.process import run_fill_process
 
 MS = 1_000_000
 

@@ -42,7 +42,7 @@ from bubbles.demo.orchestrate.processes import (
     wait_for_file,
     wait_for_fill_jobs,
 )
-from bubbles.training.sdk import tail_risk
+from bubbles.training.sdk.env import tail_risk
 from gpubench.clocks import ClockReader, ClockSampler, NvmlClockReader
 
 TRAINING = "gpubench"

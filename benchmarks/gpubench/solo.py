@@ -25,7 +25,7 @@ WARMUP_STEPS = 3  # after init: allocator and kernel-selection warm-up, not coun
 
 def measure(job: Any, sync: Any, seconds: float) -> dict[str, float]:
     """Run ``job`` alone for ``seconds`` (after warm-up); its throughput."""
-    from bubbles.training.sdk import StepResult
+    from bubbles.sdk import StepResult
 
     for _ in range(WARMUP_STEPS):
         job.step()
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin_core is not None:
         os.sched_setaffinity(0, {args.pin_core % (os.cpu_count() or 1)})
     from bubbles.core import control
-    from bubbles.training.sdk import apply_process_limits, device_sync_for, load_entry
+    from bubbles.training.sdk.device import apply_process_limits, device_sync_for
+    from bubbles.training.sdk.jobs import load_entry
 
     os.environ[control.DEVICE_ENV] = args.device  # what the agent gives a fill process: the job reads it
     apply_process_limits(args.device, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bubbles.training.sdk import IterativeFillJob, StepResult, assigned_device
+from bubbles.sdk import IterativeFillJob, StepResult, assigned_device
 
 DTYPES = ("float32", "bfloat16")  # fp32 on CPU (today's default), bf16 for GPU runs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bubbles.training.sdk import IterativeFillJob, StepResult
+from bubbles.sdk import IterativeFillJob, StepResult
 
 
 class SpinJob(IterativeFillJob):

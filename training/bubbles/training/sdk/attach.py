@@ -1,0 +1,82 @@
+"""A fill Pod's process joining the node's agent: over the attach socket, as an SDK job or as a plain command."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from bubbles.core import control, paths
+from bubbles.training.probes import gpu_uuid
+
+
+def attach_to_agent(device: str, timeout_s: float = 30.0) -> tuple[socket.socket, control.ControlMessage]:
+    """Connect to the node agent's attach socket, say who this process is (``$BUBBLES_FILL_JOB_UID``,
+    ``$BUBBLES_FILL_ATTEMPT``, the GPU it sees) and return the connection (now the control channel) and the agent's
+    ``welcome``; OSError or ValueError saying why the agent refused or could not be reached."""
+    path = paths.attach_socket(paths.default_run_dir())
+    uid = os.environ.get(control.UID_ENV, "")
+    try:
+        attempt = int(os.environ.get(control.ATTEMPT_ENV, "0"))
+    except ValueError:
+        raise ValueError(f"${control.ATTEMPT_ENV} must be an integer (the operator sets it)") from None
+    hello: dict[str, Any] = {"uid": uid, "attempt": attempt, "pid": os.getpid()}
+    seen = gpu_uuid(device)
+    if seen is not None:
+        hello["gpu"] = seen
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            raise OSError(f"cannot reach the node's bubbles agent at {path} ({exc.strerror or exc}): is the agent "
+                          f"running on this node, and is its run directory mounted at {path.parent}?") from None
+        sock.sendall(control.encode("hello", **hello))
+        # One line and not a byte more: the agent's first commands (init) may follow its welcome on the same stream
+        # at once, and they are the control channel's to read. A byte at a time, once per process.
+        reply = bytearray()
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(1)
+            if not chunk:
+                raise OSError("the node's bubbles agent closed the connection without answering")
+            reply += chunk
+            if len(reply) > control.MAX_LINE_BYTES:
+                raise ValueError("the agent's reply is too long")
+        msg = control.parse_reply(bytes(reply))
+        if msg.type == "refused":
+            raise ValueError(f"the node's bubbles agent refused this fill process: {msg['reason']}")
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return sock, msg
+
+
+def exec_attached(command: Sequence[str]) -> int:
+    """``python -m bubbles.sdk --exec -- ARGV...``: a plain command as a fill Pod runs it. Attach to the node's
+    agent (which then pauses and resumes this process around bubbles with SIGSTOP/SIGCONT), then become ``ARGV``
+    (same process, so the agent's handle on it stays valid). Returns only on an error."""
+    argv = list(command[1:] if command[:1] == ["--"] else command)
+    if not argv:
+        print("bubbles.sdk: --exec needs a command: python -m bubbles.sdk --exec -- PROGRAM ARGS...", file=sys.stderr)
+        return 2
+    if not os.environ.get(control.UID_ENV):
+        print(f"bubbles.sdk: --exec runs a fill Pod's command; ${control.UID_ENV} (set by the operator) is missing",
+              file=sys.stderr)
+        return 2
+    device = os.environ.get(control.DEVICE_ENV, "cpu")
+    try:
+        sock, _welcome = attach_to_agent(device)
+    except (OSError, ValueError) as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 3
+    sock.close()  # the agent holds its end; this process is its handle now
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        print(f"bubbles.sdk: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    return 0  # not reached

@@ -1,0 +1,508 @@
+"""The runtime that serves one iterative fill job under the agent's commands and runs its steps inside bubbles.
+
+The agent runs a fill job as ``python -m bubbles.sdk --entry module:Class [--args JSON]`` with its end of a
+socketpair in ``$BUBBLES_CONTROL_FD`` (protocol: ``bubbles.core.control``). While armed in harvest mode the runtime
+binds ``fills/fill-<job>.sock`` in the stage directory (the ``fills/`` folder beside the training's hook socket), so
+the training's hook sends each BUBBLE_START/BUBBLE_END straight to it (one hop), and unlinks it when disarmed. The
+gates that decide which step fits are ``bubbles.training.gating``'s; this module feeds them and runs what they allow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bubbles.core import control, wire
+from bubbles.core.api import DEFAULT_TAIL_RISK, FillMode
+from bubbles.core.control import cuda_device_index
+from bubbles.training.gating import StartPredictor, StepGates, TailRisk
+from bubbles.training.sdk.device import DEFAULT_FILL_WAIT, DeviceSync, apply_process_limits, device_sync_for
+from bubbles.training.sdk.jobs import IterativeFillJob, StepResult
+from bubbles.training.sdk.profiling import check_step_sizes, profile_sizes, profile_step_time
+
+# Bubbles with no step run, before any step ran, that the profile's median (times the margin) would have fitted: then
+# the gates fall back to the medians, once (see FillRuntime._starving).
+STARVED_BUBBLES = 32
+_NAIVE_FLUSH_STEPS = 64  # naive mode batches step reports: they are only for accounting
+_NAIVE_FLUSH_NS = 20_000_000
+
+
+class _Bubble:
+    """A bubble as its START signal announced it; ``ended`` once its END has been read."""
+
+    __slots__ = ("ended", "predicted_end_ns", "seq", "slot", "start_ns")
+
+    def __init__(self, seq: int, start_ns: int, predicted_end_ns: int, slot: int = 0) -> None:
+        self.seq = seq
+        self.slot = slot
+        self.start_ns = start_ns
+        self.predicted_end_ns = predicted_end_ns
+        self.ended = False
+
+
+class FillStopped(Exception):
+    """The runtime stops serving: the agent said stop, closed the channel or went away, or SIGTERM came."""
+
+
+class FillRuntime:
+    """Runs one iterative fill job in this process under the agent's commands (see module doc)."""
+
+    def __init__(self, job: IterativeFillJob, control_sock: socket.socket, *, name: str,
+                 socket_path: str | None, step_s: float | None, max_steps: int | None = None,
+                 device: str = "cpu", memory_bytes: int | None = None,
+                 device_sync: DeviceSync | None = None, spin_ns: int = 0, fill_wait: str = DEFAULT_FILL_WAIT,
+                 own_tail_risk: float = DEFAULT_TAIL_RISK) -> None:
+        self.job = job
+        self.ctrl = control_sock
+        self.name = name
+        self.socket_path = socket_path
+        self.step_s = step_s
+        self.given_step_s = step_s  # the spec's step time, if any: a floor for the gates
+        self.max_steps = max_steps
+        self.device = device
+        self.memory_bytes = memory_bytes
+        cuda_device_index(device)  # a bad device string fails here, before the agent is told CREATED
+        # Every step waits for its device work before it counts as done (see _run_step). Unless injected,
+        # it is made at init, where the job first touches its accelerator and a failure is reported.
+        self.device_sync: DeviceSync | None = device_sync
+        self.fill_wait = fill_wait  # how a CUDA device_sync waits ($BUBBLES_FILL_WAIT)
+        self.mode: FillMode = FillMode.OFF  # OFF: disarmed; armed in HARVEST or NAIVE
+        # Sized steps (the job's step_sizes, read at init): (size, gating seconds), smallest first; the gate
+        # of the smallest is step_s, the step time the agent plans with. Empty: step() takes no size.
+        self.sized: list[tuple[int, float]] = []
+        self.gates: StepGates | None = None  # from the profile (or the given step time), then from bubbles
+        self._reported_s: float | None = None  # the step time the agent was last told (``profile``)
+        self.share = 1.0
+        self.steps = 0
+        self._lines = control.LineBuffer()
+        self._out: list[bytes] = []
+        self._sig: socket.socket | None = None
+        self._bound_path: str | None = None
+        self._bubble: _Bubble | None = None
+        self._initialized = False
+        # Busy-poll window either side of a predicted bubble start ($BUBBLES_SPIN_US): a wake-up from a blocking
+        # poll costs tens of microseconds at the tail; spinning costs a CPU core for the window. Off by default:
+        # worth it only where the fill process has a core of its own (a GPU node), never where it shares the
+        # training's (the CPU demo).
+        self.spin_ns = spin_ns
+        self.predictor = StartPredictor()
+        self.spin_caught = 0  # bubble starts read while busy-polling, not woken from the blocking poll
+        # Steps past a bubble's predicted end, at a risk of outliving it of at most $BUBBLES_TAIL_RISK (see
+        # bubbles.training.gating.TailRisk); fed every bubble's length and the END signals' lag.
+        self.tail = TailRisk(own_tail_risk)
+        self.tail_steps = 0
+        # This process's own risk ($BUBBLES_TAIL_RISK) and the training's limit (the agent's ``limits`` command: a
+        # PipelineTraining's spec.tailRisk, the agent's --tail-risk; None until one comes): the lower one applies.
+        self.own_tail_risk = own_tail_risk
+        self.tail_risk_limit: float | None = None
+        self.unknown_fields: set[str] = set()  # "type.field" the agent sent that this SDK does not know
+        self._started: _Bubble | None = None  # the last START read, until its END (``_bubble`` is dropped after a pass)
+        # The profile's medians (with the margin), by size, and the bubbles before the first step that ran none though
+        # they would have fitted them (``_starving``); the fallback is used at most once.
+        self._fallback: list[tuple[int | None, float]] = []
+        self._starved = 0
+        self.relaxed = False
+
+    # -- what the fill process tells the agent --------------------------------------------------
+    def report_created(self) -> None:
+        """Tell the agent the job is created (it may send ``init`` now); FillStopped if the agent is gone."""
+        self._emit("state", state="CREATED")
+        self._flush()
+
+    def report_error(self, message: str) -> None:
+        """Tell the agent what failed (it logs it, the operator makes it an Event); FillStopped if the agent is gone."""
+        self._emit("error", message=message)
+        self._flush()
+
+    # -- channel ---------------------------------------------------------------------------------
+    def _emit(self, type_: str, **fields: Any) -> None:
+        self._out.append(control.encode(type_, **fields))
+
+    def _flush(self) -> None:
+        if self._out:
+            data = b"".join(self._out)
+            self._out.clear()
+            self.ctrl.setblocking(True)
+            try:
+                self.ctrl.sendall(data)
+            except OSError:
+                raise FillStopped() from None  # the agent is gone
+            finally:
+                self.ctrl.setblocking(False)
+
+    def _poll_control(self) -> None:
+        """Handle every command that has arrived (non-blocking)."""
+        while True:
+            try:
+                data = self.ctrl.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                raise FillStopped() from None
+            if not data:
+                raise FillStopped()  # the agent closed the channel
+            for line in self._lines.feed(data):
+                try:
+                    cmd = control.parse_command(line)
+                except control.ControlError as exc:
+                    self._emit("error", message=f"rejected command: {exc}")
+                    self._flush()
+                    continue
+                if cmd.unknown:
+                    self._note_unknown(cmd)
+                self._handle(cmd)
+
+    def _note_unknown(self, cmd: control.ControlMessage) -> None:
+        """Say once per field, on stderr (the fill Pod's log), that the agent sent a field this SDK ignores."""
+        new = {f"{cmd.type}.{name}" for name in cmd.unknown} - self.unknown_fields
+        if new:
+            self.unknown_fields |= new
+            print(f"bubbles.sdk: ignored field(s) {', '.join(sorted(new))} from the agent, which is newer than this "
+                  "SDK: upgrade the fill job's image to use them", file=sys.stderr, flush=True)
+
+    def _handle(self, cmd: control.ControlMessage) -> None:
+        if cmd.type == "stop":
+            raise FillStopped()
+        if cmd.type == "init":
+            if not self._initialized:
+                apply_process_limits(self.device, self.memory_bytes)
+                if self.device_sync is None:
+                    self.device_sync = device_sync_for(self.device, wait=self.fill_wait)
+                self.job.init()
+                self._initialized = True
+                sizes = check_step_sizes(self.job.step_sizes)
+                if sizes:
+                    self._profile_sizes(sizes)
+                elif self.step_s is None:
+                    timed = profile_step_time(self.job, self._synchronize)
+                    if timed is not None:
+                        self.step_s = timed[0]
+                        self._fallback = [(None, timed[1])]
+                given = self.given_step_s
+                if self.sized:
+                    self.gates = StepGates(self.sized, floors={self.sized[-1][0]: given} if given else None)
+                elif self.step_s is not None:
+                    self.gates = StepGates([(None, self.step_s)], floors={None: given} if given else None)
+            self._emit("state", state="PAUSED")
+            if self.step_s is not None:
+                self._report_step_time(self.step_s, self.sized)
+            self._flush()
+            self._check_finished()  # a job that finished while it was being profiled
+        elif cmd.type == "arm":
+            if not self._initialized:
+                self._emit("error", message="arm before init ignored")
+                self._flush()
+                return
+            self.share = float(cmd.get("share", self.share))
+            if cmd.get("socket"):
+                self.socket_path = cmd["socket"]
+            self.disarm()
+            self.mode = control.parse_mode(cmd["mode"], "arm.mode")
+            if self.mode is FillMode.HARVEST:
+                self._bind()
+            else:
+                self._emit("state", state="RUNNING")
+                self._flush()
+        elif cmd.type == "disarm":
+            was_naive = self.mode is FillMode.NAIVE
+            self.disarm()
+            if was_naive:
+                self._emit("state", state="PAUSED")
+                self._flush()
+        elif cmd.type == "share":
+            self.share = float(cmd["share"])
+        elif cmd.type == "limits" and "tail_risk" in cmd.fields:
+            self.tail_risk_limit = float(cmd["tail_risk"])
+            self.tail.max_risk = self.tail_risk()
+
+    def tail_risk(self) -> float:
+        """The risk the tail takes: this process's own, capped by the training's limit when the agent sent one."""
+        if self.tail_risk_limit is None:
+            return self.own_tail_risk
+        return min(self.own_tail_risk, self.tail_risk_limit)
+
+    def _report_step_time(self, step_s: float, sized: Sequence[tuple[int | None, float]]) -> None:
+        self._reported_s = step_s
+        self._emit("profile", step_s=step_s, **({"sizes": [[n, t] for n, t in sized]} if self.sized else {}))
+
+    def _bind(self) -> None:
+        if not self.socket_path:
+            self._emit("error", message="armed in harvest mode without a socket path")
+            self._flush()
+            return
+        path = self.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(path)
+        s.setblocking(False)
+        self._sig = s
+        self._bound_path = path
+        self._bubble = None
+
+    def disarm(self) -> None:
+        """Stop listening for bubbles: close the signal socket and unlink its path; the mode is OFF until the
+        next ``arm``."""
+        if self._sig is not None:
+            self._sig.close()
+            self._sig = None
+            if self._bound_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._bound_path)
+            self._bound_path = None
+        self.mode = FillMode.OFF
+        self._bubble = None
+
+    def _drain_signals(self, fresh: bool = False) -> None:
+        """Read every pending bubble signal; the newest START opens a bubble, its END closes it. ``fresh``: the
+        socket was just found readable (not read after a step), so an END's lag is the signal's own."""
+        sig = self._sig
+        while sig is not None:
+            try:
+                data = sig.recv(wire.MAX_DATAGRAM_BYTES + 1)
+            except BlockingIOError:
+                return
+            # The wake-up path: no message object, no exception. Anything else on this socket (a profile, an
+            # iteration, garbage) is not the runtime's business: decode_signal gives None for it.
+            fast = wire.decode_signal(data)
+            if fast is None:
+                continue
+            kind, slot, seq, t1, t2 = fast
+            if kind == wire.Kind.BUBBLE_START:
+                self._bubble = self._started = _Bubble(seq, t1, t2, slot)
+                if self.spin_ns:  # only busy-polling needs the prediction: nothing more on the default path
+                    self.predictor.started(slot, t1)
+                continue
+            started = self._started
+            if started is not None and started.seq == seq:
+                self._started = None
+                self.tail.ended(started.slot, t1 - started.start_ns)
+                if fresh:
+                    self.tail.end_lag(time.monotonic_ns() - t1)
+            if self._bubble is not None and self._bubble.seq == seq:
+                self._bubble.ended = True
+
+    def _open_bubble(self) -> bool:
+        return self._bubble is not None and not self._bubble.ended
+
+    def _spin_for_start(self) -> bool:
+        """Busy-poll the signal socket from ``spin_ns`` before the predicted next start to ``spin_ns`` after it;
+        True once a bubble is open. Returns at once (False) when no start is predicted within the window."""
+        sig = self._sig
+        if not self.spin_ns or sig is None:
+            return False
+        now = time.monotonic_ns()
+        nxt = self.predictor.next_start(now, self.spin_ns)
+        if nxt is None or nxt - self.spin_ns > now:
+            return False
+        until = nxt + self.spin_ns
+        while time.monotonic_ns() < until:
+            self._drain_signals(fresh=True)
+            if self._open_bubble():
+                self.spin_caught += 1
+                return True
+        return False
+
+    def _poll_timeout_ms(self) -> int:
+        """How long the blocking poll may sleep: until the spin window of the predicted next start, or forever."""
+        if not self.spin_ns or self._sig is None:
+            return -1
+        now = time.monotonic_ns()
+        nxt = self.predictor.next_start(now, self.spin_ns)
+        if nxt is None:
+            return -1
+        return max(0, (nxt - self.spin_ns - now) // 1_000_000)
+
+    # -- stepping --------------------------------------------------------------------------------
+    def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None,
+                  size: int | None = None, tail: bool = False) -> float:
+        """Run one step and wait for its device work, report it; return its duration in seconds.
+
+        ``start`` is when the gate decided to run it (reported as the step's start, so the record
+        shows exactly the program-directed check: ``start + step_s <= usable end``). The reported end
+        is after the device synchronize: on a GPU that is when the fill job stops occupying it, so the
+        agent's overrun (step end - bubble end) measures how long fill work outlived the bubble.
+        ``sync_ns`` is the part of the step spent waiting for queued device work. ``size``: the step's size
+        for a job with ``step_sizes`` (None: ``step()`` without one). ``tail``: not allowed by the bubble's predicted
+        end on ``TailRisk``'s word (the record says ``gate: tail``).
+        """
+        if start is None:
+            start = time.monotonic_ns()
+        if announce:
+            self._emit("step_begin", t_ns=start, bubble_seq=bubble_seq)
+            self._flush()
+        result = self.job.step() if size is None else self.job.step(size)  # type: ignore[call-arg]
+        sync_start = time.monotonic_ns()
+        self._synchronize()
+        end = time.monotonic_ns()
+        if isinstance(result, StepResult):
+            flops, samples = float(result.flops), int(result.samples)
+        elif isinstance(result, int | float) and not isinstance(result, bool):
+            flops, samples = float(result), 0
+        else:
+            flops, samples = 0.0, 0
+        self.steps += 1
+        self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
+                   bubble_seq=bubble_seq, signal_ns=signal_ns,
+                   mode=(FillMode.HARVEST if self.mode is FillMode.OFF else self.mode).label,
+                   sync_ns=end - sync_start, **({} if size is None else {"size": size}),
+                   **({"gate": "tail"} if tail else {}))
+        return (end - start) / 1e9
+
+    def _synchronize(self) -> None:
+        if self.device_sync is None:  # steps run only after init, which sets it
+            raise RuntimeError("a step ran before init(): no device to synchronize")
+        self.device_sync.synchronize()
+
+    def _profile_sizes(self, sizes: tuple[int, ...]) -> None:
+        """Time every step size (``profile_sizes``); the smallest size's gate becomes the step time."""
+        self.sized, self._fallback = profile_sizes(self.job, self._synchronize, sizes, self.step_s)
+        self.step_s = self.sized[0][1] if self.sized else self.step_s
+
+    def _check_finished(self) -> None:
+        if self.job.is_finished() or (self.max_steps is not None and self.steps >= self.max_steps):
+            self._emit("finished")
+            self._flush()
+            raise FillStopped()
+
+    def _harvest_bubble(self) -> None:
+        """Run steps inside the open bubble while they fit (program-directed limit) and it has not ended."""
+        b = self._bubble
+        assert b is not None
+        gates = self.gates
+        if gates is None:  # without a step time (none given, none measured) nothing is run
+            self._bubble = None
+            return
+        usable_end = b.start_ns + int(self.share * (b.predicted_end_ns - b.start_ns))
+        # The tail is used only at the full share: the guard's cut turns it off. A share within rounding of 1 is the
+        # full share (an agent before the guard rounded its steps sent 0.9999999999999999 after one cut).
+        tail_ok = self.share >= 1.0 - 1e-6
+        tail_since: int | None = None  # when this bubble entered its tail: TailRisk's bound is per bubble
+        ran = 0
+        while self.mode is FillMode.HARVEST and self._bubble is b and not b.ended:
+            now = time.monotonic_ns()
+            fits = gates.fitting(usable_end - now, ran == 0)  # the program-directed limit
+            tail = False
+            if not fits and tail_ok:
+                # Past what the prediction allows, while the slowdown guard has not cut the share: steps while the
+                # chance that this bubble, given how long it has lasted, ends during one is small enough.
+                if tail_since is None:
+                    tail_since = now - b.start_ns
+                fits = self.tail.fitting(b.slot, now - b.start_ns, gates, ran == 0, since_ns=tail_since)
+                tail = bool(fits)
+            if not fits:
+                break
+            size = fits[-1]
+            if ran == 0:
+                self._emit("state", state="RUNNING")
+            # Only a bubble's first step is announced (flushed with RUNNING): the agent's watchdog needs to
+            # know a step of this bubble began; later step records travel together at the pass's end, so
+            # the agent is not woken once per step while the training may need the core back.
+            took_s = self._run_step(b.seq, b.start_ns, announce=ran == 0, start=now, size=size, tail=tail)
+            self.tail_steps += tail
+            gates.observe(size, ran == 0, int(took_s * 1e9))
+            ran += 1
+            self._check_finished()
+            self._drain_signals()
+            self._poll_control()
+        if not ran:
+            self._starving(b, gates)
+        else:
+            self._emit("state", state="PAUSED")
+            first = gates.first_steps_s()
+            # The agent plans, and accounts bubbles too short to use, with the smallest step's time: tell it
+            # when what a bubble's first step takes has moved away from what it was told (by more than 20%).
+            if self._reported_s and abs(first[0][1] - self._reported_s) > 0.2 * self._reported_s:
+                self._report_step_time(first[0][1], first)
+            self._flush()
+        if self._bubble is b:
+            self._bubble = None  # one pass per bubble: a bubble too short now stays too short
+
+    def _starving(self, b: _Bubble, gates: StepGates) -> None:
+        """A bubble ran no step. The gates come from init's profile until steps have run in bubbles, and init's steps
+        compete with the training's compute: a few slowed ones can lift the profile's 90th percentile past every
+        bubble, and a gate no bubble fits lets no step run, so it never learns (the cluster tier's example job:
+        14.5 ms for a step whose author says 1.5 ms, ten minutes at 0 steps, 2026-11-25). After STARVED_BUBBLES such
+        bubbles, before any step ran, that the profile's median would have fitted, the gates fall back to the medians,
+        once: at worst some of the next steps outlive their bubbles, until the steps' own times take over the gates."""
+        if self.relaxed or not self._fallback or self.steps:
+            return
+        if not any(t * 1e9 <= b.predicted_end_ns - b.start_ns for _, t in self._fallback):
+            return  # the median would not have fitted either: the bubbles are too short for this job
+        self._starved += 1
+        if self._starved < STARVED_BUBBLES:
+            return
+        self.relaxed = True
+        gates.relax(self._fallback)
+        first = gates.first_steps_s()
+        print(f"bubbles.sdk: no step fitted {STARVED_BUBBLES} bubbles with the step time profiled at init "
+              f"({first[0][1] * 1e3:.2f} ms now, from its median; it was the 90th percentile): init's "
+              "steps ran beside the training's compute", file=sys.stderr, flush=True)
+        self._report_step_time(first[0][1], first)
+        self._flush()  # now: the agent plans with it, and the next step may be bubbles away
+
+    def _naive_loop(self) -> None:
+        """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location
+        does the same work per step as harvesting and the two compare fairly."""
+        last_flush = time.monotonic_ns()
+        largest = self.sized[-1][0] if self.sized else None
+        while self.mode is FillMode.NAIVE:
+            self._run_step(-1, 0, announce=False, size=largest)
+            self._check_finished()
+            now = time.monotonic_ns()
+            if len(self._out) >= _NAIVE_FLUSH_STEPS or now - last_flush > _NAIVE_FLUSH_NS:
+                self._flush()
+                last_flush = now
+            self._poll_control()
+        self._flush()
+
+    def serve(self) -> None:
+        """Serve commands until stopped; return normally when the agent says stop or goes away."""
+        self.ctrl.setblocking(False)
+        # A poll object, not selectors: a bubble's start waits on this call, and the plain one costs less Python.
+        poller = select.poll()
+        ctrl_fd = self.ctrl.fileno()
+        poller.register(ctrl_fd, select.POLLIN)
+        registered: socket.socket | None = None
+        registered_fd = -1
+        try:
+            while True:
+                if self.mode is FillMode.NAIVE:
+                    self._naive_loop()
+                    continue
+                if self._sig is not registered:
+                    if registered is not None:
+                        with contextlib.suppress(KeyError):
+                            poller.unregister(registered_fd)  # by number: disarm may have closed the socket
+                    if self._sig is not None:
+                        registered_fd = self._sig.fileno()
+                        poller.register(registered_fd, select.POLLIN)
+                    registered = self._sig
+                if self.mode is FillMode.HARVEST and self._open_bubble():
+                    # A bubble that opened while the last pass ran (its final step outlived its own bubble
+                    # and the next one's START was read with the END): its signal is already drained, so
+                    # polling now would sleep through it to its END.
+                    self._harvest_bubble()
+                    continue
+                if self.mode is FillMode.HARVEST and self._spin_for_start():
+                    self._harvest_bubble()
+                    continue
+                ready = poller.poll(self._poll_timeout_ms())
+                # Most wake-ups are bubble signals: poll the control channel only when it has data.
+                if any(fd == ctrl_fd for fd, _ in ready):
+                    self._poll_control()
+                self._drain_signals(fresh=True)
+                if self._open_bubble() and self.mode is FillMode.HARVEST:
+                    self._harvest_bubble()
+        except FillStopped:
+            pass
+        finally:
+            self.disarm()
+            with contextlib.suppress(FillStopped):
+                self._flush()
