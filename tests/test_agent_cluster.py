@@ -260,6 +260,14 @@ def test_processes_the_operator_did_not_assign_are_refused_with_the_reason(node:
         s.sendall(b'{"type": "hello", "uid": 7}\n')
         reply = control.parse_reply(s.makefile("rb").readline())
     assert reply.type == "refused" and "bad hello" in reply["reason"]
+    # An SDK older than the control protocol this agent needs is told which versions, and what to upgrade.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(paths.attach_socket(node.run_dir)))
+        s.sendall(control.encode("hello", uid="uid-1", attempt=0, protocol=control.MIN_VERSION - 1))
+        reply = control.parse_reply(s.makefile("rb").readline())
+    assert reply.type == "refused"
+    assert f"speaks control v{control.MIN_VERSION - 1}; this side needs v{control.MIN_VERSION}" in reply["reason"]
+    assert "upgrade bubbles in the fill job's image" in reply["reason"]
     assert job(node, "uid-1") is not None and job(node, "uid-gpu") is not None  # the assignments are untouched
 
 

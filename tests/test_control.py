@@ -125,3 +125,27 @@ def test_fields_a_newer_peer_adds_are_left_out_and_named_while_known_ones_are_st
         control.parse_command(b'{"type": "pause", "for_ms": 3}')
     with pytest.raises(control.ControlError, match="missing field 'mode'"):
         control.parse_command(b'{"type": "arm", "mood": "harvest"}')
+
+
+def test_the_handshake_says_each_sides_control_version() -> None:
+    hello = control.parse_hello(control.encode("hello", uid="u", attempt=0, protocol=control.VERSION))
+    assert control.peer_version(hello) == control.VERSION
+    welcome = control.parse_reply(control.encode("welcome", job="j", socket="/s", stage=0, protocol=7))
+    assert control.peer_version(welcome) == 7  # a newer agent: its version is read, not refused here
+    # A peer that sends no version predates the field.
+    assert control.peer_version(control.parse_hello(control.encode("hello", uid="u", attempt=0))) == \
+        control.UNVERSIONED
+    assert control.MIN_VERSION <= control.UNVERSIONED <= control.VERSION
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    (control.encode("hello", uid="u", attempt=0, protocol=0), "hello.protocol must be a version >= 1"),
+    (control.encode("hello", uid="u", attempt=0, protocol="3"), "hello.protocol must be int"),
+    (control.encode("welcome", job="j", socket="/s", stage=0, protocol=-2), "welcome.protocol must be a version"),
+])
+def test_a_handshake_version_that_is_no_version_is_refused(line: bytes, needle: str) -> None:
+    with pytest.raises(control.ControlError, match=needle):
+        if b"hello" in line:
+            control.parse_hello(line)
+        else:
+            control.parse_reply(line)

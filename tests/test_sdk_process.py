@@ -105,6 +105,44 @@ def test_attaching_reads_the_welcome_only_and_leaves_the_agents_next_commands_on
     server.close()
 
 
+@pytest.mark.parametrize(("agent_says", "refused"), [({"protocol": control.VERSION}, False), ({}, False),
+                                                     ({"protocol": control.MIN_VERSION - 1}, True)])
+def test_the_sdk_checks_the_agents_control_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    agent_says: dict[str, int], refused: bool) -> None:
+    """The hello says the SDK's version; a welcome from an agent older than the SDK can work with is refused, naming
+    both versions (an agent that says none predates the field and speaks v2)."""
+    monkeypatch.setenv(paths.RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(control.UID_ENV, "uid-1")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    paths.make_private_dir(paths.attach_dir(tmp_path))
+    server.bind(str(paths.attach_socket(tmp_path)))
+    server.listen(1)
+    heard: list[control.ControlMessage] = []
+
+    def agent() -> None:
+        conn, _ = server.accept()
+        with conn:
+            heard.append(control.parse_hello(conn.makefile("rb").readline()))
+            conn.sendall(control.encode("welcome", job="j-a0", socket=str(tmp_path / "f.sock"), stage=0, **agent_says))
+            conn.recv(1)
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    try:
+        if refused:
+            with pytest.raises(ValueError, match=f"speaks control v{control.MIN_VERSION - 1}; this side needs "
+                                                 f"v{control.MIN_VERSION}: upgrade the chart"):
+                attach_to_agent("cpu", timeout_s=10)
+        else:
+            sock, welcome = attach_to_agent("cpu", timeout_s=10)
+            assert welcome.type == "welcome"
+            sock.close()
+    finally:
+        t.join(10)
+        server.close()
+    assert control.peer_version(heard[0]) == control.VERSION
+
+
 @pytest.mark.parametrize(("text", "ns"), [("", 0), ("0", 0), ("150", 150_000), (" 2.5 ", 2_500)])
 def test_the_spin_window_comes_from_the_environment_in_microseconds(text: str, ns: int) -> None:
     assert spin_window_ns(text) == ns

@@ -446,6 +446,11 @@ class NodeAgent:
             self.metrics.refused.inc()
             return None
         uid, attempt = hello["uid"], hello["attempt"]
+        if control.peer_version(hello) < control.MIN_VERSION:
+            _refuse(conn, versions.needs_newer(f"fill job {uid}'s SDK", "control", control.peer_version(hello),
+                                               control.MIN_VERSION, "bubbles in the fill job's image"))
+            self.metrics.refused.inc()
+            return None
         if hello.unknown:
             log.info("fill job %s: its hello carries field(s) %s this agent does not know (a newer SDK): ignored",
                      uid, ", ".join(hello.unknown))
@@ -473,7 +478,8 @@ class NodeAgent:
                 sock = paths.fill_socket(self.run_dir, msg.training, msg.stage, have.job_name)
                 # The welcome goes first, on the blocking socket: the agent's commands (init) follow it on the
                 # same stream once the job is launched, from the non-blocking socket AttachedProcess makes of it.
-                conn.sendall(control.encode("welcome", job=have.job_name, socket=str(sock), stage=msg.stage))
+                conn.sendall(control.encode("welcome", job=have.job_name, socket=str(sock), stage=msg.stage,
+                                            protocol=control.VERSION))
                 proc = AttachedProcess(pid, conn, speaks_control=msg.spec.iterative)
             except (AttachRefused, OSError) as exc:
                 if have is not None and have.attached_pid == pid:

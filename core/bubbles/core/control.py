@@ -6,12 +6,14 @@ limits, stop) and the fill job's reports (state, step_begin, step, profile, fini
 one JSON object with a ``type`` and that type's fields. ``parse_command``/``parse_event`` are the
 only parsers; they reject anything else with ``ControlError`` saying what is wrong.
 
-Versions: the agent (a DaemonSet) and the SDK (in each fill job's image) are upgraded apart, so each side reads
-the other's lines the way protobuf reads messages: a field it does not know is left out of the parsed message
-and named in ``ControlMessage.unknown`` (the receiver says so once), while a known field with a bad value, an
-unknown type or a missing required field is still refused. New fields therefore reach an older peer harmlessly;
-a new command or event type is refused by it with a message, and the line is dropped. (Agents and SDKs before
-2026-11-24 refused unknown fields too: with those, run matching versions.)
+Versions (``VERSION``): the agent (a DaemonSet) and the SDK (in each fill job's image) are upgraded apart. From v2
+on each side reads the other's lines the way protobuf reads messages: a field it does not know is left out of the
+parsed message and named in ``ControlMessage.unknown`` (the receiver says so once), while a known field with a bad
+value, an unknown type or a missing required field is still refused. New fields therefore reach an older peer
+harmlessly; a new command or event type is refused by it with a message, and the line is dropped. (v1 refused
+unknown fields too: its SDKs and agents work only with their own release.) v3 adds the version itself: the attaching
+process says its version in ``hello`` (``protocol``) and the agent its own in ``welcome``; each refuses a peer older
+than ``MIN_VERSION``, naming both versions. A peer that sends no version predates the field: v2.
 
 The fill process inherits its end of the socketpair; its number is in ``$BUBBLES_CONTROL_FD``.
 
@@ -55,6 +57,9 @@ CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job
 # Pod's too); raising one's own score needs no privilege, and children inherit it.
 FILL_OOM_SCORE_ADJ = 1000
 MAX_LINE_BYTES = 64 * 1024
+VERSION = 3
+MIN_VERSION = 2  # the oldest peer either side works with: from v2 on unknown fields are tolerated
+UNVERSIONED = 2  # what a peer that sends no version speaks
 
 # The fill modes a fill process is armed in, as the channel writes them (FillMode labels; OFF is disarm).
 ARMED_MODES = (FillMode.HARVEST, FillMode.NAIVE)
@@ -107,10 +112,12 @@ NON_NEGATIVE = frozenset({"step.flops"})
 
 # The attach handshake: the process's first line, and the agent's one reply.
 HELLO: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "hello": {"uid": ((str,), True), "attempt": ((int,), True), "gpu": ((str,), False), "pid": ((int,), False)},
+    "hello": {"uid": ((str,), True), "attempt": ((int,), True), "gpu": ((str,), False), "pid": ((int,), False),
+              "protocol": ((int,), False)},
 }
 REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "welcome": {"job": ((str,), True), "socket": ((str,), True), "stage": ((int,), True)},
+    "welcome": {"job": ((str,), True), "socket": ((str,), True), "stage": ((int,), True),
+                "protocol": ((int,), False)},
     "refused": {"reason": ((str,), True)},
 }
 
@@ -195,12 +202,25 @@ def parse_hello(line: bytes | str) -> ControlMessage:
     if not msg["uid"] or msg["attempt"] < 0:
         raise ControlError("hello needs the FillJob's uid and an attempt >= 0 (the operator sets "
                            f"${UID_ENV} and ${ATTEMPT_ENV} in the fill Pod)")
+    _check_version(msg)
     return msg
 
 
 def parse_reply(line: bytes | str) -> ControlMessage:
     """Parse the agent's answer to ``hello``; ControlError naming what is wrong."""
-    return _parse(line, REPLIES, "reply")
+    msg = _parse(line, REPLIES, "reply")
+    _check_version(msg)
+    return msg
+
+
+def peer_version(msg: ControlMessage) -> int:
+    """The control protocol version a ``hello`` or ``welcome`` says its sender speaks (``UNVERSIONED`` if none)."""
+    return int(msg.get("protocol", UNVERSIONED))
+
+
+def _check_version(msg: ControlMessage) -> None:
+    if "protocol" in msg.fields and msg["protocol"] < 1:
+        raise ControlError(f"{msg.type}.protocol must be a version >= 1, got {msg['protocol']!r}")
 
 
 def parse_mode(text: object, what: str = "mode") -> FillMode:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bubbles.core import control, paths
+from bubbles.core import control, paths, versions
 from bubbles.training.probes import gpu_uuid
 
 
@@ -22,7 +22,7 @@ def attach_to_agent(device: str, timeout_s: float = 30.0) -> tuple[socket.socket
         attempt = int(os.environ.get(control.ATTEMPT_ENV, "0"))
     except ValueError:
         raise ValueError(f"${control.ATTEMPT_ENV} must be an integer (the operator sets it)") from None
-    hello: dict[str, Any] = {"uid": uid, "attempt": attempt, "pid": os.getpid()}
+    hello: dict[str, Any] = {"uid": uid, "attempt": attempt, "pid": os.getpid(), "protocol": control.VERSION}
     seen = gpu_uuid(device)
     if seen is not None:
         hello["gpu"] = seen
@@ -48,6 +48,9 @@ def attach_to_agent(device: str, timeout_s: float = 30.0) -> tuple[socket.socket
         msg = control.parse_reply(bytes(reply))
         if msg.type == "refused":
             raise ValueError(f"the node's bubbles agent refused this fill process: {msg['reason']}")
+        if control.peer_version(msg) < control.MIN_VERSION:
+            raise ValueError(versions.needs_newer("the node's bubbles agent", "control", control.peer_version(msg),
+                                                  control.MIN_VERSION, "the chart (the operator and the agents)"))
     except BaseException:
         sock.close()
         raise
