@@ -23,6 +23,7 @@ from test_agent import TRAINING, Hook, cycle, wait_for
 
 from bubbles.agent.cluster import FORGET_AFTER_S, Card, ClusterConfig, NodeAgent, card_is_stale, read_cards
 from bubbles.agent.config import AgentConfig
+from bubbles.agent.core import TrainingMembership
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.node import NodeBook, Outcome, StaleAssignment
 from bubbles.core import control, paths, wire
@@ -173,13 +174,14 @@ def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancell
         with node.trainings[TRAINING].agent.lock:
             executor = node.trainings[TRAINING].agent.core.executors[0]
             assert executor.training_pid == os.getpid()  # the kernel named the hook's process (this test's)
-            executor.training_membership = "pending"  # a check under way is not reported: not known yet
+            executor.training_membership = TrainingMembership.PENDING  # a check under way: not reported, not known yet
         assert node.report().stages[0].training_membership == ""
         with node.trainings[TRAINING].agent.lock:
-            executor.training_membership = "not a client: the training's process is not listed"
+            executor.training_membership = TrainingMembership.from_wire(
+                "not a client: the training's process is not listed")
         assert node.report().stages[0].training_membership == "not a client: the training's process is not listed"
         with node.trainings[TRAINING].agent.lock:
-            executor.training_membership = ""
+            executor.training_membership = TrainingMembership.NOT_ASKED
         assert node.assign(assignment()).outcome is Outcome.ACCEPTED
         assert job(node, "uid-1") == JobProgress("uid-1", FillState.SUBMITTED,
                                                  reason="waiting for Pod fj-fj-a0 to attach")

@@ -14,7 +14,17 @@ from typing import Any
 
 import pytest
 
-from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch, Release, Send, Signal, VerifyIsolation
+from bubbles.agent.core import (
+    AgentCore,
+    CoreConfig,
+    JobRecord,
+    Launch,
+    Release,
+    Send,
+    Signal,
+    TrainingMembership,
+    VerifyIsolation,
+)
 from bubbles.agent.guard import GuardConfig
 from bubbles.core import control, wire
 from bubbles.core.api import FillMode, FillState, IsolationMode, IsolationState, IsolationStatus, parse_spec
@@ -754,10 +764,10 @@ def test_under_mps_the_trainings_process_is_checked_once_its_stage_is_profiled_a
 
     text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
     assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 1.0' in text
-    core.executors[0].training_membership = "not a client: ..."
+    core.executors[0].training_membership = TrainingMembership.from_wire("not a client: ...")
     text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
     assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 0.0' in text
-    core.executors[0].training_membership = "client"
+    core.executors[0].training_membership = TrainingMembership.from_wire("client")
     core.reset_stage(0, "the training's Pod was replaced")  # the old process's answer goes with it
     text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
     assert "bubbles_training_mps_client" not in text  # not known: absent, not 0
