@@ -1,9 +1,11 @@
-"""The core's state: a fill job's record, an open bubble, an executor (a stage's accelerator on this node)."""
+"""The core's state: a fill job's record, an open bubble, an executor (a stage's accelerator on this node), and the
+raw step, bubble and event records the status carries (typed dicts: the stats file's JSON is what they are)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from bubbles.core import wire
 from bubbles.core.api import FillJobSpec, FillMode, FillState, JobStatus
@@ -91,3 +93,42 @@ class ExecutorState:
     training_membership: TrainingMembership = TrainingMembership.NOT_ASKED
     training_asked_ns: int | None = None  # when last asked: a check that could not be made is asked again later
 
+
+class StepRecord(TypedDict):
+    """One fill step, as the stats file's ``steps`` lists it."""
+
+    stage: int
+    job: str
+    start_ns: int
+    end_ns: int
+    flops: float
+    mode: str  # the fill mode's label
+    signal_ns: int
+    bubble_seq: int
+    size: int | None  # the step size, for a job with step_sizes
+    tail: bool  # on TailRisk's word, not the prediction's
+
+
+class BubbleRecord(TypedDict):
+    """One bubble between its START and END, with what the agent offered it (``ledger.bubble_breakdown`` reads it)."""
+
+    stage: int
+    slot: int
+    start_ns: int
+    end_ns: int
+    mode: str
+    predicted_end_ns: int
+    guard_paused: bool
+    share: float
+    job: str  # the armed harvesting job, or ""
+    step_s: float  # its step time, or 0
+
+
+class EventRecord(TypedDict):
+    """One thing the agent did or saw, as the stats file's ``events`` lists it."""
+
+    t_ns: int
+    stage: int  # -1: the node's (isolation)
+    job: str
+    kind: str
+    message: str

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from bubbles.core.api import AgentStatus, ExecutorStatus, GuardStatus, ModeTotals
 
@@ -128,5 +129,10 @@ def status_of(core: AgentCore) -> AgentStatus:
         executors=tuple(ExecutorStatus(ex.index, ex.device, ex.mode, ex.cycle is not None, ex.training_pid,
                                        ex.training_membership.wire) for ex in core.executors),
         jobs=tuple(j.status() for j in core.jobs), kills=core.kills, rejected_messages=core.rejected_messages,
-        rejected_jobs=core.rejected_jobs, events=tuple(core.events), steps=tuple(core.steps),
-        bubbles=tuple(core.bubbles))
+        rejected_jobs=core.rejected_jobs, events=_as_dicts(core.events), steps=_as_dicts(core.steps),
+        bubbles=_as_dicts(core.bubbles))
+
+
+def _as_dicts(records: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """Typed records as the status's plain dicts: they are dicts already, so nothing is copied per record."""
+    return cast(tuple[dict[str, Any], ...], tuple(records))
