@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.agent import TRAINING, Hook, cycle, wait_for
+from helpers.agent_cluster import ENTRY, NODE, assignment, write_card
 from prometheus_client import generate_latest
-from test_agent import TRAINING, Hook, cycle, wait_for
 
 from bubbles.agent.cluster import FORGET_AFTER_S, Card, ClusterConfig, NodeAgent, card_is_stale, read_cards
 from bubbles.agent.config import AgentConfig
@@ -30,26 +31,6 @@ from bubbles.core import control, paths, wire
 from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, IsolationMode, parse_spec
 from bubbles.core.resources import JobProgress
-
-NODE = "node-a"
-ENTRY = "bubbles.fill_examples.spin:SpinJob"
-
-
-def write_card(run_dir: Path, stage: int = 0, pod: str = "llama-0", stages: int = 1, **extra: Any) -> Path:
-    path = paths.hook_card(run_dir, TRAINING, stage)
-    paths.make_private_dir(path.parent)
-    card = {"training": TRAINING, "stage": stage, "stages": stages, "namespace": "ml", "pod": pod, "device": "cpu",
-            "gpu_uuid": None, "pid": 1, "fills": True, **extra}
-    path.write_text(json.dumps(card))
-    return path
-
-
-def assignment(uid: str = "uid-1", attempt: int = 0, generation: int = 1, gpu_uuid: str | None = None,
-               name: str = "fj") -> AssignmentMessage:
-    spec = parse_spec({"name": name, "entry": ENTRY, "memory": "16Mi", "step_time": "1ms",
-                       "args": {"step_us": 200}})
-    return AssignmentMessage(uid, generation, attempt, "ml", name, TRAINING, 0, "llama-0", "cpu",
-                             f"fj-{name}-a{attempt}", spec, gpu_uuid)
 
 
 @pytest.fixture
