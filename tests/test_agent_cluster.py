@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.agent import TRAINING, Hook, cycle, wait_for
+from helpers.agent_cluster import ENTRY, NODE, assignment, write_card
 from prometheus_client import generate_latest
-from test_agent import TRAINING, Hook, cycle, wait_for
 
 from bubbles.agent.cluster import FORGET_AFTER_S, ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
+from bubbles.agent.core import TrainingMembership
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.node import NodeBook, Outcome, StaleAssignment
 from bubbles.core import control, paths, wire
@@ -30,26 +32,6 @@ from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, IsolationMode, parse_spec
 from bubbles.core.card import Card, card_is_stale, read_cards
 from bubbles.core.resources import JobProgress
-
-NODE = "node-a"
-ENTRY = "bubbles.fill_examples.spin:SpinJob"
-
-
-def write_card(run_dir: Path, stage: int = 0, pod: str = "llama-0", stages: int = 1, **extra: Any) -> Path:
-    path = paths.hook_card(run_dir, TRAINING, stage)
-    paths.make_private_dir(path.parent)
-    card = {"training": TRAINING, "stage": stage, "stages": stages, "namespace": "ml", "pod": pod, "device": "cpu",
-            "gpu_uuid": None, "pid": 1, "fills": True, **extra}
-    path.write_text(json.dumps(card))
-    return path
-
-
-def assignment(uid: str = "uid-1", attempt: int = 0, generation: int = 1, gpu_uuid: str | None = None,
-               name: str = "fj") -> AssignmentMessage:
-    spec = parse_spec({"name": name, "entry": ENTRY, "memory": "16Mi", "step_time": "1ms",
-                       "args": {"step_us": 200}})
-    return AssignmentMessage(uid, generation, attempt, "ml", name, TRAINING, 0, "llama-0", "cpu",
-                             f"fj-{name}-a{attempt}", spec, gpu_uuid)
 
 
 @pytest.fixture
@@ -174,13 +156,14 @@ def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancell
         with node.trainings[TRAINING].agent.lock:
             executor = node.trainings[TRAINING].agent.core.executors[0]
             assert executor.training_pid == os.getpid()  # the kernel named the hook's process (this test's)
-            executor.training_membership = "pending"  # a check under way is not reported: not known yet
+            executor.training_membership = TrainingMembership.PENDING  # a check under way: not reported, not known yet
         assert node.report().stages[0].training_membership == ""
         with node.trainings[TRAINING].agent.lock:
-            executor.training_membership = "not a client: the training's process is not listed"
+            executor.training_membership = TrainingMembership.from_wire(
+                "not a client: the training's process is not listed")
         assert node.report().stages[0].training_membership == "not a client: the training's process is not listed"
         with node.trainings[TRAINING].agent.lock:
-            executor.training_membership = ""
+            executor.training_membership = TrainingMembership.NOT_ASKED
         assert node.assign(assignment()).outcome is Outcome.ACCEPTED
         assert job(node, "uid-1") == JobProgress("uid-1", FillState.SUBMITTED,
                                                  reason="waiting for Pod fj-fj-a0 to attach")

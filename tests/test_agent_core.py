@@ -1,4 +1,6 @@
-"""The agent's pure core (bubbles.agent.core): messages and ticks in, actions out, with a fake clock.
+"""The agent's pure core (bubbles.agent.core): messages and ticks in, actions out, with a fake clock: bubbles, steps and
+the watchdog, plain commands, planning, deadlines, the job records. Isolation and the guard have files of their own
+(test_agent_core_isolation.py, test_agent_core_guard.py); the set-ups are in helpers/agent_core.py.
 
 No sockets, no processes, no sleeps: each test plays the training's hook (datagrams from bubbles.core.wire),
 the fill process (control lines from bubbles.core.control) and the shell (launch results, exits), and checks
@@ -8,91 +10,22 @@ the actions the core decides.
 from __future__ import annotations
 
 import signal
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers.agent_core import MS, Clock, armed, cycle, job_spec, line, make_core
 
-from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch, Release, Send, Signal, VerifyIsolation
-from bubbles.agent.guard import GuardConfig
-from bubbles.core import control, wire
-from bubbles.core.api import FillMode, FillState, IsolationMode, IsolationState, IsolationStatus, parse_spec
-
-MS = 1_000_000
-READY = IsolationStatus(IsolationMode.CONTEXTS, IsolationState.READY, "ready for tests", epoch=1)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000 * MS
-
-    def __call__(self) -> int:
-        return self.now
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def kill(self, stage: int, device: str, job: str) -> None:
-        self.calls.append(("kill", stage, device, job))
-
-    def rejected(self, stage: int, source: str) -> None:
-        self.calls.append(("rejected", stage, source))
-
-    def missed_end(self, stage: int) -> None:
-        self.calls.append(("missed_end", stage))
-
-    def iteration(self, stage: int, seconds: float) -> None:
-        self.calls.append(("iteration", stage, seconds))
-
-    def share(self, value: float) -> None:
-        self.calls.append(("share", value))
-
-
-def cycle(stage: int = 0, slots: tuple[tuple[float, int], ...] = ((0.005, 1 << 30),),
-          iteration_s: float = 0.05) -> dict[str, Any]:
-    return {
-        "training": "t", "stage": stage, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
-        "iteration_s": iteration_s, "samples": 5,
-        "slots": [{"slot": i, "position": i, "instruction": "RecvGrad", "kind": "steady", "duration_s": d,
-                   "p10_s": d, "p90_s": d, "free_bytes": free} for i, (d, free) in enumerate(slots)],
-    }
-
-
-def make_core(executors: int = 1, **kw: Any) -> tuple[AgentCore, Clock, Sink]:
-    clock, sink = Clock(), Sink()
-    cfg = CoreConfig(run_dir=Path("/run/x"), training="t", executors=tuple(("cpu", None) for _ in range(executors)),
-                     **kw)
-    core = AgentCore(cfg, clock, sink)
-    core.on_isolation(READY)
-    core.start_serving()
-    return core, clock, sink
-
-
-def job_spec(name: str = "j", **fields: Any) -> Any:
-    return parse_spec({"name": name, "entry": "pkg.mod:Job", "memory": "16Mi", "step_time": "1ms", **fields})
-
-
-def started(core: AgentCore, name: str = "j", has_control: bool = True, **fields: Any) -> JobRecord:
-    """Submit, profile stage 0, launch: the job is CREATED (SDK) or PAUSED (plain command)."""
-    job = core.submit(job_spec(name, **fields))
-    core.on_datagram(0, wire.encode_profile(0, cycle()))
-    actions = core.take_actions()
-    assert [type(a) for a in actions] == [Launch] and actions[0].job is job and actions[0].isolated
-    core.launched(job, has_control=has_control)
-    return job
-
-
-def line(type_: str, **fields: Any) -> bytes:
-    return control.encode(type_, **fields).rstrip(b"\n")
-
-
-def armed(core: AgentCore, **fields: Any) -> JobRecord:
-    job = started(core, **fields)
-    core.on_control_line(job, line("state", state="PAUSED"))
-    return job
+from bubbles.agent.core import (
+    AgentCore,
+    CoreConfig,
+    JobRecord,
+    Launch,
+    Release,
+    Send,
+    Signal,
+)
+from bubbles.core import wire
+from bubbles.core.api import FillMode, FillState, parse_spec
 
 
 def test_a_profiled_stage_launches_its_queued_job_and_arms_it_for_harvest() -> None:
@@ -297,64 +230,6 @@ def test_a_newer_hooks_messages_are_read_where_known_and_said_once_where_not(cap
         in text
 
 
-MPS_READY = IsolationStatus(IsolationMode.MPS, IsolationState.READY, "daemon answers", epoch=1)
-
-
-def mps_gpu_core(relaunch: bool = True) -> tuple[AgentCore, JobRecord]:
-    """An MPS node's GPU stage with one SDK job, launched and initialized (its PAUSED just reported); ``relaunch``
-    False: cluster mode (the operator restarts a stopped job in a new Pod)."""
-    core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),),
-                                relaunch=relaunch), Clock(), Sink())
-    core.on_isolation(MPS_READY)
-    core.start_serving()
-    job = core.submit(job_spec())
-    core.on_datagram(0, wire.encode_profile(0, cycle()))
-    core.take_actions()
-    core.launched(job, has_control=True)
-    core.take_actions()
-    core.on_control_line(job, line("state", state="PAUSED"))
-    return core, job
-
-
-def test_an_mps_fill_job_on_a_gpu_is_armed_only_once_its_membership_is_verified() -> None:
-    core, job = mps_gpu_core()
-    assert core.take_actions() == [VerifyIsolation(job, "cuda:0")] and job.armed is None
-    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))  # a mode switch meanwhile arms nothing either
-    assert not [a for a in core.take_actions() if isinstance(a, Send) and a.type == "arm"]
-    core.isolation_verified(job, None)
-    arms = [a for a in core.take_actions() if isinstance(a, Send) and a.type == "arm"]
-    assert len(arms) == 1 and arms[0].fields["mode"] == "naive" and job.armed is FillMode.NAIVE
-    assert any(e["kind"] == "isolation" and "verified" in e["message"] for e in core.events)
-    core.isolation_verified(job, "late answer")  # a second answer changes nothing
-    assert job.state is not FillState.STOPPED
-
-
-def test_an_mps_fill_job_that_did_not_join_the_server_is_stopped_not_armed() -> None:
-    core, job = mps_gpu_core()
-    core.take_actions()
-    core.isolation_verified(job, "process 42 is not a client of the MPS server")
-    actions = core.take_actions()
-    assert job.state is FillState.STOPPED and job.armed is None
-    assert job.reason == "isolation not verified: process 42 is not a client of the MPS server"
-    assert Send(job, "stop") in actions and not [a for a in actions if isinstance(a, Send) and a.type == "arm"]
-    assert core.jobs == [job]  # the job's own doing: not tried again here
-
-
-def test_a_verification_answered_after_the_isolation_changed_resubmits_and_cluster_mode_leaves_it_to_the_operator(
-        ) -> None:
-    core, job = mps_gpu_core()
-    core.take_actions()
-    core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.READY, "daemon restarted", epoch=2))
-    core.take_actions()
-    # (on_isolation itself stopped and resubmitted the running job: the new epoch)
-    assert job.state is FillState.STOPPED and len(core.jobs) == 2
-    cluster, attached = mps_gpu_core(relaunch=False)
-    cluster.take_actions()
-    cluster.isolation_verified(attached, "the check could not be made: no answer", transient=True)
-    assert attached.state is FillState.STOPPED and cluster.jobs == [attached]
-    assert attached.reason.endswith("(the operator restarts it in a new Pod)")
-
-
 def test_a_job_whose_init_never_finishes_is_killed_at_its_deadline_and_the_next_one_runs() -> None:
     core, clock, sink = make_core(init_timeout_s=30.0)
     stuck = core.submit(job_spec("stuck"))
@@ -435,41 +310,6 @@ def test_a_jobs_own_init_timeout_takes_the_place_of_the_agents() -> None:
     assert "its init did not finish within 1200 s of its start (its own limit, FillJob spec.initTimeout" in slow.reason
 
 
-def test_a_check_that_could_not_be_made_stops_and_resubmits_the_job() -> None:
-    """The daemon did not answer (or the isolation changed since the launch): not the job's fault, so it is tried
-    again as after an isolation loss, within the same limit."""
-    core, job = mps_gpu_core()
-    core.take_actions()
-    core.isolation_verified(job, "the check could not be made: no answer", transient=True)
-    assert job.state is FillState.STOPPED and job.reason.startswith("isolation not verified")
-    again = [j for j in core.jobs if j is not job]
-    assert len(again) == 1 and again[0].resubmission == 1 and again[0].state is FillState.SUBMITTED
-
-
-def test_jobs_with_nothing_to_join_are_armed_at_once() -> None:
-    """CPU devices, contexts isolation, plain commands: no verification, as before."""
-    core, _, _ = make_core()  # contexts, cpu
-    job = started(core)
-    core.on_control_line(job, line("state", state="PAUSED"))
-    assert [a.type for a in core.take_actions() if isinstance(a, Send)][-1] == "arm"
-    cpu = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cpu", None),)), Clock(), Sink())
-    cpu.on_isolation(MPS_READY)
-    cpu.start_serving()
-    job = started(cpu)
-    cpu.on_control_line(job, line("state", state="PAUSED"))
-    assert not [a for a in cpu.take_actions() if isinstance(a, VerifyIsolation)] and job.armed is FillMode.HARVEST
-    gpu = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),)), Clock(), Sink())
-    gpu.on_isolation(MPS_READY)
-    gpu.start_serving()
-    # A plain command: no init, so no moment by which it must have joined.
-    plain = gpu.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"],
-                                   "memory": "16Mi"}))
-    gpu.on_datagram(0, wire.encode_profile(0, cycle()))
-    gpu.take_actions()
-    gpu.launched(plain, has_control=False)
-    assert gpu.take_actions() == [Signal(plain, signal.SIGSTOP)] and plain.state is FillState.PAUSED
-
-
 def test_fill_mode_switches_disarm_and_rearm_the_job() -> None:
     core, _, _ = make_core()
     job = armed(core)
@@ -479,57 +319,6 @@ def test_fill_mode_switches_disarm_and_rearm_the_job() -> None:
     core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))
     (arm,) = core.take_actions()
     assert isinstance(arm, Send) and arm.fields["mode"] == "naive" and job.armed is FillMode.NAIVE
-
-
-def test_isolation_fails_closed_and_a_lost_client_is_stopped_and_resubmitted() -> None:
-    core, _, _ = make_core()
-    job = armed(core)
-    core.take_actions()
-    lost = replace(READY, state=IsolationState.UNAVAILABLE, detail="daemon gone")
-    core.on_isolation(lost)
-    actions = core.take_actions()
-    assert Send(job, "stop") in actions and job.state is FillState.STOPPED
-    assert job.reason == "isolation lost: daemon gone" and core.isolation_losses == 1
-    again = core.jobs[-1]
-    assert again is not job and again.resubmission == 1 and again.state is FillState.SUBMITTED
-    core.on_exit(job, -9)
-    assert [type(a) for a in core.take_actions()] == [Release]  # held: no launch while isolation is down
-    assert again.reason.startswith("waiting for isolation: daemon gone")
-    core.on_isolation(replace(READY, epoch=2))
-    assert [type(a) for a in core.take_actions()] == [Launch]
-
-
-def test_unisolated_running_needs_the_users_consent() -> None:
-    core, _, _ = make_core(allow_unisolated=True)
-    broken = IsolationStatus(IsolationMode.MPS, IsolationState.UNAVAILABLE, "no daemon")
-    core.on_isolation(broken)
-    assert core.isolation_status.state is IsolationState.UNISOLATED and core.isolation_status.usable
-    job = core.submit(job_spec())
-    core.on_datagram(0, wire.encode_profile(0, cycle()))
-    (launch,) = core.take_actions()
-    assert isinstance(launch, Launch) and not launch.isolated
-    core.launched(job, has_control=True)
-    assert job.isolation == "unisolated"
-
-
-def test_the_guard_lowers_the_share_of_armed_jobs_when_fill_work_slows_the_training() -> None:
-    guard = GuardConfig(budget=0.01, refresh_every=0, min_share=0.1)
-    core, clock, sink = make_core(guard=guard)
-    job = armed(core)
-    core.take_actions()
-    sent: list[Any] = []
-    pauses = 0
-    for _ in range(8 + 6 * 6):  # a slow window, then the probe's six pairs with and without fill work
-        fill = 0.0 if core.fill_paused else core.share
-        pauses += core.fill_paused
-        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, int(50 * MS * (1 + 0.2 * fill))))
-        sent += core.take_actions()
-    shares = [a.fields["share"] for a in sent if isinstance(a, Send) and a.type == "share" and a.job is job]
-    assert shares == [0.5] and core.share == 0.5 and pauses == 18  # three OFF iterations per pair
-    assert Send(job, "disarm") in sent  # the probe's OFF blocks run no fill work
-    assert ("share", 0.5) in sink.calls and ("iteration", 0, pytest.approx(0.06)) in sink.calls
-    assert [e["message"].split(":")[0] for e in core.events if e["kind"] == "guard"] == [
-        "slowdown +20.00% over the 1.00% budget", "probe cut"]
 
 
 def test_shutdown_cancels_queued_jobs_and_stops_running_ones() -> None:
@@ -556,41 +345,6 @@ def test_submissions_that_cannot_run_are_refused_with_the_fix() -> None:
         gpu.submit(parse_spec({"name": "g", "entry": "a:B"}))
 
 
-def test_a_trainings_own_limits_cap_the_share_and_set_the_guards_budget() -> None:
-    guard = GuardConfig(budget=0.01, refresh_every=0)
-    core, clock, sink = make_core(guard=guard)
-    job = armed(core)
-    core.take_actions()
-    assert core.set_guard_limits(0.25, 0.5, "PipelineTraining ml/t") is True
-    assert core.share == 0.5 and ("share", 0.5) in sink.calls
-    assert Send(job, "share", {"share": 0.5}) in core.take_actions()
-    assert core.snapshot().budget == 0.25 and core.status().budget == 0.25
-    assert core.set_guard_limits(0.25, 0.5, "PipelineTraining ml/t") is False  # told again each round: no change
-    for _ in range(12):  # 20% slower than the profiled 50 ms: within a 25% budget, so the share stays
-        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, 60 * MS))
-    assert core.guard is not None and core.guard.config.budget == 0.25 and core.share == 0.5
-    assert any(e["kind"] == "guard" and "slowdown budget 25.00%" in e["message"] for e in core.events)
-    core.set_guard_limits(None, 0.0, "PipelineTraining ml/t")  # maxFillShare: 0 turns harvesting off
-    assert core.share == 0.0 and Send(job, "share", {"share": 0.0}) in core.take_actions()
-
-
-def test_the_trainings_tail_risk_reaches_each_fill_process_before_it_is_armed_and_again_when_it_changes() -> None:
-    core, _, _ = make_core(tail_risk=0.05)  # the agent's --tail-risk
-    job = started(core)
-    assert core.take_actions() == [Send(job, "init")]
-    core.on_control_line(job, line("state", state="PAUSED"))
-    assert [(a.type, a.fields.get("tail_risk")) for a in core.take_actions()] == [("limits", 0.05), ("arm", None)]
-    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.OFF))
-    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.HARVEST))
-    assert [a.type for a in core.take_actions()] == ["disarm", "arm"]  # re-armed: the process has it already
-    # A PipelineTraining's spec.tailRisk replaces it, and goes to the armed process at once; told again: nothing.
-    assert core.set_guard_limits(None, None, "PipelineTraining ml/t", tail_risk=0.0) is True
-    assert core.take_actions() == [Send(job, "limits", {"tail_risk": 0.0})]
-    assert core.set_guard_limits(None, None, "PipelineTraining ml/t", tail_risk=0.0) is False
-    assert core.take_actions() == []
-    assert any(e["kind"] == "guard" and "tail risk from PipelineTraining ml/t: 0" in e["message"] for e in core.events)
-
-
 def test_a_step_record_with_a_field_this_agent_does_not_know_is_counted_and_the_field_named_once() -> None:
     core, clock, _ = make_core()
     job = armed(core)
@@ -603,41 +357,6 @@ def test_a_step_record_with_a_field_this_agent_does_not_know_is_counted_and_the_
     assert core.rejected_messages == 0 and sum(j.steps for j in core.snapshot().jobs) == 2
     notes = [e["message"] for e in core.events if e["kind"] == "control"]
     assert len(notes) == 1 and "step.joules" in notes[0] and "upgrade the agent" in notes[0]
-
-
-def test_without_a_trainings_tail_risk_nothing_is_sent_and_a_bad_one_changes_nothing() -> None:
-    core, _, _ = make_core()
-    job = armed(core)
-    assert [a.type for a in core.take_actions()] == ["init", "arm"]  # no limits: the process keeps its own
-    for bad in (0.6, -0.1, float("nan")):
-        with pytest.raises(ValueError, match=r"from 0 \(never start one\) to 0\.5"):
-            core.set_guard_limits(0.5, 0.5, "PipelineTraining ml/t", tail_risk=bad)
-    assert core.config.tail_risk is None and core.config.guard.budget == 0.01 and core.share == 1.0
-    assert core.take_actions() == [] and job.tail_risk_sent is None
-
-
-def test_the_guard_skips_the_iterations_after_a_mode_switch_and_takes_its_baseline_from_off_mode() -> None:
-    core, clock, _ = make_core(guard=GuardConfig(refresh_every=0, refresh_window=3))
-    armed(core)
-    core.take_actions()
-
-    def iteration(ms: float) -> None:
-        core.on_datagram(0, wire.encode_iteration(0, 1, clock.now, int(ms * MS)))
-
-    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.OFF))
-    for ms in (500, 500, 40, 42, 41):  # the first two after the switch may still hold fill work: not measured
-        iteration(ms)
-    assert core.guard is not None and core.guard.baseline_s == pytest.approx(0.0415)  # median of the last 2
-    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))
-    for _ in range(10):
-        iteration(400)  # naive co-location is not the guard's to judge
-    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.HARVEST))
-    iteration(400)
-    iteration(400)  # naive work still draining after the switch: unseen
-    assert core.guard.iterations == 0
-    for _ in range(8):
-        iteration(41)
-    assert core.guard.iterations == 8 and core.guard.phase == "harvest" and core.share == 1.0
 
 
 def test_an_agent_serving_thousands_of_jobs_keeps_the_latest_finished_records_and_every_live_one() -> None:
@@ -665,138 +384,3 @@ def test_a_record_stamped_in_the_future_is_refused_before_it_reaches_the_ledger(
     core.on_datagram(0, wire.encode_bubble_end(0, 0, 1, wall))
     assert core.rejected_messages == 2
     assert core.ledgers["harvest"].totals().fill_steps == 0 and core.ledgers["harvest"].totals().bubble_s == 0
-
-
-def test_an_sdk_older_than_the_limits_command_is_said_once_and_its_later_errors_stay_its_own() -> None:
-    core, _, _ = make_core(tail_risk=0.0)
-    job = armed(core)
-    core.take_actions()
-    old = "rejected command: unknown command type 'limits'; expected one of init, arm, disarm, share, stop"
-    for _ in range(2):
-        core.on_control_line(job, line("error", message=old))
-    assert job.last_error == ""
-    notes = [e["message"] for e in core.events if e["kind"] == "control"]
-    assert len(notes) == 1 and "older than the limits command" in notes[0]
-    core.on_control_line(job, line("error", message="CUDA out of memory"))
-    assert job.last_error == "CUDA out of memory"
-
-
-def test_outside_mps_a_gpu_fill_job_is_planned_with_its_cuda_context_beside_its_memory() -> None:
-    """The allocator cap (spec.memory) does not cover the process's CUDA context: in contexts mode a job that fits a
-    bubble's free memory only without it must not be started, or the context eats the training's margin."""
-    def gpu_core(mode: IsolationMode, free: int) -> tuple[AgentCore, JobRecord]:
-        core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),),
-                                    isolation_mode=mode), Clock(), Sink())
-        core.on_isolation(IsolationStatus(mode, IsolationState.READY, "ok", epoch=1))
-        core.start_serving()
-        job = core.submit(job_spec(memory="1Gi"))
-        core.on_datagram(0, wire.encode_profile(0, cycle(slots=((0.005, free),))))
-        return core, job
-
-    core, job = gpu_core(IsolationMode.CONTEXTS, 1 << 30)
-    assert job.state is FillState.STOPPED and "plus 512 MiB for its own CUDA context" in job.reason
-    assert not [a for a in core.take_actions() if isinstance(a, Launch)]
-    core, job = gpu_core(IsolationMode.CONTEXTS, (1 << 30) + (512 << 20))
-    assert [type(a) for a in core.take_actions()] == [Launch] and job.state is FillState.SUBMITTED
-    core, job = gpu_core(IsolationMode.MPS, 1 << 30)  # an MPS client's context is the server's
-    assert [type(a) for a in core.take_actions()] == [Launch]
-
-
-def mps_stage(device: str = "cuda:0", isolation: IsolationStatus = MPS_READY) -> tuple[AgentCore, Clock]:
-    clock = Clock()
-    core = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=((device, None),),
-                                isolation_mode=isolation.mode), clock, Sink())
-    core.on_isolation(isolation)
-    core.start_serving()
-    return core, clock
-
-
-def test_under_mps_the_trainings_process_is_checked_once_its_stage_is_profiled_and_again_for_a_new_pid() -> None:
-    from bubbles.agent.core import TRAINING_RECHECK_S, VerifyTraining
-
-    core, clock = mps_stage()
-    core.on_datagram(0, wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=4242)  # not profiled yet
-    assert core.take_actions() == []
-    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=4242)
-    assert core.take_actions() == [VerifyTraining(0, 4242, "cuda:0")]
-    assert core.stats()["executors"][0]["training_membership"] == "pending"
-    core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=4242)
-    assert core.take_actions() == []  # asked once
-    core.training_membership(0, 4242, "not a client: the training's process 4242 is not a client")
-    ex = core.stats()["executors"][0]
-    assert ex["training_pid"] == 4242 and ex["training_membership"].startswith("not a client: the training's")
-    assert [e["message"] for e in core.stats()["events"] if e["kind"] == "training"] == \
-        ["not a client: the training's process 4242 is not a client"]
-    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=5151)  # the training restarted ...
-    assert core.take_actions() == []  # ... within the rate: asked later (two senders cannot make a check each)
-    assert core.stats()["executors"][0]["training_membership"] == ""
-    clock.now += int(TRAINING_RECHECK_S * 1e9)
-    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=5151)
-    assert core.take_actions() == [VerifyTraining(0, 5151, "cuda:0")]
-    core.on_datagram(0, wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=6161)  # another, while one is pending
-    assert core.take_actions() == []  # one check at a time
-    core.training_membership(0, 5151, "client")  # about a process the stage no longer has: dropped, and ...
-    assert core.stats()["executors"][0]["training_membership"] == ""
-    clock.now += int(TRAINING_RECHECK_S * 1e9)
-    core.on_datagram(0, wire.encode_iteration(0, 6, 900 * MS, 50 * MS), pid=6161)
-    assert core.take_actions() == [VerifyTraining(0, 6161, "cuda:0")]  # ... the current one asked about
-    core.training_membership(0, 6161, "client")
-    assert core.stats()["executors"][0]["training_membership"] == "client"
-    assert core.stats()["events"][-1]["message"] == "the training's process 6161 is a client of the node's MPS server"
-    core.on_datagram(0, wire.encode_iteration(0, 7, 900 * MS, 50 * MS))  # a datagram the kernel named no sender for
-    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 6161
-    core.on_datagram(0, b"not a bubbles datagram", pid=999)  # refused: its sender is not taken for the training
-    core.on_datagram(0, wire.encode_iteration(1, 8, 900 * MS, 50 * MS), pid=999)  # another stage's: refused too
-    assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 6161
-    from prometheus_client import generate_latest
-
-    from bubbles.agent.metrics import AgentMetrics
-
-    text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
-    assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 1.0' in text
-    core.executors[0].training_membership = "not a client: ..."
-    text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
-    assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 0.0' in text
-    core.executors[0].training_membership = "client"
-    core.reset_stage(0, "the training's Pod was replaced")  # the old process's answer goes with it
-    text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
-    assert "bubbles_training_mps_client" not in text  # not known: absent, not 0
-    assert core.stats()["executors"][0]["training_pid"] is None
-    assert core.stats()["executors"][0]["training_membership"] == ""
-
-
-def test_a_training_check_that_could_not_be_made_or_told_nothing_is_asked_again_later() -> None:
-    from bubbles.agent.core import TRAINING_RECHECK_S, VerifyTraining
-
-    core, clock = mps_stage()
-    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=77)
-    assert core.take_actions() == [VerifyTraining(0, 77, "cuda:0")]
-    core.training_membership(0, 77, "the MPS control program timed out", transient=True)
-    assert core.stats()["executors"][0]["training_membership"] == ""
-    core.on_datagram(0, wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=77)
-    assert core.take_actions() == []  # not before the recheck interval
-    clock.now += int(TRAINING_RECHECK_S * 1e9)
-    core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=77)
-    assert core.take_actions() == [VerifyTraining(0, 77, "cuda:0")]
-    core.training_membership(0, 77, None)  # the daemon's PIDs are another namespace's (now): nothing can be told
-    assert core.stats()["executors"][0]["training_membership"] == "unknown"
-    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=77)
-    assert core.take_actions() == []
-    assert not [e for e in core.stats()["events"] if e["kind"] == "training"]
-    clock.now += int(TRAINING_RECHECK_S * 1e9)
-    core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.UNAVAILABLE, "the daemon is gone", epoch=1))
-    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=77)
-    assert not [a for a in core.take_actions() if isinstance(a, VerifyTraining)]  # not while MPS is unavailable
-    core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.READY, "the daemon answers", epoch=2))
-    core.on_datagram(0, wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=77)
-    assert [a for a in core.take_actions() if isinstance(a, VerifyTraining)] == [VerifyTraining(0, 77, "cuda:0")]
-
-
-@pytest.mark.parametrize(("device", "isolation"), [
-    ("cpu", MPS_READY), ("cuda:0", READY),
-    ("cuda:0", IsolationStatus(IsolationMode.NONE, IsolationState.UNISOLATED, "none", epoch=1))])
-def test_the_training_is_not_checked_without_an_mps_server_on_a_gpu(device: str, isolation: IsolationStatus) -> None:
-    core, _clock = mps_stage(device, isolation)
-    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=4242)
-    assert not [a for a in core.take_actions() if type(a).__name__ == "VerifyTraining"]
-    assert core.stats()["executors"][0]["training_membership"] == ""

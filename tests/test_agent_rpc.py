@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.agent_cluster import NODE, assignment, write_card
 from pki import SERVER_NAME, Pki
-from test_agent_cluster import NODE, assignment, write_card
 
 from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig

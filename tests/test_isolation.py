@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.agent import TRAINING, Harness, Hook, StartAgent, cycle, environ, spec, start_agent, wait_for
 from prometheus_client import generate_latest
-from test_agent import TRAINING, Harness, Hook, StartAgent, cycle, environ, spec, start_agent, wait_for
 
 from bubbles.agent import mps
 from bubbles.agent.isolation import (
@@ -53,7 +53,7 @@ from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
 from bubbles.core import wire
 from bubbles.core.api import FillState, parse_spec
 
-__all__ = ["start_agent"]  # the fixture, shared with test_agent
+__all__ = ["start_agent"]  # the fixture, from helpers.agent
 
 FAKES = Path(__file__).parent / "fakes"
 FAKE_MPS = str(FAKES / "nvidia-cuda-mps-control")

@@ -390,7 +390,7 @@ class NodeAgent:
                             card.namespace, tr.name, card.pod, k, ex.device,
                             ex.cycle.to_dict() if ex.cycle is not None else None, heard, ex.last_iteration_s,
                             baseline, totals.bubble_s if totals else 0.0, totals.filled_s if totals else 0.0,
-                            card.gpu_uuid, known_membership(ex.training_membership)))
+                            card.gpu_uuid, known_membership(ex.training_membership.wire)))
             for uid, have in self.book.jobs.items():
                 if have.cancelled is not None:
                     continue

@@ -20,62 +20,42 @@ most ``MAX_ISOLATION_RESUBMISSIONS`` times).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import signal
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from bubbles.core import control, paths, wire
 from bubbles.core.api import (
-    DEFAULT_CUDA_CONTEXT_MIB,
     MPS_CLIENT,
     AgentStatus,
-    ExecutorStatus,
     FillJobSpec,
     FillMode,
     FillNode,
     FillState,
-    GuardStatus,
     IsolationMode,
     IsolationState,
     IsolationStatus,
-    JobStatus,
-    ModeTotals,
     check_tail_risk,
-    known_membership,
 )
 from bubbles.core.cycle import BubbleCycle
-from bubbles.core.lifecycle import InvalidTransition, transition
+from bubbles.core.lifecycle import InvalidTransition
 from bubbles.core.plan import PlanError, bubbles_of, plan_partitions
 
-from .guard import GuardConfig, SlowdownGuard
-from .ledger import HarvestLedger
+from ..guard import SlowdownGuard
+from .actions import Action, Launch, VerifyIsolation, VerifyTraining
+from .jobs import JobControl
+from .membership import TRAINING_RECHECK_S, TrainingMembership, may_ask
+from .records import MODE_SETTLE_ITERATIONS, UNISOLATED, ExecutorState, JobRecord, OpenBubble
+from .reporting import Snapshot, snapshot_of, status_of
+from .timers import Timer, TimerKind
 
 log = logging.getLogger("bubbles.agent")
 
 MAX_STEP_RECORDS = 200_000
 MAX_BUBBLE_RECORDS = 200_000
-# Iterations after a fill-mode change the slowdown guard does not see: fill work of the old mode may still run.
-MODE_SETTLE_ITERATIONS = 2
-MAX_EVENTS = 10_000
 FUTURE_SLACK_NS = 1_000_000_000  # a record stamped later than now plus this is refused (a wrong clock)
-TRAINING_RECHECK_S = 30.0  # at most one check of a stage's training MPS membership in this many seconds
-MAX_STOPPED_JOBS = 1_000  # finished job records kept (stats, reports); the oldest go first
 MAX_OPEN_BUBBLES = 256
-MAX_ISOLATION_RESUBMISSIONS = 3  # restarts of one fill job after losing its isolation
-UNISOLATED = "unisolated"  # JobRecord.isolation of a job launched without working isolation
-_INIT_DEADLINE = -2  # the bubble seq of a timer that is a job's init deadline, not a watchdog
-_STOP_DEADLINE = -3  # ... and of one that is the end of a stop request's grace
-_END_OVERDUE = -4  # ... and of one that pauses a plain command whose bubble's END never came (see _end_overdue)
-# How long a fill process asked to stop (cancelled, its training restarted, its isolation lost) may take to exit, its
-# checkpoint saved, before it is SIGKILLed: one that ignores the request (SIGTERM trapped) would otherwise run on,
-# never paused again, through the training's compute. Kubernetes' default grace for a Pod.
-STOP_GRACE_S = 30.0
 
 
 def sent_by_the_training(pid: int, holder: int | None) -> bool:
@@ -83,251 +63,6 @@ def sent_by_the_training(pid: int, holder: int | None) -> bool:
     process's life (``holder``, None where no process holds it or it cannot be told, as on a file system without
     flock). While a process holds it, only that one speaks for the stage."""
     return holder is None or holder == pid
-
-
-# -- what the core decides --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Launch:
-    """Start ``job``'s process on ``device`` (pinned to ``core``); ``isolated``: give it the isolation's
-    client environment. Report back with ``AgentCore.launched`` or ``AgentCore.launch_failed``."""
-
-    job: JobRecord
-    device: str
-    core: int | None
-    socket_path: Path
-    isolated: bool
-
-
-@dataclass(frozen=True)
-class Send:
-    """Write one control command (``bubbles.core.control``) to ``job``'s process."""
-
-    job: JobRecord
-    type: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Signal:
-    """Send ``sig`` to ``job``'s process."""
-
-    job: JobRecord
-    sig: int
-
-
-@dataclass(frozen=True)
-class Release:
-    """``job``'s process has exited: close its descriptors and remove its fill socket."""
-
-    job: JobRecord
-    socket_path: Path
-
-
-@dataclass(frozen=True)
-class VerifyIsolation:
-    """Check, off the loop (it may call the MPS control program), that ``job``'s process, which has initialized
-    ``device``, is isolated as its mode promises: under MPS, a client of the node's server. Report back with
-    ``AgentCore.isolation_verified``; the job is not armed until then."""
-
-    job: JobRecord
-    device: str
-
-
-@dataclass(frozen=True)
-class VerifyTraining:
-    """Ask, off the loop, what the training's process ``pid`` on stage ``stage``'s ``device`` is to the isolation's
-    shared server (``Isolation.training_membership``); report back with ``AgentCore.training_membership``. Said,
-    never acted on."""
-
-    stage: int
-    pid: int
-    device: str
-
-
-Action = Launch | Send | Signal | Release | VerifyIsolation | VerifyTraining
-
-
-class MetricsSink(Protocol):
-    """Where the core reports events that are counted, not derived from its state (Prometheus in the shell)."""
-
-    def kill(self, stage: int, device: str, job: str) -> None: ...
-    def rejected(self, stage: int, source: str) -> None: ...
-    def missed_end(self, stage: int) -> None: ...
-    def iteration(self, stage: int, seconds: float) -> None: ...
-    def share(self, value: float) -> None: ...
-
-
-class NullSink:
-    """The do-nothing default: the core runs the same with or without a metrics endpoint."""
-
-    def kill(self, stage: int, device: str, job: str) -> None:
-        pass
-
-    def rejected(self, stage: int, source: str) -> None:
-        pass
-
-    def missed_end(self, stage: int) -> None:
-        pass
-
-    def iteration(self, stage: int, seconds: float) -> None:
-        pass
-
-    def share(self, value: float) -> None:
-        pass
-
-
-# -- the core's state ----------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class JobRecord:
-    """The agent's record of one running (or queued, or ended) fill job; identity is the object."""
-
-    id: int
-    spec: FillJobSpec
-    stage: int
-    state: FillState = FillState.SUBMITTED
-    reason: str = ""
-    steps: int = 0
-    flops: float = 0.0
-    launched: bool = False  # a process exists (until its exit is handled)
-    has_control: bool = False  # the process speaks the control protocol (SDK jobs)
-    in_step: tuple[int, int] | None = None  # (step start ns, bubble seq) between step_begin and step
-    armed: FillMode | None = None  # the mode the job was armed in; None: disarmed
-    tail_risk_sent: float | None = None  # the last ``limits.tail_risk`` sent to its process
-    unknown_fields: set[str] = field(default_factory=set)  # "type.field" it sent that this agent does not know
-    step_s: float | None = None
-    planned_with_step: bool = False
-    finished: bool = False
-    last_error: str = ""
-    job_totals: dict[str, list[float]] = field(default_factory=dict)  # mode label -> [steps, flops]
-    isolation: str | None = None  # at launch: the isolation mode it was a client of, or "unisolated"
-    isolation_epoch: int = 0  # IsolationStatus.epoch at launch
-    resubmission: int = 0  # how often this spec was resubmitted after losing isolation
-    verification: str = ""  # "" (none asked), "pending" (a VerifyIsolation out), "verified"
-    stop_deadline: bool = False  # asked to stop, with a SIGKILL timed STOP_GRACE_S later
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def iterative(self) -> bool:
-        return self.spec.iterative
-
-    def status(self) -> JobStatus:
-        return JobStatus(self.name, self.stage, self.state, self.reason, self.steps, self.flops, self.step_s,
-                         self.isolation, self.resubmission)
-
-
-@dataclass(frozen=True)
-class OpenBubble:
-    """A bubble between its START and END, with what the agent offered it: the accounting of where its time went
-    (``ledger.bubble_breakdown``) needs the guard's pause and share, and the armed harvesting job and step time."""
-
-    start: wire.BubbleStart
-    guard_paused: bool
-    share: float
-    job: str  # the armed harvesting job, or ""
-    step_s: float  # its step time, or 0
-
-
-@dataclass(eq=False)
-class ExecutorState:
-    """One executor (a pipeline stage's accelerator on this node) as the core sees it."""
-
-    index: int
-    device: str
-    core: int | None
-    mode: FillMode
-    cycle: BubbleCycle | None = None
-    queue: deque[JobRecord] = field(default_factory=deque)
-    active: JobRecord | None = None
-    open_bubbles: dict[int, OpenBubble] = field(default_factory=dict)  # by seq
-    last_message_ns: int | None = None  # when the stage's hook was last heard from (a valid datagram)
-    last_iteration_s: float | None = None  # the latest iteration time the stage's hook reported
-    since_mode_change: int = MODE_SETTLE_ITERATIONS  # iterations reported since the fill mode last changed
-    # The training's process on this stage, as the kernel named the sender of its hook's datagrams in this agent's PID
-    # namespace (SCM_CREDENTIALS), and what it is to the isolation's shared server (an MPS client or not): "" not
-    # asked, "pending", then Isolation.training_membership's answer (api.MPS_CLIENT, "not a client: ...", or
-    # "unknown" when nothing can be told). Asked once the stage is profiled (its CUDA is initialized by then), and
-    # again for a new process or after an answer that told nothing, at most every TRAINING_RECHECK_S.
-    training_pid: int | None = None
-    training_membership: str = ""
-    training_asked_ns: int | None = None  # when last asked: a check that could not be made is asked again later
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """What the core needs to know of the agent's configuration (``AgentConfig.core()`` builds it)."""
-
-    run_dir: Path
-    training: str
-    executors: tuple[tuple[str, int | None], ...]  # (device, CPU core or None) per executor
-    mode: FillMode = FillMode.HARVEST
-    grace_s: float = 0.050
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    isolation_mode: IsolationMode = IsolationMode.CONTEXTS
-    allow_unisolated: bool = False
-    # The training's limit on fill steps past a bubble's predicted end (``limits`` command; the agent's --tail-risk,
-    # a PipelineTraining's spec.tailRisk). None: none sent, each fill process uses its own $BUBBLES_TAIL_RISK.
-    tail_risk: float | None = None
-    # An SDK job still in its init this long after its launch is killed: it holds its stage, and an init that hangs
-    # (a network share, a process of another UID waiting for an MPS server) would hold it for good.
-    init_timeout_s: float = 600.0
-    # A job stopped by an isolation loss (or a membership check that could not be made) is started again by this
-    # agent. False in cluster mode: there the process was a Pod's, which attached once; the operator starts a new
-    # Pod, within the FillJob's restartLimit, once the agent reports the job stopped with its reason.
-    relaunch: bool = True
-    # A fill process's own CUDA context (and the libraries' modules loaded outside its allocator) on a GPU, beside
-    # the allocator cap its spec's memory sets: planned on top of that memory except under MPS, where the context is
-    # the server's and the pinned limit covers the client. About 0.5 GiB on recent GPUs (not measured here).
-    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB << 20
-
-
-@dataclass(frozen=True)
-class StageTotals:
-    stage: int
-    device: str
-    mode: str
-    bubble_s: float
-    filled_s: float
-    overrun_s: float
-    tail_filled_s: float = 0.0  # of filled_s and overrun_s, the tail steps' (gate: tail)
-    tail_overrun_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class JobTotals:
-    stage: int
-    device: str
-    mode: str
-    job: str
-    steps: int
-    flops: float
-
-
-@dataclass(frozen=True)
-class IsolationTotals:
-    mode: str  # contexts | mps | none
-    state: str  # ready | unavailable | recovering | unisolated
-    losses: int  # times working isolation was lost
-    mps_restarts: int | None  # MPS control daemon restarts; None when no daemon is involved
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The totals the metrics endpoint exports, read at scrape time."""
-
-    stages: list[StageTotals]
-    jobs: list[JobTotals]
-    job_states: list[tuple[int, str, str]]  # (stage, device, state) per job
-    isolation: IsolationTotals | None = None
-    baseline_s: float | None = None  # the slowdown guard's baseline iteration time (no fill work)
-    budget: float = 0.0  # the slowdown the guard tolerates
-    held_jobs: tuple[tuple[int, str, str], ...] = ()  # (stage, device, name) of every job record held, steps or not
-    newer_messages: int = 0  # datagrams of a kind only a newer hook sends (this agent ignores them)
-    late_records: int = 0  # steps and bubbles reported after their time was folded (counted against fill work)
-    # (stage, device, is a client) for each stage whose training process's MPS membership is known
-    training_mps_clients: tuple[tuple[int, str, bool], ...] = ()
 
 
 def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationStatus:
@@ -338,68 +73,9 @@ def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationS
                    detail=f"{raw.detail}; fill jobs run WITHOUT isolation because --allow-unisolated is set")
 
 
-class _RateLimitedLog:
-    """Log at most once per interval; say how many were suppressed in between."""
-
-    def __init__(self, clock: Callable[[], int], interval_s: float = 1.0) -> None:
-        self.clock = clock
-        self.interval_ns = int(interval_s * 1e9)
-        self.last_ns: int | None = None
-        self.suppressed = 0
-
-    def warning(self, msg: str, *args: Any) -> None:
-        now = self.clock()
-        if self.last_ns is None or now - self.last_ns >= self.interval_ns:
-            extra = f" ({self.suppressed} more suppressed)" if self.suppressed else ""
-            log.warning(msg + extra, *args)
-            self.last_ns = now
-            self.suppressed = 0
-        else:
-            self.suppressed += 1
-
-
 # -- the core -----------------------------------------------------------------------------------------------
-class AgentCore:
+class AgentCore(JobControl):
     """Every decision of the node agent for one training's stages; see the module's documentation."""
-
-    def __init__(self, config: CoreConfig, clock: Callable[[], int], sink: MetricsSink | None = None) -> None:
-        if not config.executors:
-            raise ValueError("the agent needs at least one executor")
-        paths.check_name("training", config.training)
-        self.config = config
-        self.clock = clock
-        self.sink: MetricsSink = sink or NullSink()
-        self.executors = [ExecutorState(k, device, core, config.mode)
-                          for k, (device, core) in enumerate(config.executors)]
-        self.jobs: list[JobRecord] = []
-        # A ledger folds no further back than the oldest bubble still open: its record comes at its END.
-        self.ledgers = {m.label: HarvestLedger(floor=self._oldest_open_bubble) for m in FillMode}
-        self.steps: list[dict[str, Any]] = []
-        self.bubbles: list[dict[str, Any]] = []
-        self.events: list[dict[str, Any]] = []
-        self.rejected_messages = 0
-        self.rejected_jobs = 0
-        self.kills = 0
-        self.missed_ends = 0  # plain commands frozen because their bubble's END never came
-        self.guard: SlowdownGuard | None = None
-        self.guard_stage: int | None = None
-        self.share = 1.0
-        self.fill_paused = False
-        # The raw status from the isolation backend, and the effective one the core acts on (effective_status).
-        self.isolation_raw = IsolationStatus(config.isolation_mode, IsolationState.UNAVAILABLE, "not started")
-        self.isolation_status = self.isolation_raw
-        self.isolation_losses = 0
-        self.serving = False  # the shell has bound the executors' sockets: queued jobs may be admitted
-        self._actions: list[Action] = []
-        # (deadline, tie, job, bubble seq, its end): a watchdog; (deadline, tie, job, _INIT_DEADLINE or _STOP_DEADLINE,
-        # deadline); (deadline, tie, job, _END_OVERDUE, bubble seq)
-        self._timers: list[tuple[int, int, JobRecord, int, int]] = []
-        self._tie = itertools.count()
-        self._ids = itertools.count()
-        self._rejected_log = _RateLimitedLog(clock)
-        self._missed_end_log = _RateLimitedLog(clock)
-        self._newer_seen: set[tuple[int, int]] = set()  # (version, kind) of messages from a newer hook, said once
-        self.newer_messages = 0
 
     # -- the shell's side of the conversation --------------------------------------------------------------
     def take_actions(self) -> list[Action]:
@@ -409,11 +85,11 @@ class AgentCore:
 
     def next_deadline_ns(self) -> int | None:
         """When ``tick`` has work next (a watchdog), or None."""
-        return self._timers[0][0] if self._timers else None
+        return self._timers.next_deadline_ns()
 
     def due_watchdogs(self, now_ns: int) -> list[JobRecord]:
         """Jobs whose watchdog is due: the shell reads their pending control lines before ``tick``."""
-        return [t[2] for t in self._timers if t[0] <= now_ns]
+        return self._timers.due_jobs(now_ns)
 
     # -- inputs ------------------------------------------------------------------------------------------
     def submit(self, spec: FillJobSpec) -> JobRecord:
@@ -468,10 +144,9 @@ class AgentCore:
         ex.last_message_ns = self.clock()
         if pid is not None and pid > 0 and pid != ex.training_pid:  # a valid message's sender: the training's process
             ex.training_pid = pid
-            if ex.training_membership != "pending":  # one check at a time per stage: a pending one is asked again
-                ex.training_membership = ""
+            ex.training_membership = ex.training_membership.for_new_process()
         self._on_message(ex, msg)
-        if (ex.training_membership in ("", "unknown") and ex.cycle is not None and ex.training_pid is not None
+        if (ex.training_membership.needs_asking and ex.cycle is not None and ex.training_pid is not None
                 and self.isolation_raw.mode is IsolationMode.MPS):
             self._ask_training_membership(ex)
 
@@ -479,13 +154,11 @@ class AgentCore:
         """Under MPS on a GPU, ask what the training's process is to the server: at most once every
         ``TRAINING_RECHECK_S`` per stage, whatever the processes sending (a check could not be made, nothing could be
         told, a new process), and only while the isolation is ready."""
-        if control.cuda_device_index(ex.device) is None or self.isolation_raw.state is not IsolationState.READY:
-            return
         now = self.clock()
-        if ex.training_asked_ns is not None and now - ex.training_asked_ns < TRAINING_RECHECK_S * 1e9:
+        if not may_ask(ex.device, self.isolation_raw, ex.training_asked_ns, now):
             return
         assert ex.training_pid is not None
-        ex.training_membership, ex.training_asked_ns = "pending", now
+        ex.training_membership, ex.training_asked_ns = TrainingMembership.PENDING, now
         self._actions.append(VerifyTraining(ex.index, ex.training_pid, ex.device))
 
     def training_membership(self, stage: int, pid: int, answer: str | None, *, transient: bool = False) -> None:
@@ -493,17 +166,17 @@ class AgentCore:
         could not be made, asked again later. An answer about a process the stage no longer has is dropped, and the
         stage's current process asked about instead (no sooner than the rate allows)."""
         ex = self.executors[stage]
-        if ex.training_membership != "pending":
+        if not ex.training_membership.pending:
             return
         if ex.training_pid != pid:
-            ex.training_membership = ""
+            ex.training_membership = TrainingMembership.NOT_ASKED
             return
         if transient:
-            ex.training_membership = ""
+            ex.training_membership = TrainingMembership.NOT_ASKED
             log.warning("stage %d: could not check whether the training (pid %d) is an MPS client: %s; asking again "
                         "in %.0f s", stage, pid, answer, TRAINING_RECHECK_S)
             return
-        ex.training_membership = answer or "unknown"  # unknown: nothing can be told now; asked again later
+        ex.training_membership = TrainingMembership.of_answer(answer)  # None: unknown now; asked again later
         if answer is None:
             return
         if answer == MPS_CLIENT:
@@ -564,13 +237,6 @@ class AgentCore:
                 self._send_limits(e.active)
         return True
 
-    def _send_limits(self, job: JobRecord) -> None:
-        """The training's tail risk to ``job``'s process, unless it has it already (or there is none to send)."""
-        risk = self.config.tail_risk
-        if risk is not None and job.tail_risk_sent != risk and job.launched and job.has_control:
-            self._send(job, "limits", tail_risk=risk)
-            job.tail_risk_sent = risk
-
     def _set_share(self, share: float) -> None:
         """A new share of each bubble for fill work: exported, and sent to every armed job."""
         if share == self.share:
@@ -588,8 +254,7 @@ class AgentCore:
         ex.cycle = None
         ex.open_bubbles.clear()
         ex.last_message_ns = None
-        if ex.training_membership != "pending":  # a pending answer is about the old process: dropped when it comes
-            ex.training_membership = ""
+        ex.training_membership = ex.training_membership.for_new_process()
         ex.training_pid = None
         if stage == self.guard_stage:
             self.guard = None
@@ -630,7 +295,7 @@ class AgentCore:
         if has_control:
             self._send(job, "init")
             deadline = self.clock() + int(self._init_timeout_s(job) * 1e9)
-            heapq.heappush(self._timers, (deadline, next(self._tie), job, _INIT_DEADLINE, deadline))
+            self._timers.push(deadline, job, TimerKind.INIT_DEADLINE)
         else:
             # A plain command has no init handshake: the mode decides at once whether it is frozen (until its
             # stage's first bubble) or runs freely (naive).
@@ -665,16 +330,19 @@ class AgentCore:
 
     def tick(self, now_ns: int) -> None:
         """Fire the watchdogs that are due at ``now_ns``."""
-        while self._timers and self._timers[0][0] <= now_ns:
-            _, _, job, seq, end_ns = heapq.heappop(self._timers)
-            if seq == _INIT_DEADLINE:
-                self._init_overdue(job)
-            elif seq == _STOP_DEADLINE:
-                self._stop_overdue(job)
-            elif seq == _END_OVERDUE:
-                self._end_overdue(job, bubble_seq=end_ns)
-            else:
-                self._watchdog(job, seq, end_ns)
+        while (timer := self._timers.pop_due(now_ns)) is not None:
+            self._fire(timer)
+
+    def _fire(self, timer: Timer) -> None:
+        job = timer.job
+        if timer.kind is TimerKind.INIT_DEADLINE:
+            self._init_overdue(job)
+        elif timer.kind is TimerKind.STOP_DEADLINE:
+            self._stop_overdue(job)
+        elif timer.kind is TimerKind.END_OVERDUE:
+            self._end_overdue(job, bubble_seq=timer.bubble_seq)
+        else:
+            self._watchdog(job, timer.bubble_seq, timer.bubble_end_ns)
 
     def on_isolation(self, raw: IsolationStatus) -> None:
         """Act on a health check: record changes, stop jobs whose isolation is gone, admit or hold jobs."""
@@ -729,11 +397,6 @@ class AgentCore:
         self._reject(stage, "datagram", f"sent by process {pid}, not by the training's process {holder} (which holds "
                                         f"the stage's {paths.HOOK_LOCK_NAME})")
 
-    def _reject(self, stage: int, source: str, why: str) -> None:
-        self.rejected_messages += 1
-        self.sink.rejected(stage, source)
-        self._rejected_log.warning("stage %d: dropped a %s message: %s", stage, source, why)
-
     def _on_message(self, ex: ExecutorState, msg: wire.Message) -> None:
         if isinstance(msg, wire.BubbleStart):
             job = ex.active
@@ -754,7 +417,7 @@ class AgentCore:
                 # until some later END arrives.
                 predicted = max(0, msg.predicted_end_ns - msg.start_ns)
                 deadline = msg.start_ns + 2 * predicted + int(self.config.grace_s * 1e9)
-                heapq.heappush(self._timers, (deadline, next(self._tie), job, _END_OVERDUE, msg.seq))
+                self._timers.push(deadline, job, TimerKind.END_OVERDUE, bubble_seq=msg.seq)
         elif isinstance(msg, wire.BubbleEnd):
             ob = ex.open_bubbles.pop(msg.seq, None)
             if ob is not None and msg.end_ns > self.clock() + FUTURE_SLACK_NS:
@@ -773,7 +436,7 @@ class AgentCore:
                 return
             if job.iterative:
                 deadline = msg.end_ns + int(self.config.grace_s * 1e9)
-                heapq.heappush(self._timers, (deadline, next(self._tie), job, msg.seq, msg.end_ns))
+                self._timers.push(deadline, job, TimerKind.WATCHDOG, bubble_seq=msg.seq, bubble_end_ns=msg.end_ns)
             elif job.state is FillState.RUNNING:
                 self._signal(job, signal.SIGSTOP)
                 self._set_state(job, FillState.PAUSED)
@@ -906,117 +569,7 @@ class AgentCore:
             log.error("stage %d: fill job %r reports: %s", job.stage, job.name, job.last_error)
             self._event(job.stage, job.name, "error", job.last_error)
 
-    def _init_timeout_s(self, job: JobRecord) -> float:
-        return job.spec.init_timeout_s if job.spec.init_timeout_s is not None else self.config.init_timeout_s
-
-    def _init_overdue(self, job: JobRecord) -> None:
-        """The init deadline: a job still CREATED (its init not done) is killed; the stage's next job gets its turn."""
-        if job.state is not FillState.CREATED or not job.launched:
-            return
-        limit = self._init_timeout_s(job)
-        whose = ("its own limit, FillJob spec.initTimeout or spec-file init_timeout" if job.spec.init_timeout_s
-                 is not None else "the agent's --init-timeout; a job that needs longer sets FillJob spec.initTimeout "
-                 "or spec-file init_timeout")
-        why = (f"killed: its init did not finish within {limit:g} s of its start ({whose}; see the job's output; under "
-               "MPS a process of a UID other than the server's waits in CUDA's initialization)")
-        log.error("stage %d: fill job %r %s", job.stage, job.name, why)
-        self._event(job.stage, job.name, "kill", why)
-        self.kills += 1
-        self.sink.kill(job.stage, self.executors[job.stage].device, job.name)
-        self._stop_job(job, why, sig=signal.SIGKILL)
-
-    # -- watchdog ------------------------------------------------------------------------------------------
-    def _watchdog(self, job: JobRecord, seq: int, end_ns: int) -> None:
-        """Grace period over: kill the job if it is still in a step that belongs to the ended bubble."""
-        if job.state is FillState.STOPPED or job.armed is not FillMode.HARVEST or job.in_step is None:
-            return
-        began_ns, step_seq = job.in_step
-        if step_seq != seq and began_ns > end_ns:
-            return  # a step of a later bubble: its own bubble's end arms its own watchdog
-        ex = self.executors[job.stage]
-        grace_ms = round(self.config.grace_s * 1e3)
-        overdue_ms = (self.clock() - end_ns) / 1e6
-        self.kills += 1
-        self.sink.kill(ex.index, ex.device, job.name)
-        log.error("stage %d: fill job %r still in a step %.1f ms after bubble %d ended: SIGKILL",
-                  ex.index, job.name, overdue_ms, seq)
-        self._event(ex.index, job.name, "kill", f"still in a step {overdue_ms:.1f} ms after bubble {seq} ended")
-        self._stop_job(job, f"killed: did not pause within {grace_ms} ms of bubble end", sig=signal.SIGKILL)
-
-    def _end_overdue(self, job: JobRecord, bubble_seq: int) -> None:
-        """A plain command thawed for bubble ``bubble_seq``, whose END has not come by its deadline: frozen, unless
-        the END came (the bubble is closed), a later bubble opened (its own deadline covers it), or the job is no
-        longer running in harvest mode."""
-        ex = self.executors[job.stage]
-        if (ex.active is not job or job.state is not FillState.RUNNING or ex.mode is not FillMode.HARVEST
-                or not ex.open_bubbles or next(reversed(ex.open_bubbles)) != bubble_seq):
-            return
-        self.missed_ends += 1
-        self.sink.missed_end(ex.index)
-        self._signal(job, signal.SIGSTOP)
-        self._set_state(job, FillState.PAUSED)
-        self._missed_end_log.warning("stage %d: no END for bubble %d by twice its predicted length: fill job %r "
-                                   "frozen (an END the hook could not send)", ex.index, bubble_seq, job.name)
-
     # -- jobs ----------------------------------------------------------------------------------------------
-    def _oldest_open_bubble(self, stage: int) -> int | None:
-        opened = self.executors[stage].open_bubbles if stage < len(self.executors) else {}
-        return min((ob.start.start_ns for ob in opened.values()), default=None)
-
-    def _add_job(self, job: JobRecord) -> None:
-        """Keep ``job``'s record, and let go of the oldest finished ones beyond MAX_STOPPED_JOBS: an agent on a cluster
-        node serves hundreds of fill jobs a day for weeks (their totals stay in the ledgers)."""
-        self.jobs.append(job)
-        done = [j for j in self.jobs if j.state is FillState.STOPPED and not j.launched]
-        if len(done) > MAX_STOPPED_JOBS:
-            drop = {id(j) for j in done[:len(done) - MAX_STOPPED_JOBS]}
-            self.jobs = [j for j in self.jobs if id(j) not in drop]
-
-    def _hold(self, ex: ExecutorState) -> None:
-        """Fail closed: queued jobs stay SUBMITTED and say what they wait for."""
-        for job in ex.queue:
-            if job.state is FillState.SUBMITTED:
-                job.reason = f"waiting for isolation: {self.isolation_status.detail}"
-
-    def _resubmit(self, job: JobRecord) -> None:
-        """Queue ``job``'s spec again as a new record (STOPPED is final), at most MAX_ISOLATION_RESUBMISSIONS."""
-        if not self.config.relaunch:
-            job.reason += " (the operator restarts it in a new Pod)"
-            return
-        count = job.resubmission + 1
-        if count > MAX_ISOLATION_RESUBMISSIONS:
-            job.reason += f" (not resubmitted: already restarted {MAX_ISOLATION_RESUBMISSIONS} times after " \
-                          "isolation losses)"
-            log.error("stage %d: fill job %r lost its isolation again; not resubmitted after %d restarts",
-                      job.stage, job.name, MAX_ISOLATION_RESUBMISSIONS)
-            self._event(job.stage, job.name, "resubmit", "not resubmitted: restart limit reached")
-            return
-        again = JobRecord(next(self._ids), job.spec, job.stage, resubmission=count)
-        again.reason = f"resubmitted after isolation loss ({count}/{MAX_ISOLATION_RESUBMISSIONS})"
-        self._add_job(again)
-        self.executors[job.stage].queue.appendleft(again)
-        log.warning("stage %d: fill job %r resubmitted after isolation loss (%d/%d)", job.stage, job.name, count,
-                    MAX_ISOLATION_RESUBMISSIONS)
-        self._event(job.stage, job.name, "resubmit", again.reason)
-
-    def _event(self, stage: int, job: str, kind: str, message: str) -> None:
-        if len(self.events) < MAX_EVENTS:
-            self.events.append({"t_ns": self.clock(), "stage": stage, "job": job, "kind": kind, "message": message})
-
-    def _set_state(self, job: JobRecord, target: FillState, reason: str = "") -> None:
-        if job.state is target:
-            return
-        job.state = transition(job.state, target)
-        if reason:
-            job.reason = reason
-        if target in (FillState.CREATED, FillState.STOPPED) or reason:
-            self._event(job.stage, job.name, "state", f"{target}" + (f": {reason}" if reason else ""))
-        if target is FillState.STOPPED:
-            job.armed = None
-            ex = self.executors[job.stage]
-            if ex.active is job and not job.launched:
-                ex.active = None
-
     def _admit(self, ex: ExecutorState) -> None:
         """Launch the next queued job on ``ex`` if it is free, the cycle is known and isolation allows it."""
         if not self.serving:
@@ -1111,123 +664,14 @@ class AgentCore:
         log.error("stage %d: fill job %r stopped: isolation not verified: %s", job.stage, job.name, problem)
         self._stop_job(job, f"isolation not verified: {problem}")
 
-    def _apply_mode(self, ex: ExecutorState, job: JobRecord) -> None:
-        """Arm, re-arm or disarm the active job for the executor's mode and the guard's pause."""
-        if not job.launched or job.state not in (FillState.PAUSED, FillState.RUNNING) or job.verification == "pending":
-            return
-        want: FillMode | None = None if ex.mode is FillMode.OFF else ex.mode
-        if self.fill_paused and want is FillMode.HARVEST:
-            want = None
-        if not job.iterative:
-            if want is FillMode.NAIVE:
-                self._signal(job, signal.SIGCONT)
-                self._set_state(job, FillState.RUNNING)
-            else:
-                self._signal(job, signal.SIGSTOP)
-                self._set_state(job, FillState.PAUSED)
-            job.armed = want
-            return
-        if want is job.armed:
-            return
-        if want is None:
-            self._send(job, "disarm")
-        else:
-            self._send_limits(job)  # before arm: the first bubble already follows the training's limit
-            self._send(job, "arm", mode=want.label, share=self.share, socket=str(self._fill_socket(job)))
-        job.armed = want
-        job.in_step = None
-
-    def _ask_to_stop(self, job: JobRecord) -> None:
-        self._send(job, "stop")
-        self._signal(job, signal.SIGCONT)
-        if not job.has_control:
-            self._signal(job, signal.SIGTERM)
-        if job.launched and not job.stop_deadline:
-            job.stop_deadline = True
-            deadline = self.clock() + int(STOP_GRACE_S * 1e9)
-            heapq.heappush(self._timers, (deadline, next(self._tie), job, _STOP_DEADLINE, deadline))
-
-    def _stop_overdue(self, job: JobRecord) -> None:
-        """The stop request's grace is over: a process still there is killed (its record is STOPPED already, or the
-        agent is shutting down)."""
-        if not job.launched:
-            return
-        why = f"killed: still running {STOP_GRACE_S:g} s after it was asked to stop"
-        log.error("stage %d: fill job %r %s", job.stage, job.name, why)
-        self._event(job.stage, job.name, "kill", why)
-        self.kills += 1
-        self.sink.kill(job.stage, self.executors[job.stage].device, job.name)
-        self._signal(job, signal.SIGCONT)
-        self._signal(job, signal.SIGKILL)
-
-    def _stop_job(self, job: JobRecord, reason: str, sig: int | None = None) -> None:
-        """STOPPED with ``reason``; ask the process to stop (or signal it) if it runs."""
-        if job.state is FillState.STOPPED:
-            return
-        if job.launched:
-            if sig is not None:
-                self._signal(job, sig)
-            else:
-                self._ask_to_stop(job)
-        self._set_state(job, FillState.STOPPED, reason)
-
-    def _release(self, job: JobRecord) -> None:
-        job.launched = False
-        self._actions.append(Release(job, self._fill_socket(job)))
-
-    def _send(self, job: JobRecord, type_: str, **fields: Any) -> None:
-        if job.launched and job.has_control:
-            self._actions.append(Send(job, type_, fields))
-
-    def _signal(self, job: JobRecord, sig: int) -> None:
-        if job.launched:
-            self._actions.append(Signal(job, sig))
-
-    def _fill_socket(self, job: JobRecord) -> Path:
-        return paths.fill_socket(self.config.run_dir, self.config.training, job.stage, job.name)
-
     # -- reporting -----------------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         """The totals the metrics endpoint exports."""
-        stages: list[StageTotals] = []
-        for mode, ledger in self.ledgers.items():
-            for st in ledger.stages():
-                t = ledger.totals(st, percentiles=False)  # under the agent's lock: no sort it does not need
-                dev = self.executors[st].device if st < len(self.executors) else "cpu"
-                stages.append(StageTotals(st, dev, mode, t.bubble_s, t.filled_s, t.overrun_s, t.tail_filled_s,
-                                          t.tail_overrun_s))
-        jobs = [JobTotals(j.stage, self.executors[j.stage].device, mode, j.name, int(v[0]), float(v[1]))
-                for j in self.jobs for mode, v in j.job_totals.items()]
-        states = [(j.stage, self.executors[j.stage].device, str(j.state)) for j in self.jobs]
-        iso_st = self.isolation_status
-        restarts = iso_st.daemon.restarts if iso_st.daemon is not None else None
-        iso = IsolationTotals(str(iso_st.mode), str(iso_st.state), self.isolation_losses, restarts)
-        held = tuple((j.stage, self.executors[j.stage].device, j.name) for j in self.jobs)
-        clients = tuple((ex.index, ex.device, ex.training_membership == MPS_CLIENT) for ex in self.executors
-                        if known_membership(ex.training_membership))
-        return Snapshot(stages, jobs, states, iso, self.guard.baseline_s if self.guard else None,
-                        self.config.guard.budget, held, self.newer_messages,
-                        sum(ledger.late() for ledger in self.ledgers.values()), clients)
+        return snapshot_of(self)
 
     def status(self) -> AgentStatus:
         """Everything the agent reports, typed (``stats()`` is its JSON form)."""
-        modes = {}
-        for mode, ledger in self.ledgers.items():
-            t = ledger.totals()
-            modes[mode] = ModeTotals(t.fill_steps, t.fill_flops, t.bubble_s, t.filled_s, t.overruns, t.overrun_s,
-                                     t.overrun_p99_ms, t.max_overrun_ms)
-        g = self.guard
-        guard = GuardStatus(self.share, self.guard_stage, g.baseline_s if g else None,
-                            g.slowdown_held() if g else None, tuple(g.history) if g else (),
-                            g.phase if g else "harvest", tuple(g.probes.items()) if g else ())
-        return AgentStatus(
-            training=self.config.training, budget=self.config.guard.budget, grace_ms=self.config.grace_s * 1e3,
-            guard=guard, modes=modes, isolation=self.isolation_status, isolation_losses=self.isolation_losses,
-            executors=tuple(ExecutorStatus(ex.index, ex.device, ex.mode, ex.cycle is not None, ex.training_pid,
-                                           ex.training_membership) for ex in self.executors),
-            jobs=tuple(j.status() for j in self.jobs), kills=self.kills, rejected_messages=self.rejected_messages,
-            rejected_jobs=self.rejected_jobs, events=tuple(self.events), steps=tuple(self.steps),
-            bubbles=tuple(self.bubbles))
+        return status_of(self)
 
     def stats(self) -> dict[str, Any]:
         """The status as the stats file's JSON (see the agent's documentation for the format)."""

@@ -1,0 +1,134 @@
+"""The core's state: a fill job's record, an open bubble, an executor (a stage's accelerator on this node), and the
+raw step, bubble and event records the status carries (typed dicts: the stats file's JSON is what they are)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+from bubbles.core import wire
+from bubbles.core.api import FillJobSpec, FillMode, FillState, JobStatus
+from bubbles.core.cycle import BubbleCycle
+
+from .membership import TrainingMembership
+
+# Iterations after a fill-mode change the slowdown guard does not see: fill work of the old mode may still run.
+MODE_SETTLE_ITERATIONS = 2
+UNISOLATED = "unisolated"  # JobRecord.isolation of a job launched without working isolation
+
+
+@dataclass(eq=False)
+class JobRecord:
+    """The agent's record of one running (or queued, or ended) fill job; identity is the object."""
+
+    id: int
+    spec: FillJobSpec
+    stage: int
+    state: FillState = FillState.SUBMITTED
+    reason: str = ""
+    steps: int = 0
+    flops: float = 0.0
+    launched: bool = False  # a process exists (until its exit is handled)
+    has_control: bool = False  # the process speaks the control protocol (SDK jobs)
+    in_step: tuple[int, int] | None = None  # (step start ns, bubble seq) between step_begin and step
+    armed: FillMode | None = None  # the mode the job was armed in; None: disarmed
+    tail_risk_sent: float | None = None  # the last ``limits.tail_risk`` sent to its process
+    unknown_fields: set[str] = field(default_factory=set)  # "type.field" it sent that this agent does not know
+    step_s: float | None = None
+    planned_with_step: bool = False
+    finished: bool = False
+    last_error: str = ""
+    job_totals: dict[str, list[float]] = field(default_factory=dict)  # mode label -> [steps, flops]
+    isolation: str | None = None  # at launch: the isolation mode it was a client of, or "unisolated"
+    isolation_epoch: int = 0  # IsolationStatus.epoch at launch
+    resubmission: int = 0  # how often this spec was resubmitted after losing isolation
+    verification: str = ""  # "" (none asked), "pending" (a VerifyIsolation out), "verified"
+    stop_deadline: bool = False  # asked to stop, with a SIGKILL timed STOP_GRACE_S later
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def iterative(self) -> bool:
+        return self.spec.iterative
+
+    def status(self) -> JobStatus:
+        return JobStatus(self.name, self.stage, self.state, self.reason, self.steps, self.flops, self.step_s,
+                         self.isolation, self.resubmission)
+
+
+@dataclass(frozen=True)
+class OpenBubble:
+    """A bubble between its START and END, with what the agent offered it: the accounting of where its time went
+    (``ledger.bubble_breakdown``) needs the guard's pause and share, and the armed harvesting job and step time."""
+
+    start: wire.BubbleStart
+    guard_paused: bool
+    share: float
+    job: str  # the armed harvesting job, or ""
+    step_s: float  # its step time, or 0
+
+
+@dataclass(eq=False)
+class ExecutorState:
+    """One executor (a pipeline stage's accelerator on this node) as the core sees it."""
+
+    index: int
+    device: str
+    core: int | None
+    mode: FillMode
+    cycle: BubbleCycle | None = None
+    queue: deque[JobRecord] = field(default_factory=deque)
+    active: JobRecord | None = None
+    open_bubbles: dict[int, OpenBubble] = field(default_factory=dict)  # by seq
+    last_message_ns: int | None = None  # when the stage's hook was last heard from (a valid datagram)
+    last_iteration_s: float | None = None  # the latest iteration time the stage's hook reported
+    since_mode_change: int = MODE_SETTLE_ITERATIONS  # iterations reported since the fill mode last changed
+    # The training's process on this stage, as the kernel named the sender of its hook's datagrams in this agent's PID
+    # namespace (SCM_CREDENTIALS), and what it is to the isolation's shared server (an MPS client or not; see
+    # .membership for when it is asked).
+    training_pid: int | None = None
+    training_membership: TrainingMembership = TrainingMembership.NOT_ASKED
+    training_asked_ns: int | None = None  # when last asked: a check that could not be made is asked again later
+
+
+class StepRecord(TypedDict):
+    """One fill step, as the stats file's ``steps`` lists it."""
+
+    stage: int
+    job: str
+    start_ns: int
+    end_ns: int
+    flops: float
+    mode: str  # the fill mode's label
+    signal_ns: int
+    bubble_seq: int
+    size: int | None  # the step size, for a job with step_sizes
+    tail: bool  # on TailRisk's word, not the prediction's
+
+
+class BubbleRecord(TypedDict):
+    """One bubble between its START and END, with what the agent offered it (``ledger.bubble_breakdown`` reads it)."""
+
+    stage: int
+    slot: int
+    start_ns: int
+    end_ns: int
+    mode: str
+    predicted_end_ns: int
+    guard_paused: bool
+    share: float
+    job: str  # the armed harvesting job, or ""
+    step_s: float  # its step time, or 0
+
+
+class EventRecord(TypedDict):
+    """One thing the agent did or saw, as the stats file's ``events`` lists it."""
+
+    t_ns: int
+    stage: int  # -1: the node's (isolation)
+    job: str
+    kind: str
+    message: str

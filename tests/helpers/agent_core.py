@@ -1,0 +1,86 @@
+"""Set-ups of the agent core's tests (tests/test_agent_core*.py): a fake clock and metrics sink, a core with its
+stages served, jobs submitted, launched and armed by plain calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch
+from bubbles.core import control, wire
+from bubbles.core.api import IsolationMode, IsolationState, IsolationStatus, parse_spec
+
+MS = 1_000_000
+READY = IsolationStatus(IsolationMode.CONTEXTS, IsolationState.READY, "ready for tests", epoch=1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000 * MS
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def kill(self, stage: int, device: str, job: str) -> None:
+        self.calls.append(("kill", stage, device, job))
+
+    def rejected(self, stage: int, source: str) -> None:
+        self.calls.append(("rejected", stage, source))
+
+    def missed_end(self, stage: int) -> None:
+        self.calls.append(("missed_end", stage))
+
+    def iteration(self, stage: int, seconds: float) -> None:
+        self.calls.append(("iteration", stage, seconds))
+
+    def share(self, value: float) -> None:
+        self.calls.append(("share", value))
+
+
+def cycle(stage: int = 0, slots: tuple[tuple[float, int], ...] = ((0.005, 1 << 30),),
+          iteration_s: float = 0.05) -> dict[str, Any]:
+    return {
+        "training": "t", "stage": stage, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
+        "iteration_s": iteration_s, "samples": 5,
+        "slots": [{"slot": i, "position": i, "instruction": "RecvGrad", "kind": "steady", "duration_s": d,
+                   "p10_s": d, "p90_s": d, "free_bytes": free} for i, (d, free) in enumerate(slots)],
+    }
+
+
+def make_core(executors: int = 1, **kw: Any) -> tuple[AgentCore, Clock, Sink]:
+    clock, sink = Clock(), Sink()
+    cfg = CoreConfig(run_dir=Path("/run/x"), training="t", executors=tuple(("cpu", None) for _ in range(executors)),
+                     **kw)
+    core = AgentCore(cfg, clock, sink)
+    core.on_isolation(READY)
+    core.start_serving()
+    return core, clock, sink
+
+
+def job_spec(name: str = "j", **fields: Any) -> Any:
+    return parse_spec({"name": name, "entry": "pkg.mod:Job", "memory": "16Mi", "step_time": "1ms", **fields})
+
+
+def started(core: AgentCore, name: str = "j", has_control: bool = True, **fields: Any) -> JobRecord:
+    """Submit, profile stage 0, launch: the job is CREATED (SDK) or PAUSED (plain command)."""
+    job = core.submit(job_spec(name, **fields))
+    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    actions = core.take_actions()
+    assert [type(a) for a in actions] == [Launch] and actions[0].job is job and actions[0].isolated
+    core.launched(job, has_control=has_control)
+    return job
+
+
+def line(type_: str, **fields: Any) -> bytes:
+    return control.encode(type_, **fields).rstrip(b"\n")
+
+
+def armed(core: AgentCore, **fields: Any) -> JobRecord:
+    job = started(core, **fields)
+    core.on_control_line(job, line("state", state="PAUSED"))
+    return job
