@@ -16,7 +16,7 @@ from bubbles.demo.orchestrate.phases import iteration_times_by_mode, iterations_
 MODE_NAMES = {FillMode.OFF: "baseline", FillMode.NAIVE: "naive", FillMode.HARVEST: "harvest"}
 # The machine was noisy: the baseline moved more than this within a round (median over rounds) or between rounds,
 # or other processes took more than this share of its CPU time during the run. Idle runs on the project's 2-core VM:
-# 5-9% within, 4-15% between, other processes under 5% (2026-11-23).
+# 5-9% within, 4-15% between, other processes under 5% (docs/benchmarks.md).
 NOISY_WITHIN = 0.15
 NOISY_BETWEEN = 0.25
 NOISY_OTHER_CPU = 0.15

@@ -25,7 +25,7 @@ class BatchInference(FlopCountedJob):
     ``cuda_graphs`` (CUDA only): each step size's forward pass is captured once as a CUDA graph at init and
     replayed by every step, so a step costs the device's work and one launch instead of a launch per kernel and
     the modules' Python (on an H100 the eager steps were launch-bound: 5.5-6.0 ms at 8, 16 and 32 sequences of a
-    BERT-base encoder under MPS, 2026-11-24). The graphs' speed-up has not been measured yet.
+    BERT-base encoder under MPS; docs/gpu.md). The graphs' speed-up has not been measured yet.
     """
 
     def __init__(self, batch_size: int = 16, seq_len: int = 16, width: int = 64, layers: int = 1,

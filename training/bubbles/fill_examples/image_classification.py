@@ -27,7 +27,7 @@ class ImageClassification(FlopCountedJob):
     ``cuda_graphs`` (CUDA only): each step size's whole training step (forward, loss, backward, SGD update) is
     captured once as a CUDA graph at init, as PyTorch's CUDA graphs notes show for a whole network, and replayed
     by every step: one launch in place of one per kernel (on an H100 the eager steps were launch-bound, 12.6 ms
-    for 16, 32 and 64 images under contexts, 2026-11-24). Capturing runs 3 warm-up steps per size at init, not
+    for 16, 32 and 64 images under contexts; docs/gpu.md). Capturing runs 3 warm-up steps per size at init, not
     counted as fill work. Not yet run on a GPU.
     """
 
@@ -115,7 +115,7 @@ class ImageClassification(FlopCountedJob):
             return
         # On CPU the ResNet preset runs without oneDNN: torch 2.13.0's oneDNN kernel for the backward pass of a
         # channels-last 1x1 convolution (jit_avx2_1x1_convolution_bwd_weights) crashes the process with one
-        # thread on AMD EPYC (seen 2026-11-23). The preset is for GPUs; on CPU it only has to run correctly.
+        # thread on AMD EPYC. The preset is for GPUs; on CPU it only has to run correctly.
         with torch.backends.mkldnn.flags(enabled=not (self.channels_last and self.device == "cpu")):
             loss = self._train_on(self.images[i][:size], self.labels[i][:size])
             self.last_loss = float(loss.detach())

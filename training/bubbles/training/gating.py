@@ -11,7 +11,8 @@ bubble has lasted, is small.
 
 ``StartPredictor``: when the next bubble should start, for busy-polling around it.
 
-``bubbles.sdk.FillRuntime`` is the shell that feeds them the signals and step times and runs what they allow.
+``bubbles.training.sdk.runtime.FillRuntime`` is the shell that feeds them the signals and step times and runs what
+they allow.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class StepGates:
     Starts from the sizes' gates timed at init (FreeRide's profile, outside bubbles); once ``min_samples`` steps of
     a size have run at a place (a bubble's first step, or a later one), its gate there is the 90th percentile of
     its last ``window`` durations there. A bubble's first step pays for what the training evicted from the caches
-    while it computed (about +1 ms a step on the CPU demo, seen 2026-11-23), so it is tracked apart; a gate from
+    while it computed (about +1 ms a step on the CPU demo), so it is tracked apart; a gate from
     outside bubbles would let first steps overrun. Until later steps of a size have a gate of their own, the first
     steps' bounds theirs (see ``gate_ns``). ``size`` None: a job whose step takes no size. ``floors`` (seconds by
     size): gates never go below them (a step time the job's spec states).

@@ -109,8 +109,8 @@ def switch_interval_from_env(environ: Mapping[str, str]) -> tuple[float | None, 
 
     Why: the helper thread wakes when an event completes, but it needs the GIL to send the signal, and a training
     thread running Python keeps the GIL until the interpreter makes it switch, up to the interval later. On an
-    H100 (benchmarks/gpu_event_wake.py, 2026-11-24) a blocking helper's wake-up p90 under such a thread was 2.3 ms
-    with Python's 5 ms and 0.3 ms with 200 us. A shorter interval only matters while another thread waits for the
+    H100 (benchmarks/gpu_event_wake.py; docs/benchmarks.md) a blocking helper's wake-up p90 under such a thread was
+    2.3 ms with Python's 5 ms and 0.3 ms with 200 us. A shorter interval only matters while another thread waits for the
     GIL (the helper, briefly, per event)."""
     raw = environ.get("BUBBLES_SWITCH_INTERVAL_US", "").strip()
     if not raw:

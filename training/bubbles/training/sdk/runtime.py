@@ -427,8 +427,8 @@ class FillRuntime:
     def _starving(self, b: _Bubble, gates: StepGates) -> None:
         """A bubble ran no step. The gates come from init's profile until steps have run in bubbles, and init's steps
         compete with the training's compute: a few slowed ones can lift the profile's 90th percentile past every
-        bubble, and a gate no bubble fits lets no step run, so it never learns (the cluster tier's example job:
-        14.5 ms for a step whose author says 1.5 ms, ten minutes at 0 steps, 2026-11-25). After STARVED_BUBBLES such
+        bubble, and a gate no bubble fits lets no step run, so it never learns (docs/design.md: the cluster tier's
+        example job sat at 0 steps that way). After STARVED_BUBBLES such
         bubbles, before any step ran, that the profile's median would have fitted, the gates fall back to the medians,
         once: at worst some of the next steps outlive their bubbles, until the steps' own times take over the gates."""
         if self.relaxed or not self._fallback or self.steps:
