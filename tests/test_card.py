@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_hook import StandInEngine
+from helpers.hook import StandInEngine
 
 from bubbles.core import card as card_module
 from bubbles.core import paths
@@ -196,7 +196,7 @@ def test_a_process_out_of_file_descriptors_trains_on_without_the_hook(tmp_path: 
     script = f"""
 import os, resource, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_hook import StandInEngine
+from helpers.hook import StandInEngine
 from bubbles.training.hook import instrument
 eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

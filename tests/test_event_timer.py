@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from test_gpu_timing import FakeEvent, FakeStream, _cuda_available
+from helpers.gpu_timing import FakeEvent, FakeStream, cuda_available
 
 from bubbles.training.gpu_timing import (
     EventTimer,
@@ -153,6 +153,6 @@ def test_the_wake_up_benchmark_refuses_bad_flags_and_a_machine_with_no_gpu(capsy
     with pytest.raises(SystemExit) as exc:
         gpu_event_wake.main(["--rounds", "0"])
     assert exc.value.code == 2 and "--rounds >= 1" in capsys.readouterr().err
-    if not _cuda_available():
+    if not cuda_available():
         assert gpu_event_wake.main(["--waits", "20", "--rounds", "1"]) == 2
         assert "needs an NVIDIA GPU" in capsys.readouterr().err

@@ -23,6 +23,7 @@ import pytest
 import torch
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from helpers.gpu_timing import COMPUTE_S, WAIT_S, FakeEvent, FakeStream, cuda_available
 
 from bubbles.core import paths, wire
 from bubbles.training.gpu_timing import (
@@ -36,46 +37,6 @@ from bubbles.training.gpu_timing import (
 )
 from bubbles.training.hook import instrument, resolve_timing
 from bubbles.training.probes import StaticMemoryProbe
-
-COMPUTE_S = 0.004  # per forward/backward pass, on the fake device
-WAIT_S = 0.006  # how long each receive waits for its data, on the fake device
-
-
-class FakeStream:
-    """A device queue: work is enqueued by the host and finishes later, in order."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.busy_until = time.monotonic()
-
-    def enqueue(self, seconds: float) -> None:
-        with self.lock:
-            self.busy_until = max(self.busy_until, time.monotonic()) + seconds
-
-    def tail(self) -> float:
-        with self.lock:
-            return max(self.busy_until, time.monotonic())
-
-
-class FakeEvent:
-    """``torch.cuda.Event``'s interface on a ``FakeStream``: complete when the work before it is."""
-
-    def __init__(self, stream: FakeStream) -> None:
-        self.stream = stream
-        self.at: float | None = None
-
-    def record(self) -> None:
-        self.at = self.stream.tail()
-
-    def synchronize(self) -> None:
-        assert self.at is not None, "synchronize() before record()"
-        delay = self.at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        assert self.at is not None and end.at is not None
-        return (end.at - self.at) * 1e3
 
 
 class AsyncEngine:
@@ -504,14 +465,10 @@ def test_timing_choice_and_bad_values(sockdir: Path) -> None:
 # The same on a real GPU (skipped on machines without one; run on the device machine when one is lent)
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_available(), reason="needs an NVIDIA GPU (this machine has none)")
+@pytest.mark.skipif(not cuda_available(), reason="needs an NVIDIA GPU (this machine has none)")
 @pytest.mark.parametrize("wait", ["block", "spin"])
 def test_real_cuda_events_time_device_side_waits(sockdir: Path, wait: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch

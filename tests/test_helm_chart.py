@@ -19,41 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra) renders the chart")
+pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra) renders the chart")
 
-from bubbles.operator.rbac import RULES  # noqa: E402
+from helpers.helm import CHART, NS, RELEASE, ROOT, container, helm, notes, one, render
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "helm" / "bubbles"
-NS = "chart-system"
-RELEASE = "chart"
-
-
-def render(values: dict[str, Any] | None = None, namespace: str = NS, name: str = RELEASE) -> list[dict[str, Any]]:
-    out = helm.Chart.load(str(CHART)).render(values or {}, name=name, namespace=namespace, is_install=True)
-    docs = []
-    for path, text in sorted(out.items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        docs.extend(d for d in yaml.safe_load_all(text) if d)
-    return docs
-
-
-def notes(values: dict[str, Any] | None = None) -> str:
-    out = helm.Chart.load(str(CHART)).render(values or {}, name=RELEASE, namespace=NS, is_install=True)
-    return next(v for k, v in out.items() if k.endswith("NOTES.txt"))
-
-
-def one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
-    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
-    return doc
-
-
-def container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    suffix = "-agent" if kind == "DaemonSet" else ""  # with MPS the daemon's DaemonSet too
-    return one(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+from bubbles.operator.rbac import RULES
 
 
 def test_the_chart_lints_clean_and_its_crds_are_the_generated_ones() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from deepspeed.runtime.pipe import schedule as S
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from helpers.hook import StandInEngine
 
 from bubbles.core import paths, wire
 from bubbles.core.cycle import BubbleCycle
@@ -241,46 +241,6 @@ def test_fill_sockets_that_stop_reading_leave_the_agent_its_datagrams(sockdir: P
 
 # ---------------------------------------------------------------------------------------------------
 # the wiring, on a stand-in engine driven by DeepSpeed's own dispatch loop and schedules
-
-
-class StandInEngine:
-    """Attributes the hook uses, DeepSpeed's ``_exec_schedule``, handlers that sleep."""
-
-    _exec_schedule = PipelineEngine._exec_schedule
-
-    def __init__(self, stage: int, stages: int, micro_batches: int, wait_s: float = 0.002) -> None:
-        self.stage_id, self.num_stages, self.micro_batches = stage, stages, micro_batches
-        self.wait_s = wait_s
-        self.executed: list[str] = []
-        self.fail_on: str | None = None
-        self._INSTRUCTION_MAP = {cls: self._handler(cls.__name__) for cls in (
-            S.OptimizerStep, S.ReduceGrads, S.ReduceTiedGrads, S.LoadMicroBatch, S.ForwardPass,
-            S.BackwardPass, S.SendActivation, S.RecvActivation, S.SendGrad, S.RecvGrad)}
-
-    def _handler(self, name: str) -> Any:
-        def handler(engine: StandInEngine, **kwargs: Any) -> None:
-            engine.executed.append(name)
-            if engine.fail_on == name:
-                raise KeyError("deepspeed says no")
-            if name.startswith("Recv"):
-                time.sleep(engine.wait_s)
-        return handler
-
-    def _reserve_pipe_buffers(self, n: int) -> None:
-        pass
-
-    def _aggregate_total_loss(self) -> float:
-        time.sleep(self.wait_s)
-        return 1.5
-
-    def train_batch(self, data_iter: Any = None) -> float:
-        self._exec_schedule(S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id))
-        return self._aggregate_total_loss()
-
-    def eval_batch(self, data_iter: Any = None) -> float:
-        self._exec_schedule(S.InferenceSchedule(self.micro_batches, self.num_stages, self.stage_id))
-        time.sleep(self.wait_s)  # the output reduction and loss broadcast
-        return 2.5
 
 
 def test_what_the_training_cannot_help_fails_open_and_a_wrong_engine_is_named(

@@ -192,7 +192,7 @@ def test_the_operator_image_builds_offline_and_runs_as_its_user_without_torch() 
 def test_the_default_tag_is_the_name_the_chart_pulls() -> None:
     """`REGISTRY=... images/build.sh agent` then `helm install --set image.registry=...`: one name, no retagging."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_helm_chart import container, render
+    from helpers.helm import container, render
 
     def tag(what: str, **env: str) -> str:
         r = subprocess.run([str(ROOT / "images" / "build.sh"), what], capture_output=True, text=True, timeout=60,

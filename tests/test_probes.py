@@ -242,7 +242,7 @@ def test_real_cuda_probe_sees_the_trainings_tensors_and_its_peak() -> None:
 
 
 def test_the_profile_states_the_margin_its_free_memory_is_net_of(tmp_path: Any) -> None:
-    from test_hook import StandInEngine
+    from helpers.hook import StandInEngine
 
     from bubbles.core.cycle import BubbleCycle
     from bubbles.training.hook import instrument
