@@ -832,8 +832,9 @@ def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt()
 def test_a_stages_scheduler_class_follows_its_cycle_and_its_trainings_share_and_reserve() -> None:
     """The class is memoized per stage; an edited share or reserve, or a newly reported cycle, must show at once."""
     from bubbles.core.resources import PipelineTrainingResource
-    from bubbles.operator.decide import executor_class
+    from bubbles.operator.decide import DecideCache
 
+    executor_class = DecideCache().executor_class  # one cache, as the shell keeps one
     s = stage(0)
     half = PipelineTrainingResource.from_object(training(maxFillShare=0.5))
     quarter = PipelineTrainingResource.from_object(training(maxFillShare=0.25, memoryReserve="512Mi"))
