@@ -307,8 +307,8 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     host IPC, and a Pod without the mount must not. The Pods are the chart's and the operator's own specs, with
     only the command replaced (this node has no GPU, so no MPS daemon: what is checked is what the kubelet mounts).
     """
+    from helpers.operator import fill_job, stage, step
     from test_helm_chart import render
-    from test_operator_decide import fill_job, stage, step
 
     from bubbles.operator.decide import FillPodSettings
 

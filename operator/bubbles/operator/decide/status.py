@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from bubbles.core.resources import Condition, ConditionType, FillJobPhase, set_condition
@@ -17,7 +18,7 @@ ACTIVE = (FillJobPhase.PLACED, FillJobPhase.RUNNING, FillJobPhase.PAUSED)
 # may be set again (a new message); a final one is never set again.
 _FROM_ACTIVE = frozenset({FillJobPhase.PLACED, FillJobPhase.RUNNING, FillJobPhase.PAUSED, FillJobPhase.QUEUED,
                           FillJobPhase.SUCCEEDED, FillJobPhase.FAILED})
-PHASE_TRANSITIONS: Mapping[FillJobPhase | None, frozenset[FillJobPhase]] = {
+PHASE_TRANSITIONS: Mapping[FillJobPhase | None, frozenset[FillJobPhase]] = MappingProxyType({
     None: frozenset({FillJobPhase.QUEUED, FillJobPhase.FAILED}),  # admitted, or its spec is invalid
     FillJobPhase.PENDING: frozenset({FillJobPhase.QUEUED, FillJobPhase.FAILED}),
     FillJobPhase.QUEUED: frozenset({FillJobPhase.QUEUED, FillJobPhase.PLACED, FillJobPhase.FAILED}),
@@ -26,7 +27,7 @@ PHASE_TRANSITIONS: Mapping[FillJobPhase | None, frozenset[FillJobPhase]] = {
     FillJobPhase.PAUSED: _FROM_ACTIVE,
     FillJobPhase.SUCCEEDED: frozenset(),
     FillJobPhase.FAILED: frozenset(),
-}
+})
 
 
 class InvalidTransition(ValueError):
