@@ -196,7 +196,7 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
     if lost is not None:
         _evict(st, job, lost, a, keep_pod=ended_itself, counted=not training_side)
         if stage is not None and st.evicted:
-            # The job is placed again from the next round (see _place): until then the stage it had is held for
+            # The job is placed again from the next round (see placement.place): until then the stage it had is held for
             # it, or a job of lower priority would take it now and keep it.
             busy[skey] = (uid, now_s)
         return
