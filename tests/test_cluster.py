@@ -308,7 +308,7 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     only the command replaced (this node has no GPU, so no MPS daemon: what is checked is what the kubelet mounts).
     """
     from helpers.helm import render
-    from test_operator_decide import fill_job, stage, step
+    from helpers.operator import fill_job, stage, step
 
     from bubbles.operator.decide import FillPodSettings
 

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.operator_kube import NS, cluster_fixture, get, phase, until  # noqa: F401  (the cluster fixture)
 from kubeapi import OPERATOR_NAMESPACE, OPERATOR_TOKEN, ApiServer
 from local_node import LocalNode
 from operator_thread import OperatorThread
-from test_operator_kube import NS, cluster, get, phase, until  # noqa: F401  (cluster: a fixture)
 
 from bubbles.demo.orchestrate.processes import free_port
 from bubbles.operator.grpc_agents import GrpcAgents
@@ -114,7 +114,7 @@ def fill_job(name: str, steps: int, deadline: str | None = None) -> dict[str, ob
 
 
 @pytest.fixture
-def cluster_with_fill_jobs(cluster: ApiServer, tmp_path: Path) -> Iterator[tuple[LocalNode, int]]:  # noqa: F811
+def cluster_with_fill_jobs(cluster: ApiServer, tmp_path: Path) -> Iterator[tuple[LocalNode, int]]:
     """A two-stage training on node-dash, its agent, and the operator (metrics on) placing two FillJobs there."""
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining",
@@ -138,7 +138,7 @@ def cluster_with_fill_jobs(cluster: ApiServer, tmp_path: Path) -> Iterator[tuple
 
 
 def test_every_dashboard_query_returns_data_from_a_running_demo_and_operator(
-        cluster: ApiServer, cluster_with_fill_jobs: tuple[LocalNode, int], prometheus_binary: str,  # noqa: F811
+        cluster: ApiServer, cluster_with_fill_jobs: tuple[LocalNode, int], prometheus_binary: str,
         tmp_path: Path) -> None:
     node, operator_port = cluster_with_fill_jobs
     demo_port = free_port()

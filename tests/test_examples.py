@@ -33,7 +33,8 @@ def _operator_reasons() -> set[str]:
     ``Condition(...)``, both branches where it is chosen by a conditional expression."""
     import re
 
-    source = (Path(__file__).resolve().parent.parent / "operator" / "bubbles" / "operator" / "decide.py").read_text()
+    decide = Path(__file__).resolve().parent.parent / "operator" / "bubbles" / "operator" / "decide"
+    source = "\n".join(p.read_text() for p in sorted(decide.glob("*.py")))
     found = set(re.findall(r'\.condition\(ConditionType\.\w+, [^,]+, "(\w+)"', source))
     call = r'Condition\(\s*(?:ConditionType\.\w+\.value|"\w+"),\s*(.*?),\s*("\w+"(?: if [^,]+ else "\w+")?)'
     for _status, reason in re.findall(call, source, flags=re.S):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
+from helpers.operator_kube import NS, cluster_fixture, get, phase, until  # noqa: F401  (the cluster fixture)
+from kubeapi import OPERATOR_NAMESPACE, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
 from local_node import LocalNode
 from operator_thread import OperatorThread
 
@@ -25,49 +25,15 @@ from bubbles.operator.agents import InMemoryAgents
 from bubbles.operator.grpc_agents import GrpcAgents
 from bubbles.operator.kube import Connection, FinalizerConflict, KubeWriter
 from bubbles.operator.leader import LeaseElector
-from bubbles.operator.rbac import RULES, cluster_role, cluster_role_binding
+from bubbles.operator.rbac import RULES
 from bubbles.operator.shell import Operator, OperatorConfig
 
 pytestmark = pytest.mark.kube
-NS = "harvest"
 MIB = 2**20
 CYCLE = {"training": "llama", "stage": 0, "stages": 2, "microbatches": 8, "schedule": "TrainSchedule",
          "iteration_s": 0.1, "samples": 5,
          "slots": [{"slot": 0, "position": 3, "instruction": "RecvGrad", "kind": "steady", "duration_s": 0.01,
                     "p10_s": 0.01, "p90_s": 0.01, "free_bytes": 1024 * MIB}]}
-
-
-def until(what: str, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def cluster(kube: ApiServer) -> Iterator[ApiServer]:
-    """The operator's identity bound to its ClusterRole; a namespace with a training and its Pod."""
-    manifests = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}},
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-        # No controller-manager here to make the default ServiceAccount: the Pods do not mount its token anyway.
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": NS},
-         "automountServiceAccountToken": False},
-        cluster_role(), cluster_role_binding(OPERATOR_NAMESPACE, OPERATOR_SA),
-        {"apiVersion": "bubbles.dev/v1alpha1", "kind": "PipelineTraining",
-         "metadata": {"name": "llama", "namespace": NS, "labels": {"team": "a"}},
-         "spec": {"selector": {"matchLabels": {"app": "llama"}}}},
-        {"apiVersion": "v1", "kind": "Pod",
-         "metadata": {"name": "llama-0", "namespace": NS, "labels": {"app": "llama"}},
-         "spec": {"nodeName": "node-a", "automountServiceAccountToken": False,
-                  "containers": [{"name": "train", "image": "train:1"}]}},
-    ]
-    kube.kubectl("apply", "-f", "-", input_text=json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests}))
-    yield kube
 
 
 def operator(kube: ApiServer, agents: InMemoryAgents, **kw: Any) -> OperatorThread:
@@ -87,15 +53,6 @@ def fill_job(name: str) -> str:
                        "metadata": {"name": name, "namespace": NS},
                        "spec": {"image": "fill:1", "entry": "pkg.mod:Job",
                                 "profile": {"memory": "64Mi", "stepTime": "2ms"}, "work": {"steps": 1000}}})
-
-
-def get(kube: ApiServer, kind: str, name: str) -> dict[str, Any] | None:
-    proc = kube.kubectl("get", kind, name, "-n", NS, "-o", "json", check=False)
-    return json.loads(proc.stdout) if proc.returncode == 0 else None
-
-
-def phase(kube: ApiServer, name: str) -> str | None:
-    return ((get(kube, "fj", name) or {}).get("status") or {}).get("phase")
 
 
 def can_i(kube: ApiServer, verb: str, resource: str) -> bool:

@@ -36,7 +36,17 @@ from bubbles.core.resources import (
 )
 
 from .agents import AgentDirectory
-from .decide import ClusterView, Decisions, FillPodSettings, StageView, key_of, pod_not_starting, reconcile
+from .decide import (
+    ClusterView,
+    DecideCache,
+    Decisions,
+    FillJobDecisions,
+    FillPodSettings,
+    StageView,
+    key_of,
+    pod_not_starting,
+    reconcile,
+)
 from .kube import Connection, FinalizerConflict, KubeWriter, PodConflict, PodRefused
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
@@ -108,6 +118,7 @@ class Operator:
         self.agents = agents
         self.wall = wall
         self.store = Store()
+        self.cache = DecideCache()  # what the reconcile remembers between rounds: this replica's, every round
         self.writer = KubeWriter(connection, pool=config.write_concurrency,
                                  request_timeout_s=config.lease_s * 0.2 if config.leader_election else 30.0)
         self._pool = concurrent.futures.ThreadPoolExecutor(config.write_concurrency, "bubbles-writes")
@@ -389,7 +400,7 @@ class Operator:
         t0 = time.perf_counter()
         view = await self.view()
         t1 = time.perf_counter()
-        d = reconcile(view)
+        d = reconcile(view, self.cache)
         t2 = time.perf_counter()
         await self.apply(d, view.now)
         self.round_s = [*self.round_s[-999:], (t1 - t0, t2 - t1, time.perf_counter() - t2)]
@@ -416,16 +427,6 @@ class Operator:
                 raise LeadershipLost()
             return await loop.run_in_executor(self._pool, fn, *args)
 
-        pods = {f"{p['metadata']['namespace']}/{p['metadata']['ownerReferences'][0]['name']}": p
-                for p in d.create_pods}
-        assignments = {f"{a.namespace}/{a.name}": a for a in d.assign}
-        deleted_pods: dict[str, list[tuple[str, str]]] = {}
-        for ns, name in d.delete_pods:
-            owner = next((k for k, o in self.store.fill_jobs.items() if k.startswith(f"{ns}/") and
-                          ((o.get("status") or {}).get("assignment") or {}).get("pod") == name), f"{ns}/?")
-            deleted_pods.setdefault(owner, []).append((ns, name))
-        cancels = {uid: node for node, uid in d.cancel}
-
         refused_now: set[str] = set()  # FillJob keys whose Pod the API server refused this round
 
         async def create_pod(key: str, uid: str, pod: dict[str, Any]) -> bool:
@@ -440,41 +441,41 @@ class Operator:
             self.pod_refusals.pop(uid, None)
             return True
 
-        async def fill_job(key: str) -> None:
+        async def fill_job(key: str, job: FillJobDecisions) -> None:
             async with sem:
                 obj = self.store.fill_jobs.get(key)
                 if obj is None:
                     return
                 meta = obj["metadata"]
-                for ns, name in deleted_pods.get(key, ()):
+                for ns, name in job.delete_pods:
                     await write(w.delete_pod, ns, name)
                 uid = str(meta.get("uid", ""))
-                if uid in cancels:
+                if job.cancel_on is not None and job.uid == uid:
                     if not self.acting:
                         raise LeadershipLost()
-                    await self.agents.cancel(cancels[uid], uid)
+                    await self.agents.cancel(job.cancel_on, uid)
                 # The finalizer and the Pod at once (both before the status that says Placed): one round trip less.
                 steps = []
-                if key in d.add_finalizer:
+                if job.add_finalizer:
                     steps.append(write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], True,
                                        list(meta.get("finalizers") or []), meta.get("resourceVersion")))
-                if key in pods:
-                    steps.append(create_pod(key, uid, pods[key]))
+                if job.create_pod is not None:
+                    steps.append(create_pod(key, uid, job.create_pod))
                 if steps:
                     done = await asyncio.gather(*steps)
-                    if key in d.add_finalizer:
+                    if job.add_finalizer:
                         if done[0] is None:
                             self.store.put("fill_jobs", obj, deleted=True)  # gone (a watch gap may hide it)
                             return
                         self.store.put("fill_jobs", done[0])
-                    if key in pods and done[-1] is False:
+                    if job.create_pod is not None and done[-1] is False:
                         return  # not placed: no assignment, no status saying Placed; the next round says why
-                if key in assignments:
+                if job.assignment is not None:
                     if not self.acting:
                         raise LeadershipLost()
-                    await self.agents.assign(assignments[key])
-                if key in d.fill_job_status:
-                    status = d.fill_job_status[key]
+                    await self.agents.assign(job.assignment)
+                if job.status is not None:
+                    status = job.status
                     before = (self.store.fill_jobs.get(key) or obj).get("status") or {}
                     new = await write(w.patch_status, "filljobs", meta["namespace"], meta["name"], before, status)
                     if new is None:
@@ -482,7 +483,7 @@ class Operator:
                         return
                     self.store.put("fill_jobs", new)
                     self._observe_placement(meta, before, status, now)
-                if key in d.remove_finalizer:
+                if job.remove_finalizer:
                     current = self.store.fill_jobs.get(key) or obj
                     new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], False,
                                       list(current["metadata"].get("finalizers") or []),
@@ -507,10 +508,11 @@ class Operator:
                 self.store.put("trainings", new if new is not None else obj, deleted=new is None)
 
 
-        keys = set(d.fill_job_status) | set(pods) | set(d.add_finalizer) | set(d.remove_finalizer) | set(deleted_pods) \
-            | set(assignments)
+        # Only jobs with something to write are visited: a decision that is only a cancellation (a final job's run
+        # its agent still holds) is not carried out here.
+        jobs = [(k, j) for k, j in sorted(d.fill_jobs.items(), key=lambda kj: kj[0]) if j.writes]
         try:
-            results = await asyncio.gather(*(fill_job(k) for k in sorted(keys)),
+            results = await asyncio.gather(*(fill_job(k, j) for k, j in jobs),
                                            *(training(k, s) for k, s in d.training_status.items()),
                                            return_exceptions=True)
             lost = [r for r in results if isinstance(r, LeadershipLost)]

@@ -1,0 +1,347 @@
+"""FillJob tracking: each job admitted or failed, a placed job followed (its progress, its ETA) or evicted when its
+stage, Pod, agent or process is gone, a deleted one cleaned up."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from bubbles.core.api import FillState
+from bubbles.core.resources import (
+    FINALIZER,
+    HOOK_SILENCE_S,
+    ConditionType,
+    FillJobPhase,
+    FillJobResource,
+    JobProgress,
+    PipelineTrainingResource,
+    ResourceError,
+    rfc3339,
+)
+from bubbles.operator.scheduler import best_rate
+
+from .cache import DecideCache
+from .pods import check_paths, not_starting
+from .status import ACTIVE, FillJobStatus, condition_of
+from .view import STARTUP_GRACE_S, Assignment, ClusterView, Decisions, Event, StageView, key_of, stage_context_bytes
+
+MAX_ETA_S = dt.datetime(9000, 1, 1, tzinfo=dt.UTC).timestamp()
+
+# A FillJob as this round sees it: its object, its parsed spec, the status being built.
+Seen = tuple[Mapping[str, Any], FillJobResource, FillJobStatus]
+
+
+def see_fill_jobs(view: ClusterView, out: Decisions, cache: DecideCache, stages: Mapping[str, StageView],
+                  trainings: Mapping[str, PipelineTrainingResource], invalid: Mapping[str, str],
+                  ) -> tuple[dict[str, Seen], dict[str, tuple[str, float]]]:
+    """Every FillJob of the view: deleted ones cleaned up, final ones let go of, invalid ones failed, new ones
+    admitted, placed ones tracked. Returns the valid ones by key and the stages they keep busy (stage key ->
+    (FillJob uid, expected end))."""
+    now_s = view.now.timestamp()
+    valid: dict[str, Seen] = {}
+    busy: dict[str, tuple[str, float]] = {}
+    for obj in view.fill_jobs:
+        meta = obj.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            clean_up(obj, out)
+            continue
+        st = FillJobStatus(obj, view.now, out)
+        phase = st.phase_now
+        if phase is not None and phase.terminal:  # final: neither parsed nor looked at again (thousands pile up)
+            a = st.assignment
+            if a.get("node") and st.uid in view.progress:
+                # The agent still holds the run: it lets go of it now that the final status is stored (told every
+                # round until it stops reporting the job, so a lost call costs a round).
+                out.cancel_run(st.key, st.uid, str(a["node"]))
+            st.finish()
+            continue
+        try:
+            job = cache.fill_job(obj)
+            if phase not in ACTIVE:  # a Pod made already has the mounts it has: a changed setting does not stop it
+                check_paths(job, view.fill_pods)
+        except ResourceError as exc:
+            a = st.status.pop("assignment", None) or {}
+            if a.get("pod"):  # it ran: its spec was edited into an invalid one; stop it, free its stage
+                out.delete_pod(st.key, st.uid, str(meta.get("namespace", "")), str(a["pod"]))
+            if a.get("node"):
+                out.cancel_run(st.key, st.uid, str(a["node"]))
+            st.status.pop("eta", None)
+            st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
+            st.phase(FillJobPhase.FAILED, f"invalid spec: {exc} (a Failed FillJob is not read again: delete it and "
+                     "apply it corrected)", event="InvalidSpec", warning=True)
+            st.finish()
+            continue
+        if phase is None or phase is FillJobPhase.PENDING:
+            st.condition(ConditionType.ADMITTED, True, "Valid", "the spec is valid")
+            st.status.setdefault("restarts", 0)
+            st.status.setdefault("counters", {"kills": 0, "placements": 0, "evictions": 0})
+            st.status.update(progress_fields(job, 0, 0.0))
+            st.phase(FillJobPhase.QUEUED, "waiting for a bubble it fits", event="Queued")
+        if st.phase_now in ACTIVE:
+            _track(out, view, cache, st, job, stages, trainings, busy, now_s, invalid)
+        valid[st.key] = (obj, job, st)
+    return valid, busy
+
+
+def progress_fields(job: FillJobResource, done: int, flops: float) -> dict[str, Any]:
+    if not flops and job.flops_per_step:
+        flops = done * job.flops_per_step  # a job that reports none (a plain command): what its spec says a step is
+    pct = 100.0 * min(done, job.steps) / job.steps if job.steps else 0.0
+    return {"progress": {"stepsDone": done, "stepsTotal": job.steps, "percent": round(pct, 1)},
+            "progressText": f"{pct:.0f}% ({done}/{job.steps})", "recoveredFlops": float(flops)}
+
+
+
+def limits(training: PipelineTrainingResource | None) -> dict[str, float | None]:
+    """The training's slowdown budget, largest fill share and tail risk, which the agent on its node applies."""
+    if training is None:
+        return {"slowdown_budget": None, "max_fill_share": None, "tail_risk": None}
+    return {"slowdown_budget": training.slowdown_budget, "max_fill_share": training.max_fill_share,
+            "tail_risk": training.tail_risk}
+
+
+def clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
+    """A deleted FillJob: stop its fill process, delete its Pod, then let the deletion finish."""
+    meta = obj.get("metadata") or {}
+    if FINALIZER not in (meta.get("finalizers") or []):
+        return
+    a = (obj.get("status") or {}).get("assignment") or {}
+    key, uid = key_of(obj), str(meta.get("uid", ""))
+    if a.get("pod"):
+        out.delete_pod(key, uid, str(meta.get("namespace", "")), str(a["pod"]))
+    if a.get("node"):
+        out.cancel_run(key, uid, str(a["node"]))
+    out.release(key, uid)
+    out.events.append(Event("FillJob", str(meta.get("namespace", "")), str(meta.get("name", "")),
+                            str(meta.get("uid", "")), "Normal", "Deleted",
+                            f"stopped; its Pod {a['pod']} is deleted" if a.get("pod") else "deleted"))
+
+
+def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobStatus, job: FillJobResource,
+           stages: Mapping[str, StageView], trainings: Mapping[str, PipelineTrainingResource],
+           busy: dict[str, tuple[str, float]], now_s: float, invalid: Mapping[str, str] | None = None) -> None:
+    """A placed job: follow its progress, or evict it when its stage, Pod or agent is gone (or its training's spec
+    turned invalid: ``invalid``, training key -> why)."""
+    a = st.assignment
+    skey = f"{job.namespace}/{a.get('training')}/{a.get('stage')}/{a.get('trainingPod')}"
+    stage = stages.get(skey)
+    uid = job.uid
+    prog = view.progress.get(uid)
+    if prog is not None and prog.attempt != st.restarts:
+        prog = None  # an earlier attempt's run (stopped when this one was placed): not this run's progress
+    # Its Pod not started yet (judged only while no process of it runs): (the kubelet's reason or "", since when).
+    waiting = view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}") \
+        if prog is None or prog.state is FillState.SUBMITTED else None
+    if waiting is not None and waiting[0]:
+        waiting = (_kubelet_words(st.status, str(a.get("pod")), waiting[0]), waiting[1])
+    lost = None
+    ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
+    # The training's doing (its Pod or spec changed), not the job's: not counted as a restart. Unless the job had its
+    # process on the training's GPU: a fatal fault of one MPS client reaches every client of its server, the training
+    # among them, so a training Pod restarted, replaced or gone then may be the job's doing (counted, as before).
+    on_gpu = prog is not None and a.get("device", "").startswith("cuda") and (
+        prog.state in (FillState.PAUSED, FillState.RUNNING, FillState.STOPPED) or prog.steps_done > 0)
+    training_side = False
+    if stage is None and view.acting_s < STARTUP_GRACE_S:
+        return  # just started: the training Pod may not be in the watch's first listing yet; look again next round
+    if stage is None:
+        tkey, tpod = f"{job.namespace}/{a.get('training')}", a.get("trainingPod")
+        if tkey in (invalid or {}):
+            lost = (f"PipelineTraining {a.get('training')}'s spec turned invalid ({(invalid or {})[tkey]}): its "
+                    "bubbles are not used until it is fixed")
+            training_side = True
+        elif any(s.pod == tpod and s.training == tkey for s in view.stages):
+            # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes).
+            # (A silent hook leaves the stage reported, hook_reporting False: the job is Paused, below.)
+            lost = (f"the bubbles agent on node {a.get('node')} no longer reports stage {a.get('stage')} of "
+                    f"{a.get('training')} (training Pod {tpod} still runs: the agent restarted)")
+        else:
+            lost = f"training Pod {tpod} (stage {a.get('stage')} of {a.get('training')}) is gone"
+            training_side = not on_gpu
+    elif not stage.agent_up:
+        lost = f"the bubbles agent on node {stage.node} stopped answering"
+    elif a.get("trainingPodUid") and stage.pod_uid and a["trainingPodUid"] != stage.pod_uid:
+        lost = f"training Pod {stage.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
+        training_side = not on_gpu
+    elif stage.cycle is None:
+        lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
+        training_side = not on_gpu
+    elif (failed := view.failed_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
+        lost = f"fill Pod {a.get('pod')} failed: {failed}"
+        ended_itself = True
+    elif (prog is None or prog.state is FillState.SUBMITTED) and \
+            (ended := view.ended_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
+        # A finished run is reported as STOPPED by the agent before its process exits; an agent that knows no
+        # process for the job while its Pod has ended lost the run (it restarted).
+        lost = (f"fill Pod {a.get('pod')} ended ({ended}) but the agent on {a.get('node')} holds no run of the job "
+                "(the agent restarted?)")
+        ended_itself = True
+    elif waiting is not None and now_s - waiting[1] >= view.pod_start_timeout_s:
+        why = waiting[0] or f"still being created (a volume that does not mount? kubectl describe pod {a.get('pod')})"
+        lost = (f"fill Pod {a.get('pod')} did not start within {view.pod_start_timeout_s:g} s of its creation "
+                f"(the operator's --fill-pod-start-timeout): {why}")
+    if prog is not None and prog.state is FillState.STOPPED:
+        if prog.reason == "finished" or prog.steps_done >= job.steps:
+            st.status.update(progress_fields(job, max(prog.steps_done, job.steps), prog.flops))
+            st.status.pop("eta", None)
+            st.condition(ConditionType.FINISHED, True, "Succeeded", f"did {job.steps} steps")
+            st.condition(ConditionType.RUNNING, False, "Finished", "the job finished")
+            st.phase(FillJobPhase.SUCCEEDED, f"finished {job.steps} steps in the bubbles of {a.get('training')}",
+                     event="Succeeded")
+            return
+        lost = f"the fill process stopped: {prog.reason}"
+        ended_itself = True
+    if lost is not None:
+        _evict(st, job, lost, a, keep_pod=ended_itself, counted=not training_side)
+        if stage is not None and st.evicted:
+            # The job is placed again from the next round (see placement.place): until then the stage it had is held for
+            # it, or a job of lower priority would take it now and keep it.
+            busy[skey] = (uid, now_s)
+        return
+    assert stage is not None
+    if prog is None:
+        # The agent does not know this run (just placed, or the agent restarted): tell it again. Idempotent on the
+        # agent's side (uid, generation, attempt), so a lost or repeated call costs nothing.
+        out.assign_job(st.key, st.uid, Assignment(
+            job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node, stage.pod,
+            stage.device, str(a.get("pod") or ""), st.restarts, stage.gpu_uuid, job.job,
+            **limits(trainings.get(stage.training))))
+    done = prog.steps_done if prog is not None else int((st.status.get("progress") or {}).get("stepsDone", 0))
+    flops = prog.flops if prog is not None else float(st.status.get("recoveredFlops", 0.0))
+    st.status.update(progress_fields(job, done, flops))
+    if prog is not None:
+        st.count("kills", at_least=prog.kills)
+    rate = _steps_per_s(cache, job, stage, trainings.get(stage.training), stage_context_bytes(view, stage))
+    end_s = now_s + _init_left_s(job, a, prog, now_s) + (job.steps - done) / rate if rate > 0 else math.inf
+    busy[skey] = (uid, end_s)
+    set_eta(st, job, end_s)
+    if waiting is not None and waiting[0]:
+        what, hint = not_starting(waiting[0], str(a.get("pod")))
+        st.condition(ConditionType.RUNNING, False, "PodNotStarting", f"fill Pod {a.get('pod')}: {waiting[0]}")
+        # The phase's message (and its Event) names the kind of failure only: the kubelet's own words alternate
+        # (ErrImagePull, ImagePullBackOff) with every retry, and are in the condition.
+        st.phase(FillJobPhase.PLACED, f"fill Pod {a.get('pod')} has not started: {what}; {hint}. It is taken off "
+                 f"the stage and queued again if it has not started {view.pod_start_timeout_s:g} s after its "
+                 "creation", event="PodNotStarting", warning=True)
+    elif st.phase_now is FillJobPhase.PLACED and \
+            condition_of(st.status, ConditionType.RUNNING).get("reason") == "PodNotStarting":
+        st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.get('pod')} started")
+        st.phase(FillJobPhase.PLACED, placed_message(stage))
+    if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
+        if not stage.hook_reporting:
+            # No bubbles while the training sends no signals (stopped, evaluating or checkpointing, hung), so no fill
+            # steps: said, so that a job making no progress says why. It keeps its stage and its process.
+            st.condition(ConditionType.RUNNING, False, "TrainingSilent", f"no bubble signals from stage {stage.stage} "
+                         f"of {stage.training} (training Pod {stage.pod})")
+            st.phase(FillJobPhase.PAUSED, f"paused: the training's hook on {stage.training} stage {stage.stage} "
+                     f"(Pod {stage.pod}) has sent no bubble signals for {HOOK_SILENCE_S:g} s (the training stopped, "
+                     "is evaluating or checkpointing, or hangs); fill work runs only in its bubbles, so the job "
+                     "runs again at its next one", event="Paused")
+            return
+        st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {stage.stage} "
+                     f"on {stage.node}")
+        st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {stage.training} stage {stage.stage} on "
+                 f"{stage.node}", event="Running")
+
+
+def _kubelet_words(status: Mapping[str, Any], pod: str, why: str) -> str:
+    """What keeps a fill Pod from starting, as said: the kubelet's "Reason: message", except that its back-off between
+    image pulls (``ImagePullBackOff: Back-off pulling image ...``) keeps the words of the failed pull said before it
+    (``ErrImagePull: <the registry's error>``), which say why; the kubelet alternates the two with every retry, and
+    the status would be rewritten each time for less."""
+    if why.split(":", 1)[0].strip() != "ImagePullBackOff":
+        return why
+    said = condition_of(status, ConditionType.RUNNING)
+    prefix = f"fill Pod {pod}: "
+    message = str(said.get("message") or "")
+    if said.get("reason") == "PodNotStarting" and message.startswith(prefix + "ErrImagePull"):
+        return message[len(prefix):]
+    return why
+
+
+
+
+def placed_message(stage: StageView) -> str:
+    return f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
+
+
+def _evict(st: FillJobStatus, job: FillJobResource, why: str, a: Mapping[str, Any], *, keep_pod: bool = False,
+           counted: bool = True) -> None:
+    """Take the job off its stage: requeue it, or fail it past its restart limit. Its Pod is deleted unless
+    ``keep_pod`` (it ended on its own: kept, like a Job's failed Pods, for ``kubectl logs``; it holds nothing, and
+    goes with the FillJob, its owner). Not ``counted``: the training's doing (its Pod gone, replaced or restarted, its
+    spec turned invalid), which a job cannot avoid: a new attempt (``status.restarts`` names its Pod) that does not
+    count against ``spec.restartLimit``, as Kubernetes' Pod failure policies leave disruptions uncounted."""
+    restarts = st.restarts + 1  # the attempt's number
+    st.count("evictions")
+    if not counted:
+        st.count("trainingDisruptions")
+    used = restarts - int(st.status["counters"].get("trainingDisruptions", 0))  # the restarts the job's limit counts
+    if a.get("pod") and keep_pod:
+        why = f"{why} (its Pod {a['pod']} is kept for its logs)"
+    elif a.get("pod"):
+        st.out.delete_pod(st.key, st.uid, job.namespace, str(a["pod"]))
+    if a.get("node"):
+        st.out.cancel_run(st.key, job.uid, str(a["node"]))
+    st.status.pop("assignment", None)
+    st.status.pop("eta", None)
+    st.condition(ConditionType.RUNNING, False, "Evicted", why)
+    st.condition(ConditionType.PLACED, False, "Evicted", why)
+    if used > job.restart_limit:
+        st.status["restarts"] = restarts - 1
+        st.condition(ConditionType.EVICTED, True, "RestartLimit", why)
+        st.phase(FillJobPhase.FAILED, f"{why}; failed after {job.restart_limit} restart(s) (spec.restartLimit)",
+                 event="Failed", warning=True)
+        return
+    st.status["restarts"] = restarts
+    st.evicted = True
+    resume = f", resuming from {job.checkpoint_path}" if job.checkpoint_path else ", starting over (no checkpoint)"
+    st.condition(ConditionType.EVICTED, True, "Requeued", why)
+    count = (f"{used}/{job.restart_limit} restarts used" if counted else
+             f"not counted against spec.restartLimit, the training's doing; {used}/{job.restart_limit} used")
+    st.phase(FillJobPhase.QUEUED, f"{why}; back in the queue ({count}){resume}", event="Evicted", warning=True)
+
+
+def _init_left_s(job: FillJobResource, a: Mapping[str, Any], prog: JobProgress | None, now_s: float) -> float:
+    """What is left of the job's spec.profile.initTime: from its placement (assignment.placedAt) until its process
+    has initialized on its device (the agent reports it PAUSED or RUNNING); 0 once it has, or when it took longer."""
+    if not job.init_s or (prog is not None and prog.state not in (FillState.SUBMITTED, FillState.CREATED)):
+        return 0.0
+    try:
+        placed = dt.datetime.fromisoformat(str(a["placedAt"]).replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError):
+        return 0.0  # placed by an operator that did not say when: counted from the first step on
+    return max(0.0, job.init_s - (now_s - placed))
+
+
+def _steps_per_s(cache: DecideCache, job: FillJobResource, stage: StageView,
+                 training: PipelineTrainingResource | None, context_bytes: int = 0) -> float:
+    if stage.cycle is None or training is None:
+        return 0.0
+    cls = cache.executor_class(stage, training, context_bytes)
+    rate = best_rate(cls.bubbles, cls.iteration_s, cache.profile(job))  # cached per bubble shape and profile
+    return rate.steps_per_cycle / stage.cycle.iteration_s if rate else 0.0
+
+
+def set_eta(st: FillJobStatus, job: FillJobResource, end_s: float) -> None:
+    """Set the ETA, keeping the one written before while the new estimate is within max(30 s, 5% of the time
+    left) of it: an estimate that moves with every round would rewrite every status every round."""
+    if math.isfinite(end_s) and end_s > MAX_ETA_S:
+        end_s = math.inf  # beyond any calendar (a huge job at a trickle): no ETA
+    if math.isfinite(end_s):
+        old = st.before.get("eta")
+        if old:
+            old_s = dt.datetime.fromisoformat(str(old).replace("Z", "+00:00")).timestamp()
+            if abs(old_s - end_s) <= max(30.0, 0.05 * max(0.0, end_s - st.now.timestamp())):
+                end_s = old_s
+        st.status["eta"] = rfc3339(dt.datetime.fromtimestamp(end_s, dt.UTC))
+        if job.deadline is not None:
+            st.status["deadlineFeasible"] = end_s <= job.deadline.timestamp()
+    else:
+        st.status.pop("eta", None)
+        if job.deadline is not None:
+            st.status["deadlineFeasible"] = False
+
+

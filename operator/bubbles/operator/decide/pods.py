@@ -1,0 +1,230 @@
+"""The fill Pod, as pure ``build_*``-style functions of a FillJob and its assignment: its name, its place, its
+mounts, its manifest; and what the kubelet says when it cannot start one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import Any
+
+from bubbles.core import mps_client, paths
+from bubbles.core.resources import API_VERSION, VOLUME_SOURCES, FillJobResource, ResourceError, inside
+
+from .view import RUN_DIR, Assignment, FillPodSettings
+
+
+def fill_pod_name(name: str, attempt: int) -> str:
+    """Deterministic, so a retried create conflicts instead of starting the job twice; a name too long for a
+    Pod keeps a hash of the whole so two long names never share a Pod."""
+    full = f"fj-{name}-a{attempt}"
+    if len(full) <= 253:
+        return full
+    return f"fj-{name[:200]}-{_digest(name)}-a{attempt}"
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value (at most 63 characters): long ones keep a prefix and a hash of the whole."""
+    return text if len(text) <= 63 else f"{text[:50].rstrip('-_.')}-{_digest(text)}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+# Kubelet reasons a container waits for that are failures to start it, not steps of starting it.
+_IMAGE_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
+                            "RegistryUnavailable", "ImageInspectError", "SignatureValidationFailed"})
+
+
+def pod_not_starting(pod: Mapping[str, Any]) -> str | None:
+    """Why the kubelet cannot start a Pending Pod ("Reason: message" of its first container that waits for a failure
+    to start it), or None while it is only starting (ContainerCreating, PodInitializing) or not started at all."""
+    st = pod.get("status") or {}
+    for c in [*(st.get("initContainerStatuses") or ()), *(st.get("containerStatuses") or ())]:
+        w = (c.get("state") or {}).get("waiting") or {}
+        reason = str(w.get("reason") or "")
+        if reason and reason not in ("ContainerCreating", "PodInitializing"):
+            return f"{reason}: {w['message']}" if w.get("message") else reason
+    # A Pod the scheduler places (one with a claim: fill_pod_place) and cannot: the scheduler's own words.
+    for c in st.get("conditions") or ():
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return f"Unschedulable: {c['message']}" if c.get("message") else "Unschedulable"
+    return None
+
+
+
+def not_starting(why: str, pod: str) -> tuple[str, str]:
+    """What keeps a fill Pod from starting, from the kubelet's "Reason: message", and what to do about it."""
+    reason = why.split(":", 1)[0].strip()
+    if reason in _IMAGE_REASONS:
+        return ("its image cannot be pulled", "check spec.image, and that the node can pull it (a private registry "
+                "needs spec.imagePullSecrets, or an image pull secret on the namespace's default ServiceAccount)")
+    if reason == "CreateContainerConfigError":
+        return ("its container cannot be configured", f"a Secret or ConfigMap it needs may be missing (kubectl "
+                f"describe pod {pod})")
+    if reason == "Unschedulable":
+        return ("the scheduler cannot place it on its training's node", "a claim of spec.volumes or "
+                "spec.checkpoint bound to a volume that node cannot reach (another zone or node), or spec.resources "
+                "more than the node has free; the scheduler's words are in the Running condition")
+    return (reason or "the kubelet cannot start it", f"see kubectl describe pod {pod}")
+
+
+
+def fill_pod_place(node: str, claims: bool) -> dict[str, Any]:
+    """The fill Pod's place: the training's node (the bubbles are its GPU's). ``nodeName`` where it has no
+    PersistentVolumeClaim: no scheduler involved, no taint of a GPU node in the way. With a claim the scheduler must
+    see the Pod, or a claim of a WaitForFirstConsumer StorageClass (most clouds' default) is never bound and the
+    Pod never starts: then the node by a required affinity (on metadata.name, as the DaemonSet controller pins its
+    Pods), tolerating the node's NoSchedule taints as nodeName would."""
+    if not claims:
+        return {"nodeName": node}
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
+            "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}]}
+
+
+def fill_pod_node(spec: Mapping[str, Any]) -> str | None:
+    """The node a fill Pod spec (``fill_pod``'s) is meant for: its nodeName, or the node its affinity requires."""
+    if spec.get("nodeName"):
+        return str(spec["nodeName"])
+    terms = ((((spec.get("affinity") or {}).get("nodeAffinity") or {})
+              .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or [])
+    for term in terms:
+        for f in term.get("matchFields") or ():
+            if f.get("key") == "metadata.name" and f.get("operator") == "In" and len(f.get("values") or ()) == 1:
+                return str(f["values"][0])
+    return None
+
+
+def check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
+    """ResourceError if the job's own storage (its volumes, its checkpoint) would lie in the MPS pipe directory its
+    Pod mounts (the operator's --fill-mps-pipe-dir: a setting of the cluster's, unlike the paths the spec checks)."""
+    pipe = settings.mps_pipe_dir  # written plainly (FillPodSettings)
+    if not pipe:
+        return
+    for where, path in job.container_paths():
+        if inside(path, pipe):
+            raise ResourceError(f"{where} {path!r} lies in {pipe}, the MPS pipe directory every fill Pod on a GPU "
+                                "mounts (the operator's --fill-mps-pipe-dir, the chart's agent.mps.pipeDir): choose "
+                                "a path apart from it")
+
+
+def fill_pod_mounts(training: str, stage: int, node_run_dir: str) -> list[tuple[str, str, str]]:
+    """(volume name, path on the node, path in the Pod) of the two directories of the node's run directory a fill Pod
+    mounts, each at its place under RUN_DIR: the agent's attach socket's, and its stage's fill sockets'. Not the run
+    directory: the stage's other files (the training's lock and card, the agent's socket) and the node's other
+    trainings stay out of the fill job's reach."""
+    name = training.split("/", 1)[-1]
+    fills = posixpath.join(name, f"stage-{stage}", paths.FILLS_DIR_NAME)
+    return [("bubbles-attach", posixpath.join(node_run_dir, paths.ATTACH_DIR_NAME),
+             posixpath.join(RUN_DIR, paths.ATTACH_DIR_NAME)),
+            ("bubbles-fills", posixpath.join(node_run_dir, fills), posixpath.join(RUN_DIR, fills))]
+
+
+def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | None = None) -> dict[str, Any]:
+    """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets (two
+    directories of the node's run directory, under RUN_DIR, as the agent's UID: ``fill_pod_mounts``)."""
+    settings = settings or FillPodSettings()
+    mounts = fill_pod_mounts(a.training, a.stage, settings.node_run_dir)
+    env = [
+        {"name": "BUBBLES_FILL_JOB", "value": job.name},
+        {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},  # with the attempt: how the process attaches to the agent
+        {"name": "BUBBLES_FILL_ATTEMPT", "value": str(a.attempt)},
+        {"name": "BUBBLES_TRAINING", "value": a.training.split("/", 1)[-1]},
+        {"name": "BUBBLES_STAGE", "value": str(a.stage)},
+        {"name": "BUBBLES_DEVICE", "value": a.device},
+        {"name": "BUBBLES_RUN_DIR", "value": RUN_DIR},
+        {"name": "BUBBLES_MEMORY_BYTES", "value": str(job.job.memory_bytes)},
+        {"name": "BUBBLES_MAX_STEPS", "value": str(job.steps)},
+    ]
+    if a.gpu_uuid:
+        # The training's GPU, without asking the device plugin for one (it is the training's): the NVIDIA container
+        # runtime exposes the GPU this names to a Pod that requests none. Inside, it is the only GPU: cuda:0.
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": a.gpu_uuid})
+        env = [e if e["name"] != "BUBBLES_DEVICE" else {"name": "BUBBLES_DEVICE", "value": "cuda:0"} for e in env]
+    else:
+        # No GPU of the training's is known: none at all, whatever the image's own ENV says (CUDA and PyTorch base
+        # images set NVIDIA_VISIBLE_DEVICES=all, which on a node whose default runtime is NVIDIA's shows every GPU,
+        # the trainings' among them). A GPU job here then fails at its start, closed.
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
+    mps = settings.mps_pipe_dir if a.gpu_uuid else None
+    if mps:
+        # The node's MPS server, as the agent's own fill processes join it: its pipe directory, the SM share, priority
+        # below the training's, and the job's memory pinned on the one GPU the Pod sees (device 0). Variables the
+        # CUDA driver reads when the process initializes CUDA: the Pod's environment has them from the start.
+        # A job that declares no memory gets no pinned limit here: the node's agent refuses a GPU job without one,
+        # with the reason, once its Pod attaches (raising here would stop every reconcile round).
+        pinned_on = 0 if job.job.memory_bytes > 0 else None
+        mps_env = mps_client.fill_client_env(PurePosixPath(mps), settings.mps_thread_percentage, pinned_on,
+                                             job.job.memory_bytes)
+        env += [{"name": k, "value": v} for k, v in sorted(mps_env.items())]
+    if job.job.gating_step_s is not None:
+        env.append({"name": "BUBBLES_STEP_S", "value": repr(job.job.gating_step_s)})
+    if job.checkpoint_path:
+        env.append({"name": "BUBBLES_CHECKPOINT", "value": job.checkpoint_path})
+    env += [dict(v) for v in job.env]  # spec.env: the job's own (names apart from the runtime's, checked)
+    container: dict[str, Any] = {
+        "name": "fill", "image": job.image, "env": env,
+        "volumeMounts": [{"name": name, "mountPath": in_pod} for name, _, in_pod in mounts],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if job.pod_resources:  # spec.resources: the Pod's own CPU and host memory (quotas count them)
+        container["resources"] = {kind: dict(v) for kind, v in job.pod_resources.items()}
+    if job.job.command:
+        # The SDK attaches the process to the node's agent, then execs the command (same PID: the agent's handle).
+        container["command"] = ["python", "-m", "bubbles.sdk", "--exec", "--", *job.job.command]
+    else:
+        container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
+        if job.job.args:
+            container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
+    security: dict[str, Any] = {k: v for k, v in (("runAsUser", settings.run_as_user),
+                                                  ("runAsGroup", settings.run_as_group)) if v is not None}
+    claims = bool(job.checkpoint_path and job.checkpoint_claim) or any(
+        v.get("persistentVolumeClaim") for v in job.volumes)
+    if claims and settings.run_as_group is not None:
+        # The job runs as the agent's UID, not as whoever wrote its claims' files: the kubelet gives the claims' files
+        # to its group (once, where their root does not have it already) so that the job can write its results.
+        security.update(fsGroup=settings.run_as_group, fsGroupChangePolicy="OnRootMismatch")
+    # Both made by the node's agent before it reports the stage (the hook makes fills/ too): a Pod finds them there.
+    volumes: list[dict[str, Any]] = [{"name": name, "hostPath": {"path": on_node, "type": "Directory"}}
+                                     for name, on_node, _ in mounts]
+    if mps:
+        # The agent's pipe directory, and its /dev/shm (a node directory the agent's Pod mounts there: the MPS server
+        # keeps its shared state with its clients in /dev/shm). Not host IPC: the node's other IPC stays out.
+        container["volumeMounts"] += [{"name": "mps-pipe", "mountPath": mps},
+                                      {"name": "mps-shm", "mountPath": mps_client.SHM_MOUNT}]
+        volumes += [{"name": "mps-pipe", "hostPath": {"path": mps, "type": "Directory"}},
+                    {"name": "mps-shm", "hostPath": {"path": settings.mps_shm_dir, "type": "Directory"}}]
+    if job.checkpoint_path and job.checkpoint_claim:
+        # The job's state outlives its Pod: the next attempt (another node, maybe) restores from it.
+        container["volumeMounts"].append({"name": "checkpoint", "mountPath": job.checkpoint_path})
+        volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": job.checkpoint_claim}})
+    for v in job.volumes:  # spec.volumes: the job's own (names and paths apart from the runtime's, checked)
+        (source,) = [k for k in VOLUME_SOURCES if v.get(k) is not None]
+        container["volumeMounts"].append({"name": v["name"], "mountPath": v["mountPath"],
+                                          **{k: v[k] for k in ("subPath", "readOnly") if v.get(k) is not None}})
+        volumes.append({"name": v["name"], source: dict(v[source])})
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": a.fill_pod, "namespace": job.namespace,
+            "labels": {"app.kubernetes.io/managed-by": "bubbles", "app.kubernetes.io/component": "fill-job",
+                       "bubbles.dev/fill-job": label_value(job.name),
+                       "bubbles.dev/training": label_value(a.training.split("/", 1)[-1])},
+            "annotations": {"bubbles.dev/fill-job-uid": job.uid, "bubbles.dev/attempt": str(a.attempt)},
+            "ownerReferences": [{"apiVersion": API_VERSION, "kind": "FillJob", "name": job.name, "uid": job.uid,
+                                 "controller": True, "blockOwnerDeletion": True}],
+        },
+        "spec": {
+            **fill_pod_place(a.node, claims),
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            **({"securityContext": security} if security else {}),
+            **({"imagePullSecrets": [{"name": n} for n in job.image_pull_secrets]} if job.image_pull_secrets else {}),
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }

@@ -1,0 +1,120 @@
+"""A FillJob's status as the reconcile builds it: its phase, moved only along ``PHASE_TRANSITIONS``, its conditions,
+and the Events its changes raise; written back as a whole status where it changed."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from bubbles.core.resources import Condition, ConditionType, FillJobPhase, set_condition
+
+from .view import Decisions, Event, key_of
+
+ACTIVE = (FillJobPhase.PLACED, FillJobPhase.RUNNING, FillJobPhase.PAUSED)
+
+# Where a FillJob's phase may go from where it is (None: no phase yet, or one this operator does not know). A phase
+# may be set again (a new message); a final one is never set again.
+_FROM_ACTIVE = frozenset({FillJobPhase.PLACED, FillJobPhase.RUNNING, FillJobPhase.PAUSED, FillJobPhase.QUEUED,
+                          FillJobPhase.SUCCEEDED, FillJobPhase.FAILED})
+PHASE_TRANSITIONS: Mapping[FillJobPhase | None, frozenset[FillJobPhase]] = MappingProxyType({
+    None: frozenset({FillJobPhase.QUEUED, FillJobPhase.FAILED}),  # admitted, or its spec is invalid
+    FillJobPhase.PENDING: frozenset({FillJobPhase.QUEUED, FillJobPhase.FAILED}),
+    FillJobPhase.QUEUED: frozenset({FillJobPhase.QUEUED, FillJobPhase.PLACED, FillJobPhase.FAILED}),
+    FillJobPhase.PLACED: _FROM_ACTIVE,  # runs, pauses, finishes, or is evicted (requeued or failed)
+    FillJobPhase.RUNNING: _FROM_ACTIVE,
+    FillJobPhase.PAUSED: _FROM_ACTIVE,
+    FillJobPhase.SUCCEEDED: frozenset(),
+    FillJobPhase.FAILED: frozenset(),
+})
+
+
+class InvalidTransition(ValueError):
+    """A FillJob's phase set where ``PHASE_TRANSITIONS`` does not lead from its current one."""
+
+
+def check_transition(old: FillJobPhase | None, new: FillJobPhase) -> None:
+    """InvalidTransition unless ``PHASE_TRANSITIONS`` allows ``old`` -> ``new``."""
+    if new not in PHASE_TRANSITIONS[old]:
+        raise InvalidTransition(f"a FillJob's phase cannot go from {old.value if old else 'none'} to {new.value}")
+
+
+def status_of(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(obj.get("status") or {})
+
+
+def phase_of(status: Mapping[str, Any]) -> FillJobPhase | None:
+    """The status's phase, None where it has none this operator knows."""
+    try:
+        return FillJobPhase(str(status.get("phase")))
+    except ValueError:
+        return None
+
+
+def condition_of(status: Mapping[str, Any], type_: ConditionType) -> Mapping[str, Any]:
+    """The condition of ``type_`` in ``status`` ({} if it has none)."""
+    return next((c for c in status.get("conditions") or () if c.get("type") == type_.value), {})
+
+
+class FillJobStatus:
+    """The status being built for one FillJob (its conditions kept, its events collected)."""
+
+    def __init__(self, obj: Mapping[str, Any], now: dt.datetime, out: Decisions) -> None:
+        self.obj = obj
+        self.meta = obj.get("metadata") or {}
+        self.key = key_of(obj)
+        self.uid = str(self.meta.get("uid", ""))
+        self.generation = int(self.meta.get("generation") or 1)
+        self.before = status_of(obj)
+        self.status = dict(self.before)
+        self.now = now
+        self.out = out
+        self.queued_event: Event | None = None
+        self.evicted = False  # evicted this round: placed again from the next one (see placement.place)
+
+    @property
+    def phase_now(self) -> FillJobPhase | None:
+        return phase_of(self.status)
+
+    @property
+    def restarts(self) -> int:
+        """The attempt's number (``status.restarts``): its Pod's and its run's."""
+        return int(self.status.get("restarts", 0))
+
+    @property
+    def assignment(self) -> Mapping[str, Any]:
+        """Where the job is placed (``status.assignment``), {} where it is not."""
+        return self.status.get("assignment") or {}
+
+    def condition(self, type_: ConditionType, ok: bool, reason: str, message: str) -> None:
+        self.status["conditions"] = set_condition(self.status.get("conditions") or [], Condition(
+            type_.value, "True" if ok else "False", reason, message, observed_generation=self.generation), self.now)
+
+    def phase(self, phase: FillJobPhase, message: str, *, event: str | None = None, warning: bool = False) -> None:
+        """Set the phase and its message (InvalidTransition where ``PHASE_TRANSITIONS`` does not allow it), with
+        ``event`` raised where either changed."""
+        check_transition(self.phase_now, phase)
+        changed = self.before.get("phase") != phase.value or self.before.get("message") != message
+        self.status["phase"] = phase.value
+        self.status["message"] = message
+        if event is not None and changed:
+            ev = Event("FillJob", self.meta.get("namespace", ""), self.meta.get("name", ""), self.meta.get("uid", ""),
+                       "Warning" if warning else "Normal", event, message)
+            self.out.events.append(ev)
+            if event == "Queued":
+                self.queued_event = ev
+
+    def count(self, counter: str, at_least: int | None = None) -> None:
+        """Add one to ``status.counters[counter]`` (or raise it to ``at_least``)."""
+        counters = dict(self.status.get("counters") or {})
+        counters[counter] = max(int(counters.get(counter, 0)), at_least) if at_least is not None \
+            else int(counters.get(counter, 0)) + 1
+        self.status["counters"] = counters
+
+    def finish(self) -> None:
+        if self.status.get("phase") != FillJobPhase.QUEUED.value and self.queued_event is not None:
+            self.out.events.remove(self.queued_event)  # queued and placed in one round: one story
+        self.status["observedGeneration"] = self.generation
+        if self.status != self.before:
+            self.out.write_status(self.key, self.uid, self.status)

@@ -1,0 +1,261 @@
+"""What the operator sees (``ClusterView``, ``StageView``, ``FillPodSettings``) and what it decides (``Decisions``,
+grouped by FillJob: ``FillJobDecisions``; ``Assignment``; ``Event``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import posixpath
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from bubbles.core import mps_client
+from bubbles.core.api import FillJobSpec
+from bubbles.core.cycle import BubbleCycle
+from bubbles.core.paths import MOUNTED_RUN_DIR
+from bubbles.core.resources import JobProgress
+
+# Where the fill Pod finds the node agent's sockets (a hostPath shared with the training's Pods).
+RUN_DIR = str(MOUNTED_RUN_DIR)
+# A fill job whose step time is not given is planned with this until the agent measures it.
+PROVISIONAL_STEP_S = 1e-3
+
+# -- what the operator sees ------------------------------------------------------------------------------
+# A replica's first seconds of reconciling: a placed job whose training Pod it has not seen is left as it is, not
+# evicted (its watches list the cluster as it starts; before 2026-11-24 a restarted operator could evict and
+# re-place a running job whose Pod was listed after its FillJob).
+STARTUP_GRACE_S = 10.0
+
+@dataclass(frozen=True)
+class StageView:
+    """One pipeline stage of one training Pod: the Pod from the API server, its bubbles from its node's agent."""
+
+    training: str  # "namespace/name" of the PipelineTraining
+    stage: int
+    pod: str
+    pod_uid: str
+    node: str
+    device: str
+    cycle: BubbleCycle | None = None  # None until the hook has profiled the stage (or after the Pod restarted)
+    agent_up: bool = True
+    hook_reporting: bool = False
+    iteration_s: float | None = None  # latest iteration time while harvesting
+    baseline_iteration_s: float | None = None  # the guard's baseline (no fill work)
+    bubble_s: float = 0.0  # bubble time seen so far while harvesting
+    filled_s: float = 0.0  # fill-step time inside those bubbles
+    gpu_uuid: str | None = None  # the GPU's UUID, when the agent knows it (NVML)
+    training_membership: str = ""  # under MPS: "client", "not a client: ..." (resources.StageReport), or unknown ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.training}/{self.stage}/{self.pod}"
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    now: dt.datetime
+    fill_jobs: Sequence[Mapping[str, Any]]  # FillJob objects as the API server has them (with status)
+    trainings: Sequence[Mapping[str, Any]]  # PipelineTraining objects
+    stages: Sequence[StageView]
+    progress: Mapping[str, JobProgress] = field(default_factory=dict)  # by FillJob uid
+    policy: str = "fifo"
+    # Fill Pods that failed, "namespace/name" -> why (the kubelet's reason): their jobs are evicted.
+    failed_pods: Mapping[str, str] = field(default_factory=dict)
+    # Fill Pods whose process exited 0, "namespace/name" -> what the kubelet says: a job whose agent holds no process
+    # for it then has lost its run (its agent restarted and the process left with the old one's channel).
+    ended_pods: Mapping[str, str] = field(default_factory=dict)
+    fill_pods: FillPodSettings = field(default_factory=lambda: FillPodSettings())
+    # Fill Pods the API server refused to create (admission: a quota, a LimitRange, Pod Security), by FillJob uid ->
+    # (its message, when: epoch seconds): the job stays queued saying why, and is placed again after pod_retry_s.
+    refused_pods: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    pod_retry_s: float = 30.0
+    # Fill Pods not started yet, "namespace/name" -> (the kubelet's reason and message when it reports a failure to
+    # start them: ErrImagePull, ImagePullBackOff, CreateContainerConfigError...; "" while it is only starting, its
+    # creation: epoch seconds): a failure is said on the job at once, and the job is taken off its stage once its Pod
+    # is pod_start_timeout_s old and still not started (a volume that never mounts is said in Events only).
+    waiting_pods: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    pod_start_timeout_s: float = 600.0
+    # What a fill process's own CUDA context takes on a GPU beside its memory limit, which the node agents plan on top
+    # of a job's memory outside MPS (their --cuda-context-mib): a stage's free memory is cut by it here, or jobs the
+    # agent would refuse are placed.
+    cuda_context_bytes: int = 0
+    # How long this replica has been reconciling: its watches may not have listed every object yet in its first
+    # seconds (a training Pod it has not seen is not a Pod that is gone). inf: long enough.
+    acting_s: float = math.inf
+
+
+@dataclass(frozen=True)
+class FillPodSettings:
+    """What every fill Pod shares with its node's agent: set where the agent's DaemonSet is (the chart)."""
+
+    node_run_dir: str = RUN_DIR  # the agent's run directory on the node (a hostPath), mounted at RUN_DIR in the Pod
+    run_as_user: int | None = None  # the UID the agent runs as: its sockets are private to it
+    run_as_group: int | None = None
+    # The agents run --isolation mps with this pipe directory: fill Pods on a GPU join that MPS server.
+    mps_pipe_dir: str | None = None
+    mps_thread_percentage: int = mps_client.DEFAULT_FILL_THREAD_PERCENTAGE
+    # The node directory the agent's Pod mounts at /dev/shm, where the MPS server keeps what it shares with its
+    # clients: fill Pods on MPS mount it there too (and so does the training's Pod).
+    mps_shm_dir: str = mps_client.DEFAULT_SHM_DIR
+
+    def __post_init__(self) -> None:
+        if not self.node_run_dir.startswith("/"):
+            raise ValueError(f"the node's run directory must be an absolute path, got {self.node_run_dir!r}")
+        for what, v in (("user", self.run_as_user), ("group", self.run_as_group)):
+            if v is not None and v < 0:
+                raise ValueError(f"fill Pods' {what} id must be >= 0, got {v}")
+        if self.mps_pipe_dir is not None:
+            if not self.mps_pipe_dir.startswith("/"):
+                raise ValueError(f"the MPS pipe directory must be an absolute path, got {self.mps_pipe_dir!r}")
+            # Written plainly ("/tmp/nvidia-mps/" is /tmp/nvidia-mps): fill Pods' paths are compared with it.
+            object.__setattr__(self, "mps_pipe_dir", posixpath.normpath(self.mps_pipe_dir))
+            mps_client.check_pipe_dir(PurePosixPath(self.mps_pipe_dir))
+            shm = PurePosixPath(mps_client.check_shm_dir(self.mps_shm_dir))
+            for name, other in (("MPS pipe directory", self.mps_pipe_dir),
+                                ("node's run directory", self.node_run_dir)):
+                o = PurePosixPath(other)
+                if shm == o or o in shm.parents or shm in o.parents:
+                    raise ValueError(f"the MPS /dev/shm directory {self.mps_shm_dir} must be apart from the {name} "
+                                     f"{other}: fill Pods mount both, and each must hold only its own files")
+        mps_client.check_thread_percentage(self.mps_thread_percentage)
+
+
+# -- what it decides ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Assignment:
+    """A FillJob placed on one stage: what the agent on ``node`` is told, and what the fill Pod is given."""
+
+    uid: str
+    generation: int
+    namespace: str
+    name: str
+    training: str
+    stage: int
+    node: str
+    pod: str  # the training Pod
+    device: str
+    fill_pod: str  # the fill job's Pod
+    attempt: int
+    gpu_uuid: str | None = None
+    job: FillJobSpec | None = field(default=None, compare=False)  # what the agent plans and drives
+    slowdown_budget: float | None = None  # the PipelineTraining's limits, for the agent's slowdown guard
+    max_fill_share: float | None = None
+    tail_risk: float | None = None  # and for the fill processes' steps past a bubble's predicted end
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # FillJob | PipelineTraining
+    namespace: str
+    name: str
+    uid: str
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+
+@dataclass
+class FillJobDecisions:
+    """What is decided for one FillJob this round; the shell carries it out in one order (its Pod deleted, its run
+    cancelled, finalizer and Pod, assignment, status, finalizer released)."""
+
+    uid: str  # the FillJob decided on (one re-created under its name since is another)
+    status: dict[str, Any] | None = None  # the whole status, where it changed
+    create_pod: dict[str, Any] | None = None
+    delete_pods: list[tuple[str, str]] = field(default_factory=list)  # (namespace, name)
+    cancel_on: str | None = None  # the node whose agent lets go of the job's run
+    assignment: Assignment | None = None  # what that node's agent is told
+    add_finalizer: bool = False  # the job now holds resources
+    remove_finalizer: bool = False  # deleted, its clean-up done
+
+    @property
+    def writes(self) -> bool:
+        """Whether the round writes anything for the job (a cancellation alone is carried out with a write only)."""
+        return (self.status is not None or self.create_pod is not None or bool(self.delete_pods)
+                or self.assignment is not None or self.add_finalizer or self.remove_finalizer)
+
+
+@dataclass
+class Decisions:
+    """Every decision of one round: by FillJob ("namespace/name"), by PipelineTraining, and the Events in the order
+    they were decided. The flat views (``create_pods``, ``assign``...) list one kind across FillJobs in that order."""
+
+    fill_jobs: dict[str, FillJobDecisions] = field(default_factory=dict)
+    training_status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    _taken: list[tuple[str, str, Any]] = field(default_factory=list)  # (kind, FillJob key, what) in decided order
+
+    def _job(self, kind: str, key: str, uid: str, what: Any) -> FillJobDecisions:
+        self._taken.append((kind, key, what))
+        return self.fill_jobs.setdefault(key, FillJobDecisions(uid))
+
+    def write_status(self, key: str, uid: str, status: dict[str, Any]) -> None:
+        self._job("status", key, uid, status).status = status
+
+    def create_pod(self, key: str, uid: str, pod: dict[str, Any]) -> None:
+        self._job("create_pod", key, uid, pod).create_pod = pod
+
+    def delete_pod(self, key: str, uid: str, namespace: str, name: str) -> None:
+        self._job("delete_pod", key, uid, (namespace, name)).delete_pods.append((namespace, name))
+
+    def cancel_run(self, key: str, uid: str, node: str) -> None:
+        self._job("cancel", key, uid, (node, uid)).cancel_on = node
+
+    def assign_job(self, key: str, uid: str, assignment: Assignment) -> None:
+        self._job("assign", key, uid, assignment).assignment = assignment
+
+    def hold(self, key: str, uid: str) -> None:
+        """The job now holds resources: its finalizer is added."""
+        self._job("add_finalizer", key, uid, key).add_finalizer = True
+
+    def release(self, key: str, uid: str) -> None:
+        """The deleted job's clean-up is done: its finalizer is removed."""
+        self._job("remove_finalizer", key, uid, key).remove_finalizer = True
+
+    def _all(self, kind: str) -> Iterator[tuple[str, Any]]:
+        return ((key, what) for k, key, what in self._taken if k == kind)
+
+    @property
+    def fill_job_status(self) -> dict[str, dict[str, Any]]:
+        """"namespace/name" -> whole status, of every FillJob whose status changed."""
+        return dict(self._all("status"))
+
+    @property
+    def create_pods(self) -> list[dict[str, Any]]:
+        return [pod for _, pod in self._all("create_pod")]
+
+    @property
+    def delete_pods(self) -> list[tuple[str, str]]:
+        """(namespace, name) of the fill Pods to delete."""
+        return [pod for _, pod in self._all("delete_pod")]
+
+    @property
+    def assign(self) -> list[Assignment]:
+        return [a for _, a in self._all("assign")]
+
+    @property
+    def cancel(self) -> list[tuple[str, str]]:
+        """(node, FillJob uid) of the runs the agents let go of."""
+        return [run for _, run in self._all("cancel")]
+
+    @property
+    def add_finalizer(self) -> list[str]:
+        return [key for key, _ in self._all("add_finalizer")]
+
+    @property
+    def remove_finalizer(self) -> list[str]:
+        return [key for key, _ in self._all("remove_finalizer")]
+
+
+def key_of(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def stage_context_bytes(view: ClusterView, stage: StageView) -> int:
+    """The CUDA-context allowance the stage's agent adds to a job's memory: on a GPU, outside MPS."""
+    gpu = bool(stage.gpu_uuid) or stage.device.startswith("cuda")
+    return view.cuda_context_bytes if gpu and view.fill_pods.mps_pipe_dir is None else 0
