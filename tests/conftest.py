@@ -12,7 +12,7 @@ if str(BENCHMARKS) not in sys.path:
 
 
 import pytest  # noqa: E402
-from kubeapi import ApiServer, api_server, find_assets  # noqa: E402
+from helpers.kubeapi import ApiServer, api_server, find_assets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

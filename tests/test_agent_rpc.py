@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.agent_cluster import NODE, assignment, write_card
-from pki import SERVER_NAME, Pki
+from helpers.pki import SERVER_NAME, Pki
 
 from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from real_node import IMAGE_TAG, ROOT, ClusterUnavailable, RealNode, build_image, build_images, wait_for
+from helpers.real_node import IMAGE_TAG, ROOT, ClusterUnavailable, RealNode, build_image, build_images, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3600)]
 
@@ -55,7 +55,7 @@ def start_prometheus(node: RealNode, work: Path) -> Any:
     delete the agent and the operator)."""
     import threading
 
-    from test_dashboard_prometheus import Prometheus, find_prometheus
+    from helpers.prometheus import Prometheus, find_prometheus
 
     binary, why = find_prometheus()
     if binary is None:
@@ -666,7 +666,7 @@ def test_a_real_prometheus_scrapes_the_pods_and_every_dashboard_query_has_data(c
         pytest.skip(f"PROMETHEUS TIER SKIPPED: {cluster.prometheus}")
     sys.path.insert(0, str(ROOT / "tools"))
     import dashboard_preview
-    from test_dashboard_prometheus import RATE_INTERVAL, SCRAPE_S
+    from helpers.prometheus import RATE_INTERVAL, SCRAPE_S
 
     prom = cluster.prometheus
     with explained(cluster):

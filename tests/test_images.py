@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from real_node import PROJECT_IMAGES, ClusterUnavailable, build_image
+from helpers.real_node import PROJECT_IMAGES, ClusterUnavailable, build_image
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = sorted(p.parent.name for p in (ROOT / "images").glob("*/Dockerfile"))

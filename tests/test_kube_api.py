@@ -1,6 +1,6 @@
 """The CRDs on a real kube-apiserver (1.20, RBAC on): what the API server enforces is what bubbles.core.resources says.
 
-One API server for the whole module (tests/kubeapi.py). Skipped, loudly, where its binaries cannot be had.
+One API server for the whole module (tests/helpers/kubeapi.py). Skipped, loudly, where its binaries cannot be had.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubeapi import ApiServer
+from helpers.kubeapi import ApiServer
 
 from bubbles.core.resources import (
     API_VERSION,

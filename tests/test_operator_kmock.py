@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from operator_thread import OperatorThread
+from helpers.operator_thread import OperatorThread
 
 from bubbles.core.resources import FillState, JobProgress, NodeReport, StageReport
 from bubbles.operator.agents import InMemoryAgents

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.kubeapi import OPERATOR_NAMESPACE, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
+from helpers.local_node import LocalNode
 from helpers.operator_kube import NS, cluster_fixture, get, phase, until  # noqa: F401  (the cluster fixture)
-from kubeapi import OPERATOR_NAMESPACE, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
-from local_node import LocalNode
-from operator_thread import OperatorThread
+from helpers.operator_thread import OperatorThread
 
 from bubbles.core.api import FillState
 from bubbles.core.resources import JobProgress, NodeReport, StageReport

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, ApiServer
 
 from bubbles.operator.rbac import cluster_role, cluster_role_binding
+from helpers.kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, ApiServer
 
 NS = "harvest"
 

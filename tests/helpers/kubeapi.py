@@ -26,7 +26,7 @@ from typing import Any
 
 from bubbles.demo.orchestrate.processes import free_ports
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "kube-from-debian.sh"
 ADMIN_TOKEN = "bubbles-test-admin-token"
 OPERATOR_TOKEN = "bubbles-test-operator-token"

@@ -21,9 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubeapi import ApiServer
-from pki import Pki
-
 from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
 from bubbles.agent.isolation import IsolationConfig
@@ -31,6 +28,8 @@ from bubbles.agent.rpc import ServerSecurity, serve
 from bubbles.core import paths, wire
 from bubbles.core.api import IsolationMode
 from bubbles.operator.grpc_agents import ClientSecurity
+from helpers.kubeapi import ApiServer
+from helpers.pki import Pki
 
 MIB = 2**20
 
