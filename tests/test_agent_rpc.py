@@ -23,7 +23,7 @@ from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
 from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.rpc import RpcServer, SecurityError, ServerSecurity, serve
-from bubbles.core.agentapi import assignment_to_pb
+from bubbles.core.agentapi import API_VERSION, SERVICE, assignment_to_pb
 from bubbles.core.agentapi.v1alpha1 import agent_pb2 as pb
 from bubbles.core.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
 from bubbles.core.api import FillState, IsolationMode, parse_spec
@@ -317,3 +317,34 @@ def test_bubbles_agent_cluster_serves_health_and_metrics_and_stops_on_sigterm(tm
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def test_an_agent_serving_another_api_version_is_reported_with_both_versions(
+        pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    """An agent of another release serves another gRPC package (a breaking change gets one): each call answers
+    UNIMPLEMENTED, and the operator's log names its API version and what to upgrade instead of a bare status code."""
+    import concurrent.futures
+    import logging
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))  # serves no bubbles.agentapi.v1alpha1 at all
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(pki.server.key.read_bytes(), pki.server.cert.read_bytes())], pki.ca.cert.read_bytes(), True))
+    server.start()
+
+    async def scenario() -> None:
+        agents = GrpcAgents({NODE: f"127.0.0.1:{port}"}.get,
+                            ClientSecurity(pki.ca.cert, pki.client.cert, pki.client.key), timeout_s=5.0)
+        try:
+            assert await agents.report(NODE) is None
+        finally:
+            await agents.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="bubbles.operator.agents"):
+            asyncio.run(scenario())
+    finally:
+        server.stop(0)
+    (said,) = [r.getMessage() for r in caplog.records if NODE in r.getMessage()]
+    assert "UNIMPLEMENTED" in said
+    assert f"the agent API {API_VERSION} ({SERVICE})" in said
+    assert "upgrade the chart so the operator and every agent run the same release" in said

@@ -22,7 +22,16 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from bubbles.core.agentapi import TOKEN_METADATA, ApiError, AssignmentMessage, assignment_to_pb, report_from_pb
+from bubbles.core import versions
+from bubbles.core.agentapi import (
+    API_VERSION,
+    SERVICE,
+    TOKEN_METADATA,
+    ApiError,
+    AssignmentMessage,
+    assignment_to_pb,
+    report_from_pb,
+)
 from bubbles.core.agentapi.v1alpha1 import agent_pb2 as pb
 from bubbles.core.agentapi.v1alpha1 import agent_pb2_grpc as pb_grpc
 from bubbles.core.resources import NodeReport
@@ -69,6 +78,15 @@ class ClientSecurity:
         except OSError as exc:
             raise AgentCredentialsError(f"cannot read the agent token file: {exc}") from None
         return ((TOKEN_METADATA, f"Bearer {token}"),)
+
+
+def failure(exc: grpc.aio.AioRpcError) -> str:
+    """What a failed call says, with the versions where the agent does not serve this operator's API version."""
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return (f"UNIMPLEMENTED: the agent does not serve the agent API {API_VERSION} ({SERVICE}) that this operator "
+                f"(release {versions.release()}) speaks; it runs another release: upgrade the chart so the operator "
+                "and every agent run the same release")
+    return f"{exc.code().name}: {exc.details()}"
 
 
 class GrpcAgents:
@@ -157,7 +175,7 @@ class GrpcAgents:
             reply = await stub.Report(pb.ReportRequest(), timeout=self.timeout_s, metadata=self._metadata)
             report = report_from_pb(reply)
         except grpc.aio.AioRpcError as exc:
-            self._warn(node, f"the bubbles agent on {node} did not answer: {exc.code().name}: {exc.details()}")
+            self._warn(node, f"the bubbles agent on {node} did not answer: {failure(exc)}")
             return None
         except ApiError as exc:
             self._warn(node, f"the bubbles agent on {node} sent a report this operator cannot use: {exc}")
@@ -182,7 +200,7 @@ class GrpcAgents:
             await stub.Assign(assignment_to_pb(msg), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             self._warn(assignment.node, f"assigning {assignment.namespace}/{assignment.name} to the agent on "
-                       f"{assignment.node} failed ({exc.code().name}: {exc.details()}); told again next round")
+                       f"{assignment.node} failed ({failure(exc)}); told again next round")
 
     async def cancel(self, node: str, uid: str) -> None:
         stub = self._stub(node)
@@ -192,7 +210,7 @@ class GrpcAgents:
             await stub.Cancel(pb.CancelRequest(uid=uid, reason="the FillJob was deleted, evicted or finished"),
                               timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            self._warn(node, f"cancelling {uid} on the agent on {node} failed ({exc.code().name}: {exc.details()})")
+            self._warn(node, f"cancelling {uid} on the agent on {node} failed ({failure(exc)})")
 
     async def close(self) -> None:
         for _, channel, _ in self._channels.values():

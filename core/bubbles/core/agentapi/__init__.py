@@ -28,7 +28,11 @@ from bubbles.core.resources import JobProgress, NodeReport, StageReport
 
 from .v1alpha1 import agent_pb2 as pb
 
-SERVICE = "bubbles.agentapi.v1alpha1.Agent"
+# The API's version is its gRPC package: a change an older peer would misread gets a new package (v1beta1, v1...), which
+# an agent serves beside the old one for a release, so an operator and its agents can be upgraded one after the other.
+# A peer that serves none of the caller's packages answers UNIMPLEMENTED, which the operator reports with both versions.
+API_VERSION = "v1alpha1"
+SERVICE = f"bubbles.agentapi.{API_VERSION}.Agent"
 TOKEN_METADATA = "authorization"  # "Bearer <token>", the fallback when mutual TLS is not set up
 
 
