@@ -4,6 +4,7 @@ remembers between rounds is in the cache its caller owns (bubbles.operator.decid
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import itertools
 
 import pytest
@@ -15,6 +16,7 @@ from bubbles.operator import decide
 from bubbles.operator.agents import InMemoryAgents
 from bubbles.operator.decide import (
     PHASE_TRANSITIONS,
+    Assigned,
     ClusterView,
     DecideCache,
     Decisions,
@@ -147,3 +149,27 @@ def test_decisions_are_grouped_by_fill_job_and_listed_in_the_order_taken() -> No
     assert d.create_pods == [d.fill_jobs[k].create_pod for k in ("ml/a", "ml/b")]
     assert d.assign == [d.fill_jobs[k].assignment for k in ("ml/a", "ml/b")]
     assert d.add_finalizer == ["ml/a", "ml/b"]
+
+
+def test_a_status_assignment_is_read_once_as_a_typed_record() -> None:
+    raw = {"training": "llama", "stage": 2, "node": "n1", "device": "cuda:0", "pod": "fj-a1", "trainingPod": "llama-2",
+           "trainingPodUid": "u-2", "placedAt": "2026-01-01T00:00:00Z"}
+    a = Assigned.read(raw)
+    assert (a.training, a.stage, a.node, a.device) == ("llama", 2, "n1", "cuda:0")
+    assert (a.pod, a.training_pod, a.training_pod_uid, a.placed_at) == ("fj-a1", "llama-2", "u-2", raw["placedAt"])
+    # Not placed (no assignment, or an empty one): every field None, as the raw dict's .get gave before.
+    assert Assigned.read(None) == Assigned() == Assigned.read({})
+    assert Assigned.read({"pod": "p"}).node is None
+
+
+def test_the_status_counts_and_progress_read_as_numbers_with_zero_before_any() -> None:
+    out = Decisions()
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    fresh = FillJobStatus({"metadata": {"name": "a", "namespace": "ml", "uid": "u"}}, now, out)
+    assert (fresh.steps_done, fresh.recovered_flops, fresh.counter("evictions")) == (0, 0.0, 0)
+    seen = FillJobStatus({"metadata": {"name": "a", "namespace": "ml", "uid": "u"},
+                          "status": {"progress": {"stepsDone": 40}, "recoveredFlops": 2.5e9,
+                                     "counters": {"evictions": 3}}}, now, out)
+    assert (seen.steps_done, seen.recovered_flops, seen.counter("evictions")) == (40, 2.5e9, 3)
+    seen.count("evictions")
+    assert seen.counter("evictions") == 4

@@ -22,7 +22,7 @@ from .cache import DecideCache
 from .filljobs import see_fill_jobs
 from .placement import place
 from .pods import fill_pod, fill_pod_mounts, fill_pod_name, fill_pod_node, fill_pod_place, label_value, pod_not_starting
-from .status import ACTIVE, PHASE_TRANSITIONS, FillJobStatus, InvalidTransition, check_transition
+from .status import ACTIVE, PHASE_TRANSITIONS, Assigned, FillJobStatus, InvalidTransition, check_transition
 from .trainings import invalid_training_statuses, training_statuses
 from .view import (
     PROVISIONAL_STEP_S,
@@ -40,10 +40,34 @@ from .view import (
 )
 
 __all__ = [
-    "ACTIVE", "PHASE_TRANSITIONS", "PROVISIONAL_STEP_S", "RUN_DIR", "STARTUP_GRACE_S", "Assignment", "ClusterView",
-    "DecideCache", "Decisions", "Event", "FillJobDecisions", "FillJobStatus", "FillPodSettings", "InvalidTransition",
-    "JobProgress", "StageView", "check_transition", "fill_pod", "fill_pod_mounts", "fill_pod_name", "fill_pod_node",
-    "fill_pod_place", "key_of", "label_value", "pod_not_starting", "reconcile", "stage_context_bytes",
+    "ACTIVE",
+    "PHASE_TRANSITIONS",
+    "PROVISIONAL_STEP_S",
+    "RUN_DIR",
+    "STARTUP_GRACE_S",
+    "Assigned",
+    "Assignment",
+    "ClusterView",
+    "DecideCache",
+    "Decisions",
+    "Event",
+    "FillJobDecisions",
+    "FillJobStatus",
+    "FillPodSettings",
+    "InvalidTransition",
+    "JobProgress",
+    "StageView",
+    "check_transition",
+    "fill_pod",
+    "fill_pod_mounts",
+    "fill_pod_name",
+    "fill_pod_node",
+    "fill_pod_place",
+    "key_of",
+    "label_value",
+    "pod_not_starting",
+    "reconcile",
+    "stage_context_bytes",
 ]
 
 

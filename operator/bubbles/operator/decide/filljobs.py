@@ -24,7 +24,7 @@ from bubbles.operator.scheduler import best_rate
 
 from .cache import DecideCache
 from .pods import check_paths, not_starting
-from .status import ACTIVE, FillJobStatus, condition_of
+from .status import ACTIVE, Assigned, FillJobStatus, condition_of
 from .view import STARTUP_GRACE_S, Assignment, ClusterView, Decisions, Event, StageView, key_of, stage_context_bytes
 
 MAX_ETA_S = dt.datetime(9000, 1, 1, tzinfo=dt.UTC).timestamp()
@@ -51,10 +51,10 @@ def see_fill_jobs(view: ClusterView, out: Decisions, cache: DecideCache, stages:
         phase = st.phase_now
         if phase is not None and phase.terminal:  # final: neither parsed nor looked at again (thousands pile up)
             a = st.assignment
-            if a.get("node") and st.uid in view.progress:
+            if a.node and st.uid in view.progress:
                 # The agent still holds the run: it lets go of it now that the final status is stored (told every
                 # round until it stops reporting the job, so a lost call costs a round).
-                out.cancel_run(st.key, st.uid, str(a["node"]))
+                out.cancel_run(st.key, st.uid, str(a.node))
             st.finish()
             continue
         try:
@@ -62,11 +62,11 @@ def see_fill_jobs(view: ClusterView, out: Decisions, cache: DecideCache, stages:
             if phase not in ACTIVE:  # a Pod made already has the mounts it has: a changed setting does not stop it
                 check_paths(job, view.fill_pods)
         except ResourceError as exc:
-            a = st.status.pop("assignment", None) or {}
-            if a.get("pod"):  # it ran: its spec was edited into an invalid one; stop it, free its stage
-                out.delete_pod(st.key, st.uid, str(meta.get("namespace", "")), str(a["pod"]))
-            if a.get("node"):
-                out.cancel_run(st.key, st.uid, str(a["node"]))
+            a = Assigned.read(st.status.pop("assignment", None))
+            if a.pod:  # it ran: its spec was edited into an invalid one; stop it, free its stage
+                out.delete_pod(st.key, st.uid, str(meta.get("namespace", "")), str(a.pod))
+            if a.node:
+                out.cancel_run(st.key, st.uid, str(a.node))
             st.status.pop("eta", None)
             st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
             st.phase(FillJobPhase.FAILED, f"invalid spec: {exc} (a Failed FillJob is not read again: delete it and "
@@ -107,16 +107,16 @@ def clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
     meta = obj.get("metadata") or {}
     if FINALIZER not in (meta.get("finalizers") or []):
         return
-    a = (obj.get("status") or {}).get("assignment") or {}
+    a = Assigned.read((obj.get("status") or {}).get("assignment"))
     key, uid = key_of(obj), str(meta.get("uid", ""))
-    if a.get("pod"):
-        out.delete_pod(key, uid, str(meta.get("namespace", "")), str(a["pod"]))
-    if a.get("node"):
-        out.cancel_run(key, uid, str(a["node"]))
+    if a.pod:
+        out.delete_pod(key, uid, str(meta.get("namespace", "")), str(a.pod))
+    if a.node:
+        out.cancel_run(key, uid, str(a.node))
     out.release(key, uid)
     out.events.append(Event("FillJob", str(meta.get("namespace", "")), str(meta.get("name", "")),
                             str(meta.get("uid", "")), "Normal", "Deleted",
-                            f"stopped; its Pod {a['pod']} is deleted" if a.get("pod") else "deleted"))
+                            f"stopped; its Pod {a.pod} is deleted" if a.pod else "deleted"))
 
 
 def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobStatus, job: FillJobResource,
@@ -125,62 +125,62 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
     """A placed job: follow its progress, or evict it when its stage, Pod or agent is gone (or its training's spec
     turned invalid: ``invalid``, training key -> why)."""
     a = st.assignment
-    skey = f"{job.namespace}/{a.get('training')}/{a.get('stage')}/{a.get('trainingPod')}"
+    skey = f"{job.namespace}/{a.training}/{a.stage}/{a.training_pod}"
     stage = stages.get(skey)
     uid = job.uid
     prog = view.progress.get(uid)
     if prog is not None and prog.attempt != st.restarts:
         prog = None  # an earlier attempt's run (stopped when this one was placed): not this run's progress
     # Its Pod not started yet (judged only while no process of it runs): (the kubelet's reason or "", since when).
-    waiting = view.waiting_pods.get(f"{job.namespace}/{a.get('pod')}") \
+    waiting = view.waiting_pods.get(f"{job.namespace}/{a.pod}") \
         if prog is None or prog.state is FillState.SUBMITTED else None
     if waiting is not None and waiting[0]:
-        waiting = (_kubelet_words(st.status, str(a.get("pod")), waiting[0]), waiting[1])
+        waiting = (_kubelet_words(st.status, str(a.pod), waiting[0]), waiting[1])
     lost = None
     ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
     # The training's doing (its Pod or spec changed), not the job's: not counted as a restart. Unless the job had its
     # process on the training's GPU: a fatal fault of one MPS client reaches every client of its server, the training
     # among them, so a training Pod restarted, replaced or gone then may be the job's doing (counted, as before).
-    on_gpu = prog is not None and a.get("device", "").startswith("cuda") and (
+    on_gpu = prog is not None and (a.device or "").startswith("cuda") and (
         prog.state in (FillState.PAUSED, FillState.RUNNING, FillState.STOPPED) or prog.steps_done > 0)
     training_side = False
     if stage is None and view.acting_s < STARTUP_GRACE_S:
         return  # just started: the training Pod may not be in the watch's first listing yet; look again next round
     if stage is None:
-        tkey, tpod = f"{job.namespace}/{a.get('training')}", a.get("trainingPod")
+        tkey, tpod = f"{job.namespace}/{a.training}", a.training_pod
         if tkey in (invalid or {}):
-            lost = (f"PipelineTraining {a.get('training')}'s spec turned invalid ({(invalid or {})[tkey]}): its "
+            lost = (f"PipelineTraining {a.training}'s spec turned invalid ({(invalid or {})[tkey]}): its "
                     "bubbles are not used until it is fixed")
             training_side = True
         elif any(s.pod == tpod and s.training == tkey for s in view.stages):
             # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes).
             # (A silent hook leaves the stage reported, hook_reporting False: the job is Paused, below.)
-            lost = (f"the bubbles agent on node {a.get('node')} no longer reports stage {a.get('stage')} of "
-                    f"{a.get('training')} (training Pod {tpod} still runs: the agent restarted)")
+            lost = (f"the bubbles agent on node {a.node} no longer reports stage {a.stage} of "
+                    f"{a.training} (training Pod {tpod} still runs: the agent restarted)")
         else:
-            lost = f"training Pod {tpod} (stage {a.get('stage')} of {a.get('training')}) is gone"
+            lost = f"training Pod {tpod} (stage {a.stage} of {a.training}) is gone"
             training_side = not on_gpu
     elif not stage.agent_up:
         lost = f"the bubbles agent on node {stage.node} stopped answering"
-    elif a.get("trainingPodUid") and stage.pod_uid and a["trainingPodUid"] != stage.pod_uid:
+    elif a.training_pod_uid and stage.pod_uid and a.training_pod_uid != stage.pod_uid:
         lost = f"training Pod {stage.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
         training_side = not on_gpu
     elif stage.cycle is None:
         lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
         training_side = not on_gpu
-    elif (failed := view.failed_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
-        lost = f"fill Pod {a.get('pod')} failed: {failed}"
+    elif (failed := view.failed_pods.get(f"{job.namespace}/{a.pod}")) is not None:
+        lost = f"fill Pod {a.pod} failed: {failed}"
         ended_itself = True
     elif (prog is None or prog.state is FillState.SUBMITTED) and \
-            (ended := view.ended_pods.get(f"{job.namespace}/{a.get('pod')}")) is not None:
+            (ended := view.ended_pods.get(f"{job.namespace}/{a.pod}")) is not None:
         # A finished run is reported as STOPPED by the agent before its process exits; an agent that knows no
         # process for the job while its Pod has ended lost the run (it restarted).
-        lost = (f"fill Pod {a.get('pod')} ended ({ended}) but the agent on {a.get('node')} holds no run of the job "
+        lost = (f"fill Pod {a.pod} ended ({ended}) but the agent on {a.node} holds no run of the job "
                 "(the agent restarted?)")
         ended_itself = True
     elif waiting is not None and now_s - waiting[1] >= view.pod_start_timeout_s:
-        why = waiting[0] or f"still being created (a volume that does not mount? kubectl describe pod {a.get('pod')})"
-        lost = (f"fill Pod {a.get('pod')} did not start within {view.pod_start_timeout_s:g} s of its creation "
+        why = waiting[0] or f"still being created (a volume that does not mount? kubectl describe pod {a.pod})"
+        lost = (f"fill Pod {a.pod} did not start within {view.pod_start_timeout_s:g} s of its creation "
                 f"(the operator's --fill-pod-start-timeout): {why}")
     if prog is not None and prog.state is FillState.STOPPED:
         if prog.reason == "finished" or prog.steps_done >= job.steps:
@@ -188,7 +188,7 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
             st.status.pop("eta", None)
             st.condition(ConditionType.FINISHED, True, "Succeeded", f"did {job.steps} steps")
             st.condition(ConditionType.RUNNING, False, "Finished", "the job finished")
-            st.phase(FillJobPhase.SUCCEEDED, f"finished {job.steps} steps in the bubbles of {a.get('training')}",
+            st.phase(FillJobPhase.SUCCEEDED, f"finished {job.steps} steps in the bubbles of {a.training}",
                      event="Succeeded")
             return
         lost = f"the fill process stopped: {prog.reason}"
@@ -206,10 +206,10 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
         # agent's side (uid, generation, attempt), so a lost or repeated call costs nothing.
         out.assign_job(st.key, st.uid, Assignment(
             job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node, stage.pod,
-            stage.device, str(a.get("pod") or ""), st.restarts, stage.gpu_uuid, job.job,
+            stage.device, str(a.pod or ""), st.restarts, stage.gpu_uuid, job.job,
             **limits(trainings.get(stage.training))))
-    done = prog.steps_done if prog is not None else int((st.status.get("progress") or {}).get("stepsDone", 0))
-    flops = prog.flops if prog is not None else float(st.status.get("recoveredFlops", 0.0))
+    done = prog.steps_done if prog is not None else st.steps_done
+    flops = prog.flops if prog is not None else st.recovered_flops
     st.status.update(progress_fields(job, done, flops))
     if prog is not None:
         st.count("kills", at_least=prog.kills)
@@ -218,16 +218,16 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
     busy[skey] = (uid, end_s)
     set_eta(st, job, end_s)
     if waiting is not None and waiting[0]:
-        what, hint = not_starting(waiting[0], str(a.get("pod")))
-        st.condition(ConditionType.RUNNING, False, "PodNotStarting", f"fill Pod {a.get('pod')}: {waiting[0]}")
+        what, hint = not_starting(waiting[0], str(a.pod))
+        st.condition(ConditionType.RUNNING, False, "PodNotStarting", f"fill Pod {a.pod}: {waiting[0]}")
         # The phase's message (and its Event) names the kind of failure only: the kubelet's own words alternate
         # (ErrImagePull, ImagePullBackOff) with every retry, and are in the condition.
-        st.phase(FillJobPhase.PLACED, f"fill Pod {a.get('pod')} has not started: {what}; {hint}. It is taken off "
+        st.phase(FillJobPhase.PLACED, f"fill Pod {a.pod} has not started: {what}; {hint}. It is taken off "
                  f"the stage and queued again if it has not started {view.pod_start_timeout_s:g} s after its "
                  "creation", event="PodNotStarting", warning=True)
     elif st.phase_now is FillJobPhase.PLACED and \
             condition_of(st.status, ConditionType.RUNNING).get("reason") == "PodNotStarting":
-        st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.get('pod')} started")
+        st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.pod} started")
         st.phase(FillJobPhase.PLACED, placed_message(stage))
     if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
         if not stage.hook_reporting:
@@ -267,7 +267,7 @@ def placed_message(stage: StageView) -> str:
     return f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
 
 
-def _evict(st: FillJobStatus, job: FillJobResource, why: str, a: Mapping[str, Any], *, keep_pod: bool = False,
+def _evict(st: FillJobStatus, job: FillJobResource, why: str, a: Assigned, *, keep_pod: bool = False,
            counted: bool = True) -> None:
     """Take the job off its stage: requeue it, or fail it past its restart limit. Its Pod is deleted unless
     ``keep_pod`` (it ended on its own: kept, like a Job's failed Pods, for ``kubectl logs``; it holds nothing, and
@@ -278,13 +278,13 @@ def _evict(st: FillJobStatus, job: FillJobResource, why: str, a: Mapping[str, An
     st.count("evictions")
     if not counted:
         st.count("trainingDisruptions")
-    used = restarts - int(st.status["counters"].get("trainingDisruptions", 0))  # the restarts the job's limit counts
-    if a.get("pod") and keep_pod:
-        why = f"{why} (its Pod {a['pod']} is kept for its logs)"
-    elif a.get("pod"):
-        st.out.delete_pod(st.key, st.uid, job.namespace, str(a["pod"]))
-    if a.get("node"):
-        st.out.cancel_run(st.key, job.uid, str(a["node"]))
+    used = restarts - st.counter("trainingDisruptions")  # the restarts the job's limit counts
+    if a.pod and keep_pod:
+        why = f"{why} (its Pod {a.pod} is kept for its logs)"
+    elif a.pod:
+        st.out.delete_pod(st.key, st.uid, job.namespace, str(a.pod))
+    if a.node:
+        st.out.cancel_run(st.key, job.uid, str(a.node))
     st.status.pop("assignment", None)
     st.status.pop("eta", None)
     st.condition(ConditionType.RUNNING, False, "Evicted", why)
@@ -304,14 +304,16 @@ def _evict(st: FillJobStatus, job: FillJobResource, why: str, a: Mapping[str, An
     st.phase(FillJobPhase.QUEUED, f"{why}; back in the queue ({count}){resume}", event="Evicted", warning=True)
 
 
-def _init_left_s(job: FillJobResource, a: Mapping[str, Any], prog: JobProgress | None, now_s: float) -> float:
+def _init_left_s(job: FillJobResource, a: Assigned, prog: JobProgress | None, now_s: float) -> float:
     """What is left of the job's spec.profile.initTime: from its placement (assignment.placedAt) until its process
     has initialized on its device (the agent reports it PAUSED or RUNNING); 0 once it has, or when it took longer."""
     if not job.init_s or (prog is not None and prog.state not in (FillState.SUBMITTED, FillState.CREATED)):
         return 0.0
     try:
-        placed = dt.datetime.fromisoformat(str(a["placedAt"]).replace("Z", "+00:00")).timestamp()
-    except (KeyError, ValueError):
+        if a.placed_at is None:
+            raise ValueError("not said")
+        placed = dt.datetime.fromisoformat(str(a.placed_at).replace("Z", "+00:00")).timestamp()
+    except ValueError:
         return 0.0  # placed by an operator that did not say when: counted from the first step on
     return max(0.0, job.init_s - (now_s - placed))
 

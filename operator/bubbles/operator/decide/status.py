@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -57,6 +58,28 @@ def condition_of(status: Mapping[str, Any], type_: ConditionType) -> Mapping[str
     return next((c for c in status.get("conditions") or () if c.get("type") == type_.value), {})
 
 
+@dataclass(frozen=True)
+class Assigned:
+    """``status.assignment``, read once: where a placed FillJob runs (a field the status lacks: None). Placement writes
+    the assignment whole (``placement._assign``); nothing edits one in place."""
+
+    training: str | None = None  # the PipelineTraining's name, in the FillJob's namespace
+    stage: int | None = None
+    node: str | None = None
+    device: str | None = None
+    pod: str | None = None  # the fill job's Pod
+    training_pod: str | None = None
+    training_pod_uid: str | None = None
+    placed_at: str | None = None  # RFC 3339
+
+    @classmethod
+    def read(cls, raw: Mapping[str, Any] | None) -> Assigned:
+        """The assignment in a status's ``assignment`` object (None or {}: not placed)."""
+        d = raw or {}
+        return cls(d.get("training"), d.get("stage"), d.get("node"), d.get("device"), d.get("pod"),
+                   d.get("trainingPod"), d.get("trainingPodUid"), d.get("placedAt"))
+
+
 class FillJobStatus:
     """The status being built for one FillJob (its conditions kept, its events collected)."""
 
@@ -83,9 +106,23 @@ class FillJobStatus:
         return int(self.status.get("restarts", 0))
 
     @property
-    def assignment(self) -> Mapping[str, Any]:
-        """Where the job is placed (``status.assignment``), {} where it is not."""
-        return self.status.get("assignment") or {}
+    def assignment(self) -> Assigned:
+        """Where the job is placed (``status.assignment``; every field None where it is not)."""
+        return Assigned.read(self.status.get("assignment"))
+
+    @property
+    def steps_done(self) -> int:
+        """``status.progress.stepsDone`` as last written (0 before any)."""
+        return int((self.status.get("progress") or {}).get("stepsDone", 0))
+
+    @property
+    def recovered_flops(self) -> float:
+        """``status.recoveredFlops`` as last written."""
+        return float(self.status.get("recoveredFlops", 0.0))
+
+    def counter(self, name: str) -> int:
+        """``status.counters[name]`` (0 before any)."""
+        return int((self.status.get("counters") or {}).get(name, 0))
 
     def condition(self, type_: ConditionType, ok: bool, reason: str, message: str) -> None:
         self.status["conditions"] = set_condition(self.status.get("conditions") or [], Condition(

@@ -28,7 +28,7 @@ def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str,
     placed_on: dict[str, int] = {}
     for _o, j, st in valid.values():
         if phase_of(st.status) in ACTIVE:
-            tk = f"{j.namespace}/{(st.status.get('assignment') or {}).get('training')}"
+            tk = f"{j.namespace}/{st.assignment.training}"
             placed_on[tk] = placed_on.get(tk, 0) + 1
     by_training: dict[str, list[StageView]] = {}
     for s in stages.values():
