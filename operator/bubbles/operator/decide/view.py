@@ -24,7 +24,7 @@ PROVISIONAL_STEP_S = 1e-3
 
 # -- what the operator sees ------------------------------------------------------------------------------
 # A replica's first seconds of reconciling: a placed job whose training Pod it has not seen is left as it is, not
-# evicted (its watches list the cluster as it starts; before 2026-11-24 a restarted operator could evict and
+# evicted (its watches list the cluster as it starts; without the grace a restarted operator would evict and
 # re-place a running job whose Pod was listed after its FillJob).
 STARTUP_GRACE_S = 10.0
 
