@@ -596,6 +596,13 @@ def run_through_a_replaced_pod(cluster: Cluster, job: str, component: str, steps
     old = pod_of(node, component)["metadata"]["name"]
     node.kubectl("delete", "pod", "-n", SYSTEM, old, "--wait=false")
     t1 = time.monotonic()
+    if component == "operator":
+        # The kubelet's SIGTERM ends the operator within seconds (not the grace period's SIGKILL, 30 s on): a rollout
+        # does not wait for it, nor the next replica for its Lease to expire.
+        wait_for(f"the old {component} Pod gone", lambda: node.kubectl(
+            "get", "pod", "-n", SYSTEM, old, check=False).returncode != 0, 60)
+        cluster.timeline["operator Pod deleted to gone (s)"] = round(time.monotonic() - t1, 1)
+        assert time.monotonic() - t1 < 15, f"the operator took {time.monotonic() - t1:.1f} s to stop on SIGTERM"
     wait_for(f"a new {component} Pod", lambda: (
         p if (p := pod_of_or_none(node, component)) and p["metadata"]["name"] != old
         and all(c.get("ready") for c in p["status"].get("containerStatuses", [])) else None), 180)

@@ -9,6 +9,9 @@ agent behind its gRPC service, and a fill process that attaches to it.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -222,6 +225,40 @@ def test_two_replicas_elect_one_leader_and_the_other_takes_over(cluster: ApiServ
         if a.thread.is_alive():
             a.close()
         cluster.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false", check=False)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_operator_command_stops_on_a_signal_and_releases_its_lease(cluster: ApiServer, sig: signal.Signals,
+                                                                        tmp_path: Path) -> None:
+    """The real ``bubbles operator`` as a Pod runs it: the kubelet's SIGTERM (Ctrl-C's SIGINT by hand) ends it within
+    seconds, with its Lease released so another replica takes over at once instead of waiting for it to expire."""
+    lease_name = f"stop-{sig.name.lower()}"
+    log = (tmp_path / "operator.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bubbles.cli", "operator", "--kubeconfig", str(cluster.operator_kubeconfig),
+         "--lease-name", lease_name, "--lease-namespace", OPERATOR_NAMESPACE, "--identity", "replica-sig",
+         "--interval", "0.3", "--metrics-port", "0", "--namespace", NS],
+        stdout=log, stderr=subprocess.STDOUT)
+
+    def holder() -> str | None:
+        got = cluster.kubectl("get", "lease", lease_name, "-n", OPERATOR_NAMESPACE, "-o", "json", check=False)
+        return json.loads(got.stdout)["spec"].get("holderIdentity") if got.returncode == 0 else None
+
+    try:
+        until("the operator holds its Lease", lambda: holder() == "replica-sig", timeout_s=60)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=10)
+        took_s = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    said = (tmp_path / "operator.log").read_text()
+    assert code == 0, said[-3000:]
+    assert took_s < 10
+    assert holder() in (None, ""), said[-3000:]  # released: the next replica takes it at once
 
 
 def test_a_stale_lease_is_taken_over_by_the_observers_clock_not_by_its_renew_time(cluster: ApiServer) -> None:

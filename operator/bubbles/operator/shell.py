@@ -213,27 +213,42 @@ class Operator:
         return s
 
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
-        """kopf's watches, the lease and the reconcile loop, until ``stop``."""
-        import kopf
-
+        """kopf's watches, the lease and the reconcile loop, until ``stop`` (or until kopf stops: on SIGTERM or
+        SIGINT in the main thread). On the way out the Lease is released, the Events in flight are posted (at most
+        10 s) and the writes' threads are let go."""
         if self.config.metrics_port is not None:
             port = self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, port)
-        tasks = [asyncio.create_task(kopf.operator(
-            registry=self.registry(), settings=self.settings(), standalone=True,
-            clusterwide=self.config.clusterwide, namespaces=list(self.config.namespaces), stop_flag=stop,
-            ready_flag=ready)), asyncio.create_task(self._loop(stop))]
+        tasks = [asyncio.create_task(self._watch(stop, ready)), asyncio.create_task(self._loop(stop))]
         if self.leader is not None:
             tasks.append(asyncio.create_task(self.leader.run(stop)))
         try:
             await asyncio.gather(*tasks)
         finally:
+            stop.set()
             for t in tasks:
                 t.cancel()
             if self._events is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._events, 10)
             self.metrics.close()
+            # A write in flight finishes on its thread (each call is bounded by the client's timeout); none starts.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _watch(self, stop: asyncio.Event, ready: asyncio.Event | None) -> None:
+        """kopf's watches until ``stop``. In the main thread kopf takes SIGTERM and SIGINT for itself, replacing any
+        handler set before (the command's own): when it stops on one, so does everything else here."""
+        import kopf
+
+        try:
+            await kopf.operator(
+                registry=self.registry(), settings=self.settings(), standalone=True,
+                clusterwide=self.config.clusterwide, namespaces=list(self.config.namespaces), stop_flag=stop,
+                ready_flag=ready)
+        finally:
+            if not stop.is_set():
+                log.info("kopf stopped (a signal): stopping the operator")
+            stop.set()
 
     # -- the loop --------------------------------------------------------------------------------------------
     @property
