@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import base64
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from bubbles.operator.kube import Connection
+from bubbles.operator.kube import TOKEN_CHECK_S, Connection, TokenFile
 
 
 def kubeconfig(tmp_path: Path, cluster: dict[str, Any], user: dict[str, Any], namespace: str = "ml") -> Path:
@@ -116,3 +117,75 @@ def test_bad_operator_flags_exit_2_with_the_fix(flags: list[str], needle: str,
 
     assert main(["operator", "--no-leader-election", *flags]) == 2
     assert needle in capsys.readouterr().err
+
+
+def rotate(path: Path, token: str) -> None:
+    """Replace the token file in one rename, as the kubelet swaps a projected token's directory."""
+    new = path.with_name(path.name + ".new")
+    new.write_text(token + "\n")
+    new.replace(path)
+
+
+def test_a_token_file_is_read_again_as_it_rotates_and_no_more_than_once_a_second(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    now = [0.0]
+    tokens = TokenFile(str(path), clock=lambda: now[0])
+    assert tokens.token() == "first"
+    rotate(path, "second")
+    assert tokens.token() == "first"  # looked at again only after TOKEN_CHECK_S
+    now[0] += TOKEN_CHECK_S
+    assert tokens.token() == "second"
+    now[0] += TOKEN_CHECK_S
+    assert tokens.token() == "second"
+    assert tokens.reads == 2  # an unchanged file is not read again
+
+
+def test_a_token_file_that_goes_missing_or_empty_keeps_the_last_token_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    now = [0.0]
+    tokens = TokenFile(str(path), clock=lambda: now[0])
+    assert tokens.token() == "first"
+    path.unlink()
+    now[0] += TOKEN_CHECK_S
+    assert tokens.token() == "first"
+    path.write_text("")
+    now[0] += TOKEN_CHECK_S
+    assert tokens.token() == "first"
+    said = [r.getMessage() for r in caplog.records if "cannot read the API token" in r.getMessage()]
+    assert len(said) == 1  # once, not at every request
+    with pytest.raises(OSError):
+        TokenFile(str(tmp_path / "never")).token()  # no token ever: the caller is told
+
+
+def test_the_client_and_kopf_use_the_files_latest_token(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    c = Connection.from_environment(kubeconfig(tmp_path, {"server": "https://k:6443"}, {"tokenFile": "token"}))
+    assert c.token_file == str(path)
+    conf = c.api_client().configuration
+    assert conf.get_api_key_with_prefix("authorization") == "Bearer first"
+    rotate(path, "second")
+    time.sleep(TOKEN_CHECK_S)
+    assert conf.get_api_key_with_prefix("authorization") == "Bearer second"  # the client asks before each request
+    assert c.current_token() == "second"  # what kopf's login hands it
+    assert Connection("https://k", token="fixed").current_token() == "fixed"  # a token given as it is stays
+
+
+def test_in_a_pod_the_serviceaccount_token_is_followed_as_the_kubelet_rotates_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "token").write_text("projected-1\n")
+    (sa / "namespace").write_text("bubbles-system\n")
+    (sa / "ca.crt").write_text("CA")
+    monkeypatch.setattr("bubbles.operator.kube.SERVICEACCOUNT_DIR", sa)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    c = Connection.from_environment()
+    assert c.token_file == str(sa / "token")
+    assert c.token == "projected-1"
+    rotate(sa / "token", "projected-2")
+    time.sleep(TOKEN_CHECK_S)
+    assert c.current_token() == "projected-2"

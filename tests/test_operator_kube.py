@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.kubeapi import OPERATOR_NAMESPACE, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
+from helpers.kubeapi import OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_TOKEN, OPERATOR_USER, ApiServer
 from helpers.local_node import LocalNode
 from helpers.operator_kube import NS, cluster_fixture, get, phase, until  # noqa: F401  (the cluster fixture)
 from helpers.operator_thread import OperatorThread
@@ -26,7 +26,7 @@ from bubbles.core.api import FillState
 from bubbles.core.resources import JobProgress, NodeReport, StageReport
 from bubbles.operator.agents import InMemoryAgents
 from bubbles.operator.grpc_agents import GrpcAgents
-from bubbles.operator.kube import Connection, FinalizerConflict, KubeWriter
+from bubbles.operator.kube import TOKEN_CHECK_S, Connection, FinalizerConflict, KubeWriter
 from bubbles.operator.leader import LeaseElector
 from bubbles.operator.rbac import RULES
 from bubbles.operator.shell import Operator, OperatorConfig
@@ -259,6 +259,62 @@ def test_the_operator_command_stops_on_a_signal_and_releases_its_lease(cluster: 
     assert code == 0, said[-3000:]
     assert took_s < 10
     assert holder() in (None, ""), said[-3000:]  # released: the next replica takes it at once
+
+
+def bound_token(kube: ApiServer, secret: str) -> str:
+    """A token of the operator's ServiceAccount from the TokenRequest API, bound to Secret ``secret``: deleting the
+    Secret revokes it, as a bound token stops working when its Pod goes or it expires."""
+    status, _ = kube.request("POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/secrets",
+                             {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret}})
+    assert status == 201, status
+    _, got = kube.request("GET", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/secrets/{secret}")
+    status, answer = kube.request(
+        "POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{OPERATOR_SA}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+         "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600,
+                  "boundObjectRef": {"apiVersion": "v1", "kind": "Secret", "name": secret,
+                                     "uid": got["metadata"]["uid"]}}})
+    assert status == 201, answer
+    return str(answer["status"]["token"])
+
+
+def test_a_rotated_token_keeps_the_operator_working_after_the_old_one_is_revoked(cluster: ApiServer,
+                                                                                 tmp_path: Path) -> None:
+    """The kubelet renews a Pod's projected ServiceAccount token in its file before the old one expires: the running
+    operator must follow the file, its watches (kopf) and its writes (the client) alike."""
+    status, _ = cluster.request("POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts",
+                                {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_SA}})
+    assert status in (201, 409), status
+    first, second = bound_token(cluster, "token-first"), bound_token(cluster, "token-second")
+    token_file = tmp_path / "token"
+    token_file.write_text(first)
+    conn = Connection(cluster.url, ca_path=cluster.ca_path, namespace=OPERATOR_NAMESPACE, token_file=str(token_file))
+    cfg = OperatorConfig(interval_s=0.3, lease_namespace=OPERATOR_NAMESPACE, leader_election=True,
+                         identity="rotating", lease_name="rotating", lease_s=4, renew_s=0.5)
+    op = OperatorThread(Operator(cfg, conn, agents_with_bubbles()))
+    try:
+        until("the operator leads", lambda: op.op.acting)
+        cluster.kubectl("create", "-f", "-", input_text=fill_job("before-rotation"))
+        until("Placed with the first token", lambda: phase(cluster, "before-rotation") == "Placed")
+        renamed = tmp_path / "token.new"
+        renamed.write_text(second)
+        renamed.replace(token_file)
+        time.sleep(2 * TOKEN_CHECK_S)
+        cluster.kubectl("delete", "secret", "token-first", "-n", OPERATOR_NAMESPACE)
+        assert until("the first token revoked", lambda: cluster.request(
+            "GET", f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NAMESPACE}/leases/rotating",
+            token=first)[0] == 401)
+        # The stage is the first job's: deleting it (the operator deletes its Pod and lets its finalizer go) frees it
+        # for the next one, which the operator then places; every write with the second token.
+        cluster.kubectl("delete", "fj", "before-rotation", "-n", NS, "--wait=false")
+        cluster.kubectl("create", "-f", "-", input_text=fill_job("after-rotation"))
+        until("the first FillJob gone (its finalizer let go)", lambda: get(cluster, "fj", "before-rotation") is None)
+        until("Placed with the second token", lambda: phase(cluster, "after-rotation") == "Placed")
+        time.sleep(1.0)
+        assert op.op.acting  # its Lease renewed throughout
+    finally:
+        op.close()
+        cluster.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false", check=False)
 
 
 def test_a_stale_lease_is_taken_over_by_the_observers_clock_not_by_its_renew_time(cluster: ApiServer) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,58 @@ from bubbles.core.resources import FINALIZER, GROUP, VERSION
 
 from .decide import Event, fill_pod_node
 
+SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # in a Pod: its token, CA, namespace
+TOKEN_CHECK_S = 1.0  # a rotating token's file is looked at no more often than this
+TOKEN_LIFETIME_S = 60.0  # kopf is told a file's token expires after this, so it reads it again (client-go: a minute)
+
+
+class TokenFile:
+    """A bearer token in a file that is replaced as it rotates (a Pod's projected ServiceAccount token, which the
+    kubelet renews before it expires; a kubeconfig's ``tokenFile``): read again whenever the file changes, looked at
+    no more than once a second. A file that cannot be read or is empty keeps the last token, said once."""
+
+    def __init__(self, path: str, clock: Any = time.monotonic) -> None:
+        self.path = path
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int, int] | None = None
+        self._token = ""
+        self._checked = -float("inf")
+        self._warned = False
+        self.reads = 0  # how often the file was read (changes seen)
+
+    def token(self) -> str:
+        """The file's current token; OSError or ValueError only when it never held one."""
+        with self._lock:
+            now = self.clock()
+            if now - self._checked < TOKEN_CHECK_S and self._token:
+                return self._token
+            self._checked = now
+            try:
+                st = os.stat(self.path)  # follows the kubelet's ..data link: a new token is a new file
+                key = (st.st_ino, st.st_mtime_ns, st.st_size)
+                if key != self._seen:
+                    text = Path(self.path).read_text().strip()
+                    if not text:
+                        raise ValueError(f"the token file {self.path} is empty")
+                    self._token, self._seen = text, key
+                    self.reads += 1
+                    self._warned = False
+            except (OSError, ValueError) as exc:
+                if not self._token:
+                    raise
+                if not self._warned:
+                    self._warned = True
+                    logging.getLogger("bubbles.operator").warning(
+                        "cannot read the API token from %s (%s): the last one is used until it can", self.path, exc)
+            return self._token
+
 
 @dataclass(frozen=True)
 class Connection:
-    """Where the API server is and how to authenticate (what kopf's login and the client both use)."""
+    """Where the API server is and how to authenticate (what kopf's login and the client both use). A token from a
+    file (``token_file``: in a Pod, the ServiceAccount's) is read again as it rotates; ``token`` is the one read
+    first."""
 
     server: str
     token: str | None = None
@@ -36,6 +85,19 @@ class Connection:
     namespace: str | None = None  # the namespace of the operator's own Pod, if known
     cert_path: str | None = None  # a client certificate (kubeconfigs of kind, minikube, kubeadm)
     key_path: str | None = None
+    token_file: str | None = None  # where the token is kept as it rotates
+    _tokens: TokenFile | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.token_file is not None:
+            source = TokenFile(self.token_file)
+            object.__setattr__(self, "_tokens", source)
+            if self.token is None:
+                object.__setattr__(self, "token", source.token())
+
+    def current_token(self) -> str | None:
+        """The token to send now: the file's latest where there is a file, else the one given."""
+        return self._tokens.token() if self._tokens is not None else self.token
 
     @classmethod
     def from_environment(cls, kubeconfig: Path | None = None) -> Connection:
@@ -44,11 +106,11 @@ class Connection:
         From a kubeconfig: the current context's server, its CA (a file or inline ``-data``), and a token or a
         client certificate and key (files or inline). Exec and auth-provider plugins are refused with the fix.
         """
-        sa = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+        sa = SERVICEACCOUNT_DIR
         if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and (sa / "token").exists():
             host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-            return cls(f"https://{host}:{port}", (sa / "token").read_text().strip(), str(sa / "ca.crt"),
-                       namespace=(sa / "namespace").read_text().strip())
+            return cls(f"https://{host}:{port}", ca_path=str(sa / "ca.crt"),
+                       namespace=(sa / "namespace").read_text().strip(), token_file=str(sa / "token"))
         path = kubeconfig or Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
         if kubeconfig is None and not path.exists():
             raise ValueError(f"no in-cluster ServiceAccount and no kubeconfig at {path}: pass --kubeconfig or run "
@@ -82,11 +144,10 @@ class Connection:
             return None
 
         token = user.get("token")
-        if not token and user.get("tokenFile"):
-            token = (base / user["tokenFile"]).read_text().strip()
+        token_file = str((base / user["tokenFile"]).resolve()) if not token and user.get("tokenFile") else None
         return cls(str(cluster["server"]), token, ref(cluster, "certificate-authority"),
                    bool(cluster.get("insecure-skip-tls-verify")), ctx.get("namespace"),
-                   ref(user, "client-certificate"), ref(user, "client-key"))
+                   ref(user, "client-certificate"), ref(user, "client-key"), token_file=token_file)
 
     def api_client(self, pool: int = 4) -> Any:
         import kubernetes
@@ -100,6 +161,11 @@ class Connection:
         if self.token:
             c.api_key = {"authorization": self.token}
             c.api_key_prefix = {"authorization": "Bearer"}
+        if self._tokens is not None:
+            tokens = self._tokens
+            # Asked before every request: the file's token as it rotates (a bound token expires within the hour).
+            c.refresh_api_key_hook = lambda conf: conf.api_key.__setitem__(  # type: ignore[assignment]
+                "authorization", tokens.token())
         if self.cert_path and self.key_path:
             c.cert_file, c.key_file = self.cert_path, self.key_path
         return kubernetes.client.ApiClient(c)

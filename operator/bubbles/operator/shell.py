@@ -47,7 +47,7 @@ from .decide import (
     pod_not_starting,
     reconcile,
 )
-from .kube import Connection, FinalizerConflict, KubeWriter, PodConflict, PodRefused
+from .kube import TOKEN_LIFETIME_S, Connection, FinalizerConflict, KubeWriter, PodConflict, PodRefused
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
 
@@ -181,10 +181,13 @@ class Operator:
 
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
+            # kopf logs in again when its credentials expire or are refused (401): a token from a file that rotates
+            # is said to expire after a minute, so kopf reads the file's latest then.
             c = self.connection
-            return kopf.ConnectionInfo(server=c.server, token=c.token, ca_path=c.ca_path, insecure=c.insecure,
-                                       certificate_path=c.cert_path, private_key_path=c.key_path,
-                                       default_namespace=c.namespace)
+            expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=TOKEN_LIFETIME_S) if c.token_file else None
+            return kopf.ConnectionInfo(server=c.server, token=c.current_token(), ca_path=c.ca_path,
+                                       insecure=c.insecure, certificate_path=c.cert_path, private_key_path=c.key_path,
+                                       default_namespace=c.namespace, expiration=expires)
 
         for kind, group, version, plural in (("fill_jobs", GROUP, VERSION, "filljobs"),
                                              ("trainings", GROUP, VERSION, "pipelinetrainings"),
