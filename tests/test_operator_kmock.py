@@ -21,6 +21,7 @@ from helpers.operator_thread import OperatorThread
 
 from bubbles.core.resources import FillState, JobProgress, NodeReport, StageReport
 from bubbles.operator.agents import InMemoryAgents
+from bubbles.operator.decide import fill_pod_node
 from bubbles.operator.kube import Connection
 from bubbles.operator.shell import Operator, OperatorConfig
 
@@ -125,7 +126,9 @@ async def test_apply_queue_place_run_succeed(cluster: Cluster, operator: tuple[O
     op.wake()
     await cluster.until("Placed", lambda: phase(cluster, "fj") == "Placed")
     pod = await cluster.until("the fill Pod", lambda: cluster.get(PODS, "ml", "fj-fj-a0"))
-    assert pod["spec"]["nodeName"] == "node-a" and pod["metadata"]["labels"]["bubbles.dev/fill-job"] == "fj"
+    assert fill_pod_node(pod["spec"]) == "node-a"
+    assert "nodeName" not in pod["spec"]  # pinned by affinity: the scheduler places it (gates, claims, taints)
+    assert pod["metadata"]["labels"]["bubbles.dev/fill-job"] == "fj"
     st = cluster.get(FJ, "ml", "fj")
     assert st["status"]["assignment"]["node"] == "node-a" and "bubbles.dev/fill-job-cleanup" in \
         st["metadata"]["finalizers"]

@@ -25,6 +25,7 @@ from helpers.operator_thread import OperatorThread
 from bubbles.core.api import FillState
 from bubbles.core.resources import JobProgress, NodeReport, StageReport
 from bubbles.operator.agents import InMemoryAgents
+from bubbles.operator.decide import fill_pod_node
 from bubbles.operator.grpc_agents import GrpcAgents
 from bubbles.operator.kube import TOKEN_CHECK_S, Connection, FinalizerConflict, KubeWriter
 from bubbles.operator.leader import LeaseElector
@@ -94,7 +95,9 @@ def test_place_then_delete_on_a_real_api_server_under_rbac(cluster: ApiServer) -
         assert fj["metadata"]["finalizers"] == ["bubbles.dev/fill-job-cleanup"]
         assert fj["status"]["assignment"]["trainingPod"] == "llama-0" and fj["status"]["observedGeneration"] == 1
         pod = get(cluster, "pod", "fj-resnet-a0")
-        assert pod is not None and pod["spec"]["nodeName"] == "node-a"
+        assert pod is not None
+        assert fill_pod_node(pod["spec"]) == "node-a"
+        assert "nodeName" not in pod["spec"]
         assert pod["metadata"]["ownerReferences"][0]["uid"] == uid  # a real uid now
         events = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
         story = [e["reason"] for e in events if e["involvedObject"]["name"] == "resnet"]
@@ -369,7 +372,7 @@ def test_a_pod_of_the_same_name_from_another_placement_is_replaced_not_trusted(c
         pod = get(cluster, "pod", "fj-clash-a0")
         assert fj is not None and pod is not None
         assert pod["metadata"]["annotations"]["bubbles.dev/fill-job-uid"] == fj["metadata"]["uid"]
-        assert pod["spec"]["nodeName"] == "node-a"
+        assert fill_pod_node(pod["spec"]) == "node-a"
     finally:
         op.close()
         cluster.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false", check=False)
@@ -393,7 +396,7 @@ def test_a_fill_pod_with_a_claim_waits_for_the_scheduler_and_is_not_taken_for_an
     a = Assignment(job.uid, 1, NS, job.name, f"{NS}/llama", 0, "node-a", "llama-0", "cuda:0", "fj-claimed-a0", 0,
                    None, job.job)
     manifest = fill_pod(job, a, FillPodSettings())
-    assert "nodeName" not in manifest["spec"] and manifest["spec"]["affinity"] == on_node("node-a", True)["affinity"]
+    assert "nodeName" not in manifest["spec"] and manifest["spec"]["affinity"] == on_node("node-a")["affinity"]
     manifest["metadata"].pop("ownerReferences")  # no FillJob object of that uid here
     conn = Connection(cluster.url, token=OPERATOR_TOKEN, ca_path=cluster.ca_path, namespace=OPERATOR_NAMESPACE)
     writer = KubeWriter(conn, request_timeout_s=10)
@@ -437,7 +440,8 @@ def test_a_fill_job_runs_to_the_end_through_a_real_node_agent(cluster: ApiServer
         until("the agent holds the assignment",
               lambda: any(j.message.name == "spin" for j in node.node.book.jobs.values()))
         pod = get(cluster, "pod", "fj-spin-a0")
-        assert pod is not None and pod["spec"]["nodeName"] == node_name
+        assert pod is not None
+        assert fill_pod_node(pod["spec"]) == node_name
         proc = node.start_pod(cluster, "fj-spin-a0")
         until("Running", lambda: phase(cluster, "spin") == "Running", timeout_s=60)
         until("Succeeded", lambda: phase(cluster, "spin") == "Succeeded", timeout_s=120)

@@ -4,6 +4,7 @@ with the node agents, and what keeps one from starting."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
@@ -117,16 +118,18 @@ def test_a_fill_pod_mounts_the_jobs_own_volumes_beside_the_runtimes() -> None:
     assert env["BUBBLES_CHECKPOINT"] == "/data/answers/state"
 
 
-def test_a_fill_pod_with_a_claim_is_pinned_by_affinity_for_the_scheduler_to_bind_it() -> None:
-    """nodeName skips the scheduler, and a WaitForFirstConsumer claim (most clouds' default StorageClass) is bound only
-    by it: with a claim the Pod is pinned to the training's node by a required affinity, its NoSchedule taints
-    tolerated as nodeName would; and the claims' files are given to the agent's group, the job's."""
+def test_every_fill_pod_is_pinned_by_affinity_for_the_scheduler_to_place_it() -> None:
+    """nodeName skips the scheduler: a WaitForFirstConsumer claim (most clouds' default StorageClass) is then never
+    bound, and current API servers refuse it beside scheduling gates (Kueue's Pod integration adds them). Every fill
+    Pod is pinned to the training's node by a required affinity, its NoSchedule taints tolerated as nodeName would;
+    and the claims' files are given to the agent's group, the job's."""
     settings = FillPodSettings(run_as_user=1000, run_as_group=2000)
     (plain,) = step([fill_job("plain")], [stage()], fill_pods=settings).create_pods
-    assert plain["spec"]["nodeName"] == "node-a" and "affinity" not in plain["spec"]
+    assert "nodeName" not in plain["spec"]
+    assert fill_pod_node(plain["spec"]) == "node-a"
     assert plain["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
     scratch = fill_job("scratch", volumes=[{"name": "s", "mountPath": "/s", "emptyDir": {}}])
-    assert step([scratch], [stage()], fill_pods=settings).create_pods[0]["spec"]["nodeName"] == "node-a"
+    assert fill_pod_node(step([scratch], [stage()], fill_pods=settings).create_pods[0]["spec"]) == "node-a"
     for job in (fill_job("vol", volumes=[_volume()]), fill_job("ckpt", checkpoint={"path": "/c", "claimName": "c"})):
         (pod,) = step([job], [stage()], fill_pods=settings).create_pods
         spec = pod["spec"]
@@ -408,3 +411,27 @@ def test_a_fill_pod_that_starts_after_all_goes_back_to_its_placed_message() -> N
     run = {"uid-fj": JobProgress("uid-fj", FillState.RUNNING, 5, 0.0)}
     step([job], [stage()], progress=run, waiting_pods={"ml/fj-fj-a0": ("ErrImagePull", NOW.timestamp() - 9999)})
     assert job["status"]["phase"] == "Running"
+
+
+def test_a_fill_pod_tolerates_what_its_training_pod_does_and_what_the_chart_adds() -> None:
+    """A GPU node's NoExecute taints evict a Pod that does not tolerate them, nodeName or not: the fill Pod takes its
+    training Pod's tolerations (that Pod runs on the node), and the chart's operator.fillPodTolerations."""
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}
+    spot = {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    settings = FillPodSettings(tolerations=(spot,))
+    (pod,) = step([fill_job()], [replace(stage(), tolerations=(gpu, spot))], fill_pods=settings).create_pods
+    assert pod["spec"]["tolerations"] == [{"operator": "Exists", "effect": "NoSchedule"}, gpu, spot]  # each once
+
+
+@pytest.mark.parametrize(("bad", "needle"), [
+    ({"key": "a", "operator": "Sometimes"}, "operator must be Exists or Equal"),
+    ({"key": "a", "operator": "Exists", "value": "x"}, "Exists takes no value"),
+    ({"operator": "Equal", "value": "x"}, "without a key must have operator Exists"),
+    ({"key": "a", "effect": "NoRun"}, "effect must be one of NoSchedule, PreferNoSchedule, NoExecute"),
+    ({"key": "a", "effect": "NoSchedule", "tolerationSeconds": 30}, "with effect NoExecute"),
+    ({"key": "a", "tolerationsSeconds": 30}, "has field(s) tolerationsSeconds"),
+    ("nvidia.com/gpu", "must be an object"),
+])
+def test_a_toleration_the_api_server_would_refuse_is_refused_at_start_saying_why(bad: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        FillPodSettings(tolerations=(bad,))  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.rpc import ServerSecurity, serve
 from bubbles.core import paths, wire
 from bubbles.core.api import IsolationMode
+from bubbles.operator.decide import fill_pod_node
 from bubbles.operator.grpc_agents import ClientSecurity
 from helpers.kubeapi import ApiServer
 from helpers.pki import Pki
@@ -98,7 +99,8 @@ class LocalNode:
         where the Pod mounts the agent's hostPath."""
         proc = kube.kubectl("get", "pod", pod_name, "-n", self.namespace, "-o", "json")
         pod = json.loads(proc.stdout)
-        assert pod["spec"]["nodeName"] == self.name, f"{pod_name} is bound to {pod['spec']['nodeName']}"
+        # Pinned to this node by its affinity (this tier has no scheduler to bind it: nodeName stays unset).
+        assert fill_pod_node(pod["spec"]) == self.name, f"{pod_name} is meant for {fill_pod_node(pod['spec'])}"
         (container,) = pod["spec"]["containers"]
         env = {e["name"]: e["value"] for e in container["env"]}
         env["BUBBLES_RUN_DIR"] = str(self.run_dir)  # the hostPath the Pod would mount, here

@@ -111,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the node directory the agents' Pods mount at /dev/shm (the MPS server's shared state): "
                            "fill Pods on MPS mount it there too (default /dev/shm/bubbles-mps; the chart passes "
                            "agent.mps.shmDir; needs --fill-mps-pipe-dir)")
+    fill.add_argument("--fill-pod-tolerations", default="[]", metavar="JSON",
+                      help="tolerations every fill Pod gets, a JSON list as in a Pod's spec.tolerations (the chart "
+                           "passes operator.fillPodTolerations); each fill Pod also gets its training Pod's "
+                           "tolerations and tolerates every NoSchedule taint of its training's node. Default: none")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log level (default INFO)")
 
@@ -185,13 +189,23 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--fill-mps-thread-percentage needs --fill-mps-pipe-dir (the MPS pipe directory the agents use)")
     if args.fill_mps_shm_dir is not None and args.fill_mps_pipe_dir is None:
         return _fail("--fill-mps-shm-dir needs --fill-mps-pipe-dir (the MPS pipe directory the agents use)")
+    import json
+
+    try:
+        tolerations = json.loads(args.fill_pod_tolerations)
+    except ValueError as exc:
+        return _fail(f"--fill-pod-tolerations must be a JSON list of tolerations ({exc}), e.g. "
+                     '\'[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]\'')
+    if not isinstance(tolerations, list):
+        return _fail(f"--fill-pod-tolerations must be a JSON list of tolerations, got {tolerations!r}")
     try:
         fill_pods = FillPodSettings(args.node_run_dir, args.fill_uid, args.fill_gid, args.fill_mps_pipe_dir,
                                     DEFAULT_FILL_THREAD_PERCENTAGE if args.fill_mps_thread_percentage is None
                                     else args.fill_mps_thread_percentage,
-                                    DEFAULT_SHM_DIR if args.fill_mps_shm_dir is None else args.fill_mps_shm_dir)
+                                    DEFAULT_SHM_DIR if args.fill_mps_shm_dir is None else args.fill_mps_shm_dir,
+                                    tuple(tolerations))
     except ValueError as exc:
-        return _fail(f"--node-run-dir/--fill-uid/--fill-gid/--fill-mps-*: {exc}")
+        return _fail(f"--node-run-dir/--fill-uid/--fill-gid/--fill-mps-*/--fill-pod-tolerations: {exc}")
     try:
         connection = Connection.from_environment(args.kubeconfig)
     except (ValueError, OSError) as exc:

@@ -378,7 +378,8 @@ class Operator:
                     baseline_iteration_s=sr.baseline_iteration_s if sr else None,
                     bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0,
                     gpu_uuid=sr.gpu_uuid if sr else None,
-                    training_membership=sr.training_membership if sr else ""))
+                    training_membership=sr.training_membership if sr else "",
+                    tolerations=tuple(spec.get("tolerations") or ())))
         self._cycles = cycles
         failed: dict[str, str] = {}
         ended: dict[str, str] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from bubbles.core.api import FillState
 from bubbles.core.resources import (
@@ -94,7 +94,15 @@ def progress_fields(job: FillJobResource, done: int, flops: float) -> dict[str, 
 
 
 
-def limits(training: PipelineTrainingResource | None) -> dict[str, float | None]:
+class Limits(TypedDict):
+    """A PipelineTraining's limits as an assignment carries them to the agent."""
+
+    slowdown_budget: float | None
+    max_fill_share: float | None
+    tail_risk: float | None
+
+
+def limits(training: PipelineTrainingResource | None) -> Limits:
     """The training's slowdown budget, largest fill share and tail risk, which the agent on its node applies."""
     if training is None:
         return {"slowdown_budget": None, "max_fill_share": None, "tail_risk": None}

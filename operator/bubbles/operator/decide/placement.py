@@ -149,7 +149,8 @@ def _assign(out: Decisions, st: FillJobStatus, job: FillJobResource, stage: Stag
     attempt = st.restarts
     pod = fill_pod_name(job.name, attempt)
     a = Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node,
-                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid, job.job, **limits(training))
+                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid, job.job, **limits(training),
+                   tolerations=stage.tolerations)
     out.assign_job(st.key, st.uid, a)
     out.create_pod(st.key, st.uid, fill_pod(job, a, settings))
     if FINALIZER not in (st.meta.get("finalizers") or []):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
+from types import MappingProxyType
 from typing import Any
 
 from bubbles.core import mps_client, paths
@@ -73,17 +74,25 @@ def not_starting(why: str, pod: str) -> tuple[str, str]:
 
 
 
-def fill_pod_place(node: str, claims: bool) -> dict[str, Any]:
-    """The fill Pod's place: the training's node (the bubbles are its GPU's). ``nodeName`` where it has no
-    PersistentVolumeClaim: no scheduler involved, no taint of a GPU node in the way. With a claim the scheduler must
-    see the Pod, or a claim of a WaitForFirstConsumer StorageClass (most clouds' default) is never bound and the
-    Pod never starts: then the node by a required affinity (on metadata.name, as the DaemonSet controller pins its
-    Pods), tolerating the node's NoSchedule taints as nodeName would."""
-    if not claims:
-        return {"nodeName": node}
+# A fill Pod goes only to its training's node, where a cordon or a NoSchedule taint must not keep it out (the training
+# is there already): as the DaemonSet controller does for its Pods.
+NO_SCHEDULE_ANYWHERE = MappingProxyType({"operator": "Exists", "effect": "NoSchedule"})
+
+
+def fill_pod_place(node: str, tolerations: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The fill Pod's place: the training's node (the bubbles are its GPU's), through the scheduler. A required node
+    affinity on metadata.name pins it there, as the DaemonSet controller pins its Pods; never ``nodeName``, which
+    skips the scheduler: current API servers refuse it beside scheduling gates (which Kueue's Pod integration and
+    other admission webhooks add), and a claim of a WaitForFirstConsumer StorageClass is never bound without the
+    scheduler. Tolerations: every NoSchedule taint (as above), then ``tolerations``, the training Pod's (it runs on
+    that node: its NoExecute taints too) and the chart's, each once."""
+    merged: list[dict[str, Any]] = []
+    for t in (NO_SCHEDULE_ANYWHERE, *tolerations):
+        if dict(t) not in merged:
+            merged.append(dict(t))
     return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
                 {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
-            "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}]}
+            "tolerations": merged}
 
 
 def fill_pod_node(spec: Mapping[str, Any]) -> str | None:
@@ -219,7 +228,7 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
                                  "controller": True, "blockOwnerDeletion": True}],
         },
         "spec": {
-            **fill_pod_place(a.node, claims),
+            **fill_pod_place(a.node, (*a.tolerations, *settings.tolerations)),
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             **({"securityContext": security} if security else {}),

@@ -47,6 +47,7 @@ class StageView:
     filled_s: float = 0.0  # fill-step time inside those bubbles
     gpu_uuid: str | None = None  # the GPU's UUID, when the agent knows it (NVML)
     training_membership: str = ""  # under MPS: "client", "not a client: ..." (resources.StageReport), or unknown ""
+    tolerations: tuple[Mapping[str, Any], ...] = ()  # the training Pod's: it runs on the node, so they fit its taints
 
     @property
     def key(self) -> str:
@@ -99,8 +100,12 @@ class FillPodSettings:
     # The node directory the agent's Pod mounts at /dev/shm, where the MPS server keeps what it shares with its
     # clients: fill Pods on MPS mount it there too (and so does the training's Pod).
     mps_shm_dir: str = mps_client.DEFAULT_SHM_DIR
+    # Tolerations every fill Pod gets beside its training Pod's (the chart's operator.fillPodTolerations).
+    tolerations: tuple[Mapping[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        for i, t in enumerate(self.tolerations):
+            check_toleration(t, f"fill Pod toleration {i}")
         if not self.node_run_dir.startswith("/"):
             raise ValueError(f"the node's run directory must be an absolute path, got {self.node_run_dir!r}")
         for what, v in (("user", self.run_as_user), ("group", self.run_as_group)):
@@ -120,6 +125,36 @@ class FillPodSettings:
                     raise ValueError(f"the MPS /dev/shm directory {self.mps_shm_dir} must be apart from the {name} "
                                      f"{other}: fill Pods mount both, and each must hold only its own files")
         mps_client.check_thread_percentage(self.mps_thread_percentage)
+
+
+TOLERATION_KEYS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def check_toleration(t: Any, where: str) -> None:
+    """ValueError saying what is wrong unless ``t`` is a Pod toleration as the API server accepts it."""
+    if not isinstance(t, Mapping) or not t:
+        raise ValueError(f"{where} must be an object like {{key: nvidia.com/gpu, operator: Exists, effect: "
+                         f"NoSchedule}}, got {t!r}")
+    if unknown := sorted(set(t) - TOLERATION_KEYS):
+        raise ValueError(f"{where} has field(s) {', '.join(unknown)}; a toleration has "
+                         f"{', '.join(sorted(TOLERATION_KEYS))}")
+    op = t.get("operator", "Equal")
+    if op not in ("Exists", "Equal"):
+        raise ValueError(f"{where}: operator must be Exists or Equal, got {op!r}")
+    if op == "Exists" and t.get("value"):
+        raise ValueError(f"{where}: operator Exists takes no value")
+    if not t.get("key") and op != "Exists":
+        raise ValueError(f"{where}: a toleration without a key must have operator Exists (it tolerates every taint)")
+    if t.get("effect", "") not in ("", *TAINT_EFFECTS):
+        raise ValueError(f"{where}: effect must be one of {', '.join(TAINT_EFFECTS)} (or empty: all), got "
+                         f"{t.get('effect')!r}")
+    secs = t.get("tolerationSeconds")
+    if secs is not None and (not isinstance(secs, int) or isinstance(secs, bool) or t.get("effect") != "NoExecute"):
+        raise ValueError(f"{where}: tolerationSeconds must be a whole number of seconds, with effect NoExecute")
+    for k in ("key", "value"):
+        if t.get(k) is not None and not isinstance(t[k], str):
+            raise ValueError(f"{where}: {k} must be a string, got {t[k]!r}")
 
 
 # -- what it decides ----------------------------------------------------------------------------------------
@@ -143,6 +178,7 @@ class Assignment:
     slowdown_budget: float | None = None  # the PipelineTraining's limits, for the agent's slowdown guard
     max_fill_share: float | None = None
     tail_risk: float | None = None  # and for the fill processes' steps past a bubble's predicted end
+    tolerations: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)  # the training Pod's
 
 
 @dataclass(frozen=True)
