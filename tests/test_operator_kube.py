@@ -455,3 +455,22 @@ def test_a_fill_job_runs_to_the_end_through_a_real_node_agent(cluster: ApiServer
         op.close()
         node.close()
         cluster.kubectl("delete", "fj", "--all", "-n", NS, "--wait=false", check=False)
+
+
+def test_the_templated_pod_is_accepted_by_the_real_api_server(cluster: ApiServer, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``bubbles template`` prints is a Pod the API server takes as it is (a server-side dry run: its schema,
+    defaulting and admission, nothing stored), so a policy engine checks what will really be created."""
+    from bubbles.cli import main
+
+    path = tmp_path / "fj.yaml"
+    path.write_text(fill_job("templated"))  # JSON is YAML
+    assert main(["template", str(path), "--node", "node-a", "--stage", "0", "--training", "llama",
+                 "--gpu-uuid", "GPU-1", "--fill-uid", "1000", "--fill-gid", "1000",
+                 "--training-pod-tolerations", json.dumps([{"key": "nvidia.com/gpu", "operator": "Exists"}])]) == 0
+    printed = capsys.readouterr().out
+    proc = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input_text=printed, check=False)
+    assert proc.returncode == 0, proc.stderr
+    accepted = json.loads(proc.stdout)
+    assert accepted["spec"]["affinity"]["nodeAffinity"]
+    assert get(cluster, "pod", "fj-templated-a0") is None  # a dry run: nothing was created

@@ -21,6 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "bubbles.operator.cli", "run the Kubernetes operator that places FillJobs in the bubbles of PipelineTrainings",
         "operator",
     ),
+    "template": (
+        "bubbles.operator.template", "print the Pod the operator would create for a FillJob placed on a node's stage",
+        "operator",
+    ),
 }
 
 

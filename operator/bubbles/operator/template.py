@@ -1,0 +1,149 @@
+"""``bubbles template``: the Pod the operator would create for a FillJob placed on a stage of a node, as YAML.
+
+An administrator asked to let FillJobs run in a namespace, and the policy engines that guard it (Pod Security
+admission, Kyverno, Gatekeeper), see exactly what the operator will create there before anything runs: the same
+``decide.fill_pod`` the operator calls, with the fill Pods' settings from the chart's values file or the operator's
+own flags. Nothing here talks to a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bubbles.core.api import read_yaml
+
+from .fillpod_flags import add_fill_pod_arguments, fill_pod_settings
+
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # a manifest not yet applied has no uid
+
+# Chart value -> the operator flag the chart passes it as (helm/bubbles/templates/operator-deployment.yaml).
+CHART_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("agent", "runDir"), "node_run_dir"),
+    (("agent", "runAsUser"), "fill_uid"),
+    (("agent", "runAsGroup"), "fill_gid"),
+    (("operator", "fillPodTolerations"), "fill_pod_tolerations"),
+)
+CHART_MPS_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("agent", "mps", "pipeDir"), "fill_mps_pipe_dir"),
+    (("agent", "mps", "shmDir"), "fill_mps_shm_dir"),
+    (("agent", "mps", "threadPercentage"), "fill_mps_thread_percentage"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Print the Pod the operator would create for FILLJOB placed on stage K of NODE (YAML, for kubectl, Pod "
+        "Security admission or a policy engine to check before a namespace is granted).")
+    parser.add_argument("filljob", type=Path, metavar="FILLJOB", help="a FillJob manifest (YAML, as for kubectl apply)")
+    parser.add_argument("--node", required=True, help="the node of the training's Pod")
+    parser.add_argument("--stage", type=int, required=True, metavar="K", help="the pipeline stage it fills")
+    parser.add_argument("--gpu-uuid", default=None, metavar="UUID",
+                        help="the stage's GPU, as its node's agent reports it")
+    parser.add_argument("--device", default="cuda:0", help="the stage's device (default cuda:0)")
+    parser.add_argument("--training", default="training", metavar="NAME",
+                        help="the PipelineTraining, in the FillJob's namespace (default: training)")
+    parser.add_argument("--training-pod", default=None, metavar="POD",
+                        help="the training's Pod on NODE (default: NAME-K)")
+    parser.add_argument("--training-pod-tolerations", default="[]", metavar="JSON",
+                        help="that Pod's tolerations, a JSON list: the fill Pod gets them too (default: none)")
+    parser.add_argument("--attempt", type=int, default=0, metavar="N", help="the attempt (status.restarts; default 0)")
+    parser.add_argument("--values", type=Path, default=None, metavar="FILE",
+                        help="the chart's values as Helm has them (helm get values RELEASE -n NAMESPACE --all): the "
+                             "fill Pods' settings the chart passes the operator; a flag below given as well wins")
+    fill = parser.add_argument_group("fill Pods (what they share with the node agents; as the operator's flags)")
+    add_fill_pod_arguments(fill)
+
+
+def _fail(message: str) -> int:
+    print(f"bubbles template: {message}", file=sys.stderr)
+    return 2
+
+
+def _dig(values: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(values, dict) or key not in values:
+            return None
+        values = values[key]
+    return values
+
+
+def apply_values(args: argparse.Namespace, values: Any, defaults: argparse.Namespace) -> None:
+    """Take each fill-Pod setting from the chart's ``values`` where its flag was left at its default (ValueError
+    where the file is not a values mapping)."""
+    if not isinstance(values, dict):
+        raise ValueError("is not a mapping of chart values (helm get values RELEASE --all -o yaml writes one)")
+    pairs = list(CHART_FLAGS)
+    if _dig(values, ("agent", "isolation")) == "mps":
+        pairs += CHART_MPS_FLAGS
+    for path, dest in pairs:
+        value = _dig(values, path)
+        if value is None or getattr(args, dest) != getattr(defaults, dest):
+            continue
+        setattr(args, dest, json.dumps(value) if dest == "fill_pod_tolerations" else value)
+
+
+def render(obj: Any, *, node: str, stage: int, device: str, training: str, training_pod: str,
+           tolerations: tuple[dict[str, Any], ...], gpu_uuid: str | None, attempt: int,
+           settings: Any) -> dict[str, Any]:
+    """The Pod ``decide.fill_pod`` makes for the FillJob ``obj`` placed so (ValueError saying what is wrong with it)."""
+    from bubbles.core.resources import FillJobResource, ResourceError
+
+    from .decide import Assignment, fill_pod, fill_pod_name
+    from .decide.pods import check_paths
+
+    if not isinstance(obj, dict) or obj.get("kind") != "FillJob":
+        raise ValueError("is not a FillJob manifest (kind: FillJob)")
+    meta = dict(obj.get("metadata") or {})
+    meta.setdefault("namespace", "default")
+    meta.setdefault("uid", PLACEHOLDER_UID)
+    meta.setdefault("generation", 1)
+    try:
+        job = FillJobResource.from_object({**obj, "metadata": meta})
+        check_paths(job, settings)
+    except ResourceError as exc:
+        raise ValueError(f"is not a valid FillJob: {exc}") from None
+    a = Assignment(job.uid, job.generation, job.namespace, job.name, f"{job.namespace}/{training}", stage, node,
+                   training_pod, device, fill_pod_name(job.name, attempt), attempt, gpu_uuid, job.job,
+                   tolerations=tolerations)
+    return fill_pod(job, a, settings)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.stage < 0 or args.attempt < 0:
+        return _fail("--stage and --attempt must be >= 0")
+    if args.values is not None:
+        defaults = argparse.Namespace(**{a.dest: a.default for a in _parser()._actions})
+        try:
+            apply_values(args, read_yaml(args.values, "values file"), defaults)
+        except (OSError, ValueError) as exc:
+            return _fail(f"--values {args.values}: {exc}")
+    settings = fill_pod_settings(args)
+    if isinstance(settings, str):
+        return _fail(settings)
+    try:
+        tolerations = json.loads(args.training_pod_tolerations)
+        if not isinstance(tolerations, list):
+            raise ValueError("not a list")
+    except ValueError as exc:
+        return _fail(f"--training-pod-tolerations must be a JSON list of tolerations ({exc})")
+    try:
+        obj = read_yaml(args.filljob, "FillJob manifest")
+        pod = render(obj, node=args.node, stage=args.stage, device=args.device, training=args.training,
+                     training_pod=args.training_pod or f"{args.training}-{args.stage}", tolerations=tuple(tolerations),
+                     gpu_uuid=args.gpu_uuid, attempt=args.attempt, settings=settings)
+    except (OSError, ValueError) as exc:
+        return _fail(f"{args.filljob}: {exc}")
+    import yaml
+
+    sys.stdout.write(yaml.safe_dump(pod, sort_keys=False))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    return p
