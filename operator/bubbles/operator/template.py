@@ -139,7 +139,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{args.filljob}: {exc}")
     import yaml
 
+    from .podsecurity import check
+
     sys.stdout.write(yaml.safe_dump(pod, sort_keys=False))
+    # On stderr, so what is printed above stays a manifest: the level a namespace's Pod Security admission must allow.
+    print(f"bubbles template: Pod Security Standards: this Pod {check(pod).summary()}", file=sys.stderr)
     return 0
 
 
