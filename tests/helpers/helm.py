@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from helpers.crds import crds_for_1_20
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra) renders the chart")
 
@@ -39,3 +42,15 @@ def one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, An
 def container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     suffix = "-agent" if kind == "DaemonSet" else ""  # with MPS the daemon's DaemonSet too
     return one(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+
+
+def chart_for_1_20(dest: Path) -> Path:
+    """A copy of the chart that installs on the tests' Kubernetes 1.20: its CRDs without their CEL rules and its
+    kubeVersion widened to 1.20; everything else as shipped."""
+    import shutil
+
+    shutil.copytree(CHART, dest)
+    crds_for_1_20(dest / "crds")
+    chart_yaml = dest / "Chart.yaml"
+    chart_yaml.write_text(re.sub(r"(?m)^kubeVersion: .*$", 'kubeVersion: ">=1.20.0-0"', chart_yaml.read_text()))
+    return dest

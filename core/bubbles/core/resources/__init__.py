@@ -18,6 +18,7 @@ CRDs' printer columns and the docs cannot drift apart. Pure: no Kubernetes clien
 from bubbles.core.api import FillState  # JobProgress.state's type, imported from here by existing callers
 
 from .filljob import (
+    FILL_JOB_RULES,
     FILL_JOB_SPEC,
     FILL_JOB_STATUS,
     RESERVED_ENV_PREFIXES,
@@ -66,6 +67,7 @@ __all__ = [
     "DURATION_PATTERN",
     "ENTRY_PATTERN",
     "ENV_NAME_PATTERN",
+    "FILL_JOB_RULES",
     "FILL_JOB_SPEC",
     "FILL_JOB_STATUS",
     "FINALIZER",

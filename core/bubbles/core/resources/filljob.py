@@ -62,6 +62,14 @@ def _key_ref(name: str, what: str) -> Field:
     ))
 
 
+# Rules across the spec's fields (CEL, at the spec's level): what the structural schema cannot say.
+FILL_JOB_RULES: tuple[tuple[str, str], ...] = (
+    ("has(self.entry) != has(self.command)",
+     "give entry (module:Class of an IterativeFillJob) or command (an argv for an imperative job): one of them"),
+    ("!has(self.command) || (has(self.interface) && self.interface == 'imperative')",
+     "command is for imperative jobs: set interface: imperative, or use entry"),
+)
+
 FILL_JOB_SPEC: tuple[Field, ...] = (
     Field("image", "string", "container image of the fill job, with the bubbles SDK installed", required=True,
           pattern=IMAGE_PATTERN, max_length=512),
@@ -89,7 +97,9 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
         Field("steps", "integer", "steps to run", minimum=1),
         Field("samples", "integer", "samples to process (with samplesPerStep)", minimum=1),
         Field("samplesPerStep", "integer", "samples one step processes (its batch size)", minimum=1),
-    ), one_of=(("steps", "samples"),), required=True),
+    ), one_of=(("steps", "samples"),), required=True,
+       rules=(("!has(self.samples) || has(self.samplesPerStep)",
+               "samples needs samplesPerStep (the job's batch size)"),)),
     Field("priority", "integer", "higher runs first among queued jobs", default=0, minimum=-1000, maximum=1000),
     Field("deadline", "string", "finish by this time (RFC 3339, e.g. 2026-11-24T08:00:00Z); the status says "
           "whether the current plan meets it", pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$"),
@@ -113,7 +123,12 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
     Field("env", "array", "environment variables of the fill job's container, as a container's env: a value, or "
           "valueFrom a key of a Secret or ConfigMap in the FillJob's namespace (credentials, where the data is). "
           "Names the runtime is given (BUBBLES_*, CUDA_*, NVIDIA_*) are refused", max_items=128,
-          items=Field("variable", "object", "one variable", fields=(
+          rules=(("self.all(e, self.exists_one(f, f.name == e.name))", "give each variable once"),),
+          items=Field("variable", "object", "one variable", rules=(
+              ("!(has(self.value) && has(self.valueFrom))", "give value or valueFrom, not both"),
+              ("!self.name.startsWith('BUBBLES_') && !self.name.startsWith('CUDA_') "
+               "&& !self.name.startsWith('NVIDIA_')",
+               "names starting with BUBBLES_, CUDA_ or NVIDIA_ are the runtime's: choose another name")), fields=(
               Field("name", "string", "its name", required=True, max_length=253, pattern=ENV_NAME_PATTERN),
               Field("value", "string", "its value", max_length=32768),
               Field("valueFrom", "object", "where its value comes from: a Secret's or a ConfigMap's key only (not "
@@ -128,6 +143,9 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
     Field("volumes", "array", "the job's own volumes, each mounted in its Pod at mountPath: a PersistentVolumeClaim "
           "(the data it reads, where it writes results), a ConfigMap or a Secret in the FillJob's namespace, or an "
           "emptyDir for scratch space; one source each", max_items=16,
+          rules=(("self.all(v, self.exists_one(w, w.name == v.name))", "give each volume a name of its own"),
+                 ("self.all(v, self.exists_one(w, w.mountPath == v.mountPath))",
+                  "mount each volume at a path of its own")),
           items=Field("volume", "object", "one volume and where the job sees it", fields=(
               Field("name", "string", "its name, unique in the job (a DNS label; not one of the runtime's: "
                     f"{', '.join(RUNTIME_VOLUMES)})", required=True, max_length=63, pattern=DNS_LABEL_PATTERN),

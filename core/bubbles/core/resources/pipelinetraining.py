@@ -15,7 +15,10 @@ from .schema import Field, ResourceError, label_selector_field, valid_spec
 
 PIPELINE_TRAINING_SPEC: tuple[Field, ...] = (
     label_selector_field("selector", "labels of the training's Pods (one Pod per pipeline stage and replica)",
-                         required=True),
+                         required=True, rules=((
+                             "(has(self.matchLabels) && size(self.matchLabels) > 0) || "
+                             "(has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+                             "the selector must select the training's Pods, e.g. matchLabels: {app: llama-70b}"),)),
     Field("stages", "integer", "pipeline stages, as a check: the status says (condition SpecMatches) when the hook "
           "reports others; left out: what the hook reports", minimum=1, maximum=1024),
     Field("microbatches", "integer", "micro-batches per iteration, as a check like stages; left out: what the "

@@ -51,6 +51,9 @@ class Field:
     fields: tuple[Field, ...] = ()  # for objects
     one_of: tuple[tuple[str, ...], ...] = ()  # for objects: exactly one of each group may be set
     free_form: bool = False  # objects: any JSON (x-kubernetes-preserve-unknown-fields)
+    # Rules across fields, in CEL (x-kubernetes-validations, GA in Kubernetes 1.29; an older API server ignores them):
+    # (rule on ``self``, the message). The operator checks the same in Python for servers that do not.
+    rules: tuple[tuple[str, str], ...] = ()
 
 
 def parse_cpu(value: Any) -> float | None:
@@ -113,7 +116,17 @@ def openapi_schema(f: Field) -> dict[str, Any]:
         s["maxItems"] = f.max_items
     if f.default is not None:
         s["default"] = f.default
+    validations = [{"rule": rule, "message": message} for rule, message in cel_rules(f)]
+    if validations:
+        s["x-kubernetes-validations"] = validations
     return s
+
+
+def cel_rules(f: Field) -> list[tuple[str, str]]:
+    """The CEL rules of one field: its one-of groups (exactly one set), then its own rules."""
+    rules = [(f"[{', '.join(f'has(self.{n})' for n in group)}].filter(x, x).size() == 1",
+              f"needs exactly one of {', '.join(group)}") for group in f.one_of]
+    return rules + list(f.rules)
 
 
 def spec_schema(fields: Sequence[Field], description: str) -> dict[str, Any]:
@@ -232,9 +245,10 @@ def valid_spec(fields: Sequence[Field], obj: Mapping[str, Any]) -> dict[str, Any
 
 
 # -- label selectors -------------------------------------------------------------------------------------------
-def label_selector_field(name: str, description: str, required: bool = False) -> Field:
+def label_selector_field(name: str, description: str, required: bool = False,
+                         rules: tuple[tuple[str, str], ...] = ()) -> Field:
     """A Kubernetes label selector's field (matchLabels, matchExpressions) named ``name``."""
-    return Field(name, "object", description, required=required, fields=(
+    return Field(name, "object", description, required=required, rules=rules, fields=(
         Field("matchLabels", "map", "labels every selected object has (key: value)"),
         Field("matchExpressions", "array", "set-based requirements, as in any Kubernetes label selector",
               items=Field("requirement", "object", "one requirement", fields=(
