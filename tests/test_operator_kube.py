@@ -25,12 +25,13 @@ from helpers.operator_thread import OperatorThread
 from bubbles.core.api import FillState
 from bubbles.core.resources import JobProgress, NodeReport, StageReport
 from bubbles.operator.agents import InMemoryAgents
-from bubbles.operator.decide import fill_pod_node
+from bubbles.operator.decide import FillPodSettings, fill_pod_node
 from bubbles.operator.grpc_agents import GrpcAgents
 from bubbles.operator.kube import TOKEN_CHECK_S, Connection, FinalizerConflict, KubeWriter
 from bubbles.operator.leader import LeaseElector
 from bubbles.operator.rbac import RULES
 from bubbles.operator.shell import Operator, OperatorConfig
+from bubbles.operator.template import render as template_render
 
 pytestmark = pytest.mark.kube
 MIB = 2**20
@@ -57,6 +58,29 @@ def fill_job(name: str) -> str:
                        "metadata": {"name": name, "namespace": NS},
                        "spec": {"image": "fill:1", "entry": "pkg.mod:Job",
                                 "profile": {"memory": "64Mi", "stepTime": "2ms"}, "work": {"steps": 1000}}})
+
+
+def contained(expected: Any, actual: Any) -> bool:
+    """Whether ``actual`` has everything ``expected`` has (dicts: every key, recursively; lists: item by item, where the
+    API server may append its own, as its DefaultTolerationSeconds admission appends two tolerations)."""
+    if isinstance(expected, dict):
+        return isinstance(actual, dict) and all(k in actual and contained(v, actual[k]) for k, v in expected.items())
+    if isinstance(expected, list):
+        return isinstance(actual, list) and len(expected) <= len(actual) and \
+            all(contained(e, a) for e, a in zip(expected, actual, strict=False))
+    return bool(expected == actual)
+
+
+def differences(expected: Any, actual: Any, where: str = "") -> Any:
+    """Where ``contained`` fails: (path, expected, actual)."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        for k, v in expected.items():
+            yield from differences(v, actual.get(k), f"{where}.{k}")
+    elif isinstance(expected, list) and isinstance(actual, list) and len(expected) <= len(actual):
+        for i, (e, a) in enumerate(zip(expected, actual, strict=False)):
+            yield from differences(e, a, f"{where}[{i}]")
+    elif not contained(expected, actual):
+        yield where, expected, actual
 
 
 def can_i(kube: ApiServer, verb: str, resource: str) -> bool:
@@ -99,6 +123,12 @@ def test_place_then_delete_on_a_real_api_server_under_rbac(cluster: ApiServer) -
         assert fill_pod_node(pod["spec"]) == "node-a"
         assert "nodeName" not in pod["spec"]
         assert pod["metadata"]["ownerReferences"][0]["uid"] == uid  # a real uid now
+        # What `bubbles template` prints for this placement is what the operator created (the API server adds only
+        # its defaults: every field the template has, the created Pod has, with the same value).
+        printed = template_render(fj, node="node-a", stage=0, device="cuda:0", training="llama",
+                                  training_pod="llama-0", tolerations=(), gpu_uuid=None, attempt=0,
+                                  settings=FillPodSettings())
+        assert contained(printed, pod), list(differences(printed, pod))
         events = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
         story = [e["reason"] for e in events if e["involvedObject"]["name"] == "resnet"]
         assert story == ["Placed"]  # admitted and placed in one round: one Event
@@ -119,7 +149,7 @@ def test_place_then_delete_on_a_real_api_server_under_rbac(cluster: ApiServer) -
         assert row[1:5] == ["Paused", "llama", "node-a", "10%"]
         cluster.kubectl("delete", "fj", "resnet", "-n", NS, "--wait=false")
         until("the FillJob gone (finalizer released)", lambda: get(cluster, "fj", "resnet") is None)
-        # No kubelet here to finish a bound Pod's graceful deletion: it is marked deleted, and stays Terminating.
+        # No scheduler here: the Pod is unbound and goes at once (a bound one would stay Terminating without a kubelet).
         until("its Pod deleted", lambda: (get(cluster, "pod", "fj-resnet-a0") or {"metadata": {"deletionTimestamp": 1}})
               ["metadata"].get("deletionTimestamp"))
         assert (("node-a", uid) in agents.cancelled)
