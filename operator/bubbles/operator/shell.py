@@ -239,19 +239,37 @@ class Operator:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _watch(self, stop: asyncio.Event, ready: asyncio.Event | None) -> None:
-        """kopf's watches until ``stop``. In the main thread kopf takes SIGTERM and SIGINT for itself, replacing any
-        handler set before (the command's own): when it stops on one, so does everything else here."""
+        """kopf's watches until ``stop``. In the main thread kopf takes SIGTERM and SIGINT for itself as it starts,
+        replacing any handler set before (the command's own); once it is up the signals go to ``stop`` again, which
+        stops kopf too (it is kopf's stop flag). A signal kopf takes still stops everything here when kopf ends."""
         import kopf
 
+        up = asyncio.Event()
+        handover = asyncio.create_task(self._take_signals(up, stop, ready))
         try:
             await kopf.operator(
                 registry=self.registry(), settings=self.settings(), standalone=True,
                 clusterwide=self.config.clusterwide, namespaces=list(self.config.namespaces), stop_flag=stop,
-                ready_flag=ready)
+                ready_flag=up)
         finally:
+            handover.cancel()
             if not stop.is_set():
                 log.info("kopf stopped (a signal): stopping the operator")
             stop.set()
+
+    @staticmethod
+    async def _take_signals(up: asyncio.Event, stop: asyncio.Event, ready: asyncio.Event | None) -> None:
+        """Once kopf is up: SIGTERM and SIGINT set ``stop`` (where a loop can take signals: the main thread). Had kopf
+        kept them, it would stop alone and then wait 5 s for this operator's own tasks before cancelling them."""
+        import signal
+
+        await up.wait()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready.set()
 
     # -- the loop --------------------------------------------------------------------------------------------
     @property
