@@ -155,6 +155,11 @@ async def test_apply_queue_place_run_succeed(cluster: Cluster, operator: tuple[O
     pt = cluster.get("bubbles.dev/v1alpha1/pipelinetrainings", "ml", "llama")
     assert pt["status"]["pods"] == 1 and pt["status"]["bubbleRatio"] == 0.1
     assert op.op.writes_total["pod"] == 1  # placed once
+    # The agent still reports the finished run: once the final status is stored, it is told to let go of it (a round
+    # with nothing else to write for the job carries the cancellation too).
+    op.wake()
+    await cluster.until("the agent told to let go of the finished run",
+                        lambda: ("node-a", "uid-fj") in agents.cancelled)
 
 
 async def test_a_refused_fill_pod_is_said_on_its_job_and_the_job_placed_once_admitted(cluster: Cluster) -> None:

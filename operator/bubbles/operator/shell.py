@@ -545,9 +545,10 @@ class Operator:
                 self.store.put("trainings", new if new is not None else obj, deleted=new is None)
 
 
-        # Only jobs with something to write are visited: a decision that is only a cancellation (a final job's run
-        # its agent still holds) is not carried out here.
-        jobs = [(k, j) for k, j in sorted(d.fill_jobs.items(), key=lambda kj: kj[0]) if j.writes]
+        # Jobs with something to write, or an agent to tell: a final job's run its agent still holds is cancelled in a
+        # round that writes nothing else for it.
+        jobs = [(k, j) for k, j in sorted(d.fill_jobs.items(), key=lambda kj: kj[0])
+                if j.writes or j.cancel_on is not None]
         try:
             results = await asyncio.gather(*(fill_job(k, j) for k, j in jobs),
                                            *(training(k, s) for k, s in d.training_status.items()),

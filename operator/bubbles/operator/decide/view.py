@@ -209,7 +209,7 @@ class FillJobDecisions:
 
     @property
     def writes(self) -> bool:
-        """Whether the round writes anything for the job (a cancellation alone is carried out with a write only)."""
+        """Whether the round writes anything to the API for the job (a cancellation is a call to its agent)."""
         return (self.status is not None or self.create_pod is not None or bool(self.delete_pods)
                 or self.assignment is not None or self.add_finalizer or self.remove_finalizer)
 
