@@ -590,3 +590,51 @@ def test_the_hook_overhead_benchmark_times_real_cuda_events_on_a_gpu(tmp_path: P
     assert hook_overhead.main(["--calls", "2000", "--json", str(out), "--cuda"]) == 0
     cuda = json.loads(out.read_text())["results"]["bubble (CUDA events)"]
     assert cuda["hooked_median_us"] > 0 and cuda["hooked_p99_us"] >= cuda["hooked_median_us"]
+
+
+SCRIPT_WITHOUT_LOGGING = """
+import sys
+sys.path.insert(0, {tests!r})
+from helpers.hook import StandInEngine
+from bubbles.hook import instrument
+eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.003)
+inst = instrument(eng, training="first-try", run_dir={run_dir!r}, warmup_iterations=1, profile_iterations=2)
+for _ in range(4):
+    eng.train_batch()
+"""
+
+
+@pytest.mark.parametrize("free_bytes", [None, "1073741824"])
+def test_a_script_that_configures_no_logging_still_sees_what_the_hook_did(tmp_path: Path,
+                                                                         free_bytes: str | None) -> None:
+    """A DeepSpeed script configures no logging: where the hook signals and what it profiled reach its stderr
+    anyway, and on CPU without $BUBBLES_FREE_BYTES a warning says every fill job would be refused and what to set."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("BUBBLES_FREE_BYTES", "BUBBLES_TRAINING")}
+    if free_bytes is not None:
+        env["BUBBLES_FREE_BYTES"] = free_bytes
+    script = SCRIPT_WITHOUT_LOGGING.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path / "run"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[bubbles] bubbles hook: training first-try stage 0 of 2 signals in" in out.stderr
+    assert "[bubbles] stage 0: TrainSchedule profiled:" in out.stderr
+    unset_warning = "BUBBLES_FREE_BYTES is unset, so every bubble offers 0 bytes"
+    if free_bytes is None:
+        assert unset_warning in out.stderr
+        assert "0 MiB free in the largest" in out.stderr
+    else:
+        assert unset_warning not in out.stderr
+        assert "1024 MiB free in the largest" in out.stderr
+
+
+def test_with_logging_configured_the_hook_only_logs(caplog: pytest.LogCaptureFixture, sockdir: Path) -> None:
+    eng = StandInEngine(stage=1, stages=2, micro_batches=2, wait_s=0.002)
+    with caplog.at_level(logging.INFO, logger="bubbles.hook"):
+        inst = instrument(eng, training="logged", run_dir=sockdir, warmup_iterations=1, profile_iterations=2,
+                          memory_probe=StaticMemoryProbe(0))
+        for _ in range(4):
+            eng.train_batch()
+    inst.detach()
+    assert "stage 1: TrainSchedule profiled:" in caplog.text

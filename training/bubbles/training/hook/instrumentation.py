@@ -33,7 +33,7 @@ from bubbles.core import paths, wire
 from bubbles.core.cycle import BubbleCycle, RecentLengths
 from bubbles.core.stats import percentile
 from bubbles.training.gpu_timing import DeviceEvent
-from bubbles.training.probes import MemoryProbe, default_probe, gpu_uuid
+from bubbles.training.probes import FREE_BYTES_ENV, MemoryProbe, StaticMemoryProbe, default_probe, gpu_uuid
 
 from .listeners import Listeners
 from .profile import LOSS_BROADCAST, build_cycle, candidate_slots
@@ -41,6 +41,17 @@ from .state import NO_SIGNALS, Hot, ScheduleProfile
 from .timing import EvalTail, make_timing
 
 log = logging.getLogger("bubbles.hook")
+
+
+def say(message: str, *args: Any) -> None:
+    """Log ``message`` at INFO, and where the process configured no logging at all (a DeepSpeed script, whose own
+    logger has a handler of its own) write it to stderr too, once: what a user running a script needs to see (where
+    the hook signals, what it profiled) must not depend on configuring ``logging``."""
+    log.info(message, *args)
+    if not log.hasHandlers():
+        import sys
+
+        print("[bubbles] " + (message % args if args else message), file=sys.stderr, flush=True)
 
 ITERATION_HISTORY = 4096  # iteration times kept per stage (host and device timing): bounded over a weeks-long training
 TRACE_ITERATIONS = 256  # iterations of per-instruction trace kept when trace=True (a ring)
@@ -470,8 +481,9 @@ class Instrumentation:
         prof.recent = RecentLengths({s.position: [int(row[column[s.position]] * 1e9) for row in prof.durations]
                                      for s in cycle.slots}, window=RECENT_ITERATIONS)
         self.cycles[prof.name] = cycle
-        log.info("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms", self.stage, prof.name,
-                 len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s)
+        say("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms (%s free in the largest)", self.stage, prof.name,
+            len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s,
+            _mib(max((s.free_bytes for s in cycle.slots), default=0)))
         new = set(self._refresh_listeners())  # greeted with every cycle, this one among them
         self._send_profile(cycle, [t for t in self._listeners.targets if t not in new])
 
@@ -594,6 +606,12 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
         except Exception as exc:
             log.warning("no memory probe (%s); bubbles report 0 free bytes", exc)
             memory_probe = MemoryProbe()
+        else:
+            if isinstance(memory_probe, StaticMemoryProbe) and not os.environ.get(FREE_BYTES_ENV, "").strip():
+                # No GPU to ask: every bubble would offer 0 bytes, and the agent refuses every fill job for memory.
+                log.warning("bubbles hook: no GPU to measure free memory and $%s is unset, so every bubble offers 0 "
+                            "bytes and the node agent refuses every fill job; on CPU set %s to the bytes fill jobs "
+                            "may use (e.g. %s=1073741824 for 1 GiB)", FREE_BYTES_ENV, FREE_BYTES_ENV, FREE_BYTES_ENV)
     if run_dir is None:
         run_dir = paths.default_run_dir()
         mounted = paths.MOUNTED_RUN_DIR
@@ -623,9 +641,13 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
     except OSError as exc:  # the process's environment (out of descriptors, say): nothing is attached yet
         return _unattached(engine, f"the hook could not open its sockets ({exc})")
     if not inst._disabled:  # one that stood down has said why
-        log.info("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
-                 inst.stages, inst.stage_dir, inst.timing)
+        say("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
+            inst.stages, inst.stage_dir, inst.timing)
     return inst
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
 
 
 class Unattached:
