@@ -89,6 +89,9 @@ def test_a_manifest_not_yet_applied_gets_a_placeholder_uid_and_the_default_names
     ({"kind": "FillJob", "metadata": {"name": "x"}, "spec": {"image": "i"}}, [], "is not a valid FillJob"),
     (None, ["--stage", "-1"], "--stage and --attempt must be >= 0"),
     (None, ["--training-pod-tolerations", "{}"], "--training-pod-tolerations must be a JSON list"),
+    (None, ["--training-pod-tolerations", '[{"operator": "Sometimes"}]'], "operator must be Exists or Equal"),
+    (None, ["--training", "Llama_70B"], "training name 'Llama_70B' is not valid"),
+    (None, ["--node", "GPU node 7"], "is not a node name"),
     (None, ["--fill-pod-tolerations", '[{"key": "a", "operator": "Maybe"}]'], "operator must be Exists or Equal"),
     (None, ["--values", "/no/such/values.yaml"], "--values /no/such/values.yaml: cannot read values file"),
 ])
@@ -100,7 +103,8 @@ def test_bad_input_exits_2_saying_what_is_wrong(tmp_path: Path, capsys: pytest.C
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump({"apiVersion": "bubbles.dev/v1alpha1", **content}))
     stage_flags = [] if "--stage" in flags else ["--stage", "0"]
-    code, _, err = template(capsys, str(path), "--node", "n1", *stage_flags, *flags)
+    node_flags = [] if "--node" in flags else ["--node", "n1"]
+    code, _, err = template(capsys, str(path), *node_flags, *stage_flags, *flags)
     assert code == 2
     assert needle in err
 

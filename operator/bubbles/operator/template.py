@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from bubbles.core import paths
 from bubbles.core.api import read_yaml
+from bubbles.core.resources import DNS_NAME_PATTERN
 
+from .decide.view import check_toleration
 from .fillpod_flags import add_fill_pod_arguments, fill_pod_settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # a manifest not yet applied has no uid
@@ -71,7 +75,7 @@ def _dig(values: Any, path: tuple[str, ...]) -> Any:
     return values
 
 
-def apply_values(args: argparse.Namespace, values: Any, defaults: argparse.Namespace) -> None:
+def apply_values(args: argparse.Namespace, values: Any) -> None:
     """Take each fill-Pod setting from the chart's ``values`` where its flag was left at its default (ValueError
     where the file is not a values mapping)."""
     if not isinstance(values, dict):
@@ -81,7 +85,7 @@ def apply_values(args: argparse.Namespace, values: Any, defaults: argparse.Names
         pairs += CHART_MPS_FLAGS
     for path, dest in pairs:
         value = _dig(values, path)
-        if value is None or getattr(args, dest) != getattr(defaults, dest):
+        if value is None or getattr(args, dest) != _parser().get_default(dest):
             continue
         setattr(args, dest, json.dumps(value) if dest == "fill_pod_tolerations" else value)
 
@@ -116,18 +120,25 @@ def run(args: argparse.Namespace) -> int:
     if args.stage < 0 or args.attempt < 0:
         return _fail("--stage and --attempt must be >= 0")
     if args.values is not None:
-        defaults = argparse.Namespace(**{a.dest: a.default for a in _parser()._actions})
         try:
-            apply_values(args, read_yaml(args.values, "values file"), defaults)
+            apply_values(args, read_yaml(args.values, "values file"))
         except (OSError, ValueError) as exc:
             return _fail(f"--values {args.values}: {exc}")
     settings = fill_pod_settings(args)
     if isinstance(settings, str):
         return _fail(settings)
     try:
+        paths.check_name("training", args.training)
+        if not re.match(DNS_NAME_PATTERN, args.node) or len(args.node) > 253:
+            raise ValueError(f"--node {args.node!r} is not a node name (a DNS subdomain, e.g. gpu-node-7)")
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
         tolerations = json.loads(args.training_pod_tolerations)
         if not isinstance(tolerations, list):
             raise ValueError("not a list")
+        for i, tol in enumerate(tolerations):
+            check_toleration(tol, f"--training-pod-tolerations[{i}]")
     except ValueError as exc:
         return _fail(f"--training-pod-tolerations must be a JSON list of tolerations ({exc})")
     try:
