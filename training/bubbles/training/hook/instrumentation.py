@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -49,8 +50,6 @@ def say(message: str, *args: Any) -> None:
     the hook signals, what it profiled) must not depend on configuring ``logging``."""
     log.info(message, *args)
     if not log.hasHandlers():
-        import sys
-
         print("[bubbles] " + (message % args if args else message), file=sys.stderr, flush=True)
 
 ITERATION_HISTORY = 4096  # iteration times kept per stage (host and device timing): bounded over a weeks-long training
