@@ -25,7 +25,7 @@ SHAPES = [(p, m) for p in (2, 3, 4) for m in (1, 2, 4, 8)]
 def test_train_schedule_waits_are_classified(p: int, m: int) -> None:
     for s in range(p):
         stream = instruction_stream(S.TrainSchedule(micro_batches=m, stages=p, stage_id=s))
-        cands = candidate_slots(stream)
+        cands = candidate_slots(stream, sends=False)
         waits = [i for i, n in enumerate(stream) if n in ("RecvActivation", "RecvGrad")]
         assert [c.position for c in cands] == [*waits, len(stream)]
         assert all(stream[c.position] == c.instruction for c in cands[:-1])
@@ -57,7 +57,7 @@ def test_train_schedule_waits_are_classified(p: int, m: int) -> None:
 def test_inference_schedule_waits_are_classified(p: int, m: int) -> None:
     for s in range(p):
         stream = instruction_stream(S.InferenceSchedule(micro_batches=m, stages=p, stage_id=s))
-        cands = candidate_slots(stream)
+        cands = candidate_slots(stream, sends=False)
         assert "RecvGrad" not in {c.instruction for c in cands}
         assert sum(c.instruction == "RecvActivation" for c in cands) == (m if s > 0 else 0)
         kinds = [c.kind for c in cands]
@@ -69,14 +69,47 @@ def test_inference_schedule_waits_are_classified(p: int, m: int) -> None:
 
 def test_two_stage_stream_by_hand() -> None:
     stream = instruction_stream(S.TrainSchedule(micro_batches=3, stages=2, stage_id=0))
-    got = [(c.position, c.instruction, c.kind) for c in candidate_slots(stream)]
+    got = [(c.position, c.instruction, c.kind) for c in candidate_slots(stream, sends=False)]
     # L F SA L F RG SA B L F RG SA B RG B ...: the RecvGrad before the first backward ends warm-up;
     # after the last forward the stage waits for the remaining gradients.
     assert got == [(5, "RecvGrad", "fwd-bwd"), (10, "RecvGrad", "drain"), (13, "RecvGrad", "drain"),
                    (18, "LossBroadcast", "drain")]
     last = instruction_stream(S.TrainSchedule(micro_batches=3, stages=2, stage_id=1))
-    got = [(c.position, c.kind) for c in candidate_slots(last, loss_broadcast=False)]
+    got = [(c.position, c.kind) for c in candidate_slots(last, loss_broadcast=False, sends=False)]
     assert got == [(0, "fill"), (5, "steady"), (10, "steady")]
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_sends_are_waits_by_default(p: int, m: int) -> None:
+    # A send waits for its receiver (gloo blocks the host, NCCL the GPU): every send is a candidate, classified like
+    # the receives around it.
+    for s in range(p):
+        stream = instruction_stream(S.TrainSchedule(micro_batches=m, stages=p, stage_id=s))
+        cands = candidate_slots(stream)
+        sends = [i for i, n in enumerate(stream) if n in ("SendActivation", "SendGrad")]
+        assert [c.position for c in cands if c.instruction.startswith("Send")] == sends
+        assert len(sends) == (m if s < p - 1 else 0) + (m if s > 0 else 0)
+        last_fwd = len(stream) - 1 - stream[::-1].index("ForwardPass")
+        for c in cands:
+            if c.instruction.startswith("Send") and c.position > last_fwd:
+                assert c.kind == "drain"
+
+
+def test_collectives_inside_instructions_are_drain_waits() -> None:
+    # The records of collectives inside OptimizerStep and ReduceGrads come before their instruction's own record: the
+    # gradient norm's all-reduce of clipping (the pipeline's drain) and the data-parallel all-reduce.
+    stream = instruction_stream(S.TrainSchedule(micro_batches=2, stages=2, stage_id=1))
+    i = stream.index("ReduceGrads")
+    stream[i:i] = ["ReduceGrads.all_reduce"]
+    j = stream.index("OptimizerStep")
+    stream[j:j] = ["OptimizerStep.all_reduce", "OptimizerStep.all_reduce"]
+    cands = candidate_slots(stream)
+    inner = [(c.position, c.instruction, c.kind) for c in cands if "." in c.instruction]
+    assert inner == [(i, "ReduceGrads.all_reduce", "drain"), (j, "OptimizerStep.all_reduce", "drain"),
+                     (j + 1, "OptimizerStep.all_reduce", "drain")]
+    # a name that is not a collective of those instructions is not a wait
+    assert not [c for c in candidate_slots(["ForwardPass.all_reduce", "OptimizerStep.frobnicate", "ForwardPass"])
+                if c.instruction != "LossBroadcast"]
 
 
 # ---------------------------------------------------------------------------------------------------

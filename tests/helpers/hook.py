@@ -3,6 +3,7 @@ schedules, handlers that sleep where a real stage would wait."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -15,9 +16,14 @@ class StandInEngine:
 
     _exec_schedule = PipelineEngine._exec_schedule
 
-    def __init__(self, stage: int, stages: int, micro_batches: int, wait_s: float = 0.002) -> None:
+    def __init__(self, stage: int, stages: int, micro_batches: int, wait_s: float = 0.002,
+                 backend: StandInBackend | None = None) -> None:
         self.stage_id, self.num_stages, self.micro_batches = stage, stages, micro_batches
         self.wait_s = wait_s
+        # With a backend, OptimizerStep all-reduces the gradient norm through it (clipping), ReduceGrads all-reduces
+        # asynchronously and the loss broadcast broadcasts: what DeepSpeed's engine does through deepspeed.comm.
+        self.backend = backend
+        self.norm_all_reduces = 1
         self.executed: list[str] = []
         self.fail_on: str | None = None
         self._INSTRUCTION_MAP = {cls: self._handler(cls.__name__) for cls in (
@@ -31,6 +37,11 @@ class StandInEngine:
                 raise KeyError("deepspeed says no")
             if name.startswith("Recv"):
                 time.sleep(engine.wait_s)
+            if engine.backend is not None and name == "OptimizerStep":
+                for _ in range(engine.norm_all_reduces):
+                    engine.backend.all_reduce([1.0], "sum", None, False)  # DeepSpeed passes these positionally
+            if engine.backend is not None and name == "ReduceGrads":
+                engine.backend.all_reduce([2.0], group=None, async_op=True).wait()
         return handler
 
     def _reserve_pipe_buffers(self, n: int) -> None:
@@ -38,6 +49,8 @@ class StandInEngine:
 
     def _aggregate_total_loss(self) -> float:
         time.sleep(self.wait_s)
+        if self.backend is not None:
+            self.backend.broadcast([1.5], 1)
         return 1.5
 
     def train_batch(self, data_iter: Any = None) -> float:
@@ -48,3 +61,40 @@ class StandInEngine:
         self._exec_schedule(S.InferenceSchedule(self.micro_batches, self.num_stages, self.stage_id))
         time.sleep(self.wait_s)  # the output reduction and loss broadcast
         return 2.5
+
+
+class StandInWork:
+    def wait(self) -> bool:
+        return True
+
+
+class StandInBackend:
+    """DeepSpeed's communication backend object (``deepspeed.comm.comm.cdb``) as the hook sees it: collectives with
+    TorchBackend's signatures, a blocking one sleeping ``wait_s`` (the other ranks are late), an ``async_op=True`` one
+    returning a Work at once. ``calls`` lists (op, async, thread name)."""
+
+    def __init__(self, wait_s: float = 0.003) -> None:
+        self.wait_s = wait_s
+        self.calls: list[tuple[str, bool, str]] = []
+
+    def _call(self, op: str, async_op: bool) -> StandInWork | None:
+        self.calls.append((op, bool(async_op), threading.current_thread().name))
+        if async_op:
+            return StandInWork()
+        time.sleep(self.wait_s)
+        return None
+
+    def all_reduce(self, tensor: Any, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+        return self._call("all_reduce", async_op)
+
+    def all_reduce_coalesced(self, tensors: Any, op: Any = "sum", group: Any = None, async_op: bool = False) -> Any:
+        # TorchBackend's goes to torch directly; one that calls another collective of its own is one wait, not two
+        for t in tensors:
+            self.all_reduce(t, op, group, async_op)
+        return None
+
+    def broadcast(self, tensor: Any, src: int, group: Any = None, async_op: bool = False) -> Any:
+        return self._call("broadcast", async_op)
+
+    def barrier(self, group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+        return self._call("barrier", async_op)

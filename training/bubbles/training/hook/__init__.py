@@ -3,13 +3,15 @@ cycle, and signal every bubble to the node's listeners (the agent and armed fill
 
 - ``profile``: pure: instruction streams -> candidate waits -> a stage's bubble cycle;
 - ``listeners``: the non-blocking datagram sockets every signal goes out on;
+- ``collectives``: the interposer on DeepSpeed's communication backend that times collectives inside instructions;
 - ``timing``: how waits are timed: host stamps (CPU/gloo) or device events read on a helper thread (GPUs);
 - ``instrumentation``: ``instrument(engine)``, ``Instrumentation`` and ``Unattached`` (the fail-open result);
 - the card it leaves for the node's agent, and the card's lock, are ``bubbles.core.card``'s (the agent reads them).
 
-Candidate bubbles are the waits that really block a stage: ``RecvActivation``, ``RecvGrad`` and the end-of-batch
-loss broadcast; with device timing ``SendActivation`` and ``SendGrad`` too (with NCCL a send can hold the GPU until
-the peer posts its receive); with host timing sends are not signalled (see docs/design.md).
+Candidate bubbles are the waits that really block a stage on others: ``RecvActivation``, ``RecvGrad``,
+``SendActivation``, ``SendGrad`` (a send waits for its receiver), the collectives inside ``OptimizerStep`` (gradient
+clipping's norm all-reduce, overflow checks), ``ReduceGrads`` and ``ReduceTiedGrads`` (``collectives``), and the
+end-of-batch loss broadcast.
 
 Fail open: listeners are reached with a non-blocking ``sendto``; a missing or dead listener is dropped, a full one
 loses that datagram. Any exception in the hook's own bookkeeping is logged once and switches signalling off;

@@ -4,7 +4,8 @@
 ``engine._INSTRUCTION_MAP`` with timed handlers, plus instance attributes shadowing ``_exec_schedule``,
 ``_aggregate_total_loss``, ``train_batch`` and ``eval_batch``. ``Instrumentation.detach()`` removes them.
 
-Per instruction the hook takes two ``time.monotonic_ns()`` stamps and appends one tuple; everything
+Per instruction the hook takes two ``time.monotonic_ns()`` stamps and appends one tuple (the instructions that hold
+collectives, ``collectives.HOST_INSTRUCTIONS``, one thread-local write more, and a tuple per collective); everything
 else (which positions are bubbles, their predicted lengths, the encoded datagrams' shapes) is decided
 once per iteration or once per profile. How waits are timed (host stamps, or device events read on a helper thread)
 is the timing strategy's (``timing``); which waits are bubbles is the pure profile's (``profile``).
@@ -36,6 +37,7 @@ from bubbles.core.stats import percentile
 from bubbles.training.gpu_timing import DeviceEvent
 from bubbles.training.probes import FREE_BYTES_ENV, MemoryProbe, StaticMemoryProbe, default_probe, gpu_uuid
 
+from .collectives import ACTIVE, COLLECTIVES, HOST_INSTRUCTIONS, collective_name, deepspeed_backend, is_collective
 from .listeners import Listeners
 from .profile import LOSS_BROADCAST, build_cycle, candidate_slots
 from .state import NO_SIGNALS, Hot, ScheduleProfile
@@ -68,7 +70,8 @@ class Instrumentation:
 
     def __init__(self, engine: Any, *, training: str, run_dir: Path, memory_probe: MemoryProbe,
                  warmup_iterations: int, profile_iterations: int, min_bubble_s: float, trace: bool,
-                 timing: str = "host", event_factory: Callable[[], DeviceEvent] | None = None) -> None:
+                 timing: str = "host", event_factory: Callable[[], DeviceEvent] | None = None,
+                 backend: Any = None) -> None:
         if warmup_iterations < 0 or profile_iterations < 1:
             raise ValueError("warmup_iterations must be >= 0 and profile_iterations >= 1")
         if min_bubble_s < 0:
@@ -100,6 +103,7 @@ class Instrumentation:
         self._wait_codes: set[int] = set()
         self._lb_code = self._code(LOSS_BROADCAST)
         self._iteration = 0
+        self._off_profile = 0  # iterations after profiling whose waits did not line up with the profile's
         self._seq = 0
         self._disabled = False
         self._warned: set[str] = set()
@@ -113,10 +117,23 @@ class Instrumentation:
         self._timing = make_timing(timing, self, event_factory, getattr(engine, "device", None))
         self._saved: dict[str, Any] = {}
         self._attached = False
+        # The collectives inside OptimizerStep, ReduceGrads and ReduceTiedGrads (see collectives): "timed", or why not
+        self.collectives = "timed"
+        self._holds_collectives = False
+        try:
+            COLLECTIVES.acquire(backend if backend is not None else deepspeed_backend())
+        except Exception as exc:
+            self.collectives = f"not timed: {exc}"
+            log.warning("bubbles hook on stage %d: the waits inside OptimizerStep, ReduceGrads and ReduceTiedGrads "
+                        "(gradient clipping's all-reduce, data-parallel all-reduces) are not seen (%s); the receives, "
+                        "sends and the loss broadcast are", self.stage, exc)
+        else:
+            self._holds_collectives = True
         try:
             self._attach()
         except BaseException:
             self._timing.close()
+            self._release_collectives()
             raise
         self._timing.started()
         self._card: Path | None = None
@@ -141,6 +158,8 @@ class Instrumentation:
             "iterations": self._iteration,
             "disabled": self._disabled,
             "timing": self.timing,
+            "collectives": self.collectives,
+            "iterations_off_profile": self._off_profile,
             **self._timing.stats(),
             "device_iteration_s_p50": (percentile(list(self.device_iteration_times_s), 50)
                                        if self.device_iteration_times_s else None),
@@ -204,6 +223,7 @@ class Instrumentation:
                 d.pop(attr, None)
         self._attached = False
         self._timing.close()
+        self._release_collectives()
         self._listeners.close()
         if self._card is not None:
             with contextlib.suppress(OSError):
@@ -212,6 +232,11 @@ class Instrumentation:
         if self._lock_fd is not None:
             cards.release_lock(self._lock_fd)
             self._lock_fd = None
+
+    def _release_collectives(self) -> None:
+        if self._holds_collectives:
+            self._holds_collectives = False
+            COLLECTIVES.release()
 
     def _write_card(self) -> None:
         """Tell the node's agent (cluster mode) which Pod and GPU this stage runs on: ``hook.json`` in the stage's
@@ -268,6 +293,8 @@ class Instrumentation:
             if cls.__name__ in timing.wait_instructions:
                 self._wait_codes.add(code)
                 timed_map[cls] = timing.wait_wrapper(fn, code)
+            elif cls.__name__ in HOST_INSTRUCTIONS and self._holds_collectives:
+                timed_map[cls] = self._hosting(fn, code, cls.__name__)
             else:
                 timed_map[cls] = self._timed(fn, code)
         orig_exec = engine._exec_schedule
@@ -335,6 +362,31 @@ class Instrumentation:
         timed.__name__ = getattr(fn, "__name__", "timed")
         timed.__wrapped__ = fn  # type: ignore[attr-defined]
         return timed
+
+    def _hosting(self, fn: Callable[..., Any], code: int, instruction: str) -> Callable[..., Any]:
+        """Wrapper for an instruction whose collectives are waits (``collectives``): timed like any instruction, and
+        while it runs the blocking collectives it calls on this thread go to wait wrappers of their own, recorded as
+        ``<instruction>.<op>`` before the instruction's own record."""
+        hot = self._hot
+        mono = time.monotonic_ns
+        active = ACTIVE
+        timing = self._timing
+        table = {op: timing.wait_wrapper(original, self._code(collective_name(instruction, op)))
+                 for op, original in COLLECTIVES.originals.items()}
+
+        def hosting(engine: Any, **kwargs: Any) -> Any:
+            t0 = mono()
+            outer, active.table = active.table, table
+            try:
+                result = fn(engine, **kwargs)
+            finally:
+                active.table = outer
+            hot.records.append((code, t0, mono()))
+            return result
+
+        hosting.__name__ = getattr(fn, "__name__", "hosting")
+        hosting.__wrapped__ = fn  # type: ignore[attr-defined]
+        return hosting
 
     # -- per iteration (off the per-instruction path) --------------------------------------------------
 
@@ -458,6 +510,7 @@ class Instrumentation:
             prof.stream = stream
             prof.candidates = candidate_slots(stream, loss_broadcast=has_lb, sends=self._timing.profiles_sends)
             prof.durations, prof.iter_s, prof.free, prof.allocated = [], [], {}, {}
+            prof.records_len = len(records)
             if len(records) != len(stream) + has_lb:
                 raise RuntimeError("loss broadcast recorded twice in one iteration")
         prof.durations.append([device_lengths_ns.get(c.position, records[c.position][2] - records[c.position][1])
@@ -480,11 +533,21 @@ class Instrumentation:
         prof.recent = RecentLengths({s.position: [int(row[column[s.position]] * 1e9) for row in prof.durations]
                                      for s in cycle.slots}, window=RECENT_ITERATIONS)
         self.cycles[prof.name] = cycle
-        say("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms (%s free in the largest)", self.stage, prof.name,
-            len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s,
-            _mib(max((s.free_bytes for s in cycle.slots), default=0)))
+        say("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms (%s; %s free in the largest)%s", self.stage,
+            prof.name, len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s,
+            _where(cycle), _mib(max((s.free_bytes for s in cycle.slots), default=0)),
+            "; with NCCL a collective's or send's kernel holds a few SMs while it waits" if self.timing == "cuda"
+            and any(s.instruction.startswith("Send") or is_collective(s.instruction) for s in cycle.slots) else "")
         new = set(self._refresh_listeners())  # greeted with every cycle, this one among them
         self._send_profile(cycle, [t for t in self._listeners.targets if t not in new])
+
+    def lines_up(self, prof: ScheduleProfile, records: Sequence[tuple[int, int, int]]) -> bool:
+        """Whether an iteration after profiling recorded its waits where the profile has them. One that did not (a
+        collective more or fewer: an fp16 overflow skips the step's) is not followed, and counted."""
+        if len(records) == prof.records_len:
+            return True
+        self._off_profile += 1
+        return False
 
     @staticmethod
     def _follow_lengths(prof: ScheduleProfile, lengths_ns: Mapping[int, int], count: int) -> None:
@@ -643,6 +706,19 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
         say("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
             inst.stages, inst.stage_dir, inst.timing)
     return inst
+
+
+def _where(cycle: BubbleCycle) -> str:
+    """Where a cycle's bubble time is, by kind of wait: ``receives 4.1%, sends 25.3%, ...`` of the iteration."""
+    families: dict[str, float] = {}
+    for slot in cycle.slots:
+        name = slot.instruction
+        family = ("receives" if name.startswith("Recv") else "sends" if name.startswith("Send")
+                  else "loss broadcast" if name == LOSS_BROADCAST else name if is_collective(name) else "other")
+        families[family] = families.get(family, 0.0) + slot.duration_s
+    if not families or cycle.iteration_s <= 0:
+        return "no waits"
+    return ", ".join(f"{k} {100 * v / cycle.iteration_s:.1f}%" for k, v in families.items())
 
 
 def _mib(n: int) -> str:

@@ -1,8 +1,10 @@
 """The hook's pure part: a stage's instruction stream -> its candidate waits -> its bubble cycle.
 
-Candidate bubbles are the waits that really block a stage: ``RecvActivation``, ``RecvGrad`` and the end-of-batch loss
-broadcast (reported as ``LossBroadcast`` at position ``len(instruction stream)``); with device timing the sends too.
-Tested directly on the streams of DeepSpeed's real schedule classes.
+Candidate bubbles are the waits that really block a stage on others: ``RecvActivation``, ``RecvGrad``, the sends
+(``SendActivation``, ``SendGrad``), the collectives inside ``OptimizerStep``, ``ReduceGrads`` and ``ReduceTiedGrads``
+(records named ``<instruction>.<op>``, see ``collectives``) and the end-of-batch loss broadcast (reported as
+``LossBroadcast`` at position ``len(instruction stream)``). Tested directly on the streams of DeepSpeed's real schedule
+classes.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from typing import Any
 
 from bubbles.core.cycle import BubbleCycle, BubbleSlot, robust_stats
 
+from .collectives import is_collective
+
 LOSS_BROADCAST = "LossBroadcast"
 WAIT_INSTRUCTIONS = frozenset({"RecvActivation", "RecvGrad"})
-# With NCCL a send can hold the GPU until the peer posts its receive: with device timing, sends are timed and
-# profiled like receives, and one that stalls long enough is a bubble. (On CPU/gloo a send returns once its data
-# is handed over: host timing leaves sends out.)
+# A send waits for its receiver: gloo's blocks the host until the peer posts its receive (a peer still busy with its
+# backward pass keeps it there for milliseconds), NCCL's holds the GPU. Sends are timed and profiled like receives; one
+# whose receiver is already waiting takes microseconds and stays under the profile's minimum bubble.
 SEND_INSTRUCTIONS = frozenset({"SendActivation", "SendGrad"})
 
 
@@ -35,8 +39,8 @@ def instruction_stream(schedule: Iterable[Iterable[Any]]) -> list[str]:
     return [type(cmd).__name__ for step in schedule for cmd in step]
 
 
-def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True, sends: bool = False) -> list[Candidate]:
-    """Classify every wait of one iteration's instruction stream (with ``sends``, its sends too).
+def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True, sends: bool = True) -> list[Candidate]:
+    """Classify every wait of one iteration's stream (receives, collectives inside instructions; with ``sends`` sends).
 
     - fill: before the stage's first ForwardPass (waiting for the first activation);
     - fwd-bwd: the last RecvGrad before the stage's first BackwardPass (end of 1F1B warm-up);
@@ -57,7 +61,7 @@ def candidate_slots(stream: Sequence[str], *, loss_broadcast: bool = True, sends
         fwd_bwd = next((i for i in range(first_bwd - 1, -1, -1) if stream[i] == "RecvGrad"), None)
     out = []
     for i, name in enumerate(stream):
-        if name not in WAIT_INSTRUCTIONS and not (sends and name in SEND_INSTRUCTIONS):
+        if name not in WAIT_INSTRUCTIONS and not (sends and name in SEND_INSTRUCTIONS) and not is_collective(name):
             continue
         if i == fwd_bwd:
             kind = "fwd-bwd"

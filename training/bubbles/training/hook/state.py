@@ -18,6 +18,7 @@ class ScheduleProfile:
         self.seen = 0
         self.stream: tuple[str, ...] | None = None
         self.candidates: list[Candidate] = []
+        self.records_len = 0  # records per iteration (instructions, collectives inside them, the loss broadcast)
         self.durations: list[list[float]] = []
         self.iter_s: list[float] = []
         self.free: dict[int, int] = {}  # position -> min free bytes sampled there

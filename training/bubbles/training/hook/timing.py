@@ -111,8 +111,8 @@ class HostTiming:
     """CPU/gloo: the host blocks in each wait; two stamps time it and the training's thread signals it."""
 
     name = "host"
-    wait_instructions = WAIT_INSTRUCTIONS  # a send returns once its data is handed over: not a bubble here
-    profiles_sends = False
+    wait_instructions = WAIT_INSTRUCTIONS | SEND_INSTRUCTIONS  # a gloo send blocks until its receiver is there
+    profiles_sends = True
     event_wait: str | None = None
     switch_interval_s: float | None = None
 
@@ -122,8 +122,9 @@ class HostTiming:
     def wait_wrapper(self, fn: Callable[..., Any], code: int) -> Callable[..., Any]:
         """Time a candidate wait; signal it when it is a profiled bubble and listeners exist.
 
-        Used for RecvActivation/RecvGrad handlers (called with the engine as first argument) and for the
-        bound ``_aggregate_total_loss``.
+        Used for the receives' and sends' handlers (called with the engine as first argument), for the bound
+        ``_aggregate_total_loss`` and for the communication backend's collectives inside ``OptimizerStep``,
+        ``ReduceGrads`` and ``ReduceTiedGrads`` (``collectives``).
         """
         inst = self.inst
         hot = inst._hot
@@ -182,7 +183,8 @@ class HostTiming:
                            t1: int, start: DeviceEvent | None) -> None:
         inst = self.inst
         inst._listeners.send(wire.encode_iteration(inst.stage, it, t0, t1 - t0))
-        if prof.recent is not None and inst.fill_mode is not wire.FillMode.NAIVE:
+        if (prof.recent is not None and inst.fill_mode is not wire.FillMode.NAIVE
+                and inst.lines_up(prof, records)):
             n = len(records)
             inst._follow_lengths(prof, {pos: records[pos][2] - records[pos][1]
                                         for pos in prof.signal_map if pos < n}, prof.seen)
@@ -205,7 +207,7 @@ class DeviceTiming:
     """
 
     name = "cuda"
-    wait_instructions = WAIT_INSTRUCTIONS | SEND_INSTRUCTIONS  # with NCCL a send can hold the GPU: see profile.py
+    wait_instructions = WAIT_INSTRUCTIONS | SEND_INSTRUCTIONS  # with NCCL a send holds the GPU: see profile.py
     profiles_sends = True
 
     def __init__(self, inst: Instrumentation, event_factory: Callable[[], DeviceEvent] | None, device: Any) -> None:
@@ -331,7 +333,8 @@ class DeviceTiming:
                            t1: int, start: DeviceEvent | None) -> None:
         if start is not None:  # None: the event thread has stopped, and signalling with it
             # the waits' lengths come from the device: the event thread follows them (None: not these)
-            follow = prof if self.inst.fill_mode is not wire.FillMode.NAIVE else None
+            follow = (prof if self.inst.fill_mode is not wire.FillMode.NAIVE and self.inst.lines_up(prof, records)
+                      else None)
             self.timer.iteration((_SEND, it, t0, t1 - t0, follow), start)
 
     def post(self, fn: Callable[[], None]) -> bool:
