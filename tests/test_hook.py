@@ -520,8 +520,10 @@ def test_the_default_probe_reads_the_engines_device_not_the_current_one(monkeypa
 
 def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_naive_iterations(sockdir: Path) -> None:
     """A profile of a few iterations is noisy and goes stale: with host timing, each signalled bubble's predicted
-    length follows its last RECENT_ITERATIONS lengths (recomputed every REPREDICT_EVERY iterations). Iterations
-    under naive co-location are not the training's own bubbles and do not count."""
+    length follows its last RECENT_ITERATIONS lengths (recomputed every REPREDICT_EVERY iterations, and at once after
+    a run of bubbles far past the prediction). Iterations under naive co-location are not the training's own bubbles
+    and do not count."""
+    from bubbles.core.cycle import SHIFT_RUN
     from bubbles.training.hook import RECENT_ITERATIONS, REPREDICT_EVERY
 
     run_dir, training = sockdir, "t-follow"
@@ -548,9 +550,17 @@ def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_nai
         eng.train_batch()
     assert max(predicted_ms()) < 4, "naive co-location's bubbles moved the prediction"
     inst.set_fill_mode(wire.FillMode.HARVEST)
-    for _ in range(RECENT_ITERATIONS + REPREDICT_EVERY):
+    assert inst.stats["prediction_shifts"] == 0
+    for _ in range(SHIFT_RUN):
         eng.train_batch()
-    assert min(predicted_ms()) >= 9  # every bubble now lasts 10 ms, and the prediction says so
+    # every bubble now lasts 10 ms, far past its 1 ms prediction: within SHIFT_RUN iterations the prediction says so
+    # (the low percentile of RECENT_ITERATIONS lengths alone would have taken ~RECENT_ITERATIONS)
+    assert min(predicted_ms()) >= 9
+    assert inst.stats["prediction_shifts"] == len(inst.cycle.slots)
+    eng.wait_s = 0.002  # shorter again: the low percentile follows down within a few iterations
+    for _ in range(REPREDICT_EVERY + 1):
+        eng.train_batch()
+    assert max(predicted_ms()) < 4
     inst.detach()
     agent.close()
 

@@ -200,6 +200,34 @@ def test_recent_lengths_predict_the_smaller_of_p10_and_median_of_the_last_window
         RecentLengths({1: [1]}, window=0)
 
 
+def test_a_bubble_far_past_its_prediction_gets_a_longer_one_within_a_few_lengths() -> None:
+    from bubbles.core.cycle import SHIFT_RUN, RecentLengths
+
+    # Profiled at ~2.5 ms, then the bubble lasts 300-1300 ms (seen on a real training): with the low percentile of
+    # 32 lengths alone the prediction would stay at 2.5 ms for ~29 iterations.
+    r = RecentLengths({3: [2_300_000, 2_500_000, 2_900_000, 2_400_000, 2_600_000]}, window=32)
+    assert r.predicted_ns(3) == 2_300_000 + int(0.4 * 100_000)  # p10 of the five
+    long = [330_000_000, 1_340_000_000, 600_000_000, 900_000_000]
+    assert [r.add(3, v) for v in long[:SHIFT_RUN]] == [False] * (SHIFT_RUN - 1) + [True]
+    assert r.shifts == 1
+    assert r.predicted_ns(3) >= 330_000_000  # the smallest of the run, at most
+    # one long bubble between short ones is noise, not a shift
+    q = RecentLengths({1: [1000] * 8}, window=32)
+    for v in (5000, 1000, 5000, 5000, 1000):
+        assert not q.add(1, v)
+    assert q.predicted_ns(1) == 1000 and q.shifts == 0
+    # a run just under the factor is not a shift either; shorter bubbles pull the prediction down on their own
+    for v in (1999, 1999, 1999):
+        assert not q.add(1, v)
+    for v in [500] * 4:
+        q.add(1, v)
+    assert q.predicted_ns(1) == 500
+    with pytest.raises(ValueError, match="shift_run"):
+        RecentLengths({1: [1]}, window=4, shift_run=5)
+    with pytest.raises(ValueError, match="shift_factor"):
+        RecentLengths({1: [1]}, shift_factor=1.0)
+
+
 def test_a_profiles_memory_margin_is_optional_and_never_negative() -> None:
     from bubbles.core.cycle import BubbleCycle
 

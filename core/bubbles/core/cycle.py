@@ -132,30 +132,67 @@ def predicted_length(lengths: Sequence[float]) -> float:
     return min(p10, _med)
 
 
+SHIFT_RUN = 3  # this many lengths in a row ...
+SHIFT_FACTOR = 2.0  # ... each at least this many times the prediction: the bubble has changed (see RecentLengths)
+
+
 class RecentLengths:
     """Each signalled bubble's predicted length, kept current from its recent lengths. Pure.
 
     A profile of a few iterations at the start is a noisy and, as the training and the machine change, stale
     estimate: seeded with the profiled lengths, this keeps each position's last ``window`` lengths (``add``), and
     ``predicted_ns`` applies ``predicted_length`` to them.
+
+    A low percentile of a long window moves up slowly: a bubble that became 100 times longer than profiled (a data
+    loader that stalls the neighbour, a slower peer) would keep its short prediction for most of the window, and a
+    fill job whose steps fit the new length would run nothing for 30 iterations. So when ``shift_run`` lengths in a
+    row are each at least ``shift_factor`` times the prediction, the older lengths are forgotten and the window
+    starts again from those (``add`` returns True, ``shifts`` counts it): the prediction becomes the smallest of
+    them at once. The other way, shorter bubbles pull the low percentile down within a few lengths anyway. The
+    price of moving up fast is overruns if the long bubbles were a passing spell: the fill runtime's tail-risk bound
+    still applies past the prediction, and the agent's ledger counts every overrun (``overrun_s``).
     """
 
-    def __init__(self, seeds: dict[int, Sequence[int]], window: int = 32) -> None:
+    def __init__(self, seeds: dict[int, Sequence[int]], window: int = 32, *, shift_run: int | None = None,
+                 shift_factor: float = SHIFT_FACTOR) -> None:
         if window < 1 or any(not v for v in seeds.values()):
             raise ValueError("RecentLengths needs window >= 1 and at least one seed length per position")
+        if shift_run is None:
+            shift_run = min(SHIFT_RUN, window)
+        if not 1 <= shift_run <= window or shift_factor <= 1.0:
+            raise ValueError("RecentLengths needs 1 <= shift_run <= window and shift_factor > 1")
         self.window = window
+        self.shift_run = shift_run
+        self.shift_factor = shift_factor
+        self.shifts = 0
         self._lengths = {pos: list(v)[-window:] for pos, v in seeds.items()}
+        self._predicted = {pos: int(predicted_length(v)) for pos, v in self._lengths.items()}
+        self._run = dict.fromkeys(self._lengths, 0)
 
-    def add(self, position: int, length_ns: int) -> None:
+    def add(self, position: int, length_ns: int) -> bool:
+        """Keep ``length_ns``; True if it completed a run of far longer bubbles and the window restarted."""
         kept = self._lengths.get(position)
         if kept is None:
-            return
+            return False
         kept.append(length_ns)
         if len(kept) > self.window:
             del kept[0]
+        if length_ns < self.shift_factor * max(self._predicted[position], 1):
+            self._run[position] = 0
+            return False
+        self._run[position] += 1
+        if self._run[position] < self.shift_run:
+            return False
+        del kept[:-self.shift_run]
+        self._run[position] = 0
+        self._predicted[position] = int(predicted_length(kept))
+        self.shifts += 1
+        return True
 
     def predicted_ns(self, position: int) -> int:
-        return int(predicted_length(self._lengths[position]))
+        """The prediction from the lengths kept now (and the one later lengths are compared with)."""
+        self._predicted[position] = predicted = int(predicted_length(self._lengths[position]))
+        return predicted
 
 
 def _slot_from_dict(i: int, s: Any) -> BubbleSlot:

@@ -160,6 +160,8 @@ class Instrumentation:
             "timing": self.timing,
             "collectives": self.collectives,
             "iterations_off_profile": self._off_profile,
+            # runs of bubbles far past their prediction, after which the prediction restarted from them
+            "prediction_shifts": sum(p.recent.shifts for p in self._profiles.values() if p.recent is not None),
             **self._timing.stats(),
             "device_iteration_s_p50": (percentile(list(self.device_iteration_times_s), 50)
                                        if self.device_iteration_times_s else None),
@@ -555,14 +557,16 @@ class Instrumentation:
         (``count``), predict from them. Naive co-location's iterations (the demo's A/B mode) are not the training's
         bubbles and are left out by the callers. Host timing: a few microseconds per iteration on the training's
         thread; device timing: on the event thread, with the lengths the device measured, and the new prediction
-        reaches the iterations the host queues next (it runs up to an iteration ahead)."""
+        reaches the iterations the host queues next (it runs up to an iteration ahead). A run of bubbles far past
+        their prediction (``RecentLengths``) is predicted anew at once, not at the next multiple."""
         recent = prof.recent
         assert recent is not None
+        shifted = False
         for pos in prof.signal_map:
             ns = lengths_ns.get(pos)
             if ns is not None:
-                recent.add(pos, ns)
-        if count % REPREDICT_EVERY == 0:
+                shifted |= recent.add(pos, ns)
+        if shifted or count % REPREDICT_EVERY == 0:  # a bubble far past its prediction: the new one at once
             prof.signal_map = {pos: (slot, recent.predicted_ns(pos)) for pos, (slot, _) in prof.signal_map.items()}
 
     def _refresh_listeners(self) -> list[str]:
