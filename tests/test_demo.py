@@ -28,6 +28,8 @@ OVERLAP_TOLERANCE_MS = 4.0
     (["--microbatches", "0"], "--microbatches 0"),
     (["--grace-ms", "-5"], "--grace-ms"),
     (["--metrics-port", "70000"], "--metrics-port 70000: give a TCP port"),
+    (["--gradient-clipping", "-1"], "--gradient-clipping -1.0: give a max gradient norm >= 0"),
+    (["--gradient-clipping", "nan"], "--gradient-clipping nan"),
 ])
 def test_bad_flags_are_rejected_with_what_to_do(flags: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,6 +41,7 @@ def test_bad_phases_are_refused(text: str, reason: str) -> None:
     (["--min-bubble-ms", "-1"], "must be >= 0"),
     (["--start-timeout-s", "0"], "--start-timeout-s 0.0"),
     (["--timing", "gpu"], "invalid choice: 'gpu'"),
+    (["--gradient-clipping", "-0.5"], "--gradient-clipping must be >= 0"),
 ])
 def test_bad_flags_exit_2_with_the_reason(tmp_path, flags: list[str], reason: str,  # type: ignore[no-untyped-def]
                                           capsys: pytest.CaptureFixture[str]) -> None:

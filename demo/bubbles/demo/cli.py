@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training slowdown the guard allows while harvesting (default 0.01 = 1%%)")
     p.add_argument("--grace-ms", type=float, default=50.0,
                    help="how long after a bubble ends a fill step may run before it is killed (default 50)")
+    p.add_argument("--gradient-clipping", type=float, default=1.0,
+                   help="the training's DeepSpeed gradient clipping (default 1.0, as real trainings use; 0 turns it "
+                        "off)")
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--timeline", type=Path, help="write a PNG Gantt chart of a few harvesting iterations here")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -82,6 +85,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         errors.append(f"--slowdown-budget {args.slowdown_budget}: give a fraction in (0, 1), e.g. 0.01 for 1%")
     if not 0 <= args.metrics_port <= 65535:
         errors.append(f"--metrics-port {args.metrics_port}: give a TCP port (1-65535), or 0 for a free one")
+    if not 0 <= args.gradient_clipping < float("inf"):
+        errors.append(f"--gradient-clipping {args.gradient_clipping}: give a max gradient norm >= 0 (0: off)")
     if args.grace_ms <= 0:
         errors.append(f"--grace-ms {args.grace_ms}: must be > 0")
     for flag in ("report", "timeline"):
@@ -161,6 +166,7 @@ def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Pa
                  "--master_port", str(free_port()), "-m", "bubbles.demo.train",
                  "--microbatches", str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                  "--hidden", str(args.hidden), "--layers", str(args.layers), "--phases", phases,
+                 "--gradient-clipping", str(args.gradient_clipping),
                  "--run-dir", str(run_dir), "--training", TRAINING, "--out", str(ranks_dir), "--pin-cores",
                  "--trace", "--free-bytes", str(DEMO_FREE_BYTES), "--start-file", str(start_path)]
     total = args.repeats * len(COMPARED_MODES) * args.iterations

@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing", choices=("auto", "host", "cuda", "host-events"), default="auto",
                    help="how the hook times waits: host stamps, CUDA events, or 'host-events' (the CUDA "
                         "event path with events that complete when recorded: for testing it on CPU)")
-    p.add_argument("--gradient-clipping", type=float, default=0.0,
-                   help="DeepSpeed gradient clipping (default 0: keeps the end-of-batch wait in the loss "
-                        "broadcast; > 0 hides the last stages' drain inside OptimizerStep)")
+    p.add_argument("--gradient-clipping", type=float, default=1.0,
+                   help="DeepSpeed gradient clipping (default 1.0, the usual setting: the pipeline's drain then "
+                        "sits in OptimizerStep's gradient-norm all-reduce, which the hook times; 0 turns it off)")
     p.add_argument("--sleep-compute-ms", type=float, default=0.0,
                    help="sleep this long in each layer's forward (2x in backward) to emulate slower compute")
     return p
@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("microbatches", "micro_batch_size", "hidden", "layers", "profile_iterations"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup_iterations < 0 or args.min_bubble_ms < 0 or args.sleep_compute_ms < 0:
-        parser.error("--warmup-iterations, --min-bubble-ms and --sleep-compute-ms must be >= 0")
+    if (args.warmup_iterations < 0 or args.min_bubble_ms < 0 or args.sleep_compute_ms < 0
+            or not args.gradient_clipping >= 0):
+        parser.error("--warmup-iterations, --min-bubble-ms, --sleep-compute-ms and --gradient-clipping must be >= 0")
     if args.start_timeout_s <= 0:
         parser.error(f"--start-timeout-s {args.start_timeout_s}: give a number of seconds > 0")
 
@@ -163,10 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "gradient_accumulation_steps": args.microbatches,
         "steps_per_print": 10**9,  # quiet
         "wall_clock_breakdown": False,
-        # DeepSpeed clips at 1.0 by default, which makes OptimizerStep an all-reduce over the whole
-        # pipeline: a stage that finishes early waits inside OptimizerStep, mixed with its Adam update,
-        # where the hook cannot tell waiting from computing. Without clipping that wait moves into the
-        # loss broadcast, a signalled bubble (shared NOTES).
+        # Clipping at 1.0, as real trainings do: OptimizerStep starts with the gradient norm's all-reduce over the
+        # whole pipeline, where a stage that finished early waits; the hook times that all-reduce on its own.
         "gradient_clipping": args.gradient_clipping,
     }
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
