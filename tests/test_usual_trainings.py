@@ -162,7 +162,9 @@ def describe(script: str, rank: dict[str, Any]) -> str:
         else "no cycle"
     return (f"{script} stage {rank['stage']}: hook's bubbles {ms(bubble_s)} ({bubble_s / iteration_s:.1%}) against "
             f"{ms(wait_s)} ({wait_s / iteration_s:.1%}) waited on others (meter, median of profiled iterations), "
-            f"iteration {ms(iteration_s)}.\n  meter by instruction/op: {breakdown}\n  hook's slots: {slots}")
+            f"iteration {ms(iteration_s)}; the hook's timed waits, signalled or too short: "
+            f"{ms(cycle['wait_s']) if cycle else '-'}.\n  meter by instruction/op (medians): {breakdown}\n"
+            f"  hook's slots: {slots}")
 
 
 # -- tests ---------------------------------------------------------------------------------------------------------
