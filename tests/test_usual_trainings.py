@@ -1,0 +1,230 @@
+"""The hook on DeepSpeed pipeline trainings written the way users write them (issue 34: every bubble of a real
+training): ``tests/fixtures/trainings/image_pipeline.py`` (AlexNet-style, DeepSpeedExamples' layout, partitioned by
+parameters, Adam from the config) and ``transformer_pipeline.py`` (a small GPT with a tied LM head, AdamW passed
+in), both with gradient clipping 1.0, 2 stages on CPU (gloo).
+
+Their independent yardstick is ``common.WaitMeter``: it times every blocking ``torch.distributed`` call a rank makes
+inside ``engine.train_batch`` (below DeepSpeed's ``deepspeed.comm``, where the hook is not), i.e. all the time the
+stage waits on others. The hook's profiled bubble time (the sum of its cycle's slots) must come within
+``WAIT_REL_TOL`` of it on every stage, and a real agent must get fill steps into every stage's bubbles.
+
+Each script is launched three times (module-scoped fixtures shared by the tests): without the hook, with it, and
+with it beside a real agent running a spin fill job on each stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bubbles.demo.orchestrate.processes import free_port, stop_gracefully, tail, wait_for_file, wait_for_fill_jobs
+
+pytestmark = pytest.mark.deepspeed
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAININGS = ROOT / "tests" / "fixtures" / "trainings"
+SCRIPTS = ("image_pipeline", "transformer_pipeline")
+STAGES = 2
+LAUNCH_TIMEOUT_S = 180
+AGENT_TIMEOUT_S = 30
+FILL_READY_TIMEOUT_S = 90
+WARMUP, PROFILE = 2, 5  # the hook's defaults, passed explicitly so the profiled iterations are known here
+HOOKED_STEPS = WARMUP + PROFILE + 3
+HARVEST_STEPS = WARMUP + PROFILE + 25  # after the fill jobs are ready: long enough for many fill steps
+BASELINE_STEPS = max(HOOKED_STEPS, HARVEST_STEPS)
+FREE_BYTES = 1 << 30
+# The hook's bubble time against the time the stage waits on others (the meter's): within 25%, or both under 2%
+# of the iteration (a stage that hardly waits).
+WAIT_REL_TOL = 0.25
+SMALL_SHARE = 0.02
+
+
+def env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def train_cmd(script: str, out: Path, steps: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(STAGES),
+            "--master_port", str(free_port()), str(TRAININGS / f"{script}.py"), "--out", str(out),
+            "--steps", str(steps), "--warmup-iterations", str(WARMUP), "--profile-iterations", str(PROFILE), *flags]
+
+
+def read_ranks(out: Path) -> list[dict[str, Any]]:
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(STAGES)]
+    return sorted(ranks, key=lambda r: r["stage"])
+
+
+def run_training(script: str, out: Path, steps: int, *flags: str) -> list[dict[str, Any]]:
+    proc = subprocess.run(train_cmd(script, out, steps, *flags), env=env(), capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return read_ranks(out)
+
+
+@pytest.fixture(scope="module")
+def short_run_dir() -> Iterator[Path]:
+    # AF_UNIX socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
+    d = Path(tempfile.mkdtemp(prefix="bbut-", dir="/tmp"))
+    yield d
+    subprocess.run(["rm", "-rf", str(d)], check=False, timeout=60)
+
+
+@pytest.fixture(scope="module", params=SCRIPTS)
+def script(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def baseline(script: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_training(script, tmp_path_factory.mktemp(f"{script}-nohook"), BASELINE_STEPS, "--no-hook")
+
+
+@pytest.fixture(scope="module")
+def hooked(script: str, tmp_path_factory: pytest.TempPathFactory, short_run_dir: Path) -> list[dict[str, Any]]:
+    """With the hook and no listener: the profile (and the meter over the same iterations) on a quiet machine."""
+    return run_training(script, tmp_path_factory.mktemp(f"{script}-hooked"), HOOKED_STEPS,
+                        "--run-dir", str(short_run_dir / f"{script[:3]}-h"), "--training", "t",
+                        "--free-bytes", str(FREE_BYTES))
+
+
+@pytest.fixture(scope="module")
+def harvest(script: str, tmp_path_factory: pytest.TempPathFactory, short_run_dir: Path) -> dict[str, Any]:
+    """With the hook beside a real agent running a spin fill job on each stage ($BUBBLES_FREE_BYTES set, as a user
+    on CPU would). The training profiles, then waits (``--start-file``) until both fill jobs are ready."""
+    work = tmp_path_factory.mktemp(f"{script}-harvest")
+    run_dir = short_run_dir / f"{script[:3]}-a"
+    out, stats, ready, start = work / "out", work / "agent-stats.json", work / "agent.ready", work / "start"
+    port = free_port()
+    agent_log = work / "agent.log"
+    cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", "t",
+           "--executors", str(STAGES), "--stats", str(stats), "--ready-file", str(ready),
+           "--metrics-port", str(port)]
+    for k in range(STAGES):
+        cmd += ["--fill-job", str(TRAININGS / f"spin-stage-{k}.yaml")]
+    with agent_log.open("w") as agent_out:
+        agent = subprocess.Popen(cmd, env=env(), stdout=agent_out, stderr=subprocess.STDOUT, start_new_session=True)
+    training: subprocess.Popen[str] | None = None
+    try:
+        assert wait_for_file(ready, agent, AGENT_TIMEOUT_S), "agent did not start:\n" + tail(agent_log)
+        training = subprocess.Popen(
+            train_cmd(script, out, HARVEST_STEPS, "--run-dir", str(run_dir), "--training", "t",
+                      "--start-file", str(start), "--start-timeout-s", str(FILL_READY_TIMEOUT_S)),
+            env=env(BUBBLES_FREE_BYTES=str(FREE_BYTES)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        ready_outcome = wait_for_fill_jobs(port, STAGES, agent, FILL_READY_TIMEOUT_S)
+        start.touch()  # whatever the outcome: the training goes on, the test says what the agent did
+        log, _ = training.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if training is not None and training.poll() is None:
+            training.kill()
+            training.wait(timeout=10)
+        stop_gracefully(agent, timeout_s=AGENT_TIMEOUT_S)
+    return {"rc": training.returncode, "log": log, "ready": ready_outcome,
+            "stats": json.loads(stats.read_text()) if stats.exists() else None, "agent_log": tail(agent_log, 30),
+            "ranks": read_ranks(out) if training.returncode == 0 else None}
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+
+def profiled(rank: dict[str, Any]) -> list[dict[str, Any]]:
+    first, end = rank["profiled"]
+    return rank["waits"][first:end]
+
+
+def median_by(waits: list[dict[str, Any]], key: str) -> dict[str, float]:
+    names = {name for w in waits for name in w[key]}
+    out = {name: statistics.median(w[key].get(name, 0.0) for w in waits) for name in names}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms"
+
+
+def describe(script: str, rank: dict[str, Any]) -> str:
+    """Both figures of one stage, and where the meter's time went."""
+    cycle = rank["cycle"]
+    waits = profiled(rank)
+    wait_s = statistics.median(w["total_s"] for w in waits)
+    iteration_s = cycle["iteration_s"] if cycle else statistics.median(rank["iteration_s"][slice(*rank["profiled"])])
+    bubble_s = sum(s["duration_s"] for s in cycle["slots"]) if cycle else 0.0
+    breakdown = ", ".join(f"{k} {ms(v)}" for k, v in median_by(waits, "by_instruction_op").items() if v >= 5e-5)
+    slots = ", ".join(f"{s['instruction']}/{s['kind']} {ms(s['duration_s'])}" for s in cycle["slots"]) if cycle \
+        else "no cycle"
+    return (f"{script} stage {rank['stage']}: hook's bubbles {ms(bubble_s)} ({bubble_s / iteration_s:.1%}) against "
+            f"{ms(wait_s)} ({wait_s / iteration_s:.1%}) waited on others (meter, median of profiled iterations), "
+            f"iteration {ms(iteration_s)}; the hook's timed waits, signalled or too short: "
+            f"{ms(cycle['wait_s']) if cycle else '-'}.\n  meter by instruction/op (medians): {breakdown}\n"
+            f"  hook's slots: {slots}")
+
+
+# -- tests ---------------------------------------------------------------------------------------------------------
+
+def test_losses_bit_identical_with_and_without_the_hook(script: str, baseline: list[dict[str, Any]],
+                                                        hooked: list[dict[str, Any]]) -> None:
+    for base, with_hook in zip(baseline, hooked, strict=True):
+        assert not base["hook"] and with_hook["hook"] and with_hook["cycle"] is not None
+        assert len(base["losses"]) == BASELINE_STEPS and len(with_hook["losses"]) == HOOKED_STEPS
+        assert with_hook["losses"] == base["losses"][:HOOKED_STEPS], script
+    assert len({tuple(r["losses"]) for r in baseline}) == 1  # every stage reports the same loss
+    losses = [float.fromhex(x) for x in baseline[0]["losses"]]
+    first, last = statistics.mean(losses[:8]), statistics.mean(losses[-8:])
+    assert last < first, f"{script} does not learn: mean loss of the first 8 iterations {first}, of the last 8 {last}"
+
+
+def test_partition_is_uneven_and_meter_sees_every_transfer(script: str, hooked: list[dict[str, Any]]) -> None:
+    """The yardstick's own check: the meter's wrappers are what DeepSpeed calls (every pipeline send and receive,
+    the clipping all-reduce, the loss broadcast), and DeepSpeed split the model unevenly as intended."""
+    layers = [len(r["partition"]["layers"]) for r in hooked]
+    assert layers[0] != layers[1], layers
+    for r in hooked:
+        mb = r["microbatches"]
+        for it, w in enumerate(r["waits"][1:], start=1):  # the first also sends the tensors' shapes
+            assert w["calls"].get("send") == mb and w["calls"].get("recv") == mb, (r["stage"], it, w["calls"])
+            assert w["calls"].get("broadcast") == 1, (r["stage"], it, w["calls"])
+            assert w["by_instruction"].get("OptimizerStep", 0.0) > 0, (r["stage"], it, w["by_instruction"])
+            assert "other" not in w["by_instruction"], (r["stage"], it, w["by_instruction"])
+        if script == "transformer_pipeline":  # the tied embedding's gradient, all-reduced between the stages
+            assert all(w["by_instruction"].get("ReduceTiedGrads", 0.0) > 0 for w in r["waits"])
+
+
+@pytest.mark.parametrize("stage", range(STAGES))
+def test_profiled_bubble_time_matches_the_time_the_stage_waits(script: str, stage: int,
+                                                               hooked: list[dict[str, Any]]) -> None:
+    rank = hooked[stage]
+    assert rank["stage"] == stage and rank["cycle"] is not None, f"{script} stage {stage}: no cycle"
+    iteration_s = rank["cycle"]["iteration_s"]
+    bubble_s = sum(s["duration_s"] for s in rank["cycle"]["slots"])
+    wait_s = statistics.median(w["total_s"] for w in profiled(rank))
+    message = describe(script, rank)
+    print(message)
+    hardly_waits = bubble_s < SMALL_SHARE * iteration_s and wait_s < SMALL_SHARE * iteration_s
+    assert hardly_waits or abs(bubble_s - wait_s) <= WAIT_REL_TOL * wait_s, message
+
+
+def test_fill_steps_on_every_stage(script: str, harvest: dict[str, Any], baseline: list[dict[str, Any]]) -> None:
+    assert harvest["rc"] == 0, harvest["log"][-4000:]
+    for base, r in zip(baseline, harvest["ranks"], strict=True):
+        assert r["losses"] == base["losses"][:HARVEST_STEPS], f"{script} stage {r['stage']}: losses changed"
+    stats = harvest["stats"]
+    assert stats is not None, "the agent wrote no stats:\n" + harvest["agent_log"]
+    steps = {k: 0 for k in range(STAGES)}
+    for step in stats["steps"]:
+        steps[step["stage"]] = steps.get(step["stage"], 0) + 1
+    bubbles = {k: sum(1 for b in stats["bubbles"] if b["stage"] == k) for k in range(STAGES)}
+    jobs = [{k: j.get(k) for k in ("name", "stage", "state", "reason", "steps", "step_s")} for j in stats["jobs"]]
+    cycles = "\n".join(describe(script, r) for r in harvest["ranks"])
+    message = (f"{script}: fill steps by stage {steps}, bubbles seen by stage {bubbles}, fill jobs ready: "
+               f"{harvest['ready']}\n  jobs: {jobs}\n  rejected: {stats.get('rejected_jobs')}\n{cycles}\n"
+               f"  agent log:\n{harvest['agent_log']}")
+    print(message)
+    assert all(steps[k] > 0 for k in range(STAGES)), message
