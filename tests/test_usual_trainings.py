@@ -45,6 +45,7 @@ FREE_BYTES = 1 << 30
 # The hook's bubble time against the time the stage waits on others (the meter's): within 25%, or both under 2%
 # of the iteration (a stage that hardly waits).
 WAIT_REL_TOL = 0.25
+MIN_BUBBLE_S = 0.0005  # the hook's default shortest bubble
 SMALL_SHARE = 0.02
 
 
@@ -140,6 +141,17 @@ def profiled(rank: dict[str, Any]) -> list[dict[str, Any]]:
     return rank["waits"][first:end]
 
 
+def repeating(waits: list[dict[str, Any]], at_least_s: float = 0.0) -> float:
+    """The meter's waits aggregated as the hook aggregates its own into a cycle: each wait of the iteration (the k-th
+    call, the same in every iteration) at its median over the profiled iterations, summed over those whose median is
+    at least ``at_least_s``. What a wait adds at a random place in some iterations (another process took the core)
+    is in the per-iteration total, not here: no prediction could offer it as a bubble."""
+    shapes = {tuple(name for name, _ in w["sequence"]) for w in waits}
+    assert len(shapes) == 1, f"the calls differ between the profiled iterations: {shapes}"
+    medians = [statistics.median(w["sequence"][k][1] for w in waits) for k in range(len(waits[0]["sequence"]))]
+    return sum(m for m in medians if m >= at_least_s)
+
+
 def median_by(waits: list[dict[str, Any]], key: str) -> dict[str, float]:
     names = {name for w in waits for name in w[key]}
     out = {name: statistics.median(w[key].get(name, 0.0) for w in waits) for name in names}
@@ -161,7 +173,9 @@ def describe(script: str, rank: dict[str, Any]) -> str:
     slots = ", ".join(f"{s['instruction']}/{s['kind']} {ms(s['duration_s'])}" for s in cycle["slots"]) if cycle \
         else "no cycle"
     return (f"{script} stage {rank['stage']}: hook's bubbles {ms(bubble_s)} ({bubble_s / iteration_s:.1%}) against "
-            f"{ms(wait_s)} ({wait_s / iteration_s:.1%}) waited on others (meter, median of profiled iterations), "
+            f"{ms(wait_s)} ({wait_s / iteration_s:.1%}) waited on others (meter, median of profiled iterations); "
+            f"aggregated as the hook's cycle: {ms(repeating(waits))}, {ms(repeating(waits, MIN_BUBBLE_S))} of it in "
+            f"waits of at least 0.5 ms; "
             f"iteration {ms(iteration_s)}; the hook's timed waits, signalled or too short: "
             f"{ms(cycle['wait_s']) if cycle else '-'}.\n  meter by instruction/op (medians): {breakdown}\n"
             f"  hook's slots: {slots}")
@@ -197,18 +211,35 @@ def test_partition_is_uneven_and_meter_sees_every_transfer(script: str, hooked: 
             assert all(w["by_instruction"].get("ReduceTiedGrads", 0.0) > 0 for w in r["waits"])
 
 
+def agree(hook_s: float, meter_s: float, iteration_s: float) -> bool:
+    """Within WAIT_REL_TOL of each other, or both under SMALL_SHARE of the iteration (a stage that hardly waits)."""
+    hardly = hook_s < SMALL_SHARE * iteration_s and meter_s < SMALL_SHARE * iteration_s
+    return hardly or abs(hook_s - meter_s) <= WAIT_REL_TOL * meter_s
+
+
 @pytest.mark.parametrize("stage", range(STAGES))
 def test_profiled_bubble_time_matches_the_time_the_stage_waits(script: str, stage: int,
                                                                hooked: list[dict[str, Any]]) -> None:
+    """The hook's bubbles against the meter's waits that could be one: aggregated the same way (``repeating``), those
+    whose median is at least the hook's shortest bubble (0.5 ms). The image pipeline's stage 0 waits 5-8% of its
+    iteration, in pieces of 0.1-0.4 ms: no bubble a fill step could use, and the next test checks that the hook timed
+    those waits all the same."""
     rank = hooked[stage]
     assert rank["stage"] == stage and rank["cycle"] is not None, f"{script} stage {stage}: no cycle"
-    iteration_s = rank["cycle"]["iteration_s"]
     bubble_s = sum(s["duration_s"] for s in rank["cycle"]["slots"])
-    wait_s = statistics.median(w["total_s"] for w in profiled(rank))
     message = describe(script, rank)
     print(message)
-    hardly_waits = bubble_s < SMALL_SHARE * iteration_s and wait_s < SMALL_SHARE * iteration_s
-    assert hardly_waits or abs(bubble_s - wait_s) <= WAIT_REL_TOL * wait_s, message
+    assert agree(bubble_s, repeating(profiled(rank), MIN_BUBBLE_S), rank["cycle"]["iteration_s"]), message
+
+
+@pytest.mark.parametrize("stage", range(STAGES))
+def test_the_hook_times_every_wait_of_the_stage(script: str, stage: int, hooked: list[dict[str, Any]]) -> None:
+    """Every wait, bubble-sized or not: the hook's timed waits (its cycle's ``wait_s``, signalled or too short)
+    against every wait the meter saw, aggregated the same way."""
+    rank = hooked[stage]
+    assert rank["cycle"] is not None
+    assert agree(rank["cycle"]["wait_s"], repeating(profiled(rank)), rank["cycle"]["iteration_s"]), \
+        describe(script, rank)
 
 
 def test_fill_steps_on_every_stage(script: str, harvest: dict[str, Any], baseline: list[dict[str, Any]]) -> None:
