@@ -33,6 +33,7 @@ from helpers.agent import (
     wait_for,
 )
 
+from bubbles.agent.core import within_factor
 from bubbles.agent.guard import GuardConfig
 from bubbles.agent.metrics import names
 from bubbles.core import paths, wire
@@ -95,6 +96,14 @@ def test_steps_run_only_inside_bubbles_and_end_before_the_predicted_end(start_ag
     assert h.job("busy")["state"] in ("PAUSED", "RUNNING")
     states = [e["message"] for e in stats["events"] if e["job"] == "busy" and e["kind"] == "state"]
     assert states[0] == "CREATED"
+    # The plan (docs/agent.md#the-plan-fill-steps-per-iteration): stated from the spec's step time once the job was
+    # admitted, then compared with what ran: within the stated factor, or a reason given.
+    plans = [e["message"] for e in stats["events"] if e["job"] == "busy" and e["kind"] == "plan"]
+    assert plans[0].startswith("planned: ") and plans[0].endswith("(step time from the spec)"), plans
+    job = h.job("busy")
+    planned, ran = job["plan_steps_per_iteration"], job["ran_steps_per_iteration"]
+    assert ran is not None and planned is not None, job
+    assert within_factor(planned, ran) or job["plan_reason"], job
 
 
 def test_job_that_ignores_pause_is_killed_after_the_grace_period(start_agent: StartAgent) -> None:

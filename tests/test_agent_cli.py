@@ -104,6 +104,11 @@ def _agent(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
         (["--executors", "0"], "--executors must be >= 1"),
         (["--fill-job", "/no/such/spec.yaml"], "cannot read fill-job spec /no/such/spec.yaml"),
         (["--training", "Not_Valid"], "training name 'Not_Valid' is not valid"),
+        (["--start-timeout", "30"], "--start-timeout only applies with --exit-when-done"),
+        (["--exit-when-done", "--start-timeout", "-1"], "--start-timeout must be > 0 seconds"),
+        (["--exit-when-done", "--start-timeout", "soon"], "argument --start-timeout: invalid float value: 'soon'"),
+        (["--exit-when-done=yes"], "--exit-when-done/--no-exit-when-done: ignored explicit argument 'yes'"),
+        (["--exit-when-done", "--cluster", "--node", "n"], "--exit-when-done is for local mode"),
     ],
 )
 def test_cli_bad_input_exits_2_with_a_message(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -277,3 +282,86 @@ def test_a_run_dir_too_deep_for_unix_sockets_is_refused_with_what_to_do(tmp_path
     r = _agent("--run-dir", str(deep), "--training", "t")
     assert r.returncode == 2, r.stderr
     assert "longer than the 107 a Unix socket allows: use a shorter run directory (--run-dir" in r.stderr, r.stderr
+
+
+# -- --exit-when-done: the agent's own end --------------------------------------------------------------------------
+HOOK = r"""
+import os, sys, time
+from bubbles.core import card, paths
+run_dir, training, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
+path = paths.hook_card(run_dir, training, stage)
+paths.make_private_dir(path.parent)
+fd = card.hold_lock(paths.hook_lock(run_dir, training, stage))  # as the hook: the lock before the card
+card.write_card(path, card.Card(training=training, stage=stage, stages=2, namespace="", pod="test", device="cpu",
+                                gpu_uuid=None, pid=os.getpid(), started_ns=time.time_ns(), lock=fd is not None))
+print("attached", flush=True)
+if sys.stdin.readline().strip() == "detach":  # as detach(): the card removed, the lock let go; the process lives on
+    path.unlink()
+    card.release_lock(fd)
+    print("detached", flush=True)
+time.sleep(600)
+"""
+
+
+def test_exit_when_done_ends_the_agent_once_every_hook_detached_or_died(tmp_path: Path) -> None:
+    """The shell's watch on real cards, locks and processes: a stage whose hook detached (its process lives on) and
+    one whose process was SIGKILLed (its card left behind, its lock free). The agent exits 0 by itself, stats and
+    summary written; a card left by an earlier run was no start."""
+    run_dir = Path(tempfile.mkdtemp(prefix="bbexit-", dir="/tmp"))
+    stale = paths.hook_card(run_dir, "t", 1)
+    stale.parent.mkdir(parents=True)
+    (stale.parent / paths.HOOK_LOCK_NAME).write_text("")
+    stale.write_text(json.dumps({"training": "t", "stage": 1, "stages": 2, "pod": "old", "lock": True, "version": 3}))
+    ready, stats = tmp_path / "ready", tmp_path / "stats.json"
+    agent = subprocess.Popen([sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training",
+                              "t", "--executors", "2", "--exit-when-done", "--stats", str(stats), "--ready-file",
+                              str(ready), "--log-level", "WARNING"], stderr=subprocess.PIPE, text=True)
+    hooks = []
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert agent.poll() is None and time.monotonic() < deadline, "agent did not get ready"
+            time.sleep(0.01)
+        time.sleep(1.5)  # the watch sees the earlier run's card: no start, so no end
+        assert agent.poll() is None, "the agent took an earlier run's card for its training's end"
+        for stage in (0, 1):
+            hooks.append(subprocess.Popen([sys.executable, "-c", HOOK, str(run_dir), "t", str(stage)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            assert hooks[-1].stdout is not None and hooks[-1].stdout.readline() == "attached\n"
+        time.sleep(1.0)  # seen live
+        assert agent.poll() is None
+        assert hooks[0].stdin is not None and hooks[0].stdout is not None
+        hooks[0].stdin.write("detach\n")
+        hooks[0].stdin.flush()
+        assert hooks[0].stdout.readline() == "detached\n"
+        time.sleep(4.0)  # stage 0 gone longer than ENDED_AFTER_S, stage 1 alive: no end
+        assert agent.poll() is None, "the agent ended while stage 1's hook still ran"
+        gone = time.monotonic()
+        hooks[1].kill()
+        hooks[1].wait(10)
+        code = agent.wait(30)
+        took = time.monotonic() - gone
+        err = agent.stderr.read() if agent.stderr else ""
+    finally:
+        for h in hooks:
+            h.kill()
+            h.wait(10)
+        if agent.poll() is None:
+            agent.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert code == 0, err
+    assert took < 10, f"the agent took {took:.1f} s to see its training end"
+    assert "training 't' ended: every stage's hook is gone (stage 0: its hook detached (its card was removed); " \
+           "stage 1: its process is gone (its card is left, but nothing holds the card's lock))" in err
+    assert "  stage 0 (cpu:0): no bubbles signalled in harvest mode" in err and f"stats: {stats}" in err
+    assert json.loads(stats.read_text())["ended"]["code"] == 0
+
+
+def test_exit_when_done_gives_up_on_a_training_that_never_starts_with_a_start_timeout(tmp_path: Path) -> None:
+    stats = tmp_path / "stats.json"
+    r = _agent("--run-dir", str(tmp_path / "run"), "--training", "nobody", "--exit-when-done", "--start-timeout",
+               "0.5", "--stats", str(stats), "--log-level", "WARNING")
+    assert r.returncode == 1, r.stderr
+    assert "bubbles agent: no stage of training 'nobody' started within 0.5 s (--start-timeout)" in r.stderr
+    ended = json.loads(stats.read_text())["ended"]
+    assert ended["code"] == 1 and "--run-dir, --training" in ended["reason"]

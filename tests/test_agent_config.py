@@ -67,6 +67,14 @@ def test_the_tail_risk_is_no_cap_unless_given_and_reaches_the_core(tmp_path: Pat
         ({}, {"BUBBLES_AGENT_MPS_DAEMON": "theirs"}, "--mps-daemon must be own or external, got 'theirs'"),
         ({"cuda_context_mib": -1}, {}, "--cuda-context-mib must be whole MiB from 0 to 16384"),
         ({}, {"BUBBLES_AGENT_CUDA_CONTEXT_MIB": "half"}, "--cuda-context-mib from $BUBBLES_AGENT_CUDA_CONTEXT_MIB"),
+        ({}, {"BUBBLES_AGENT_EXIT_WHEN_DONE": "maybe"},
+         "--exit-when-done from $BUBBLES_AGENT_EXIT_WHEN_DONE: expected true or false, got 'maybe'"),
+        ({"start_timeout": 60.0}, {}, "--start-timeout only applies with --exit-when-done"),
+        ({"exit_when_done": True, "start_timeout": 0.0}, {}, "--start-timeout must be > 0 seconds and at most a day"),
+        ({"exit_when_done": True, "start_timeout": float("nan")}, {}, "--start-timeout must be > 0 seconds"),
+        ({"exit_when_done": True}, {"BUBBLES_AGENT_START_TIMEOUT": "soon"},
+         "--start-timeout from $BUBBLES_AGENT_START_TIMEOUT"),
+        ({"exit_when_done": True, "cluster": True, "node": "n"}, {}, "--exit-when-done is for local mode"),
     ],
 )
 def test_bad_values_name_the_flag_and_their_source(tmp_path: Path, flags: dict[str, Any], env: dict[str, str],
@@ -76,10 +84,25 @@ def test_bad_values_name_the_flag_and_their_source(tmp_path: Path, flags: dict[s
     assert needle in str(err.value)
 
 
+def test_exit_when_done_comes_from_every_source_and_reaches_the_core(tmp_path: Path) -> None:
+    off = load_settings({"run_dir": tmp_path}, {}).config
+    assert (off.exit_when_done, off.start_timeout_s, off.core().exit_when_done) == (False, None, False)
+    f = tmp_path / "agent.yaml"
+    f.write_text("exit_when_done: true\nstart_timeout: 90\n")
+    cfg = load_settings({"run_dir": tmp_path}, {}, f).config
+    assert (cfg.core().exit_when_done, cfg.core().start_timeout_s) == (True, 90.0)
+    assert load_settings({"run_dir": tmp_path}, {"BUBBLES_AGENT_EXIT_WHEN_DONE": "yes"}).config.exit_when_done
+    assert not load_settings({"run_dir": tmp_path, "exit_when_done": False}, {}).config.exit_when_done
+    # --no-exit-when-done on the command line beats the file (then the file's start_timeout is refused: say so).
+    with pytest.raises(ConfigError, match="--start-timeout only applies with --exit-when-done"):
+        load_settings({"run_dir": tmp_path, "exit_when_done": False}, {}, f)
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
         ("executors: [1, 2]\n", "--executors in "),
+        ("exit_when_done: sometimes\n", "--exit-when-done in "),
         ("colour: blue\n", "unknown key(s) colour; known keys:"),
         ("- executors\n", "must be a mapping"),
         ("executors: 2\n  bad indent: [\n", "not valid YAML"),

@@ -2,7 +2,10 @@
 
 Starts one executor per local pipeline stage, binds ``<run_dir>/<training>/stage-<k>/agent.sock``,
 writes ``--ready-file`` once every socket is bound, and serves until SIGTERM/SIGINT; then it stops
-the fill jobs, writes ``--stats`` and exits 0. Bad input (no such spec file, an invalid spec,
+the fill jobs, writes ``--stats`` and exits 0. With ``--exit-when-done`` it also stops by itself once the training it
+serves has ended (every stage's hook gone: detached, or its process dead), prints a summary of what was harvested to
+stderr and exits 0; with ``--start-timeout`` it gives up, exit 1, when no stage started in time. Bad input (no such
+spec file, an invalid spec,
 ``--executors 0``, a bad ``--devices`` entry, an ``--mps-control`` that is not an executable) exits 2
 with a message saying what to fix.
 
@@ -64,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "metrics on")
     parser.add_argument("--metrics-addr", default=None, help="Prometheus bind address (default 127.0.0.1)")
     parser.add_argument("--stats", type=Path, default=None, help="write the stats JSON here on exit")
+    parser.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction, default=None,
+                        help="stop once the training has ended (every stage's hook gone: detach() removed its card, "
+                             "or its process died), as on SIGTERM: stop the fill jobs, write --stats, print a summary "
+                             "of what was harvested per stage to stderr, exit 0 (default off: serve until SIGTERM). "
+                             "Local mode only")
+    parser.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --exit-when-done: give up (stats and summary written, exit 1) when no stage of the "
+                             "training has started this long after the agent's start (default: wait as long as it "
+                             "takes)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="written once every socket is bound (wait for it before starting the training)")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -182,7 +194,11 @@ def run(args: argparse.Namespace) -> int:
         if settings.stats is not None:
             agent.write_stats(settings.stats)
             logging.getLogger("bubbles.agent").info("stats written to %s", settings.stats)
-    return 0
+    if config.exit_when_done:
+        where = f"\n  stats: {settings.stats}" if settings.stats is not None else ""
+        print(agent.summary() + where, file=sys.stderr, flush=True)
+    ended = agent.ended
+    return ended.code if ended is not None else 0
 
 
 def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:

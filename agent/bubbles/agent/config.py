@@ -60,6 +60,8 @@ class AgentConfig:
     devices: tuple[str, ...] = ()  # "cpu" | "cuda:N", executor k gets devices[k % len]; () = CPU core k
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
     cuda_context_mib: int = DEFAULT_CUDA_CONTEXT_MIB  # a GPU fill process's own CUDA context (not under MPS)
+    exit_when_done: bool = False  # stop, with the stats and a summary, once the training has ended (local mode)
+    start_timeout_s: float | None = None  # with exit_when_done: give up if no stage started this long after the start
 
     def __post_init__(self) -> None:
         if isinstance(self.executors, bool) or not isinstance(self.executors, int) or self.executors < 1:
@@ -87,6 +89,15 @@ class AgentConfig:
                 check_tail_risk(self.tail_risk, "--tail-risk")
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        if not isinstance(self.exit_when_done, bool):
+            raise ConfigError(f"--exit-when-done is a switch (true or false), got {self.exit_when_done!r}")
+        if self.start_timeout_s is not None:
+            if not self.exit_when_done:
+                raise ConfigError("--start-timeout only applies with --exit-when-done (how long the agent waits for "
+                                  "its training to start before it gives up); give both, or neither")
+            if not 0 < self.start_timeout_s <= 86400:
+                raise ConfigError(f"--start-timeout must be > 0 seconds and at most a day (how long to wait for the "
+                                  f"training's first stage to start), got {self.start_timeout_s:g}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port (0 = any free port), got {self.metrics_port}")
 
@@ -104,7 +115,8 @@ class AgentConfig:
                           mode=self.mode, grace_s=self.grace_s, guard=self.guard_config,
                           isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated,
                           tail_risk=self.tail_risk, init_timeout_s=self.init_timeout_s, relaunch=self.relaunch,
-                          cuda_context_bytes=self.cuda_context_mib << 20)
+                          cuda_context_bytes=self.cuda_context_mib << 20, exit_when_done=self.exit_when_done,
+                          start_timeout_s=self.start_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -222,7 +234,7 @@ def _as_paths(value: Any) -> tuple[Path, ...]:
 KEYS: dict[str, Callable[[Any], Any]] = {
     "run_dir": _as_path, "training": _as_str, "executors": _as_int, "fill_job": _as_paths, "mode": _as_str,
     "grace_ms": _as_float, "init_timeout": _as_float, "cuda_context_mib": _as_int, "slowdown_budget": _as_float,
-    "tail_risk": _as_float,
+    "tail_risk": _as_float, "exit_when_done": _as_bool, "start_timeout": _as_float,
     "pin_cores": _as_bool, "metrics": _as_bool,
     "metrics_port": _as_int, "metrics_addr": _as_str, "stats": _as_path, "ready_file": _as_path,
     "log_level": _as_str, "devices": _as_devices, "isolation": _as_str, "allow_unisolated": _as_bool,
@@ -309,9 +321,14 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         devices=v.get("devices", ()),
         isolation=isolation,
         cuda_context_mib=v.get("cuda_context_mib", DEFAULT_CUDA_CONTEXT_MIB),
+        exit_when_done=v.get("exit_when_done", False),
+        start_timeout_s=v.get("start_timeout"),
     )
     cluster = None
     if v.get("cluster", False):
+        if config.exit_when_done:
+            raise ConfigError("--exit-when-done is for local mode, beside one training; in a cluster the agent serves "
+                              "every training on its node for as long as the node runs (leave it out with --cluster)")
         if v.get("fill_job"):
             raise ConfigError("--fill-job is for local mode; in a cluster the operator assigns fill jobs (FillJob "
                               "resources)")

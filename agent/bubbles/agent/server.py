@@ -29,13 +29,17 @@ from typing import Any
 
 from bubbles.core import control, paths, wire
 from bubbles.core.api import FillJobSpec, IsolationState, IsolationStatus
+from bubbles.core.card import hook_lock_held, read_card
 
 from .config import AgentConfig
 from .core import (
     MAX_ISOLATION_RESUBMISSIONS,
+    WATCH_INTERVAL_S,
     Action,
     AgentCore,
+    Ending,
     ExecutorState,
+    HookFacts,
     JobRecord,
     Launch,
     Release,
@@ -70,6 +74,18 @@ def recv_with_pid(sock: socket.socket, bufsize: int) -> tuple[bytes, int | None]
             pid = struct.unpack_from("i", payload)[0]
             return data, pid if pid > 0 else None
     return data, None
+
+
+def process_alive(pid: int) -> bool | None:
+    """Whether process ``pid`` (in this PID namespace) runs: False once it has exited (a zombie counts as exited),
+    None where it cannot be told."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return None
+    return state not in ("Z", "X")
 
 
 def lock_holder(path: Path) -> int | None:
@@ -261,9 +277,13 @@ class Agent:
         self._supervisor_stop.clear()
         self._supervisor = threading.Thread(target=self._supervise, name="bubbles-isolation", daemon=True)
         self._supervisor.start()
+        # --exit-when-done: the stages' hooks are looked at every WATCH_INTERVAL_S; the core decides when it has ended.
+        next_watch = self.clock() if self.config.exit_when_done else None
         try:
             while not self._stop:
                 deadline = self.core.next_deadline_ns()
+                if next_watch is not None:
+                    deadline = next_watch if deadline is None else min(deadline, next_watch)
                 timeout = None if deadline is None else min(3600.0, max(0.0, (deadline - self.clock()) / 1e9))
                 events = self._sel.select(timeout)
                 with self.lock:
@@ -274,6 +294,10 @@ class Agent:
                         self._drain_control(job)  # a step report may be waiting
                     self.core.tick(now)
                     self._execute()
+                    if next_watch is not None and now >= next_watch:
+                        next_watch = now + int(WATCH_INTERVAL_S * 1e9)
+                        if self.core.watch_hooks(self._hook_facts()) is not None:
+                            self._stop = True  # then as on SIGTERM: the fill jobs stopped, the stats written
         finally:
             self._supervisor_stop.set()
             # A check in progress finishes within its command timeout (a daemon start within a few seconds).
@@ -545,7 +569,37 @@ class Agent:
             self.core.foreign_datagram(stage, pid, holder)
         return allowed
 
+    def _hook_facts(self) -> list[HookFacts]:
+        """What each stage's hook is found to be, for the core's ``watch_hooks``: its card, its lock, its process."""
+        facts = []
+        for ex in self.core.executors:
+            lock = None
+            try:
+                card = read_card(paths.hook_card(self.config.run_dir, self.config.training, ex.index))
+            except FileNotFoundError:
+                present: bool | None = False
+            except (OSError, ValueError):
+                present = None  # there, but not to be read now (being replaced, or planted): neither live nor gone
+            else:
+                present = True
+                if card.lock:
+                    lock = hook_lock_held(self.config.run_dir, self.config.training, ex.index)
+            alive = process_alive(ex.training_pid) if ex.training_pid is not None else None
+            facts.append(HookFacts(present, lock, alive))
+        return facts
+
     # -- reporting ---------------------------------------------------------------------------------------
+    @property
+    def ended(self) -> Ending | None:
+        """Why the agent stopped by itself (``--exit-when-done``), or None."""
+        with self.lock:
+            return self.core.ended
+
+    def summary(self) -> str:
+        """What was harvested, per stage, for a person (``--exit-when-done`` prints it)."""
+        with self.lock:
+            return self.core.summary()
+
     def _snapshot(self) -> Snapshot:
         with self.lock:
             return self.core.snapshot()

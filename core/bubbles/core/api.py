@@ -162,6 +162,15 @@ class JobStatus:
     step_s: float | None
     isolation: str | None  # the isolation mode it was launched under, "unisolated", or None before launch
     resubmission: int
+    # The agent's plan against what ran (docs/agent.md#the-plan): fill steps per iteration the plan said (None before
+    # a step time is known) and that ran over the job's recent iterations (None until compared), their ratio
+    # (ran / planned; None when either is), why they are more than the stated factor apart ("" when not), and where
+    # the compared plan's step times came from ("spec", "profile", "measured"; "" without a plan).
+    plan_steps_per_iteration: float | None = None
+    ran_steps_per_iteration: float | None = None
+    plan_ratio: float | None = None
+    plan_reason: str = ""
+    plan_basis: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": str(self.state)}
@@ -228,6 +237,9 @@ class AgentStatus:
     events: tuple[dict[str, Any], ...] = ()
     steps: tuple[dict[str, Any], ...] = ()
     bubbles: tuple[dict[str, Any], ...] = ()
+    # Why the agent stopped by itself (--exit-when-done): its exit status and the reason; None while it serves, or
+    # when a signal stopped it.
+    ended: tuple[int, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -240,6 +252,7 @@ class AgentStatus:
             "jobs": [j.to_dict() for j in self.jobs],
             "kills": self.kills, "rejected_messages": self.rejected_messages, "rejected_jobs": self.rejected_jobs,
             "events": list(self.events), "steps": list(self.steps), "bubbles": list(self.bubbles),
+            "ended": {"code": self.ended[0], "reason": self.ended[1]} if self.ended is not None else None,
         }
 
 

@@ -166,6 +166,31 @@ def card_is_stale(run_dir: Path, card: Card) -> bool:
         os.close(fd)  # releases the lock
 
 
+def hook_lock_held(run_dir: Path, training: str, stage: int) -> bool | None:
+    """Whether a process holds the stage's ``hook.lock`` (its hook's process lives): True or False, or None where it
+    cannot be told (no lock file, a file system without flock). Takes a free lock for an instant, as
+    ``card_is_stale`` does (a hook starting then waits for it), and, unlike it, removes nothing."""
+    import fcntl
+
+    try:
+        fd = os.open(paths.hook_lock(run_dir, training, stage),
+                     os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        return False
+    finally:
+        os.close(fd)  # releases the lock if it was taken
+
+
 # -- the hook's side: the lock and the writing ------------------------------------------------------------------
 
 # The hook.lock descriptors this process holds. A child forked from the training (a DataLoader worker) shares each

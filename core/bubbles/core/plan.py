@@ -5,11 +5,18 @@ A fill job's step is a chain of nodes that must run in order. The plan replicate
 walking the stage's bubble cycle over and over, so that no partition outlasts its bubble or
 needs more memory than the bubble has free. Greedy earliest fit is optimal in bubbles consumed
 for an ordered chain; ``min_bubbles_bruteforce`` lets the tests check that on small instances.
+
+Algorithm 1 packs medians: it says whether a job fits and how much work one cycle's bubble time could hold, not
+how many steps the fill runtime will start. ``plan_rate`` says that: it replays the runtime's gate
+(``bubbles.training.gating``) over each bubble's *predicted* length (the smaller of its 10th percentile and median,
+which the hook signals), after the signal's latency, with a bubble's first step gated and timed apart from the later
+ones (it refills the caches the training evicted). The agent states it, and compares it with what ran.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -91,6 +98,100 @@ class PlanError(ValueError):
         super().__init__(message)
         self.job = job
         self.node = node
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """How one size of a fill job's step runs in bubbles, as the fill runtime's gate sees it (``StepGates``).
+
+    A step starts only if its gate (a high percentile of its recent durations, or the profiled or stated step time
+    until enough have run) fits in what is left of the bubble's predicted length; it then takes its typical duration
+    (the agent gives the mean: over many steps, what they take in all). A bubble's first step is gated and timed apart
+    from the later ones. ``size`` None: a job without step sizes."""
+
+    first_gate_s: float
+    later_gate_s: float
+    first_s: float
+    later_s: float
+    size: int | None = None
+
+
+@dataclass(frozen=True)
+class RatePlan:
+    """What ``plan_rate`` expects one iteration to run: fill steps per bubble of the cycle and in all."""
+
+    per_bubble: tuple[float, ...]  # steps expected in each bubble of the cycle (a mean over its predicted lengths)
+    first_need_s: float  # what a bubble's predicted length must offer for a first step: latency plus the least gate
+    longest_s: float  # the longest usable predicted length (times the share)
+
+    @property
+    def steps_per_iteration(self) -> float:
+        return sum(self.per_bubble)
+
+    @property
+    def fitting(self) -> int:
+        """Bubbles of the cycle whose predicted length fits a first step (at least sometimes)."""
+        return sum(1 for n in self.per_bubble if n > 0)
+
+
+# A bound on the steps of one bubble (a 1 s bubble of 10 us steps): only a degenerate input comes near it.
+MAX_STEPS_PER_BUBBLE = 100_000
+
+
+def predicted_lengths(cycle: BubbleCycle) -> tuple[float, ...]:
+    """Each slot's predicted length from a profile: the smaller of its 10th percentile and median, as the hook
+    predicts a bubble's end (``bubbles.core.cycle.predicted_length``) until it has lengths of its own."""
+    return tuple(min(s.p10_s, s.duration_s) for s in cycle.slots)
+
+
+def steps_in_bubble(predicted_s: float, steps: Sequence[StepTime], latency_s: float = 0.0, share: float = 1.0) -> int:
+    """The fill steps the runtime is expected to start in a bubble of predicted length ``predicted_s``: from
+    ``latency_s`` after its signal, while some size's gate fits before ``share * predicted_s``, the largest size that
+    fits (``steps`` smallest first, as ``StepGates.fitting``), each taking its typical duration.
+
+    In closed form, as the agent computes it in its loop: what is left only shrinks, so the sizes that fit only fall
+    away, and after the first step the runtime runs the largest size that fits until its gate no longer does, then the
+    next: one run of steps per size at most."""
+    usable = share * predicted_s * (1 + _REL_SLACK)
+    t = latency_s
+    fits = [st for st in steps if t + st.first_gate_s <= usable]
+    if not fits:
+        return 0
+    t += fits[-1].first_s
+    n = 1
+    for _ in range(len(steps)):
+        fits = [st for st in steps if t + st.later_gate_s <= usable]
+        if not fits or n >= MAX_STEPS_PER_BUBBLE:
+            break
+        st = fits[-1]
+        k = min(math.floor((usable - st.later_gate_s - t) / st.later_s) + 1, MAX_STEPS_PER_BUBBLE - n)
+        n += k
+        t += k * st.later_s
+    return n
+
+
+def plan_rate(slots: Sequence[Sequence[float]], steps: Sequence[StepTime], latency_s: float = 0.0,
+              share: float = 1.0) -> RatePlan:
+    """The fill steps the runtime is expected to start per iteration: for each bubble of the cycle, the mean over its
+    predicted lengths (``slots[k]``: one from a profile, or the hook's recent predictions for that bubble) of
+    ``steps_in_bubble``. Steps the runtime may start past the prediction (``TailRisk``) and bubbles that end before it
+    are not counted: the plan states what the prediction allows. ValueError for malformed input."""
+    if not steps:
+        raise ValueError("plan_rate needs at least one step time")
+    for st in steps:
+        times = (st.first_gate_s, st.later_gate_s, st.first_s, st.later_s)
+        if not all(_finite_nonneg(t) and t > 0 for t in times):
+            raise ValueError(f"step times must be finite and > 0, got {st!r}")
+    if not all(lengths and all(_finite_nonneg(p) for p in lengths) for lengths in slots):
+        raise ValueError(f"each bubble needs predicted lengths, finite and >= 0, got {[list(x) for x in slots]!r}")
+    if not _finite_nonneg(latency_s):
+        raise ValueError(f"latency_s must be finite and >= 0, got {latency_s!r}")
+    if not (_finite_nonneg(share) and share <= 1):
+        raise ValueError(f"share must be in [0, 1], got {share!r}")
+    per_bubble = tuple(sum(k * steps_in_bubble(p, steps, latency_s, share) for p, k in Counter(lengths).items())
+                       / len(lengths) for lengths in slots)  # the hook's predictions repeat: each length once
+    return RatePlan(per_bubble, latency_s + min(st.first_gate_s for st in steps),
+                    share * max((p for lengths in slots for p in lengths), default=0.0))
 
 
 def bubbles_of(cycle: BubbleCycle) -> tuple[Bubble, ...]:

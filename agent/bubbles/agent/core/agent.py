@@ -44,10 +44,12 @@ from bubbles.core.plan import PlanError, bubbles_of, plan_partitions
 
 from ..guard import SlowdownGuard
 from .actions import Action, Launch, VerifyIsolation, VerifyTraining
+from .ending import Ending, HookFacts
 from .jobs import JobControl
 from .membership import TRAINING_RECHECK_S, TrainingMembership, may_ask
+from .planning import PLAN_FACTOR, slot_predictions, start_lag, start_lag_s, within_factor
 from .records import MODE_SETTLE_ITERATIONS, UNISOLATED, ExecutorState, JobRecord, OpenBubble
-from .reporting import Snapshot, snapshot_of, status_of
+from .reporting import Snapshot, snapshot_of, status_of, summary_of
 from .timers import Timer, TimerKind
 
 log = logging.getLogger("bubbles.agent")
@@ -142,6 +144,7 @@ class AgentCore(JobControl):
                          f"{ex.index}'s socket")
             return
         ex.last_message_ns = self.clock()
+        self.training_end.heard(ex.index, ex.last_message_ns)
         if pid is not None and pid > 0 and pid != ex.training_pid:  # a valid message's sender: the training's process
             ex.training_pid = pid
             ex.training_membership = ex.training_membership.for_new_process()
@@ -253,6 +256,7 @@ class AgentCore(JobControl):
         ex = self.executors[stage]
         ex.cycle = None
         ex.open_bubbles.clear()
+        ex.predicted.clear()  # the new process's bubbles are predicted afresh
         ex.last_message_ns = None
         ex.training_membership = ex.training_membership.for_new_process()
         ex.training_pid = None
@@ -376,9 +380,10 @@ class AgentCore(JobControl):
 
     def begin_shutdown(self) -> list[JobRecord]:
         """Cancel queued jobs and ask running ones to stop; the jobs whose processes the shell must reap."""
+        why = self._shutdown_why()
         for job in self.jobs:
             if job.state is FillState.SUBMITTED:
-                self._set_state(job, FillState.STOPPED, "cancelled: agent shut down")
+                self._set_state(job, FillState.STOPPED, f"cancelled: {why}")
             elif job.launched and job.state is not FillState.STOPPED:
                 self._ask_to_stop(job)
         return [j for j in self.jobs if j.launched]
@@ -386,8 +391,13 @@ class AgentCore(JobControl):
     def reaped_at_shutdown(self, job: JobRecord) -> None:
         """``job``'s process is gone at shutdown (its pending control lines already delivered)."""
         if job.state is not FillState.STOPPED:
-            self._set_state(job, FillState.STOPPED, "finished" if job.finished else "stopped: agent shut down")
+            self._set_state(job, FillState.STOPPED, "finished" if job.finished else f"stopped: {self._shutdown_why()}")
         self._release(job)
+
+    def _shutdown_why(self) -> str:
+        if self.ended is None:
+            return "agent shut down"
+        return "agent shut down (the training ended)" if self.ended.code == 0 else "agent shut down (no training)"
 
     # -- bubble signals ------------------------------------------------------------------------------------
     def foreign_datagram(self, stage: int, pid: int, holder: int | None) -> None:
@@ -404,6 +414,7 @@ class AgentCore(JobControl):
                 else None
             ex.open_bubbles[msg.seq] = OpenBubble(msg, self.fill_paused, self.share, armed.name if armed else "",
                                                   (armed.step_s or 0.0) if armed else 0.0)
+            ex.note_start(msg.slot, msg.predicted_end_ns - msg.start_ns, start_lag(self.clock() - msg.start_ns))
             if len(ex.open_bubbles) > MAX_OPEN_BUBBLES:  # ENDs lost: forget the oldest
                 ex.open_bubbles.pop(next(iter(ex.open_bubbles)))
             if (job is not None and job.launched and not job.iterative and ex.mode is FillMode.HARVEST
@@ -431,6 +442,7 @@ class AgentCore(JobControl):
                                          "predicted_end_ns": ob.start.predicted_end_ns,
                                          "guard_paused": ob.guard_paused, "share": ob.share, "job": ob.job,
                                          "step_s": ob.step_s})
+                self._plan_bubble(ex, ob, msg)
             job = ex.active
             if job is None or ex.mode is not FillMode.HARVEST or job.state is FillState.STOPPED:
                 return
@@ -520,6 +532,9 @@ class AgentCore(JobControl):
                                             tail=ev.get("gate") == "tail")
             except ValueError as exc:
                 self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
+            if mode == FillMode.HARVEST.label and ev.get("bubble_seq", -1) >= 0:
+                job.plan.step(ev["bubble_seq"], ev.get("size"), ev["start_ns"], ev["end_ns"], ev.get("signal_ns", 0),
+                              ev.get("gate") == "tail")
             if len(self.steps) < MAX_STEP_RECORDS:
                 self.steps.append({"stage": job.stage, "job": job.name, "start_ns": ev["start_ns"],
                                    "end_ns": ev["end_ns"], "flops": flops, "mode": mode,
@@ -549,9 +564,12 @@ class AgentCore(JobControl):
             sizes = ev.get("sizes") or []
             detail = f" (by step size: {', '.join(f'{n}: {t * 1e3:.3f} ms' for n, t in sizes)})" if sizes else ""
             self._event(job.stage, job.name, "profile", f"step time {job.step_s * 1e3:.3f} ms{detail}")
+            job.plan.reported_times(job.step_s, sizes)
             if not job.planned_with_step and ex.cycle is not None and job.state is not FillState.STOPPED:
                 job.planned_with_step = True
                 self._plan(ex, job, (FillNode(job.step_s, job.spec.memory_bytes),))
+            elif job.plan.planned is None and ex.cycle is not None and job.state is not FillState.STOPPED:
+                self._state_plan(ex, job)
         elif ev.type == "finished":
             job.finished = True
             self._stop_job(job, "finished")
@@ -632,9 +650,84 @@ class AgentCore(JobControl):
             log.error("stage %d: fill job %r cannot be planned: %s", ex.index, job.name, exc)
             self._stop_job(job, f"rejected: {exc}")
             return False
-        log.info("stage %d: fill job %r planned: %.2f steps per iteration in bubbles %s", ex.index, job.name,
-                 plan.steps_per_cycle(), sorted(plan.usable_bubbles()))
+        if steps is None:
+            self._state_plan(ex, job)
+        else:
+            log.info("stage %d: fill job %r fits bubbles %s; its steps per iteration are planned once its step time "
+                     "is known", ex.index, job.name, sorted(plan.usable_bubbles()))
         return True
+
+    def _state_plan(self, ex: ExecutorState, job: JobRecord) -> None:
+        """Make the job's first plan of fill steps per iteration (``.planning``), and say it."""
+        assert ex.cycle is not None
+        if not job.iterative:
+            return  # a plain command has no steps the agent sees
+        rate = job.plan.make(slot_predictions(ex.cycle, ex.predicted), start_lag_s(ex.start_lags))
+        if rate is None or job.plan.inputs is None:
+            return
+        inputs = job.plan.inputs
+        first = inputs.steps[0]
+        message = (f"planned: {rate.steps_per_iteration:.2f} fill steps per iteration; {rate.fitting} of "
+                   f"{len(rate.per_bubble)} bubbles' predicted lengths fit a first step of "
+                   f"{first.first_gate_s * 1e3:.2f} ms after {inputs.latency_s * 1e3:.2f} ms of signal latency (step "
+                   f"time from the {inputs.basis})")
+        log.info("stage %d: fill job %r %s", ex.index, job.name, message)
+        self._event(ex.index, job.name, "plan", message)
+        if rate.fitting == 0:
+            log.warning("stage %d: fill job %r: no bubble's predicted length (the longest %.2f ms) fits a first step "
+                        "(%.2f ms with the latency): it runs steps only past a prediction, or once bubbles lengthen",
+                        ex.index, job.name, rate.longest_s * 1e3, rate.first_need_s * 1e3)
+
+    def _plan_bubble(self, ex: ExecutorState, ob: OpenBubble, end: wire.BubbleEnd) -> None:
+        """A bubble of ``ex`` ended: it counts for its active job's plan if the job served it (armed in harvest, or
+        withheld by the guard), and the plan is compared with what ran when that is due."""
+        job = ex.active
+        if (job is None or ex.cycle is None or not job.iterative or not job.launched or ex.mode is not FillMode.HARVEST
+                or job.state not in (FillState.PAUSED, FillState.RUNNING) or job.verification == "pending"
+                or not (ob.job == job.name or ob.guard_paused)):
+            return
+        slots = len(ex.cycle.slots)
+        job.plan.bubble(end.seq, ob.start.predicted_end_ns - ob.start.start_ns, end.end_ns - ob.start.start_ns,
+                        ob.job == job.name, ob.share, slots)
+        if not job.plan.due(slots):
+            return
+        before = job.plan.last
+        chk = job.plan.check(slot_predictions(ex.cycle, ex.predicted), start_lag_s(ex.start_lags), slots)
+        if chk is None:
+            return
+        ratio = f" (x{chk.ratio:.2f})" if chk.ratio is not None else ""
+        verdict = f"off by more than {PLAN_FACTOR:g}x: {chk.reason}" if chk.reason else f"within {PLAN_FACTOR:g}x"
+        message = (f"planned {chk.planned:.2f} fill steps per iteration, ran {chk.ran:.2f}{ratio} over "
+                   f"{chk.iterations:.0f} iterations: {verdict}")
+        said_before = before.reason.split(":", 1)[0] if before is not None else None
+        if said_before != chk.reason.split(":", 1)[0]:  # the first comparison, or a new verdict
+            log.log(logging.WARNING if chk.reason else logging.INFO, "stage %d: fill job %r %s", ex.index, job.name,
+                    message)
+            self._event(ex.index, job.name, "plan", message)
+        if not within_factor(chk.planned, chk.replanned):
+            basis = chk.replanned_basis
+            source = "measured in its bubbles" if basis == "measured" else f"from the {basis}"
+            message = (f"re-planned: {chk.replanned:.2f} fill steps per iteration (was {chk.planned:.2f}), with step "
+                       f"times {source}")
+            log.info("stage %d: fill job %r %s", ex.index, job.name, message)
+            self._event(ex.index, job.name, "plan", message)
+
+    def watch_hooks(self, facts: list[HookFacts]) -> Ending | None:
+        """What the shell found of each stage's hook (``--exit-when-done``; ``.ending``): the agent's end once the
+        training has ended (or never started within the start timeout), else None. Said once."""
+        now = self.clock()
+        for stage, f in enumerate(facts):
+            self.training_end.observe(stage, f, now)
+        if not self.config.exit_when_done:
+            return None
+        if self.ended is None:
+            ending = self.training_end.verdict(now)
+            if ending is None:
+                return None
+            self.ended = ending
+            log.log(logging.INFO if ending.code == 0 else logging.ERROR, "%s; stopping the fill jobs", ending.reason)
+            self._event(-1, "", "ended", ending.reason)
+        return self.ended
 
     def _must_verify(self, ex: ExecutorState, job: JobRecord) -> bool:
         """Whether ``job`` waits for ``VerifyIsolation`` before it is armed: an SDK job on a GPU, launched as an MPS
@@ -676,3 +769,7 @@ class AgentCore(JobControl):
     def stats(self) -> dict[str, Any]:
         """The status as the stats file's JSON (see the agent's documentation for the format)."""
         return self.status().to_dict()
+
+    def summary(self) -> str:
+        """What was harvested, per stage, in a few lines for a person (``reporting.summary_of``)."""
+        return summary_of(self)

@@ -36,4 +36,8 @@ class CoreConfig:
     # the allocator cap its spec's memory sets: planned on top of that memory except under MPS, where the context is
     # the server's and the pinned limit covers the client. About 0.5 GiB on recent GPUs (not measured here).
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB << 20
+    # --exit-when-done: the core says when the training has ended (``.ending``); the shell then stops as on SIGTERM.
+    # ``start_timeout_s``: give up (exit 1) when no stage of it has started this long after the agent's start.
+    exit_when_done: bool = False
+    start_timeout_s: float | None = None
 

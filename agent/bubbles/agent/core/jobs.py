@@ -18,6 +18,7 @@ from ..guard import SlowdownGuard
 from ..ledger import HarvestLedger
 from .actions import Action, Release, Send, Signal
 from .config import CoreConfig
+from .ending import Ending, TrainingEnd
 from .records import BubbleRecord, EventRecord, ExecutorState, JobRecord, StepRecord
 from .reporting import MetricsSink, NullSink
 from .timers import TimerKind, Timers
@@ -91,6 +92,9 @@ class JobControl:
         self._missed_end_log = _RateLimitedLog(clock)
         self._newer_seen: set[tuple[int, int]] = set()  # (version, kind) of messages from a newer hook, said once
         self.newer_messages = 0
+        # When the training has ended (--exit-when-done), and the end once decided (``AgentCore.watch_hooks``).
+        self.training_end = TrainingEnd(config.training, len(self.executors), clock(), config.start_timeout_s)
+        self.ended: Ending | None = None
 
     def _event(self, stage: int, job: str, kind: str, message: str) -> None:
         if len(self.events) < MAX_EVENTS:

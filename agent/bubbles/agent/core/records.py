@@ -12,6 +12,7 @@ from bubbles.core.api import FillJobSpec, FillMode, FillState, JobStatus
 from bubbles.core.cycle import BubbleCycle
 
 from .membership import TrainingMembership
+from .planning import LAG_WINDOW, LENGTH_WINDOW, PlanWatch
 
 # Iterations after a fill-mode change the slowdown guard does not see: fill work of the old mode may still run.
 MODE_SETTLE_ITERATIONS = 2
@@ -45,6 +46,10 @@ class JobRecord:
     resubmission: int = 0  # how often this spec was resubmitted after losing isolation
     verification: str = ""  # "" (none asked), "pending" (a VerifyIsolation out), "verified"
     stop_deadline: bool = False  # asked to stop, with a SIGKILL timed STOP_GRACE_S later
+    plan: PlanWatch = field(init=False)  # what it is planned to run per iteration, and how that compares
+
+    def __post_init__(self) -> None:
+        self.plan = PlanWatch(self.spec.gating_step_s)
 
     @property
     def name(self) -> str:
@@ -55,8 +60,15 @@ class JobRecord:
         return self.spec.iterative
 
     def status(self) -> JobStatus:
+        chk = self.plan.last
+        planned = chk.planned if chk is not None else (
+            self.plan.planned.steps_per_iteration if self.plan.planned is not None else None)
+        basis = chk.basis if chk is not None else self.plan.inputs.basis if self.plan.inputs is not None else ""
         return JobStatus(self.name, self.stage, self.state, self.reason, self.steps, self.flops, self.step_s,
-                         self.isolation, self.resubmission)
+                         self.isolation, self.resubmission, plan_steps_per_iteration=planned,
+                         ran_steps_per_iteration=chk.ran if chk is not None else None,
+                         plan_ratio=chk.ratio if chk is not None else None,
+                         plan_reason=chk.reason if chk is not None else "", plan_basis=basis)
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,17 @@ class ExecutorState:
     training_pid: int | None = None
     training_membership: TrainingMembership = TrainingMembership.NOT_ASKED
     training_asked_ns: int | None = None  # when last asked: a check that could not be made is asked again later
+    # The hook's recent predicted lengths per slot (from its STARTs), and this agent's lag in reading a START: what
+    # the fill jobs' plans are made with (.planning).
+    predicted: dict[int, deque[int]] = field(default_factory=dict)
+    start_lags: deque[int] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
+
+    def note_start(self, slot: int, predicted_ns: int, lag_ns: int | None) -> None:
+        """A bubble's START: its predicted length, and how late this agent read it (None: not a latency)."""
+        if predicted_ns >= 0:
+            self.predicted.setdefault(slot, deque(maxlen=LENGTH_WINDOW)).append(predicted_ns)
+        if lag_ns is not None:
+            self.start_lags.append(lag_ns)
 
 
 class StepRecord(TypedDict):

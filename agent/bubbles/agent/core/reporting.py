@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from bubbles.core.api import AgentStatus, ExecutorStatus, GuardStatus, ModeTotals
+from bubbles.core.api import AgentStatus, ExecutorStatus, FillMode, FillState, GuardStatus, ModeTotals
 
 if TYPE_CHECKING:
     from .agent import AgentCore
@@ -130,7 +130,34 @@ def status_of(core: AgentCore) -> AgentStatus:
                                        ex.training_membership.wire) for ex in core.executors),
         jobs=tuple(j.status() for j in core.jobs), kills=core.kills, rejected_messages=core.rejected_messages,
         rejected_jobs=core.rejected_jobs, events=_as_dicts(core.events), steps=_as_dicts(core.steps),
-        bubbles=_as_dicts(core.bubbles))
+        bubbles=_as_dicts(core.bubbles), ended=(core.ended.code, core.ended.reason) if core.ended else None)
+
+
+def summary_of(core: AgentCore) -> str:
+    """What was harvested, per stage, for a person (``bubbles agent --exit-when-done`` prints it at its end): each
+    stage's bubble time and the share fill steps filled (harvest mode), its fill steps, and each fill job's steps
+    against its plan."""
+    head = core.ended.reason if core.ended is not None else f"training {core.config.training!r}: the agent stopped"
+    lines = [f"bubbles agent: {head}"]
+    ledger = core.ledgers[FillMode.HARVEST.label]
+    for ex in core.executors:
+        t = ledger.totals(ex.index, percentiles=False) if ex.index in ledger.stages() else None
+        if t is None or t.bubble_s <= 0:
+            lines.append(f"  stage {ex.index} ({ex.device}): no bubbles signalled in harvest mode")
+        else:
+            lines.append(f"  stage {ex.index} ({ex.device}): {t.bubble_s:.3f} s of bubbles, {t.filled_s:.3f} s filled "
+                         f"({t.filled_s / t.bubble_s:.1%}), {t.fill_steps} fill steps")
+        for job in core.jobs:
+            if job.stage != ex.index or (job.state is FillState.STOPPED and not job.launched and not job.steps
+                                         and job.reason.startswith("cancelled")):
+                continue
+            st = job.status()
+            rate = ""
+            if st.ran_steps_per_iteration is not None and st.plan_steps_per_iteration is not None:
+                rate = (f", {st.ran_steps_per_iteration:.2f} per iteration (planned "
+                        f"{st.plan_steps_per_iteration:.2f}{': ' + st.plan_reason if st.plan_reason else ''})")
+            lines.append(f"    job {job.name}: {job.steps} steps{rate}; {job.state}: {job.reason or 'no reason given'}")
+    return "\n".join(lines)
 
 
 def _as_dicts(records: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
