@@ -32,13 +32,15 @@ def spin_on(core: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-def one_run(out: Path, k: int, busy_core: int | None, tail_risk: str | None = None) -> dict[str, Any]:
+def one_run(out: Path, k: int, busy_core: int | None, tail_risk: str | None = None,
+            clipping: str | None = None) -> dict[str, Any]:
     report = out / f"report-{k}.json"
     busy = spin_on(busy_core) if busy_core is not None else None
     t0 = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "bubbles.cli", "demo", "--report", str(report),
-                               "--workdir", str(out / f"run-{k}"), "--timeline", str(out / f"timeline-{k}.png")],
+                               "--workdir", str(out / f"run-{k}"), "--timeline", str(out / f"timeline-{k}.png"),
+                               *(["--gradient-clipping", clipping] if clipping else [])],
                               capture_output=True, text=True, timeout=1800,
                               env={**os.environ, **({control.TAIL_RISK_ENV: tail_risk} if tail_risk else {})})
     finally:
@@ -51,6 +53,7 @@ def one_run(out: Path, k: int, busy_core: int | None, tail_risk: str | None = No
     r = json.loads(report.read_text())
     r["wall_s"] = time.monotonic() - t0
     r["tail_risk"] = tail_risk or "default"
+    r["clipping"] = clipping or "default"
     return r
 
 
@@ -75,7 +78,10 @@ def row(k: int, r: dict[str, Any]) -> tuple[str, bool]:
     if b.get("tail_s"):
         where += f"; tail steps filled {b['tail_s'] / total:.1%}, overran {b.get('tail_overrun_s', 0.0) * 1e3:.1f} ms"
     probes = r["guard"].get("probes") or {}
-    return (f"| {k} | {r.get('tail_risk', 'default')} | {fig('harvest_filled_share', signed=False)} | "
+    ratio = r.get("bubble_ratio", {}).get("signalled", {})
+    bubbles = ", ".join(f"{100 * v:.1f}%" if v is not None else "-" for v in ratio.values())
+    return (f"| {k} | {r.get('tail_risk', 'default')} | {r.get('clipping', 'default')} | {bubbles} | "
+            f"{fig('harvest_filled_share', signed=False)} | "
             f"{fig('harvest_slowdown')} | "
             f"{fig('naive_slowdown')} | {o['harvest_verdict'].split(':')[0]} | "
             f"{'yes' if o['noise']['noisy'] else 'no'} | {(r['guard'].get('share') or 0):.2f} "
@@ -91,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail-risks", default="",
                    help="comma-separated $BUBBLES_TAIL_RISK values the runs take in turn (an A/B comparison), e.g. "
                         "0,0.1; empty: the default")
+    p.add_argument("--gradient-clippings", default="",
+                   help="comma-separated --gradient-clipping values of the demo's training, taken in turn (an A/B "
+                        "comparison), e.g. 1.0,0; empty: the demo's default (1.0)")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs {args.runs}: use 1 or more")
@@ -100,16 +109,25 @@ def main(argv: list[str] | None = None) -> int:
             tail_risk(v)
         except ValueError as exc:
             p.error(f"--tail-risks: {exc}")
+    clippings = [v.strip() for v in args.gradient_clippings.split(",") if v.strip()]
+    for v in clippings:
+        try:
+            ok = float(v) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"--gradient-clippings: {v!r} is not a max gradient norm >= 0 (0 turns clipping off)")
     if args.busy_core is not None and args.busy_core not in os.sched_getaffinity(0):
         p.error(f"--busy-core {args.busy_core}: this process may use cores {sorted(os.sched_getaffinity(0))}")
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = ["| run | tail risk | bubble time filled | harvest slowdown | naive slowdown | verdict | noisy "
-             "| guard share | where the rest went | bar | wall |",
-             "| --- | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: |"]
+    lines = ["| run | tail risk | clipping | signalled bubbles per stage | bubble time filled | harvest slowdown "
+             "| naive slowdown | verdict | noisy | guard share | where the rest went | bar | wall |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: |"]
     met = 0
     for k in range(1, args.runs + 1):
         print(f"run {k}/{args.runs} ...", file=sys.stderr, flush=True)
-        text, ok = row(k, one_run(args.out, k, args.busy_core, risks[(k - 1) % len(risks)] if risks else None))
+        text, ok = row(k, one_run(args.out, k, args.busy_core, risks[(k - 1) % len(risks)] if risks else None,
+                                  clippings[(k - 1) % len(clippings)] if clippings else None))
         met += ok
         lines.append(text)
         print(text, flush=True)

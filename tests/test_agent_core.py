@@ -384,3 +384,39 @@ def test_a_record_stamped_in_the_future_is_refused_before_it_reaches_the_ledger(
     core.on_datagram(0, wire.encode_bubble_end(0, 0, 1, wall))
     assert core.rejected_messages == 2
     assert core.ledgers["harvest"].totals().fill_steps == 0 and core.ledgers["harvest"].totals().bubble_s == 0
+
+
+def test_a_job_that_names_no_stage_goes_to_the_stage_with_the_most_bubble_time() -> None:
+    # A newcomer's spec need not know which stage waits: on a real training the last stage of two may wait 60% of
+    # the iteration and the first 3%. The job waits for every stage's profile, then runs where the bubbles are.
+    core, _, _ = make_core(executors=3)
+    job = core.submit(job_spec())
+    assert job.stage == 0
+    core.on_datagram(0, wire.encode_profile(0, cycle(0, ((0.002, 1 << 30),), stages=3)))
+    assert core.take_actions() == [] and job.state is FillState.SUBMITTED  # stage 1 and 2 not profiled yet
+    core.on_datagram(1, wire.encode_profile(1, cycle(1, ((0.020, 1 << 30), (0.010, 1 << 30)), stages=3)))
+    assert core.take_actions() == []
+    core.on_datagram(2, wire.encode_profile(2, cycle(2, ((0.004, 1 << 30),), stages=3)))
+    (launch,) = core.take_actions()
+    assert isinstance(launch, Launch) and launch.job is job and job.stage == 1
+    placed = [e for e in core.events if e["kind"] == "placed"]
+    assert len(placed) == 1 and placed[0]["stage"] == 1 and "30.0 ms of 50.0 ms" in placed[0]["message"]
+    # a job that names its stage stays there, however few its bubbles
+    pinned = core.submit(job_spec("k", stage=0))
+    (launch,) = core.take_actions()
+    assert launch.job is pinned and pinned.stage == 0
+
+
+def test_a_job_that_names_no_stage_is_placed_when_an_executor_never_profiles() -> None:
+    # --executors larger than the training's stages on this node: the third never hears a hook.
+    core, clock, _ = make_core(executors=3)
+    job = core.submit(job_spec())
+    core.on_datagram(0, wire.encode_profile(0, cycle(0, ((0.002, 1 << 30),))))
+    core.on_datagram(1, wire.encode_profile(1, cycle(1, ((0.009, 1 << 30),))))
+    clock.now += 4_900 * MS
+    core.on_datagram(0, wire.encode_iteration(0, 9, clock.now, 50 * MS))
+    assert core.take_actions() == []
+    clock.now += 200 * MS
+    core.on_datagram(0, wire.encode_iteration(0, 10, clock.now, 50 * MS))
+    (launch,) = core.take_actions()
+    assert launch.job is job and job.stage == 1

@@ -407,3 +407,14 @@ def test_demo_runs_refuses_a_bad_tail_risk_before_any_run(risks: str, tmp_path: 
         demo_runs.main(["--runs", "2", "--tail-risks", risks, "--out", str(tmp_path / "runs")])
     assert exc.value.code == 2 and "--tail-risks: $BUBBLES_TAIL_RISK=" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("clippings", ["1.0,lots", "-1", "1,nan"])
+def test_demo_runs_refuses_a_bad_gradient_clipping_before_any_run(clippings: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import demo_runs  # benchmarks/
+
+    with pytest.raises(SystemExit) as exc:
+        demo_runs.main(["--runs", "2", "--gradient-clippings", clippings, "--out", str(tmp_path / "runs")])
+    assert exc.value.code == 2 and "is not a max gradient norm >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

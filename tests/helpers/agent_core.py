@@ -43,9 +43,9 @@ class Sink:
 
 
 def cycle(stage: int = 0, slots: tuple[tuple[float, int], ...] = ((0.005, 1 << 30),),
-          iteration_s: float = 0.05) -> dict[str, Any]:
+          iteration_s: float = 0.05, stages: int = 2) -> dict[str, Any]:
     return {
-        "training": "t", "stage": stage, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
+        "training": "t", "stage": stage, "stages": stages, "microbatches": 4, "schedule": "TrainSchedule",
         "iteration_s": iteration_s, "samples": 5,
         "slots": [{"slot": i, "position": i, "instruction": "RecvGrad", "kind": "steady", "duration_s": d,
                    "p10_s": d, "p90_s": d, "free_bytes": free} for i, (d, free) in enumerate(slots)],
@@ -67,8 +67,8 @@ def job_spec(name: str = "j", **fields: Any) -> Any:
 
 
 def started(core: AgentCore, name: str = "j", has_control: bool = True, **fields: Any) -> JobRecord:
-    """Submit, profile stage 0, launch: the job is CREATED (SDK) or PAUSED (plain command)."""
-    job = core.submit(job_spec(name, **fields))
+    """Submit to stage 0, profile it, launch: the job is CREATED (SDK) or PAUSED (plain command)."""
+    job = core.submit(job_spec(name, **{"stage": 0, **fields}))
     core.on_datagram(0, wire.encode_profile(0, cycle()))
     actions = core.take_actions()
     assert [type(a) for a in actions] == [Launch] and actions[0].job is job and actions[0].isolated

@@ -56,6 +56,9 @@ log = logging.getLogger("bubbles.agent")
 
 MAX_STEP_RECORDS = 200_000
 MAX_BUBBLE_RECORDS = 200_000
+# A fill job that names no stage goes to the stage with the most bubble time, once every executor's stage has
+# profiled, or this long after the first one did (an executor may serve no stage of this training).
+PLACE_WAIT_NS = 5_000_000_000
 FUTURE_SLACK_NS = 1_000_000_000  # a record stamped later than now plus this is refused (a wrong clock)
 MAX_OPEN_BUBBLES = 256
 
@@ -95,8 +98,9 @@ class AgentCore(JobControl):
 
     # -- inputs ------------------------------------------------------------------------------------------
     def submit(self, spec: FillJobSpec) -> JobRecord:
-        """Queue a fill job (SUBMITTED) on its stage, or on the executor with the fewest jobs; ValueError if
-        it cannot be queued (a duplicate name, no such stage, a GPU job without a memory limit)."""
+        """Queue a fill job (SUBMITTED) on its stage, or, for one that names none, on the executor with the fewest jobs
+        until the stages have profiled (``_place``); ValueError if it cannot be queued (a duplicate name, no such
+        stage, a GPU job without a memory limit)."""
         if any(j.name == spec.name and j.state is not FillState.STOPPED for j in self.jobs):
             raise ValueError(f"a fill job named {spec.name!r} is already running; names must be unique")
         if spec.stage is not None:
@@ -456,6 +460,7 @@ class AgentCore(JobControl):
             ex.last_iteration_s = msg.duration_ns / 1e9
             self.sink.iteration(ex.index, msg.duration_ns / 1e9)
             self._on_iteration(ex, msg)
+            self._place_waiting()  # a job that names no stage, waiting for profiles that may never come
         elif isinstance(msg, wire.Profile):
             try:
                 cycle = BubbleCycle.from_dict(msg.cycle)
@@ -465,11 +470,13 @@ class AgentCore(JobControl):
             first = ex.cycle is None
             ex.cycle = cycle
             if first:
+                ex.profiled_ns = self.clock()
                 log.info("stage %d: bubble cycle with %d bubble(s), %.1f ms of %.1f ms per iteration",
                          ex.index, len(cycle.slots), cycle.bubble_s * 1e3, cycle.iteration_s * 1e3)
                 self._event(ex.index, "", "profile", f"{len(cycle.slots)} bubbles, "
                             f"{cycle.bubble_s * 1e3:.2f} ms of {cycle.iteration_s * 1e3:.2f} ms")
             self._admit(ex)
+            self._place_waiting()  # the last profile a job that names no stage waited for
         elif isinstance(msg, wire.FillModeChange) and msg.mode is not ex.mode:
             log.info("stage %d: fill mode %s -> %s", ex.index, ex.mode.label, msg.mode.label)
             self._event(ex.index, "", "mode", msg.mode.label)
@@ -596,6 +603,13 @@ class AgentCore(JobControl):
             self._hold(ex)
             return
         while ex.active is None and ex.queue and ex.cycle is not None:
+            job = ex.queue[0]
+            if job.state is FillState.SUBMITTED and job.spec.stage is None and not job.placed:
+                if not self._place(job):
+                    return  # the other stages' profiles are due: placed when they come (on_datagram)
+                if job.stage != ex.index:
+                    self._admit(self.executors[job.stage])
+                    continue
             job = ex.queue.popleft()
             if job.state is not FillState.SUBMITTED:
                 continue
@@ -614,6 +628,41 @@ class AgentCore(JobControl):
             ex.active = job
             self._actions.append(Launch(job, ex.device, ex.core, self._fill_socket(job),
                                         isolated=self.isolation_raw.state == IsolationState.READY))
+
+    def _place(self, job: JobRecord) -> bool:
+        """Put a job that names no stage on the stage with the most bubble time per iteration (the fewest jobs queued
+        there, then the lowest index, break ties); False while other stages' profiles are still due (every executor
+        profiled, or PLACE_WAIT_NS since the first profile). A newcomer's spec need not know which stage waits."""
+        profiled = [e for e in self.executors if e.cycle is not None]
+        if not profiled:
+            return False
+        first = min(e.profiled_ns for e in profiled if e.profiled_ns is not None)
+        if len(profiled) < len(self.executors) and self.clock() - first < PLACE_WAIT_NS:
+            return False
+        best = max(profiled, key=lambda e: (e.cycle.bubble_s if e.cycle else 0.0,
+                                            -(len(e.queue) + (e.active is not None)), -e.index))
+        job.placed = True
+        if best.index != job.stage:
+            old = self.executors[job.stage]
+            old.queue.remove(job)
+            best.queue.append(job)
+            job.stage = best.index
+        assert best.cycle is not None
+        message = (f"on stage {best.index}, the most bubble time: {best.cycle.bubble_s * 1e3:.1f} ms of "
+                   f"{best.cycle.iteration_s * 1e3:.1f} ms per iteration ("
+                   + ", ".join(f"stage {e.index}: {e.cycle.bubble_s * 1e3:.1f} ms" for e in profiled if e.cycle)
+                   + ")")
+        log.info("fill job %r placed %s", job.name, message)
+        self._event(best.index, job.name, "placed", message)
+        return True
+
+    def _place_waiting(self) -> None:
+        """Place the queued jobs that name no stage, where the time to wait for profiles has run out."""
+        for ex in self.executors:
+            if ex.cycle is not None and ex.active is None and ex.queue:
+                head = ex.queue[0]
+                if head.spec.stage is None and not head.placed:
+                    self._admit(ex)
 
     def _context_bytes(self, ex: ExecutorState) -> int:
         """What a fill process on ``ex`` takes beside its allocator's cap: its CUDA context, on a GPU outside MPS."""

@@ -38,6 +38,7 @@ class JobRecord:
     unknown_fields: set[str] = field(default_factory=set)  # "type.field" it sent that this agent does not know
     step_s: float | None = None
     planned_with_step: bool = False
+    placed: bool = False  # a job that names no stage: moved to the stage with the most bubble time (AgentCore._place)
     finished: bool = False
     last_error: str = ""
     job_totals: dict[str, list[float]] = field(default_factory=dict)  # mode label -> [steps, flops]
@@ -92,6 +93,7 @@ class ExecutorState:
     core: int | None
     mode: FillMode
     cycle: BubbleCycle | None = None
+    profiled_ns: int | None = None  # when its first profile came
     queue: deque[JobRecord] = field(default_factory=deque)
     active: JobRecord | None = None
     open_bubbles: dict[int, OpenBubble] = field(default_factory=dict)  # by seq

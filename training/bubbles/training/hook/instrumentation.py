@@ -52,7 +52,9 @@ def say(message: str, *args: Any) -> None:
     the hook signals, what it profiled) must not depend on configuring ``logging``."""
     log.info(message, *args)
     if not log.hasHandlers():
-        print("[bubbles] " + (message % args if args else message), file=sys.stderr, flush=True)
+        # one write: the stages of a pipeline share the terminal, and print()'s separate newline interleaves them
+        sys.stderr.write("[bubbles] " + (message % args if args else message) + "\n")
+        sys.stderr.flush()
 
 ITERATION_HISTORY = 4096  # iteration times kept per stage (host and device timing): bounded over a weeks-long training
 TRACE_ITERATIONS = 256  # iterations of per-instruction trace kept when trace=True (a ring)
