@@ -7,6 +7,8 @@ that do nothing (so only dispatch and the hook are measured, not compute or comm
 Cases:
 - ``compute``: a non-wait instruction (ForwardPass): two timestamps and an append;
 - ``wait``: a candidate wait (RecvGrad) that is not a bubble or has no listener;
+- ``holds collectives``: an instruction whose collectives the hook times one by one (OptimizerStep, which calls none
+  here): the timestamps, the append and the thread-local switch of the backend's interposer (``collectives``);
 - ``bubble``: a profiled bubble with one live listener: BUBBLE_START and BUBBLE_END datagrams;
 - ``bubble (device events)``: the same with ``timing="cuda"``, as on a GPU: the training's thread records
   two events and queues them, and a helper thread waits on them and sends the datagrams. The events here
@@ -123,8 +125,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class StandInBackend:
+    """DeepSpeed's communication backend object as the hook sees it (``deepspeed.comm.comm.cdb``, None without
+    ``init_distributed``): present, so that the hook interposes on it and wraps OptimizerStep as a real engine's."""
+
+    def all_reduce(self, tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        return None
+
+
 def _measure(calls: int, with_cuda: bool, run_dir: Path) -> dict[str, dict[str, float]]:
     """Every case, in microseconds per instruction (see the module doc); the sockets live in ``run_dir``."""
+    from deepspeed.comm import comm as ds_comm
+
+    saved_backend, ds_comm.cdb = ds_comm.cdb, StandInBackend()
+    try:
+        return _measure_cases(calls, with_cuda, run_dir)
+    finally:
+        ds_comm.cdb = saved_backend
+
+
+def _measure_cases(calls: int, with_cuda: bool, run_dir: Path) -> dict[str, dict[str, float]]:
     engine = StandInEngine(stage=1, stages=4, micro_batches=8)
     direct = dict(engine._INSTRUCTION_MAP)
     inst = instrument(engine, training="bench", run_dir=run_dir, warmup_iterations=0, profile_iterations=1,
@@ -141,7 +161,8 @@ def _measure(calls: int, with_cuda: bool, run_dir: Path) -> dict[str, dict[str, 
     results: dict[str, dict[str, float]] = {}
     interleave = 4
     per = max(1000, calls // interleave)
-    for case, cls in (("compute", S.ForwardPass), ("wait", S.RecvGrad)):
+    assert inst.stats["collectives"] == "timed", inst.stats["collectives"]
+    for case, cls in (("compute", S.ForwardPass), ("wait", S.RecvGrad), ("holds collectives", S.OptimizerStep)):
         d_all: list[float] = []
         h_all: list[float] = []
         for _ in range(interleave):  # interleaved so that drift of the machine hits both alike

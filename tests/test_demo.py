@@ -14,6 +14,7 @@ import pytest
 
 from bubbles.cli import main
 from bubbles.core.cycle import theoretical_bubble_ratio
+from bubbles.training.hook.collectives import is_collective
 
 COMPUTE = {"ForwardPass", "BackwardPass", "OptimizerStep"}
 # A fill step that was running when its bubble ended early keeps the core for about one step (0.5-2 ms here) plus
@@ -118,6 +119,26 @@ def test_harvesting_costs_the_training_less_than_naive_colocation(demo_run: dict
     assert modes["harvest"]["slowdown"] < modes["naive"]["slowdown"]
 
 
+def _minus(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` with every part that a hole covers cut out (both sorted by start)."""
+    out = []
+    for s, e in spans:
+        for hs, he in holes:
+            if he <= s or hs >= e:
+                continue
+            if hs > s:
+                out.append((s, hs))
+            s = max(s, he)
+        if s < e:
+            out.append((s, e))
+    return out
+
+
+def test_a_wait_inside_an_instruction_is_cut_out_of_its_compute() -> None:
+    assert _minus([(0, 10), (20, 30)], [(4, 6), (25, 40)]) == [(0, 4), (6, 10), (20, 25)]
+    assert _minus([(0, 10)], []) == [(0, 10)] and _minus([(0, 10)], [(0, 10)]) == []
+
+
 def _overlaps(ranks: list[dict[str, Any]], steps: list[dict[str, Any]],
               mode: str) -> tuple[list[tuple[float, bool]], float]:
     """Per fill step of ``mode`` over the traced iterations of that mode: (ms it overlapped its stage's compute,
@@ -126,6 +147,9 @@ def _overlaps(ranks: list[dict[str, Any]], steps: list[dict[str, Any]],
     for rank in ranks:
         trace, phase = rank.get("trace") or [], rank["phase"]
         compute = sorted((s, e) for it, name, s, e, _slot in trace if name in COMPUTE and phase[it] == mode)
+        # OptimizerStep holds gradient clipping's all-reduce, a wait (and a bubble) of its own: not compute
+        compute = _minus(compute, sorted((s, e) for it, name, s, e, _slot in trace
+                                         if is_collective(name) and phase[it] == mode))
         if not compute:
             continue
         compute_ms += sum(e - s for s, e in compute) / 1e6

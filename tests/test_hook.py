@@ -575,7 +575,7 @@ def test_the_hook_overhead_benchmark_runs_its_cases_and_refuses_cuda_where_there
     out = tmp_path / "overhead.json"
     assert hook_overhead.main(["--calls", "1000", "--json", str(out), "--no-cuda"]) == 0
     cases = json.loads(out.read_text())["results"]
-    assert set(cases) == {"compute", "wait", "bubble", "bubble (device events)", "schedule"}
+    assert set(cases) == {"compute", "wait", "holds collectives", "bubble", "bubble (device events)", "schedule"}
     assert all(r["hooked_median_us"] > 0 for r in cases.values())
     with pytest.raises(SystemExit):
         hook_overhead.main(["--calls", "10"])

@@ -68,8 +68,8 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
                 compute.append(seg)
             else:
                 waits.append(seg)
-        ax.broken_barh(waits, (y + 0.45, 0.45), facecolors=WAIT_COLOR)
         ax.broken_barh(compute, (y + 0.45, 0.45), facecolors=COMPUTE_COLOR)
+        ax.broken_barh(waits, (y + 0.45, 0.45), facecolors=WAIT_COLOR)  # over compute: a wait inside an instruction
         ax.broken_barh(bubbles, (y + 0.45, 0.45), facecolors=BUBBLE_COLOR)
         fills = [(ms(st["start_ns"]), max(ms(st["end_ns"]) - ms(st["start_ns"]), 1e-3)) for st in steps
                  if st["stage"] == rank["stage"] and st["end_ns"] >= lo and st["start_ns"] <= hi]
