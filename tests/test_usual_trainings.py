@@ -45,6 +45,7 @@ FREE_BYTES = 1 << 30
 # The hook's bubble time against the time the stage waits on others (the meter's): within 25%, or apart by at most
 # 2% of the iteration (see agree).
 WAIT_REL_TOL = 0.25
+FIRST_ITERATIONS = 5  # fill steps on every stage within this many iterations after profiling
 MIN_BUBBLE_S = 0.0005  # the hook's default shortest bubble
 SMALL_SHARE = 0.02
 
@@ -261,3 +262,40 @@ def test_fill_steps_on_every_stage(script: str, harvest: dict[str, Any], baselin
                f"  agent log:\n{harvest['agent_log']}")
     print(message)
     assert all(steps[k] > 0 for k in range(STAGES)), message
+    # from the first iterations after profiling (the training waits for the fill jobs to be ready, then starts them)
+    first = harvest["ranks"][0]["waits"][WARMUP + PROFILE]
+    last = harvest["ranks"][0]["waits"][WARMUP + PROFILE + FIRST_ITERATIONS - 1]
+    early = {k: sum(1 for st in stats["steps"] if st["stage"] == k and first["start_ns"] <= st["start_ns"]
+                    <= last["end_ns"]) for k in range(STAGES)}
+    assert all(early[k] > 0 for k in range(STAGES)), f"fill steps in the first {FIRST_ITERATIONS} iterations: {early}"
+
+
+def test_the_readmes_agent_example_fills_a_script_of_its_own(tmp_path: Path, short_run_dir: Path) -> None:
+    """The newcomer's path, from the README: its agent command (`--exit-when-done`, the example spec as shipped,
+    which names no stage) beside a training script the project's demo did not write, `BUBBLES_FREE_BYTES` set as the
+    README says. The agent puts the job on the stage that waits (the image pipeline's stage 1 waits about 60% of its
+    iteration, stage 0 under 10%), fills there, and exits by itself with its report once the training ends."""
+    run_dir = short_run_dir / "readme"
+    stats = tmp_path / "stats.json"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "bubbles.cli", "agent", "--executors", "2",
+         "--fill-job", str(ROOT / "examples" / "fill-jobs" / "image-classification.yaml"),
+         "--metrics-port", str(free_port()), "--slowdown-budget", "0.01", "--exit-when-done", "--stats", str(stats),
+         "--run-dir", str(run_dir)],
+        env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        training = subprocess.run(train_cmd("image_pipeline", tmp_path / "out", 40, "--run-dir", str(run_dir)),
+                                  env=env(BUBBLES_FREE_BYTES=str(FREE_BYTES)), capture_output=True, text=True,
+                                  timeout=LAUNCH_TIMEOUT_S)
+        assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]
+        assert "[bubbles] stage 1: TrainSchedule profiled:" in training.stderr  # the hook's summary, unconfigured
+        out, _ = agent.communicate(timeout=AGENT_TIMEOUT_S + 30)
+    finally:
+        if agent.poll() is None:
+            stop_gracefully(agent, timeout_s=AGENT_TIMEOUT_S)
+    assert agent.returncode == 0, out[-4000:]
+    report = json.loads(stats.read_text())
+    (job,) = report["jobs"]
+    assert job["name"] == "image-classification" and job["stage"] == 1, (job, out[-3000:])
+    assert job["steps"] > 0, out[-3000:]
+    assert "placed on stage 1, the most bubble time" in out and "training 'default' ended" in out, out[-3000:]
