@@ -45,7 +45,11 @@ FREE_BYTES = 1 << 30
 # The hook's bubble time against the time the stage waits on others (the meter's): within 25%, or apart by at most
 # 2% of the iteration (see agree).
 WAIT_REL_TOL = 0.25
-FIRST_ITERATIONS = 5  # fill steps on every stage within this many iterations after profiling
+FIRST_ITERATIONS = 5  # fill steps within this many iterations after profiling, on every stage with ...
+ROOMY_SHARE = 0.10  # ... at least this share of its iteration in bubbles
+# The README's path has no start file: the fill job imports torch and profiles its steps (3-4 s on a loaded 2-core
+# machine, while the slowdown guard probes) as the training runs on. About 12 s of training leaves it time to fill.
+README_STEPS = 120
 MIN_BUBBLE_S = 0.0005  # the hook's default shortest bubble
 SMALL_SHARE = 0.02
 
@@ -262,12 +266,18 @@ def test_fill_steps_on_every_stage(script: str, harvest: dict[str, Any], baselin
                f"  agent log:\n{harvest['agent_log']}")
     print(message)
     assert all(steps[k] > 0 for k in range(STAGES)), message
-    # from the first iterations after profiling (the training waits for the fill jobs to be ready, then starts them)
+    # From the first iterations after profiling (the training waits for the fill jobs to be ready, then starts them),
+    # on every stage with bubble time to speak of: the image pipeline's stage 0 has 2-5% in a few short bubbles, where
+    # a 0.5 ms step fits some iterations and not others (it gets its steps over the run, above).
     first = harvest["ranks"][0]["waits"][WARMUP + PROFILE]
     last = harvest["ranks"][0]["waits"][WARMUP + PROFILE + FIRST_ITERATIONS - 1]
     early = {k: sum(1 for st in stats["steps"] if st["stage"] == k and first["start_ns"] <= st["start_ns"]
                     <= last["end_ns"]) for k in range(STAGES)}
-    assert all(early[k] > 0 for k in range(STAGES)), f"fill steps in the first {FIRST_ITERATIONS} iterations: {early}"
+    roomy = [r["stage"] for r in harvest["ranks"]
+             if sum(x["duration_s"] for x in r["cycle"]["slots"]) >= ROOMY_SHARE * r["cycle"]["iteration_s"]]
+    assert roomy, cycles
+    assert all(early[k] > 0 for k in roomy), (f"fill steps in the first {FIRST_ITERATIONS} iterations: {early} "
+                                              f"(stages with {ROOMY_SHARE:.0%} or more of bubbles: {roomy})")
 
 
 def test_the_readmes_agent_example_fills_a_script_of_its_own(tmp_path: Path, short_run_dir: Path) -> None:
@@ -284,7 +294,8 @@ def test_the_readmes_agent_example_fills_a_script_of_its_own(tmp_path: Path, sho
          "--run-dir", str(run_dir)],
         env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        training = subprocess.run(train_cmd("image_pipeline", tmp_path / "out", 40, "--run-dir", str(run_dir)),
+        training = subprocess.run(train_cmd("image_pipeline", tmp_path / "out", README_STEPS, "--run-dir",
+                                            str(run_dir)),
                                   env=env(BUBBLES_FREE_BYTES=str(FREE_BYTES)), capture_output=True, text=True,
                                   timeout=LAUNCH_TIMEOUT_S)
         assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]
