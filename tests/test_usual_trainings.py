@@ -51,6 +51,8 @@ ROOMY_SHARE = 0.10  # ... at least this share of its iteration in bubbles
 # machine, while the slowdown guard probes) as the training runs on. About 12 s of training leaves it time to fill.
 README_STEPS = 120
 MIN_BUBBLE_S = 0.0005  # the hook's default shortest bubble
+HARDLY_WAITS = 0.10  # a stage that waits less than this share of its iteration in all ...
+HARDLY_SLACK = 0.05  # ... agrees with the meter within this share of it (see agree)
 SMALL_SHARE = 0.02
 
 
@@ -217,11 +219,15 @@ def test_partition_is_uneven_and_meter_sees_every_transfer(script: str, hooked: 
 
 
 def agree(hook_s: float, meter_s: float, iteration_s: float) -> bool:
-    """Within WAIT_REL_TOL of each other, or apart by at most SMALL_SHARE of the iteration: the hook times a send or
-    a receive as the whole instruction, DeepSpeed's bookkeeping around the call included (about 0.1 ms each on this
-    CPU), which on a stage that hardly waits (the image pipeline's stage 0: 5-8% in pieces of 0.1-0.4 ms) is a
-    quarter of its waits."""
-    return abs(hook_s - meter_s) <= max(WAIT_REL_TOL * meter_s, SMALL_SHARE * iteration_s)
+    """Within WAIT_REL_TOL of each other, or apart by at most SMALL_SHARE of the iteration; HARDLY_SLACK of it for a
+    stage that waits less than HARDLY_WAITS of it in all. The hook times a send or a receive as the whole
+    instruction, DeepSpeed's bookkeeping around the call included (about 0.1-0.3 ms each on this CPU, more under
+    load), and a wait of 0.4 ms in the call can be a 0.6 ms bubble in the hook's eyes: on a stage that hardly waits
+    (the image pipeline's stage 0: 5-8% in pieces of 0.1-0.7 ms, each near the 0.5 ms shortest bubble) that is a
+    third of its waits, and which side of 0.5 ms a piece falls decides whether it counts. There the figures must
+    agree within 5% of the iteration: neither the hook nor the meter finds a bubble worth a fill job there."""
+    slack = HARDLY_SLACK if meter_s < HARDLY_WAITS * iteration_s else SMALL_SHARE
+    return abs(hook_s - meter_s) <= max(WAIT_REL_TOL * meter_s, slack * iteration_s)
 
 
 @pytest.mark.parametrize("stage", range(STAGES))
