@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 from deepspeed.runtime.pipe import schedule as S
-from helpers.hook import StandInEngine
+from helpers.hook import StandInEngine, bind, drain
 
 from bubbles.core import paths, wire
 from bubbles.core.cycle import BubbleCycle
@@ -43,24 +42,6 @@ def sockdir(tmp_path: Path) -> Iterator[Path]:
     paths.make_private_dir(d)
     yield d
     shutil.rmtree(d)
-
-
-def bind(path: Path, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    if rcvbuf:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.bind(str(path))
-    s.setblocking(False)
-    return s
-
-
-def drain(s: socket.socket) -> list[wire.Message]:
-    out = []
-    while True:
-        try:
-            out.append(wire.decode(s.recv(wire.MAX_DATAGRAM_BYTES)))
-        except BlockingIOError:
-            return out
 
 
 def bump_mtime(d: Path) -> None:
@@ -605,7 +586,7 @@ def test_the_hook_overhead_benchmark_times_real_cuda_events_on_a_gpu(tmp_path: P
 SCRIPT_WITHOUT_LOGGING = """
 import sys
 sys.path.insert(0, {tests!r})
-from helpers.hook import StandInEngine
+from helpers.hook import StandInEngine, bind, drain
 from bubbles.hook import instrument
 eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.003)
 inst = instrument(eng, training="first-try", run_dir={run_dir!r}, warmup_iterations=1, profile_iterations=2)

@@ -5,7 +5,6 @@ through, on the stand-in engine. The real DeepSpeed trainings with clipping on a
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from deepspeed.comm import comm as ds_comm
-from helpers.hook import StandInBackend, StandInEngine
+from helpers.hook import StandInBackend, StandInEngine, bind, drain
 
 from bubbles.core import paths, wire
 from bubbles.training.hook import instrument
@@ -30,22 +29,6 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandInBackend]:
     yield b
     assert COLLECTIVES.users == 0, "an instrumentation left the backend interposed"
     assert not set(b.__dict__) & set(OPS), "the backend's methods were not restored"
-
-
-def bind(path: Path) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    s.bind(str(path))
-    s.setblocking(False)
-    return s
-
-
-def drain(s: socket.socket) -> list[wire.Message]:
-    out = []
-    while True:
-        try:
-            out.append(wire.decode(s.recv(wire.MAX_DATAGRAM_BYTES)))
-        except BlockingIOError:
-            return out
 
 
 def test_clippings_all_reduce_is_a_signalled_drain_bubble(tmp_path: Path, backend: StandInBackend) -> None:

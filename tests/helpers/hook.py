@@ -3,12 +3,16 @@ schedules, handlers that sleep where a real stage would wait."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from bubbles.core import wire
 
 
 class StandInEngine:
@@ -98,3 +102,23 @@ class StandInBackend:
 
     def barrier(self, group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
         return self._call("barrier", async_op)
+
+
+def bind(path: Path, rcvbuf: int | None = None) -> socket.socket:
+    """A non-blocking datagram socket at ``path``: a listener the hook finds and signals."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.bind(str(path))
+    s.setblocking(False)
+    return s
+
+
+def drain(s: socket.socket) -> list[wire.Message]:
+    """Every message waiting on ``s``, decoded."""
+    out = []
+    while True:
+        try:
+            out.append(wire.decode(s.recv(wire.MAX_DATAGRAM_BYTES)))
+        except BlockingIOError:
+            return out
