@@ -1,7 +1,7 @@
 """The hook card (``hook.json``) and its lock (``hook.lock``): what a training's hook tells the node's agent about one
-stage, written by the hook and read by the agent, both here.
+rank of a stage (a harvested GPU, ``identity.GpuKey``), written by the hook and read by the agent, both here.
 
-The stage directory is writable by the fill jobs too, so nothing here follows a link, waits on an open (a FIFO planted
+The GPU's directory is writable by the fill jobs too, so nothing here follows a link, waits on an open (a FIFO planted
 under a name would hold the training or the agent) or takes anything but a regular file. The lock lives exactly as
 long as the hook's process: a card whose lock nobody holds is stale. Standard library only.
 
@@ -11,6 +11,10 @@ Versions (``VERSION``; the card only grows, so a reader takes the fields it know
    flock), so a card whose lock nobody holds is stale;
 3. the hook signals the fill sockets in the stage's ``fills/``, the directory a fill Pod mounts (``fills`` in the
    JSON, for readers that predate the version field).
+4. every rank of a stage writes its own card, in its own directory ``<namespace>/<training>/stage-<k>/rank-<r>/``
+   (``paths.gpu_dir``): ``rank`` (its index among the stage's ranks) and ``ranks`` (how many the stage has); the
+   namespace is ``_local`` outside Kubernetes. Cards before v4 are in ``<training>/stage-<k>/`` (one rank per stage,
+   read as rank 0 of 1, their namespace ``_local`` where they name none).
 A card without ``version`` was written before the field existed: its version follows from ``fills`` and ``lock``.
 """
 
@@ -29,16 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from bubbles.core import paths
+from bubbles.core.identity import LOCAL_NAMESPACE, MAX_RANKS, GpuKey, check_namespace
 
-VERSION = 3
+VERSION = 4
 FILLS_VERSION = 3  # the first version whose hook signals fills/ (a cluster agent places fill Pods only beside it)
 MAX_CARD_BYTES = 64 * 1024  # a card is a few hundred bytes
+RANKS_VERSION = 4  # the first version with a card per rank, in the namespaced layout
 LOCK_WAIT_S = 0.5  # the agent checks the lock for microseconds; a live twin of the stage holds it for good
 
 
 @dataclass(frozen=True)
 class Card:
-    """What a training's hook says about one stage (``hook.json``)."""
+    """What a training's hook says about one rank of one stage (``hook.json``)."""
 
     training: str
     stage: int
@@ -47,12 +53,26 @@ class Card:
     pod: str
     device: str
     gpu_uuid: str | None
+    rank: int = 0  # its index among the stage's ranks (card v4 on; 0 before)
+    ranks: int = 1  # how many ranks the stage has (tensor x data parallel; card v4 on; 1 before)
     # Which process wrote it, compared as ``instance``: a restarted process under the same Pod name differs.
     pid: int | str = field(default="", compare=False)
     started_ns: int | str = field(default="", compare=False)
     lock: bool = False  # its process holds the stage's hook.lock while it lives (card v2 on)
     version: int = VERSION
     instance: str = field(init=False)  # "<pid>@<started_ns>"
+
+    @property
+    def key(self) -> GpuKey:
+        """The GPU it speaks for (a card before v4 that names no namespace was a training outside Kubernetes, or one
+        whose Pod did not pass its namespace: ``_local``)."""
+        return GpuKey(self.namespace or LOCAL_NAMESPACE, self.training, self.stage, self.rank)
+
+    def directory(self, run_dir: Path | str) -> Path:
+        """Where its files are: ``paths.gpu_dir`` from v4, the stage directory of the old layout before."""
+        if self.version >= RANKS_VERSION:
+            return paths.gpu_dir(run_dir, self.key)
+        return paths.legacy_stage_dir(run_dir, self.training, self.stage)
 
     @property
     def fills(self) -> bool:
@@ -83,18 +103,27 @@ class Card:
                 version = FILLS_VERSION if d.get("fills") is True else 2 if d.get("lock") is True else 1
             elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
                 raise ValueError(f"version {version!r} is not a card version (an integer from 1)")
+            rank, ranks = 0, 1
+            if version >= RANKS_VERSION:
+                r, n = d.get("rank"), d.get("ranks")
+                if not (isinstance(r, int) and isinstance(n, int) and not isinstance(r, bool)
+                        and 0 <= r < n <= MAX_RANKS):
+                    raise ValueError(f"rank {r!r} of {n!r} ranks is not a rank of the stage")
+                rank, ranks = r, n
+                check_namespace(ns)
         except KeyError as exc:
             raise ValueError(f"{where}: the card has no {exc.args[0]!r}") from None
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        return cls(training, stage, stages, ns, pod, device, uuid, pid=d.get("pid", ""),
+        return cls(training, stage, stages, ns, pod, device, uuid, rank, ranks, pid=d.get("pid", ""),
                    started_ns=d.get("started_ns", ""), lock=d.get("lock") is True, version=version)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of ``hook.json``."""
         return {"training": self.training, "stage": self.stage, "stages": self.stages, "namespace": self.namespace,
                 "pod": self.pod, "device": self.device, "gpu_uuid": self.gpu_uuid, "pid": self.pid,
-                "started_ns": self.started_ns, "lock": self.lock, "fills": self.fills, "version": self.version}
+                "started_ns": self.started_ns, "lock": self.lock, "fills": self.fills, "version": self.version,
+                "rank": self.rank, "ranks": self.ranks}
 
 
 # -- the agent's side: reading ----------------------------------------------------------------------------------
@@ -119,16 +148,19 @@ def read_card(path: Path) -> Card:
 
 
 def read_cards(run_dir: Path) -> tuple[list[Card], list[str]]:
-    """Every card under ``run_dir``, and what is wrong with the ones that cannot be used."""
+    """Every card under ``run_dir`` (the v4 layout, and the stage directories of hooks before it), and what is wrong
+    with the ones that cannot be used."""
     cards, problems = [], []
-    for path in sorted(run_dir.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}")):
+    found = sorted(run_dir.glob(f"*/*/stage-*/rank-*/{paths.HOOK_CARD_NAME}"))
+    found += sorted(run_dir.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}"))  # hooks before card v4
+    for path in found:
         try:
             card = read_card(path)
         except (OSError, ValueError) as exc:
             problems.append(str(exc))
             continue
-        if path.parent != paths.stage_dir(run_dir, card.training, card.stage):
-            problems.append(f"{path}: the card names training {card.training!r} stage {card.stage}, not its directory")
+        if path.parent != card.directory(run_dir):
+            problems.append(f"{path}: the card names {card.key} (card v{card.version}), not its directory")
             continue
         cards.append(card)
     return cards, problems
@@ -143,7 +175,7 @@ def card_is_stale(run_dir: Path, card: Card) -> bool:
     import fcntl
 
     try:
-        fd = os.open(paths.hook_lock(run_dir, card.training, card.stage),
+        fd = os.open(card.directory(run_dir) / paths.HOOK_LOCK_NAME,
                      os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
@@ -152,7 +184,7 @@ def card_is_stale(run_dir: Path, card: Card) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # held: the hook's process (or a child it forked) lives
             return False
-        path = paths.hook_card(run_dir, card.training, card.stage)
+        path = card.directory(run_dir) / paths.HOOK_CARD_NAME
         try:
             now = read_card(path)
         except (OSError, ValueError):
@@ -166,15 +198,15 @@ def card_is_stale(run_dir: Path, card: Card) -> bool:
         os.close(fd)  # releases the lock
 
 
-def hook_lock_held(run_dir: Path, training: str, stage: int) -> bool | None:
-    """Whether a process holds the stage's ``hook.lock`` (its hook's process lives): True or False, or None where it
-    cannot be told (no lock file, a file system without flock). Takes a free lock for an instant, as
-    ``card_is_stale`` does (a hook starting then waits for it), and, unlike it, removes nothing."""
+def hook_lock_held(directory: Path) -> bool | None:
+    """Whether a process holds the ``hook.lock`` in ``directory`` (a GPU's, ``paths.gpu_dir``), i.e. its hook's
+    process lives: True or False, or None where it cannot be told (no lock file, a file system without flock). Takes a
+    free lock for an instant, as ``card_is_stale`` does (a hook starting then waits for it), and, unlike it, removes
+    nothing."""
     import fcntl
 
     try:
-        fd = os.open(paths.hook_lock(run_dir, training, stage),
-                     os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(directory / paths.HOOK_LOCK_NAME, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:

@@ -1,17 +1,22 @@
 """Where the node-local channels between the hook, the agent and fill jobs live.
 
-Layout under the run directory (one per node)::
+Layout under the run directory (one per node); each harvested GPU (``identity.GpuKey``: namespace, training, stage,
+rank within the stage) has a directory of its own::
 
-    <run_dir>/<training>/stage-<k>/agent.sock              the agent's datagram socket for stage k
-    <run_dir>/<training>/stage-<k>/hook.json               the hook's card: which Pod and GPU the stage runs on
-    <run_dir>/<training>/stage-<k>/hook.lock               held (flock) by the training's process while it lives
-    <run_dir>/<training>/stage-<k>/fills/fill-<job>.sock   an armed fill job's datagram socket
-    <run_dir>/_attach/attach.sock                          cluster mode: where fill Pods' processes attach
+    <run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/agent.sock              the agent's datagram socket for it
+    <run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/hook.json               the hook's card: its Pod, GPU, process
+    <run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/hook.lock               held (flock) by the rank's process
+    <run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/fills/fill-<job>.sock   an armed fill job's datagram socket
+    <run_dir>/_attach/attach.sock                                               cluster mode: where fill Pods attach
+
+``<namespace>`` is the training Pod's namespace, or ``_local`` outside Kubernetes. Hooks before card v4 wrote
+``<run_dir>/<training>/stage-<k>/`` (one rank per stage, no namespace): ``legacy_stage_dir``, which agents read for
+one release (docs/upgrading.md).
 
 The hook sends every bubble signal to the agent's socket and to each ``*.sock`` in ``fills/``, so the fill job
-that harvests the stage hears of a bubble directly (one hop, no relay through the agent), and the agent hears
+that harvests the GPU hears of a bubble directly (one hop, no relay through the agent), and the agent hears
 the same signal for accounting, the slowdown guard and the grace-period watchdog. Fill sockets have a directory
-of their own, and attaching one of its own too, so that a fill Pod mounts only those two: the stage's other files
+of their own, and attaching one of its own too, so that a fill Pod mounts only those two: the GPU's other files
 (the training's lock and card, the agent's socket) and the node's other trainings stay out of its reach.
 Directories are created with mode 0700: only the training's user can signal or listen.
 """
@@ -20,8 +25,11 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 from pathlib import Path
+
+from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey, check_name, check_namespace
+
+__all__ = ["LOCAL_NAMESPACE", "GpuKey", "check_name", "check_namespace"]  # re-exported: where callers find them
 
 RUN_DIR_ENV = "BUBBLES_RUN_DIR"
 TRAINING_ENV = "BUBBLES_TRAINING"
@@ -34,12 +42,10 @@ HOOK_CARD_NAME = "hook.json"
 # deleted or crashed leaves its card on the node) from a live one, across PID namespaces.
 HOOK_LOCK_NAME = "hook.lock"
 FILLS_DIR_NAME = "fills"
-# Not a name a training can have (check_name): a training named so would share the fill Pods' mount.
+# Not a name a namespace can have (check_namespace): a namespace named so would share the fill Pods' mount.
 ATTACH_DIR_NAME = "_attach"
+NAMESPACE_ENV = "POD_NAMESPACE"  # the training Pod's namespace, from the downward API
 ATTACH_SOCKET_NAME = "attach.sock"
-
-_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
-
 
 # Where a Pod mounts the node's run directory (the chart's agent.runDir): the training's, the agent's, every fill Pod's.
 MOUNTED_RUN_DIR = Path("/run/bubbles")
@@ -70,33 +76,44 @@ def default_training() -> str:
     return os.environ.get(TRAINING_ENV, DEFAULT_TRAINING)
 
 
-def check_name(kind: str, name: str) -> str:
-    """Validate a training or fill-job name used in paths (DNS-label style, like Kubernetes names)."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(
-            f"{kind} name {name!r} is not valid: use 1-63 lower-case letters, digits, '.', '_' or '-', "
-            "starting and ending with a letter or digit"
-        )
-    return name
+def default_namespace() -> str:
+    """The training's namespace: ``$POD_NAMESPACE`` (the downward API), else ``_local``."""
+    return os.environ.get(NAMESPACE_ENV) or LOCAL_NAMESPACE
 
 
-def stage_dir(run_dir: Path | str, training: str, stage: int) -> Path:
+def training_dir(run_dir: Path | str, namespace: str, training: str) -> Path:
+    """Where a training's GPUs' directories are on this node."""
+    return Path(run_dir) / check_namespace(namespace) / check_name("training", training)
+
+
+def gpu_dir(run_dir: Path | str, key: GpuKey) -> Path:
+    """The directory of one harvested GPU (a rank of a stage): its agent socket, card, lock and ``fills/``."""
+    return training_dir(run_dir, key.namespace, key.training) / f"stage-{key.stage}" / f"rank-{key.rank}"
+
+
+def gpu_relpath(key: GpuKey) -> str:
+    """``gpu_dir`` relative to the run directory, with '/' (what a Pod's mount names under the node's run dir)."""
+    return posixpath.join(key.namespace, key.training, f"stage-{key.stage}", f"rank-{key.rank}")
+
+
+def legacy_stage_dir(run_dir: Path | str, training: str, stage: int) -> Path:
+    """Where a hook before card v4 kept a stage's files (one rank per stage, no namespace)."""
     if stage < 0:
         raise ValueError(f"stage must be >= 0, got {stage}")
     return Path(run_dir) / check_name("training", training) / f"stage-{stage}"
 
 
-def agent_socket(run_dir: Path | str, training: str, stage: int) -> Path:
-    return stage_dir(run_dir, training, stage) / AGENT_SOCKET_NAME
+def agent_socket(run_dir: Path | str, key: GpuKey) -> Path:
+    return gpu_dir(run_dir, key) / AGENT_SOCKET_NAME
 
 
-def fills_dir(run_dir: Path | str, training: str, stage: int) -> Path:
-    """Where stage ``stage``'s fill jobs bind their sockets (the one directory of the stage a fill Pod mounts)."""
-    return stage_dir(run_dir, training, stage) / FILLS_DIR_NAME
+def fills_dir(run_dir: Path | str, key: GpuKey) -> Path:
+    """Where the GPU's fill jobs bind their sockets (the one directory of it a fill Pod mounts)."""
+    return gpu_dir(run_dir, key) / FILLS_DIR_NAME
 
 
-def fill_socket(run_dir: Path | str, training: str, stage: int, job: str) -> Path:
-    return fills_dir(run_dir, training, stage) / f"{FILL_SOCKET_PREFIX}{check_name('fill job', job)}{SOCKET_SUFFIX}"
+def fill_socket(run_dir: Path | str, key: GpuKey, job: str) -> Path:
+    return fills_dir(run_dir, key) / f"{FILL_SOCKET_PREFIX}{check_name('fill job', job)}{SOCKET_SUFFIX}"
 
 
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
@@ -119,12 +136,12 @@ def make_private_dir(path: Path) -> Path:
     return path
 
 
-def hook_card(run_dir: Path | str, training: str, stage: int) -> Path:
-    return stage_dir(run_dir, training, stage) / HOOK_CARD_NAME
+def hook_card(run_dir: Path | str, key: GpuKey) -> Path:
+    return gpu_dir(run_dir, key) / HOOK_CARD_NAME
 
 
-def hook_lock(run_dir: Path | str, training: str, stage: int) -> Path:
-    return stage_dir(run_dir, training, stage) / HOOK_LOCK_NAME
+def hook_lock(run_dir: Path | str, key: GpuKey) -> Path:
+    return gpu_dir(run_dir, key) / HOOK_LOCK_NAME
 
 
 def attach_dir(run_dir: Path | str) -> Path:

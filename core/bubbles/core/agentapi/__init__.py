@@ -24,6 +24,7 @@ from bubbles.core.api import (
     check_tail_risk,
     known_membership,
 )
+from bubbles.core.identity import LOCAL_NAMESPACE, MAX_RANKS, GpuKey
 from bubbles.core.resources import JobProgress, NodeReport, StageReport
 
 from .v1alpha1 import agent_pb2 as pb
@@ -61,6 +62,14 @@ class AssignmentMessage:
     slowdown_budget: float | None = None
     max_fill_share: float | None = None
     tail_risk: float | None = None  # the PipelineTraining's spec.tailRisk (caps the fill processes' own)
+    # The ranks of the stage (GpuKey.rank) the job's processes run on, one per process; (0,) from operators that
+    # predate ranks.
+    ranks: tuple[int, ...] = (0,)
+
+    @property
+    def gpu_keys(self) -> tuple[GpuKey, ...]:
+        """The GPUs it was placed on."""
+        return tuple(GpuKey(self.namespace or LOCAL_NAMESPACE, self.training, self.stage, r) for r in self.ranks)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -73,7 +82,8 @@ def stage_to_pb(s: StageReport) -> pb.StageReport:
     msg = pb.StageReport(namespace=s.namespace, training=s.training, pod=s.pod, stage=s.stage, device=s.device,
                          cycle_json=json.dumps(s.cycle) if s.cycle is not None else "",
                          hook_reporting=s.hook_reporting, bubble_s=s.bubble_s, filled_s=s.filled_s,
-                         gpu_uuid=s.gpu_uuid or "", training_membership=s.training_membership)
+                         gpu_uuid=s.gpu_uuid or "", training_membership=s.training_membership, rank=s.rank,
+                         ranks=s.ranks)
     if s.iteration_s is not None:
         msg.iteration_s = s.iteration_s
     if s.baseline_iteration_s is not None:
@@ -112,7 +122,8 @@ def spec_to_pb(s: FillJobSpec) -> pb.FillJobSpec:
 def assignment_to_pb(a: AssignmentMessage) -> pb.AssignRequest:
     msg = pb.AssignRequest(uid=a.uid, generation=a.generation, attempt=a.attempt, namespace=a.namespace,
                            name=a.name, training=a.training, stage=a.stage, pod=a.pod, device=a.device,
-                           gpu_uuid=a.gpu_uuid or "", fill_pod=a.fill_pod, spec=spec_to_pb(a.spec))
+                           gpu_uuid=a.gpu_uuid or "", fill_pod=a.fill_pod, spec=spec_to_pb(a.spec),
+                           ranks=list(a.ranks))
     if a.slowdown_budget is not None:
         msg.slowdown_budget = a.slowdown_budget
     if a.max_fill_share is not None:
@@ -141,10 +152,13 @@ def stage_from_pb(m: pb.StageReport) -> StageReport:
             raise ApiError(f"stage {m.stage} of {m.training!r}: cycle_json must be a JSON object")
     if m.stage < 0:
         raise ApiError(f"stage of {m.training!r} is {m.stage}; stages count from 0")
+    ranks = m.ranks or 1  # an agent before ranks sends none: one rank per stage
+    if not 0 <= m.rank < ranks <= MAX_RANKS:
+        raise ApiError(f"stage {m.stage} of {m.training!r}: rank {m.rank} of {ranks} ranks is not a rank of the stage")
     return StageReport(m.namespace, m.training, m.pod, m.stage, m.device, cycle, m.hook_reporting,
                        m.iteration_s if m.HasField("iteration_s") else None,
                        m.baseline_iteration_s if m.HasField("baseline_iteration_s") else None,
-                       m.bubble_s, m.filled_s, m.gpu_uuid or None, _membership(m.training_membership))
+                       m.bubble_s, m.filled_s, m.gpu_uuid or None, _membership(m.training_membership), m.rank, ranks)
 
 
 MAX_MEMBERSHIP_CHARS = 2048
@@ -209,6 +223,10 @@ def assignment_from_pb(m: pb.AssignRequest) -> AssignmentMessage:
                        f"(got {m.stage}, {m.attempt}, {m.generation})")
     if not m.training or not m.fill_pod:
         raise ApiError(f"Assign for {m.uid}: training and fill_pod are required")
+    ranks = tuple(m.ranks) or (0,)  # an operator before ranks names none: the stage's one rank
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < MAX_RANKS for r in ranks):
+        raise ApiError(f"Assign for {m.uid}: ranks {list(ranks)} must be distinct ranks of the stage, each from 0 to "
+                       f"{MAX_RANKS - 1}")
     if not m.HasField("spec"):
         raise ApiError(f"Assign for {m.uid} carries no spec")
     budget = m.slowdown_budget if m.HasField("slowdown_budget") else None
@@ -226,4 +244,5 @@ def assignment_from_pb(m: pb.AssignRequest) -> AssignmentMessage:
         except ValueError as exc:
             raise ApiError(str(exc)) from None
     return AssignmentMessage(m.uid, m.generation, m.attempt, m.namespace, m.name, m.training, m.stage, m.pod,
-                             m.device, m.fill_pod, spec_from_pb(m.spec), m.gpu_uuid or None, budget, share, tail)
+                             m.device, m.fill_pod, spec_from_pb(m.spec), m.gpu_uuid or None, budget, share, tail,
+                             ranks)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bubbles.core.api import FillState
+from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
 
 # A stage whose hook has sent nothing for this long reports no hook (StageReport.hook_reporting False): its training
 # stopped, evaluates or checkpoints, or hangs. A training hook sends several messages per iteration (each bubble's start
@@ -18,7 +19,9 @@ HOOK_SILENCE_S = 30.0
 
 @dataclass(frozen=True)
 class StageReport:
-    """One pipeline stage of one training Pod on a node, as its agent sees it."""
+    """One harvested GPU on a node, as its agent sees it: one rank of one pipeline stage of one training (its key is
+    ``identity.GpuKey(namespace, training, stage, rank)``; a stage with tensor- or data-parallel ranks on the node
+    reports one of these per rank)."""
 
     namespace: str
     training: str  # the PipelineTraining's name (the training's $BUBBLES_TRAINING)
@@ -35,6 +38,13 @@ class StageReport:
     # Under MPS on a GPU, what the training's process is to the node's MPS server: "client", "not a client: ..." (what
     # that costs, what to do), or "" (not known: not checked yet, no MPS, or nothing the agent can tell)
     training_membership: str = ""
+    rank: int = 0  # its index among the stage's ranks (0 from agents that predate ranks)
+    ranks: int = 1  # how many ranks the stage has, on every node together
+
+    @property
+    def key(self) -> GpuKey:
+        """Which GPU it is (a namespace an agent before GPU keys left empty reads as ``_local``)."""
+        return GpuKey(self.namespace or LOCAL_NAMESPACE, self.training, self.stage, self.rank)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

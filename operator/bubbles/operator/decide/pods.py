@@ -121,13 +121,14 @@ def check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
                                 "a path apart from it")
 
 
-def fill_pod_mounts(training: str, stage: int, node_run_dir: str) -> list[tuple[str, str, str]]:
+def fill_pod_mounts(training: str, stage: int, node_run_dir: str, rank: int = 0) -> list[tuple[str, str, str]]:
     """(volume name, path on the node, path in the Pod) of the two directories of the node's run directory a fill Pod
-    mounts, each at its place under RUN_DIR: the agent's attach socket's, and its stage's fill sockets'. Not the run
-    directory: the stage's other files (the training's lock and card, the agent's socket) and the node's other
-    trainings stay out of the fill job's reach."""
-    name = training.split("/", 1)[-1]
-    fills = posixpath.join(name, f"stage-{stage}", paths.FILLS_DIR_NAME)
+    mounts, each at its place under RUN_DIR: the agent's attach socket's, and its GPU's fill sockets'
+    (``paths.gpu_dir``). Not the run directory: the GPU's other files (the training's lock and card, the agent's
+    socket) and the node's other trainings stay out of the fill job's reach. ``training`` is ``namespace/name``."""
+    namespace, _, name = training.rpartition("/")
+    key = paths.GpuKey(namespace or paths.LOCAL_NAMESPACE, name, stage, rank)
+    fills = posixpath.join(paths.gpu_relpath(key), paths.FILLS_DIR_NAME)
     return [("bubbles-attach", posixpath.join(node_run_dir, paths.ATTACH_DIR_NAME),
              posixpath.join(RUN_DIR, paths.ATTACH_DIR_NAME)),
             ("bubbles-fills", posixpath.join(node_run_dir, fills), posixpath.join(RUN_DIR, fills))]

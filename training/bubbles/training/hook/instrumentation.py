@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles.core import card as cards
-from bubbles.core import paths, wire
+from bubbles.core import identity, paths, wire
 from bubbles.core.cycle import BubbleCycle, RecentLengths
 from bubbles.core.stats import percentile
 from bubbles.training.gpu_timing import DeviceEvent
@@ -73,7 +73,7 @@ class Instrumentation:
     def __init__(self, engine: Any, *, training: str, run_dir: Path, memory_probe: MemoryProbe,
                  warmup_iterations: int, profile_iterations: int, min_bubble_s: float, trace: bool,
                  timing: str = "host", event_factory: Callable[[], DeviceEvent] | None = None,
-                 backend: Any = None) -> None:
+                 backend: Any = None, namespace: str | None = None) -> None:
         if warmup_iterations < 0 or profile_iterations < 1:
             raise ValueError("warmup_iterations must be >= 0 and profile_iterations >= 1")
         if min_bubble_s < 0:
@@ -86,7 +86,11 @@ class Instrumentation:
         self.stages = int(engine.num_stages)
         self.microbatches = int(engine.micro_batches)
         self.run_dir = Path(run_dir)
-        self.stage_dir = paths.stage_dir(self.run_dir, training, self.stage)
+        self.rank, self.ranks = stage_rank_of(engine)
+        # The GPU this process harvests: every rank of a stage (tensor- and data-parallel) has its own directory, card,
+        # lock and listeners, and signals its own bubbles.
+        self.key = paths.GpuKey(namespace or paths.default_namespace(), training, self.stage, self.rank)
+        self.stage_dir = paths.gpu_dir(self.run_dir, self.key)
         self.memory_probe = memory_probe
         self.warmup_iterations = warmup_iterations
         self.profile_iterations = profile_iterations
@@ -248,16 +252,15 @@ class Instrumentation:
         else the hostname. Fails open: without the card a local agent still works, a cluster agent waits."""
         try:
             device = getattr(self.engine, "device", "cpu")
-            namespace = os.environ.get("POD_NAMESPACE", "")
             pod = os.environ.get("POD_NAME") or socket.gethostname()
             uuid = gpu_uuid(device)
             started_ns = time.time_ns()  # with the pid: a restarted process under the same Pod name differs
-            path = paths.hook_card(self.run_dir, self.training, self.stage)
+            path = paths.hook_card(self.run_dir, self.key)
             paths.make_private_dir(path.parent)
-            paths.make_private_dir(paths.fills_dir(self.run_dir, self.training, self.stage))  # a fill Pod mounts it
+            paths.make_private_dir(paths.fills_dir(self.run_dir, self.key))  # a fill Pod mounts it
             # The lock before the card: a card is never on disk, new, with its lock not yet held.
             try:
-                self._lock_fd = cards.hold_lock(paths.hook_lock(self.run_dir, self.training, self.stage))
+                self._lock_fd = cards.hold_lock(paths.hook_lock(self.run_dir, self.key))
             except OSError:
                 self._lock_fd = None  # a file system without flock: the card says so
             else:
@@ -265,8 +268,9 @@ class Instrumentation:
                     self._stand_down()
                     return
             cards.write_card(path, cards.Card(
-                training=self.training, stage=self.stage, stages=self.stages, namespace=namespace, pod=pod,
-                device=str(device), gpu_uuid=uuid, pid=os.getpid(), started_ns=started_ns,
+                training=self.training, stage=self.stage, stages=self.stages, namespace=self.key.namespace, pod=pod,
+                device=str(device), gpu_uuid=uuid, rank=self.rank, ranks=self.ranks, pid=os.getpid(),
+                started_ns=started_ns,
                 lock=self._lock_fd is not None))
             self._card = path
         except Exception as exc:
@@ -615,21 +619,37 @@ class Instrumentation:
         self._hot.sampling = False
 
     def _stand_down(self) -> None:
-        """Another live process of this training's stage on this node holds its card: tensor-parallel ranks of one
-        stage, or data-parallel replicas of it, on one node. They would share one directory, one agent and one card,
-        and their bubble signals would merge into one stream: only the first signals; this one trains on, unhooked
-        in effect."""
+        """Another live process on this node holds this rank's card: two trainings of one name in one namespace (or
+        the same rank started twice). Their bubble signals would merge into one stream: only the first signals; this
+        one trains on, unhooked in effect."""
         self._disable()
-        self._warn_once("twin", f"bubbles hook: another live process of training {self.training} stage {self.stage} "
-                                f"on this node already signals its bubbles (tensor-parallel ranks or data-parallel "
-                                f"replicas of one stage on one node): this one (pid {os.getpid()}) does not; "
-                                "training continues. One process per stage and node is harvested")
+        self._warn_once("twin", f"bubbles hook: another live process on this node already signals the bubbles of "
+                                f"{self.key} (a second training named {self.training} in namespace "
+                                f"{self.key.namespace}, or this rank started twice): this one (pid {os.getpid()}) "
+                                "does not; training continues. Give each training a name of its own "
+                                f"(${paths.TRAINING_ENV})")
 
     def _fail(self, exc: BaseException) -> None:
         """The hook's own bug or environment problem: stop signalling, keep the training going."""
         self._disable()
         self._warn_once("fail", f"bubbles hook disabled on stage {self.stage} after an internal error "
                                 f"({exc!r}); training continues without bubble signals")
+
+
+def stage_rank_of(engine: Any) -> tuple[int, int]:
+    """This process's index among its stage's ranks, and how many the stage has, from DeepSpeed's process grid
+    (``engine.grid``: data-parallel rank x model-parallel size + model-parallel rank); (0, 1) without a grid."""
+    grid = getattr(engine, "grid", None)
+    if grid is None:
+        return 0, 1
+    try:
+        mp_size = int(grid.get_slice_parallel_world_size())
+        mp_rank = int(grid.get_slice_parallel_rank())
+        dp_size = int(grid.get_data_parallel_world_size())
+        dp_rank = int(grid.get_data_parallel_rank())
+    except AttributeError:
+        return 0, 1
+    return identity.stage_rank(dp_rank, mp_rank, mp_size), dp_size * mp_size
 
 
 def resolve_timing(timing: str, engine: Any) -> str:
@@ -694,9 +714,15 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
                         "agent.runAsUser)", mounted, os.getuid(), owner, run_dir)
     training = paths.check_name("training", training)
     try:
+        namespace = paths.check_namespace(paths.default_namespace())
+    except ValueError as exc:
+        return _unattached(engine, f"${paths.NAMESPACE_ENV}: {exc}; it is the training Pod's namespace, from the "
+                                   "downward API (metadata.namespace)")
+    try:
         inst = Instrumentation(
             engine,
             training=training,
+            namespace=namespace,
             run_dir=Path(run_dir),
             memory_probe=memory_probe,
             warmup_iterations=warmup_iterations,
@@ -709,8 +735,8 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
     except OSError as exc:  # the process's environment (out of descriptors, say): nothing is attached yet
         return _unattached(engine, f"the hook could not open its sockets ({exc})")
     if not inst._disabled:  # one that stood down has said why
-        say("bubbles hook: training %s stage %d of %d signals in %s (%s timing)", inst.training, inst.stage,
-            inst.stages, inst.stage_dir, inst.timing)
+        say("bubbles hook: training %s stage %d of %d, rank %d of its %d, signals in %s (%s timing)", inst.training,
+            inst.stage, inst.stages, inst.rank, inst.ranks, inst.stage_dir, inst.timing)
     return inst
 
 

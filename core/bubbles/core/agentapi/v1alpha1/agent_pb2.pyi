@@ -18,7 +18,7 @@ class WatchRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("namespace", "training", "pod", "stage", "device", "cycle_json", "hook_reporting", "iteration_s", "baseline_iteration_s", "bubble_s", "filled_s", "gpu_uuid", "training_membership")
+    __slots__ = ("namespace", "training", "pod", "stage", "device", "cycle_json", "hook_reporting", "iteration_s", "baseline_iteration_s", "bubble_s", "filled_s", "gpu_uuid", "training_membership", "rank", "ranks")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class StageReport(_message.Message):
     FILLED_S_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     TRAINING_MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     training: str
     pod: str
@@ -45,7 +47,9 @@ class StageReport(_message.Message):
     filled_s: float
     gpu_uuid: str
     training_membership: str
-    def __init__(self, namespace: _Optional[str] = ..., training: _Optional[str] = ..., pod: _Optional[str] = ..., stage: _Optional[int] = ..., device: _Optional[str] = ..., cycle_json: _Optional[str] = ..., hook_reporting: _Optional[bool] = ..., iteration_s: _Optional[float] = ..., baseline_iteration_s: _Optional[float] = ..., bubble_s: _Optional[float] = ..., filled_s: _Optional[float] = ..., gpu_uuid: _Optional[str] = ..., training_membership: _Optional[str] = ...) -> None: ...
+    rank: int
+    ranks: int
+    def __init__(self, namespace: _Optional[str] = ..., training: _Optional[str] = ..., pod: _Optional[str] = ..., stage: _Optional[int] = ..., device: _Optional[str] = ..., cycle_json: _Optional[str] = ..., hook_reporting: _Optional[bool] = ..., iteration_s: _Optional[float] = ..., baseline_iteration_s: _Optional[float] = ..., bubble_s: _Optional[float] = ..., filled_s: _Optional[float] = ..., gpu_uuid: _Optional[str] = ..., training_membership: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class JobProgress(_message.Message):
     __slots__ = ("uid", "state", "steps_done", "flops", "reason", "kills", "attempt")
@@ -114,7 +118,7 @@ class FillJobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., interface: _Optional[str] = ..., entry: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., args_json: _Optional[str] = ..., steps: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[FillNode, _Mapping]]] = ..., stage: _Optional[int] = ..., kind: _Optional[str] = ..., init_timeout_s: _Optional[float] = ..., flops_per_step: _Optional[float] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("uid", "generation", "attempt", "namespace", "name", "training", "stage", "pod", "device", "gpu_uuid", "fill_pod", "spec", "slowdown_budget", "max_fill_share", "tail_risk")
+    __slots__ = ("uid", "generation", "attempt", "namespace", "name", "training", "stage", "pod", "device", "gpu_uuid", "fill_pod", "spec", "slowdown_budget", "max_fill_share", "tail_risk", "ranks")
     UID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +134,7 @@ class AssignRequest(_message.Message):
     SLOWDOWN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_FILL_SHARE_FIELD_NUMBER: _ClassVar[int]
     TAIL_RISK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     uid: str
     generation: int
     attempt: int
@@ -145,7 +150,8 @@ class AssignRequest(_message.Message):
     slowdown_budget: float
     max_fill_share: float
     tail_risk: float
-    def __init__(self, uid: _Optional[str] = ..., generation: _Optional[int] = ..., attempt: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., training: _Optional[str] = ..., stage: _Optional[int] = ..., pod: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., fill_pod: _Optional[str] = ..., spec: _Optional[_Union[FillJobSpec, _Mapping]] = ..., slowdown_budget: _Optional[float] = ..., max_fill_share: _Optional[float] = ..., tail_risk: _Optional[float] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, uid: _Optional[str] = ..., generation: _Optional[int] = ..., attempt: _Optional[int] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ..., training: _Optional[str] = ..., stage: _Optional[int] = ..., pod: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., fill_pod: _Optional[str] = ..., spec: _Optional[_Union[FillJobSpec, _Mapping]] = ..., slowdown_budget: _Optional[float] = ..., max_fill_share: _Optional[float] = ..., tail_risk: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("outcome", "message")
