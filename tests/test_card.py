@@ -17,8 +17,6 @@ from helpers.hook import StandInEngine
 
 from bubbles.core import card as card_module
 from bubbles.core import paths
-from bubbles.core.identity import LOCAL_NAMESPACE as LOCAL
-from bubbles.core.identity import GpuKey
 from bubbles.core.card import (
     MAX_CARD_BYTES,
     Card,
@@ -29,6 +27,8 @@ from bubbles.core.card import (
     release_lock,
     write_card,
 )
+from bubbles.core.identity import LOCAL_NAMESPACE as LOCAL
+from bubbles.core.identity import GpuKey
 from bubbles.training.hook import instrument
 
 

@@ -78,7 +78,7 @@ def launch(request: pytest.FixtureRequest, short_run_dir: Path,
                 while proc.poll() is None:
                     assert time.monotonic() < deadline, f"the {layout} launch did not end in {LAUNCH_TIMEOUT_S} s"
                     for key, _ in sel.select(0.05):
-                        received[key.data] += drain(key.fileobj)  # type: ignore[arg-type]
+                        received[key.data] += drain(key.fileobj)
             finally:
                 if proc.poll() is None:
                     proc.kill()

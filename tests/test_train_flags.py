@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bubbles.core.api import FillMode
@@ -71,7 +73,7 @@ def test_tp_ranks_are_deepspeeds_model_axis_and_one_rank_per_stage_keeps_its_top
     assert [(c.pipe, c.model) for c in (topo.get_coord(r) for r in range(4))] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_a_tp_that_does_not_divide_the_launch_is_refused_by_every_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_tp_that_does_not_divide_the_launch_is_refused_by_every_rank(tmp_path: Path) -> None:
     """Checked once the world is known (after init_distributed): one process launched with --tp 2."""
     import os
     import subprocess

@@ -285,11 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     from bubbles.training.hook import stage_rank_of
 
     stage_rank, stage_ranks = stage_rank_of(engine)
+    key = getattr(inst, "key", None)  # None: unhooked, or an Unattached hook
     record: dict[str, Any] = {
         "rank": dist.get_rank(),
         "stage_rank": stage_rank,
         "stage_ranks": stage_ranks,
-        "gpu": str(inst.key) if getattr(inst, "key", None) is not None else None,  # None: unhooked or Unattached
+        "gpu": str(key) if key is not None else None,
         "stage": int(engine.stage_id),
         "stages": int(engine.num_stages),
         "microbatches": int(engine.micro_batches),
