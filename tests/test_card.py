@@ -27,6 +27,8 @@ from bubbles.core.card import (
     release_lock,
     write_card,
 )
+from bubbles.core.identity import LOCAL_NAMESPACE as LOCAL
+from bubbles.core.identity import GpuKey
 from bubbles.training.hook import instrument
 
 
@@ -43,7 +45,7 @@ def test_a_card_round_trips_and_says_which_process_wrote_it() -> None:
     assert Card.parse(json.loads(json.dumps(card.to_dict())), "x") == card
     assert card.instance == "4242@17"
     assert list(card.to_dict()) == ["training", "stage", "stages", "namespace", "pod", "device", "gpu_uuid", "pid",
-                                    "started_ns", "lock", "fills", "version"]
+                                    "started_ns", "lock", "fills", "version", "rank", "ranks"]
     assert card.to_dict()["version"] == card_module.VERSION
     assert card.to_dict()["fills"] is True  # for readers that predate the version field
     # A restarted process under the same Pod name is another card; the pid and start time are compared as one.
@@ -53,7 +55,7 @@ def test_a_card_round_trips_and_says_which_process_wrote_it() -> None:
 
 def test_a_card_the_writer_wrote_is_what_the_reader_reads(tmp_path: Path) -> None:
     card = a_card()
-    path = paths.hook_card(tmp_path, card.training, card.stage)
+    path = paths.hook_card(tmp_path, card.key)
     paths.make_private_dir(path.parent)
     write_card(path, card)
     assert read_card(path) == card
@@ -106,12 +108,12 @@ def test_the_reader_refuses_what_is_no_card_with_the_agents_words(tmp_path: Path
 
 def test_a_card_whose_lock_is_held_is_live_and_one_whose_lock_is_free_is_stale_and_removed(tmp_path: Path) -> None:
     card = a_card()
-    path = paths.hook_card(tmp_path, card.training, card.stage)
+    path = paths.hook_card(tmp_path, card.key)
     paths.make_private_dir(path.parent)
-    fd = hold_lock(paths.hook_lock(tmp_path, card.training, card.stage))
+    fd = hold_lock(paths.hook_lock(tmp_path, card.key))
     assert fd is not None
     write_card(path, card)
-    assert hold_lock(paths.hook_lock(tmp_path, card.training, card.stage), wait_s=0.01) is None  # a live twin
+    assert hold_lock(paths.hook_lock(tmp_path, card.key), wait_s=0.01) is None  # a live twin
     assert not card_is_stale(tmp_path, card) and path.exists()
     release_lock(fd)
     assert not card_is_stale(tmp_path, a_card(pid=1))  # a new process's card stays
@@ -127,13 +129,15 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
     monkeypatch.setenv("POD_NAMESPACE", "ml")
     eng = StandInEngine(stage=1, stages=4, micro_batches=2, wait_s=0.001)
     inst = instrument(eng, training="t7", run_dir=tmp_path, warmup_iterations=0, profile_iterations=1)
-    card_path = paths.hook_card(tmp_path, "t7", 1)
+    key = GpuKey("ml", "t7", 1, 0)
+    card_path = paths.hook_card(tmp_path, key)
     card = json.loads(card_path.read_text())
     assert {k: card[k] for k in ("training", "stage", "stages", "namespace", "pod", "device", "gpu_uuid")} == \
         {"training": "t7", "stage": 1, "stages": 4, "namespace": "ml", "pod": "llama-3", "device": "cpu",
          "gpu_uuid": None}
+    assert (card["rank"], card["ranks"], card["version"]) == (0, 1, card_module.VERSION)  # no grid: one rank
     assert card["pid"] == os.getpid() and card["started_ns"] > 0
-    assert card["fills"] is True and paths.fills_dir(tmp_path, "t7", 1).is_dir()  # it signals fill sockets there
+    assert card["fills"] is True and paths.fills_dir(tmp_path, key).is_dir()  # it signals fill sockets there
     # The hook holds the stage's lock while it lives: a node agent takes its card for live.
     from bubbles.core.card import Card, card_is_stale
 
@@ -146,7 +150,7 @@ def test_the_hook_leaves_a_card_for_the_node_agent_and_fails_open_without_one(
     twin.detach()
     inst.detach()
     assert not card_path.exists()  # a training that is gone leaves no card behind
-    fd = os.open(paths.hook_lock(tmp_path, "t7", 1), os.O_RDWR)
+    fd = os.open(paths.hook_lock(tmp_path, key), os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with it
     os.close(fd)
     blocker = tmp_path / "a-file"
@@ -168,10 +172,11 @@ def test_what_a_fill_job_plants_in_the_stage_directory_neither_holds_the_trainin
     victim = tmp_path / "checkpoint.pt"
     victim.write_bytes(b"weights")
     for training, plant in (("t10", "fifo"), ("t11", "link")):
-        stage = paths.stage_dir(tmp_path, training, 0)
+        key = GpuKey(LOCAL, training, 0)
+        stage = paths.gpu_dir(tmp_path, key)
         paths.make_private_dir(stage)
-        os.mkfifo(paths.hook_lock(tmp_path, training, 0))
-        os.symlink(victim, paths.hook_card(tmp_path, training, 0))
+        os.mkfifo(paths.hook_lock(tmp_path, key))
+        os.symlink(victim, paths.hook_card(tmp_path, key))
         tmp = stage / f".{paths.HOOK_CARD_NAME}.{os.getpid()}"
         os.mkfifo(tmp) if plant == "fifo" else os.symlink(victim, tmp)
         eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
@@ -183,7 +188,7 @@ def test_what_a_fill_job_plants_in_the_stage_directory_neither_holds_the_trainin
         assert done, f"{plant}: instrument() did not return, the training would be held"
         assert eng.train_batch() == 1.5  # the training goes on
         assert victim.read_bytes() == b"weights", plant
-        card = paths.hook_card(tmp_path, training, 0)
+        card = paths.hook_card(tmp_path, key)
         assert not card.is_symlink() and json.loads(card.read_text())["lock"] is False  # a FIFO is no lock
         done[0].detach()
 
@@ -234,7 +239,7 @@ def test_a_child_forked_from_the_training_does_not_keep_its_lock(tmp_path: Path)
         os.close(done_r)
         assert os.read(ready_r, 1) == b"x"
         inst.detach()  # stands in for the training's process ending (its descriptor closes)
-        fd = os.open(paths.hook_lock(tmp_path, "t9", 0), os.O_RDWR)
+        fd = os.open(paths.hook_lock(tmp_path, GpuKey(LOCAL, "t9", 0)), os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the child still held it
         finally:
@@ -257,12 +262,83 @@ def test_a_card_written_before_the_version_field_gets_the_version_its_fields_sho
 
 
 def test_a_newer_card_is_read_for_the_fields_this_side_knows() -> None:
-    card = Card.parse({"training": "t", "stage": 0, "stages": 2, "pod": "p", "version": 9, "later": [1]}, "x")
+    card = Card.parse({"training": "t", "stage": 0, "stages": 2, "pod": "p", "version": 9, "later": [1],
+                       "namespace": "ml", "rank": 1, "ranks": 2}, "x")
     assert card.version == 9
-    assert card.fills
+    assert card.fills and (card.rank, card.ranks) == (1, 2)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "3", 2.5, True])
 def test_a_card_version_that_is_no_version_is_refused_saying_so(bad: object) -> None:
     with pytest.raises(ValueError, match=r"x: version .* is not a card version \(an integer from 1\)"):
         Card.parse({"training": "t", "stage": 0, "stages": 2, "pod": "p", "version": bad}, "x")
+
+
+# -- card v4: a card per rank, in the namespaced layout -------------------------------------------------------
+
+
+def test_a_ranks_card_round_trips_and_is_found_in_its_own_directory(tmp_path: Path) -> None:
+    card = a_card(rank=3, ranks=4)
+    assert Card.parse(json.loads(json.dumps(card.to_dict())), "x") == card
+    assert (card.to_dict()["rank"], card.to_dict()["ranks"]) == (3, 4)
+    assert card.key == GpuKey("ml", "llama", 1, 3)
+    assert card.directory(tmp_path) == tmp_path / "ml" / "llama" / "stage-1" / "rank-3" == paths.gpu_dir(tmp_path,
+                                                                                                         card.key)
+    others = [a_card(rank=r, ranks=4, pid=100 + r) for r in (0, 1, 2)]
+    for c in (card, *others):
+        paths.make_private_dir(c.directory(tmp_path))
+        write_card(c.directory(tmp_path) / paths.HOOK_CARD_NAME, c)
+    found, problems = read_cards(tmp_path)
+    assert problems == [] and sorted(c.rank for c in found) == [0, 1, 2, 3]  # every rank of the stage, apart
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"rank": 2, "ranks": 2}, "x: rank 2 of 2 ranks is not a rank of the stage"),
+    ({"rank": -1, "ranks": 2}, "x: rank -1 of 2 ranks is not a rank of the stage"),
+    ({"rank": True, "ranks": 2}, "x: rank True of 2 ranks is not a rank of the stage"),
+    ({"rank": "0", "ranks": 1}, "x: rank '0' of 1 ranks is not a rank of the stage"),
+    ({"rank": 0}, "x: rank 0 of None ranks is not a rank of the stage"),  # a v4 card must say both
+    ({"rank": 0, "ranks": 4097}, "x: rank 0 of 4097 ranks is not a rank of the stage"),
+    ({"rank": 0, "ranks": 1, "namespace": "Team_A"}, "x: namespace 'Team_A' is not valid"),
+    ({"rank": 0, "ranks": 1, "namespace": ""}, "x: namespace '' is not valid"),  # v4 always names it
+])
+def test_a_ranks_card_with_a_rank_or_namespace_that_is_none_is_refused_saying_why(
+        fields: dict[str, object], message: str) -> None:
+    doc = {"training": "t", "stage": 0, "stages": 2, "pod": "p", "namespace": "ml", "version": 4, **fields}
+    with pytest.raises(ValueError) as exc:
+        Card.parse(doc, "x")
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_a_v3_card_in_the_old_stage_directory_is_read_as_rank_0_of_1_of_the_local_namespace(tmp_path: Path) -> None:
+    """A hook before card v4 (an older training image beside a newer agent) wrote ``<training>/stage-<k>/hook.json``
+    with no rank and, outside Kubernetes, no namespace."""
+    legacy = paths.make_private_dir(paths.legacy_stage_dir(tmp_path, "old", 1))
+    (legacy / paths.HOOK_CARD_NAME).write_text(json.dumps(
+        {"training": "old", "stage": 1, "stages": 2, "namespace": "", "pod": "p", "device": "cpu", "gpu_uuid": None,
+         "pid": 7, "started_ns": 1, "lock": True, "fills": True, "version": 3}))
+    found, problems = read_cards(tmp_path)
+    assert problems == [] and len(found) == 1
+    card = found[0]
+    assert (card.version, card.rank, card.ranks, card.fills) == (3, 0, 1, True)
+    assert card.key == GpuKey(LOCAL, "old", 1, 0) and card.key.local
+    assert card.directory(tmp_path) == legacy
+    # Its lock is looked for beside it: nobody holds it, so it is stale and removed.
+    (legacy / paths.HOOK_LOCK_NAME).touch()
+    assert card_is_stale(tmp_path, card) and not (legacy / paths.HOOK_CARD_NAME).exists()
+
+
+def test_a_card_in_a_directory_other_than_its_own_is_reported_not_used(tmp_path: Path) -> None:
+    """A fill job can write in its GPU's directory: a card naming another rank (or a v4 card in the old layout) would
+    have the agent place fill jobs on a GPU the card's process is not on."""
+    wrong = a_card(rank=1, ranks=2)
+    rank0 = paths.make_private_dir(paths.gpu_dir(tmp_path, GpuKey("ml", "llama", 1, 0)))
+    write_card(rank0 / paths.HOOK_CARD_NAME, wrong)
+    legacy = paths.make_private_dir(paths.legacy_stage_dir(tmp_path, "llama", 1))
+    write_card(legacy / paths.HOOK_CARD_NAME, a_card())
+    found, problems = read_cards(tmp_path)
+    assert found == []
+    assert problems == [f"{rank0 / paths.HOOK_CARD_NAME}: the card names ml/llama/stage-1/rank-1 (card v4), not its "
+                        "directory",
+                        f"{legacy / paths.HOOK_CARD_NAME}: the card names ml/llama/stage-1/rank-0 (card v4), not its "
+                        "directory"], problems

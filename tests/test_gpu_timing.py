@@ -24,6 +24,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from helpers.gpu_timing import COMPUTE_S, WAIT_S, FakeEvent, FakeStream, cuda_available
+from helpers.hook import gpu_dir
 
 from bubbles.core import paths, wire
 from bubbles.training.gpu_timing import (
@@ -120,7 +121,7 @@ def built_cycle(inst: Any, schedule: str = "TrainSchedule") -> Any:
 def profiled_on_device(eng: Any, sockdir: Path, training: str) -> tuple[Any, Any, Path]:
     """``eng`` instrumented with events on its fake stream (no warm-up, two profiled iterations) and run until the
     event thread has built its cycle: the instrumentation, the cycle and the stage's socket directory."""
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, training, 0))
+    sdir = gpu_dir(sockdir, training, 0)
     inst = instrument(eng, training=training, run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
                       warmup_iterations=0, profile_iterations=2, timing="cuda",
                       event_factory=lambda: FakeEvent(eng.stream))
@@ -197,7 +198,7 @@ def test_a_failing_event_disables_signalling_and_training_goes_on(sockdir: Path,
     eng = AsyncEngine(FakeStream())
     inst = instrument(eng, training="b", run_dir=sockdir, warmup_iterations=0, profile_iterations=1,
                       timing="cuda", event_factory=Broken)
-    paths.make_private_dir(paths.stage_dir(sockdir, "b", 0))
+    gpu_dir(sockdir, "b", 0)
     losses = [eng.train_batch() for _ in range(3)]
     deadline = time.monotonic() + 5
     while not inst.stats["disabled"] and time.monotonic() < deadline:
@@ -531,7 +532,7 @@ def test_the_end_of_evaluation_is_timed_on_the_device_too(sockdir: Path) -> None
     """eval_batch's tail (output reduction, loss broadcast) is a wait like the receives: the host reaches it at
     once, the device waits there. Host stamps would see no bubble; device events see WAIT_S."""
     eng = AsyncEngine(FakeStream())
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "e", 0))
+    sdir = gpu_dir(sockdir, "e", 0)
     inst = instrument(eng, training="e", run_dir=sockdir, memory_probe=StaticMemoryProbe(1),
                       warmup_iterations=1, profile_iterations=3, timing="cuda",
                       event_factory=lambda: FakeEvent(eng.stream))

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from deepspeed.runtime.pipe import schedule as S
-from helpers.hook import StandInEngine, bind, drain
+from helpers.hook import StandInEngine, StandInGrid, bind, drain, gpu_dir
 
 from bubbles.core import paths, wire
 from bubbles.core.cycle import BubbleCycle
@@ -251,35 +251,103 @@ def test_what_the_training_cannot_help_fails_open_and_a_wrong_engine_is_named(
     with caplog.at_level(logging.INFO, logger="bubbles.hook"):
         attached = instrument(StandInEngine(1, 2, 2), training="llama", run_dir=sockdir)
     attached.detach()
-    assert f"training llama stage 1 of 2 signals in {paths.stage_dir(sockdir, 'llama', 1)}" in caplog.text
+    assert f"training llama stage 1 rank 0 of 1 (2 stages) signals in {gpu_dir(sockdir, 'llama', 1)}" in caplog.text
 
 
-def test_a_second_live_process_of_a_stage_on_the_node_stands_down_and_trains_on(
+def test_every_rank_of_a_stage_signals_its_own_bubbles_in_its_own_directory(sockdir: Path) -> None:
+    """Tensor-parallel ranks and data-parallel replicas of one stage (here 2 x 2, as DeepSpeed's grid places them):
+    each has bubbles of its own and a GPU of its own, so each writes its card and signals its listeners in its own
+    directory, ``rank-<dp_rank x mp_size + mp_rank>``. (Engines of one process here; test_hook_ranks.py runs real
+    DeepSpeed ranks.)"""
+    places = [(mp, dp) for dp in range(2) for mp in range(2)]
+    engines = [StandInEngine(0, 2, 2, wait_s=0.001, grid=StandInGrid(mp_rank=mp, mp_size=2, dp_rank=dp, dp_size=2))
+               for mp, dp in places]
+    agents = [bind(gpu_dir(sockdir, "tp", 0, rank) / "agent.sock") for rank in range(4)]
+    insts = [instrument(e, training="tp", run_dir=sockdir, warmup_iterations=0, profile_iterations=1)
+             for e in engines]
+    try:
+        for inst, rank in zip(insts, range(4), strict=True):
+            assert not inst.stats["disabled"], inst.stats
+            assert (inst.rank, inst.ranks, str(inst.key)) == (rank, 4, f"_local/tp/stage-0/rank-{rank}")
+            card = json.loads(paths.hook_card(sockdir, inst.key).read_text())
+            assert (card["stage"], card["rank"], card["ranks"], card["namespace"]) == (0, rank, 4, "_local")
+        for _ in range(2):
+            for e in engines:
+                e.train_batch()
+        for rank, agent in enumerate(agents):
+            kinds = [type(m).__name__ for m in drain(agent)]
+            assert "Profile" in kinds and "BubbleStart" in kinds, (rank, kinds)  # each hears its own rank
+        assert [i.stats["bubbles_signalled"] > 0 for i in insts] == [True] * 4
+    finally:
+        for inst in insts:
+            inst.detach()
+        for agent in agents:
+            agent.close()
+
+
+def test_a_second_live_process_of_one_rank_on_the_node_stands_down_and_trains_on(
         sockdir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Tensor-parallel ranks (or data-parallel replicas) of one stage on one node: one directory, one agent, one
-    card. The first holds hook.lock and signals; a second (here another engine of this process: flock locks are per
-    open file) says so and sends nothing, rather than merging its bubbles into the first's stream."""
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "tp", 0))
+    """A true twin: the same key (two trainings of one name in one namespace, or one rank started twice) would share
+    one directory, one card and one stream of signals. The first holds hook.lock and signals; a second (here another
+    engine of this process: flock locks are per open file) says so and sends nothing, rather than merging its
+    bubbles into the first's stream."""
+    sdir = gpu_dir(sockdir, "tp", 0)
     listener = bind(sdir / "agent.sock")
     first = instrument(StandInEngine(0, 2, 2), training="tp", run_dir=sockdir)
-    card = json.loads(paths.hook_card(sockdir, "tp", 0).read_text())
+    card_path = paths.hook_card(sockdir, first.key)
+    card = json.loads(card_path.read_text())
     with caplog.at_level(logging.WARNING, logger="bubbles.hook"):
         second_engine = StandInEngine(0, 2, 2)
         second = instrument(second_engine, training="tp", run_dir=sockdir)
-    assert second.stats["disabled"] and "one stage on one node" in caplog.text
-    assert json.loads(paths.hook_card(sockdir, "tp", 0).read_text()) == card  # the first's card stands
+    assert second.stats["disabled"]
+    assert ("another live process on this node already signals the bubbles of _local/tp/stage-0/rank-0 (a second "
+            "training named tp in namespace _local, or this rank started twice)") in caplog.text
+    assert f"this one (pid {os.getpid()}) does not; training continues" in caplog.text
+    assert "Give each training a name of its own ($BUBBLES_TRAINING)" in caplog.text
+    assert "signals in" not in caplog.text  # it does not claim to
+    assert json.loads(card_path.read_text()) == card  # the first's card stands
     drain(listener)
     for _ in range(4):
         assert second_engine.train_batch() == 1.5
     assert second.stats["signals_sent"] == 0 and second.stats["bubbles_signalled"] == 0
     second.detach()
+    assert json.loads(card_path.read_text()) == card  # and stays after the twin has gone
     first.detach()
     listener.close()
 
 
+@pytest.mark.parametrize("namespace", ["Team_A", "_attach", "ml.team", "x" * 64])
+def test_a_bad_pod_namespace_fails_open(sockdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture, namespace: str) -> None:
+    """$POD_NAMESPACE comes from the platform (the downward API), not from the training's code: one that is no
+    namespace name leaves the training as without the hook, and says what it should be."""
+    monkeypatch.setenv("POD_NAMESPACE", namespace)
+    eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
+    before = dict(eng.__dict__)
+    with caplog.at_level(logging.ERROR, logger="bubbles.hook"):
+        inst = instrument(eng, training="t", run_dir=sockdir)
+    assert type(inst).__name__ == "Unattached" and inst.stats["disabled"]
+    reason = inst.stats["reason"]
+    assert reason.startswith(f"$POD_NAMESPACE: namespace {namespace!r} is not valid"), reason
+    assert "the training Pod's namespace, from the downward API (metadata.namespace)" in reason
+    assert "bubbles hook not attached" in caplog.text and namespace in caplog.text
+    assert eng.__dict__ == before and eng.train_batch() == 1.5  # nothing wrapped
+    assert not list(sockdir.rglob("*"))  # no directory, no card, no lock
+
+
+def test_the_namespace_names_the_directory_in_kubernetes(sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "ml")
+    inst = instrument(StandInEngine(1, 2, 2), training="t", run_dir=sockdir)
+    try:
+        assert inst.stage_dir == sockdir / "ml" / "t" / "stage-1" / "rank-0"
+        assert json.loads((inst.stage_dir / paths.HOOK_CARD_NAME).read_text())["namespace"] == "ml"
+    finally:
+        inst.detach()
+
+
 def test_instrument_profiles_signals_and_detaches(sockdir: Path) -> None:
     run_dir, training = sockdir, "t1"
-    sdir = paths.make_private_dir(paths.stage_dir(run_dir, training, 0))
+    sdir = gpu_dir(run_dir, training, 0)
     eng = StandInEngine(stage=0, stages=2, micro_batches=3)
     before = dict(eng.__dict__)
     inst = instrument(eng, training=training, run_dir=run_dir, memory_probe=StaticMemoryProbe(123),
@@ -331,7 +399,7 @@ def test_instrument_profiles_signals_and_detaches(sockdir: Path) -> None:
 
 
 def test_handler_exceptions_propagate_unchanged_and_close_the_bubble(sockdir: Path) -> None:
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "t2", 0))
+    sdir = gpu_dir(sockdir, "t2", 0)
     agent = bind(sdir / "agent.sock")
     eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
     inst = instrument(eng, training="t2", run_dir=sockdir, warmup_iterations=0, profile_iterations=1)
@@ -351,7 +419,7 @@ def test_handler_exceptions_propagate_unchanged_and_close_the_bubble(sockdir: Pa
 
 def test_bookkeeping_failure_disables_signalling_once_and_training_goes_on(
         sockdir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    sdir = paths.make_private_dir(paths.stage_dir(sockdir, "t3", 1))
+    sdir = gpu_dir(sockdir, "t3", 1)
     agent = bind(sdir / "agent.sock")
     eng = StandInEngine(stage=1, stages=2, micro_batches=2, wait_s=0.001)
     inst = instrument(eng, training="t3", run_dir=sockdir, warmup_iterations=0, profile_iterations=1)
@@ -508,7 +576,7 @@ def test_predicted_bubble_lengths_follow_the_bubbles_after_profiling_but_not_nai
     from bubbles.training.hook import RECENT_ITERATIONS, REPREDICT_EVERY
 
     run_dir, training = sockdir, "t-follow"
-    sdir = paths.make_private_dir(paths.stage_dir(run_dir, training, 0))
+    sdir = gpu_dir(run_dir, training, 0)
     eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.001)
     inst = instrument(eng, training=training, run_dir=run_dir, memory_probe=StaticMemoryProbe(0),
                       warmup_iterations=0, profile_iterations=3)
@@ -586,9 +654,10 @@ def test_the_hook_overhead_benchmark_times_real_cuda_events_on_a_gpu(tmp_path: P
 SCRIPT_WITHOUT_LOGGING = """
 import sys
 sys.path.insert(0, {tests!r})
-from helpers.hook import StandInEngine, bind, drain
+from helpers.hook import StandInEngine, StandInGrid
 from bubbles.hook import instrument
-eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.003)
+# the second data-parallel replica of stage 0: its lines say which rank of the stage they are about
+eng = StandInEngine(stage=0, stages=2, micro_batches=2, wait_s=0.003, grid=StandInGrid(dp_rank=1, dp_size=2))
 inst = instrument(eng, training="first-try", run_dir={run_dir!r}, warmup_iterations=1, profile_iterations=2)
 for _ in range(4):
     eng.train_batch()
@@ -609,8 +678,8 @@ def test_a_script_that_configures_no_logging_still_sees_what_the_hook_did(tmp_pa
     script = SCRIPT_WITHOUT_LOGGING.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path / "run"))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "[bubbles] bubbles hook: training first-try stage 0 of 2 signals in" in out.stderr
-    assert "[bubbles] stage 0: TrainSchedule profiled:" in out.stderr
+    assert "[bubbles] bubbles hook: training first-try stage 0 rank 1 of 2 (2 stages) signals in" in out.stderr
+    assert "[bubbles] stage 0 rank 1 of 2: TrainSchedule profiled:" in out.stderr
     unset_warning = "BUBBLES_FREE_BYTES is unset, so every bubble offers 0 bytes"
     if free_bytes is None:
         assert unset_warning in out.stderr
@@ -628,4 +697,4 @@ def test_with_logging_configured_the_hook_only_logs(caplog: pytest.LogCaptureFix
         for _ in range(4):
             eng.train_batch()
     inst.detach()
-    assert "stage 1: TrainSchedule profiled:" in caplog.text
+    assert "stage 1 rank 0 of 1: TrainSchedule profiled:" in caplog.text

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from deepspeed.comm import comm as ds_comm
-from helpers.hook import StandInBackend, StandInEngine, bind, drain
+from helpers.hook import StandInBackend, StandInEngine, bind, drain, gpu_dir
 
 from bubbles.core import paths, wire
 from bubbles.training.hook import instrument
@@ -32,7 +32,7 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandInBackend]:
 
 
 def test_clippings_all_reduce_is_a_signalled_drain_bubble(tmp_path: Path, backend: StandInBackend) -> None:
-    sdir = paths.make_private_dir(paths.stage_dir(tmp_path, "t", 1))
+    sdir = gpu_dir(tmp_path, "t", 1)
     eng = StandInEngine(stage=1, stages=2, micro_batches=2, backend=backend)
     inst = instrument(eng, training="t", run_dir=tmp_path, memory_probe=StaticMemoryProbe(1),
                       warmup_iterations=0, profile_iterations=3, trace=True)

@@ -44,7 +44,7 @@ from bubbles.core import paths, wire
 run_dir, training, stages, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 sel = selectors.DefaultSelector()
 for k in range(stages):
-    d = paths.make_private_dir(paths.stage_dir(run_dir, training, k))
+    d = paths.make_private_dir(paths.gpu_dir(run_dir, paths.GpuKey(paths.default_namespace(), training, k)))
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(str(d / paths.AGENT_SOCKET_NAME))
     s.setblocking(False)

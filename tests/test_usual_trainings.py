@@ -305,7 +305,8 @@ def test_the_readmes_agent_example_fills_a_script_of_its_own(tmp_path: Path, sho
                                   env=env(BUBBLES_FREE_BYTES=str(FREE_BYTES)), capture_output=True, text=True,
                                   timeout=LAUNCH_TIMEOUT_S)
         assert training.returncode == 0, training.stdout[-3000:] + training.stderr[-3000:]
-        assert "[bubbles] stage 1: TrainSchedule profiled:" in training.stderr  # the hook's summary, unconfigured
+        # the hook's summary, though the script configures no logging
+        assert "[bubbles] stage 1 rank 0 of 1: TrainSchedule profiled:" in training.stderr
         out, _ = agent.communicate(timeout=AGENT_TIMEOUT_S + 30)
     finally:
         if agent.poll() is None:

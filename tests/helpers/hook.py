@@ -12,7 +12,7 @@ from typing import Any
 from deepspeed.runtime.pipe import schedule as S
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from bubbles.core import wire
+from bubbles.core import paths, wire
 
 
 class StandInEngine:
@@ -21,8 +21,10 @@ class StandInEngine:
     _exec_schedule = PipelineEngine._exec_schedule
 
     def __init__(self, stage: int, stages: int, micro_batches: int, wait_s: float = 0.002,
-                 backend: StandInBackend | None = None) -> None:
+                 backend: StandInBackend | None = None, grid: StandInGrid | None = None) -> None:
         self.stage_id, self.num_stages, self.micro_batches = stage, stages, micro_batches
+        if grid is not None:  # DeepSpeed's PipelineEngine has one (engine.grid); without it: one rank per stage
+            self.grid = grid
         self.wait_s = wait_s
         # With a backend, OptimizerStep all-reduces the gradient norm through it (clipping), ReduceGrads all-reduces
         # asynchronously and the loss broadcast broadcasts: what DeepSpeed's engine does through deepspeed.comm.
@@ -67,6 +69,26 @@ class StandInEngine:
         return 2.5
 
 
+class StandInGrid:
+    """DeepSpeed's ``PipelineParallelGrid`` as the hook reads it: this process's model-parallel (DeepSpeed's "slice")
+    and data-parallel place within its stage."""
+
+    def __init__(self, mp_rank: int = 0, mp_size: int = 1, dp_rank: int = 0, dp_size: int = 1) -> None:
+        self.mp_rank, self.mp_size, self.dp_rank, self.dp_size = mp_rank, mp_size, dp_rank, dp_size
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.mp_rank
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.mp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+
 class StandInWork:
     def wait(self) -> bool:
         return True
@@ -102,6 +124,13 @@ class StandInBackend:
 
     def barrier(self, group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
         return self._call("barrier", async_op)
+
+
+def gpu_dir(run_dir: Path | str, training: str, stage: int, rank: int = 0) -> Path:
+    """The directory (made) where the hook of ``rank`` of ``stage`` signals: the namespace is the one the hook
+    takes (``$POD_NAMESPACE``, ``_local`` outside Kubernetes)."""
+    return paths.make_private_dir(paths.gpu_dir(run_dir, paths.GpuKey(paths.default_namespace(), training, stage,
+                                                                      rank)))
 
 
 def bind(path: Path, rcvbuf: int | None = None) -> socket.socket:

@@ -1,8 +1,14 @@
-"""The demo's training worker: a small DeepSpeed pipeline on CPU (gloo), one process per stage.
+"""The demo's training worker: a small DeepSpeed pipeline on CPU (gloo), ``--tp`` processes per stage (default 1).
 
 Launched by the demo, the tests and the benchmarks with::
 
     python -m torch.distributed.run --nproc_per_node P --master_port PORT -m bubbles.demo.train --out DIR ...
+
+for ``P`` stages, or with ``--nproc_per_node S*T ... --tp T`` for ``S`` stages of ``T`` model-parallel ranks each
+(DeepSpeed's pipe x model topology; global ranks ``k*T .. k*T+T-1`` are stage ``k``). The layers are plain, the same
+on every model-parallel rank of a stage (nothing is sliced: a CPU demo has no tensor-parallel kernels), so every rank
+of a stage computes what the others do, while DeepSpeed still builds its grid, model groups and partitioned
+activations across them; each rank's hook signals its own bubbles (``rank-<r>/`` of the stage's directory).
 
 Everything is deterministic (seeds, synthetic data generated identically on every rank, one intra-op
 thread), so two runs with the same flags produce bit-identical losses; ``--no-hook`` runs without the
@@ -10,7 +16,8 @@ bubbles hook at all, for that comparison. The run is: the hook's warm-up and pro
 (phase "profile"), then each ``--phases`` entry ``mode:iterations`` in order; at each phase boundary all
 ranks meet in a barrier and switch the listeners' fill mode.
 
-Each rank writes ``DIR/rank-<global rank>.json``: stage, stages, microbatches, rank, schedule, losses
+Each rank writes ``DIR/rank-<global rank>.json``: stage, stages, microbatches, rank, stage_rank and stage_ranks (its
+index among its stage's ranks, and how many there are), gpu (the hook's key, or null), schedule, losses
 (``float.hex`` per iteration), iteration_s, iteration_end_ns (``time.monotonic_ns()`` at each iteration's end), phase
 (per iteration), cycle (``BubbleCycle.to_dict`` of the
 schedule in use, or null), cycles (by schedule name), trace (with ``--trace``: ``[iteration,
@@ -47,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch (default 8)")
     p.add_argument("--hidden", type=int, default=256, help="width of the layers (default 256)")
     p.add_argument("--layers", type=int, default=8, help="layers, split evenly over the stages (default 8)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="model-parallel (tensor-parallel) ranks per stage (default 1): launch stages x tp processes; "
+                        "each rank of a stage signals its own bubbles")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--phases", default="off:10,harvest:10",
                    help="comma list of mode:iterations run after profiling (modes: "
@@ -120,6 +130,25 @@ def batches(seed: int, micro_batch_size: int, hidden: int) -> Any:
         i += 1
 
 
+def stages_of(world_size: int, tp: int) -> int:
+    """How many pipeline stages a launch of ``world_size`` processes with ``tp`` model-parallel ranks per stage has;
+    ValueError saying what to launch otherwise."""
+    if tp < 1:
+        raise ValueError(f"--tp {tp}: give the model-parallel ranks per stage, 1 or more")
+    if world_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world_size} processes launched: launch stages x tp "
+                         f"processes (torchrun --nproc_per_node), e.g. {2 * tp} for 2 stages of {tp} ranks")
+    return world_size // tp
+
+
+def pipe_topology(stages: int, tp: int) -> Any:
+    """DeepSpeed's topology of ``stages`` pipeline stages of ``tp`` model-parallel ranks (one data-parallel replica);
+    None for one rank per stage, where ``PipelineModule(num_stages=...)`` builds the topology it always has."""
+    if tp == 1:
+        return None
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    return PipeModelDataParallelTopology(num_pp=stages, num_mp=tp, num_dp=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--warmup-iterations, --min-bubble-ms, --sleep-compute-ms and --gradient-clipping must be >= 0")
     if args.start_timeout_s <= 0:
         parser.error(f"--start-timeout-s {args.start_timeout_s}: give a number of seconds > 0")
+    if args.tp < 1:
+        parser.error(f"--tp {args.tp}: give the model-parallel ranks per stage, 1 or more")
 
     rank = int(os.environ.get("RANK", "0"))
     if args.pin_cores:
@@ -152,12 +183,16 @@ def main(argv: list[str] | None = None) -> int:
 
     skip_unused_cpu_ops()  # before init_distributed would spend 30-60 s building an op this training never calls
     deepspeed.init_distributed(dist_backend="gloo")
-    world = dist.get_world_size()
-    if args.layers < world:
-        parser.error(f"--layers {args.layers} is fewer than the {world} stages")
+    try:
+        stages = stages_of(dist.get_world_size(), args.tp)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.layers < stages:
+        parser.error(f"--layers {args.layers} is fewer than the {stages} stages")
     torch.manual_seed(args.seed)
     layers = [Block(args.hidden, args.sleep_compute_ms / 1e3) for _ in range(args.layers)]
-    net = PipelineModule(layers=layers, num_stages=world, loss_fn=nn.MSELoss(), partition_method="uniform")
+    net = PipelineModule(layers=layers, num_stages=stages, topology=pipe_topology(stages, args.tp),
+                         loss_fn=nn.MSELoss(), partition_method="uniform")
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
@@ -247,8 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
 
     schedule_name = "TrainSchedule" if args.schedule == "train" else "InferenceSchedule"
+    from bubbles.training.hook import stage_rank_of
+
+    stage_rank, stage_ranks = stage_rank_of(engine)
+    key = getattr(inst, "key", None)  # None: unhooked, or an Unattached hook
     record: dict[str, Any] = {
         "rank": dist.get_rank(),
+        "stage_rank": stage_rank,
+        "stage_ranks": stage_ranks,
+        "gpu": str(key) if key is not None else None,
         "stage": int(engine.stage_id),
         "stages": int(engine.num_stages),
         "microbatches": int(engine.micro_batches),

@@ -28,6 +28,7 @@ from .instrumentation import (
     Unattached,
     instrument,
     resolve_timing,
+    stage_rank_of,
 )
 from .listeners import MAX_LISTENERS, Listeners
 from .profile import (
@@ -58,4 +59,5 @@ __all__ = [
     "instruction_stream",
     "instrument",
     "resolve_timing",
+    "stage_rank_of",
 ]

@@ -91,6 +91,8 @@ class Instrumentation:
         # lock and listeners, and signals its own bubbles.
         self.key = paths.GpuKey(namespace or paths.default_namespace(), training, self.stage, self.rank)
         self.stage_dir = paths.gpu_dir(self.run_dir, self.key)
+        # How its messages name it: the ranks of a stage share a terminal and a log, each says which it is.
+        self.where = f"stage {self.stage} rank {self.rank} of {self.ranks}"
         self.memory_probe = memory_probe
         self.warmup_iterations = warmup_iterations
         self.profile_iterations = profile_iterations
@@ -130,9 +132,9 @@ class Instrumentation:
             COLLECTIVES.acquire(backend if backend is not None else deepspeed_backend())
         except Exception as exc:
             self.collectives = f"not timed: {exc}"
-            log.warning("bubbles hook on stage %d: the waits inside OptimizerStep, ReduceGrads and ReduceTiedGrads "
+            log.warning("bubbles hook on %s: the waits inside OptimizerStep, ReduceGrads and ReduceTiedGrads "
                         "(gradient clipping's all-reduce, data-parallel all-reduces) are not seen (%s); the receives, "
-                        "sends and the loss broadcast are", self.stage, exc)
+                        "sends and the loss broadcast are", self.where, exc)
         else:
             self._holds_collectives = True
         try:
@@ -247,9 +249,10 @@ class Instrumentation:
             COLLECTIVES.release()
 
     def _write_card(self) -> None:
-        """Tell the node's agent (cluster mode) which Pod and GPU this stage runs on: ``hook.json`` in the stage's
-        directory. The Pod's name and namespace come from ``$POD_NAME``/``$POD_NAMESPACE`` (the downward API),
-        else the hostname. Fails open: without the card a local agent still works, a cluster agent waits."""
+        """Tell the node's agent (cluster mode) which Pod and GPU this rank of its stage runs on: ``hook.json`` in its
+        GPU's directory (``paths.gpu_dir``). The Pod's name comes from ``$POD_NAME`` (the downward API), else the
+        hostname; the namespace is the key's (``$POD_NAMESPACE``, or ``_local``). Fails open: without the card a local
+        agent still works, a cluster agent waits."""
         try:
             device = getattr(self.engine, "device", "cpu")
             pod = os.environ.get("POD_NAME") or socket.gethostname()
@@ -274,7 +277,7 @@ class Instrumentation:
                 lock=self._lock_fd is not None))
             self._card = path
         except Exception as exc:
-            self._warn_once("card", f"bubbles hook on stage {self.stage} could not write its card for the node "
+            self._warn_once("card", f"bubbles hook on {self.where} could not write its card for the node "
                                     f"agent ({exc!r}); training continues")
 
     # -- wiring ----------------------------------------------------------------------------------------
@@ -541,7 +544,7 @@ class Instrumentation:
         prof.recent = RecentLengths({s.position: [int(row[column[s.position]] * 1e9) for row in prof.durations]
                                      for s in cycle.slots}, window=RECENT_ITERATIONS)
         self.cycles[prof.name] = cycle
-        say("stage %d: %s profiled: %d bubbles, %.1f%% of %.2f ms (%s; %s free in the largest)%s", self.stage,
+        say("%s: %s profiled: %d bubbles, %.1f%% of %.2f ms (%s; %s free in the largest)%s", self.where,
             prof.name, len(cycle.slots), 100 * cycle.bubble_ratio, 1e3 * cycle.iteration_s,
             _where(cycle), _mib(max((s.free_bytes for s in cycle.slots), default=0)),
             "; with NCCL a collective's or send's kernel holds a few SMs while it waits" if self.timing == "cuda"
@@ -597,7 +600,7 @@ class Instrumentation:
         try:
             return wire.encode_profile(self.stage, cycle.to_dict())
         except wire.WireError as exc:
-            self._warn_once("profile", f"stage {self.stage}: bubble profile not sent: {exc}")
+            self._warn_once("profile", f"{self.where}: bubble profile not sent: {exc}")
             return None
 
     def _send_profile(self, cycle: BubbleCycle, targets: Sequence[str] | None = None) -> None:
@@ -632,7 +635,7 @@ class Instrumentation:
     def _fail(self, exc: BaseException) -> None:
         """The hook's own bug or environment problem: stop signalling, keep the training going."""
         self._disable()
-        self._warn_once("fail", f"bubbles hook disabled on stage {self.stage} after an internal error "
+        self._warn_once("fail", f"bubbles hook disabled on {self.where} after an internal error "
                                 f"({exc!r}); training continues without bubble signals")
 
 
@@ -735,8 +738,8 @@ def instrument(engine: Any, *, training: str | None = None, run_dir: Path | str 
     except OSError as exc:  # the process's environment (out of descriptors, say): nothing is attached yet
         return _unattached(engine, f"the hook could not open its sockets ({exc})")
     if not inst._disabled:  # one that stood down has said why
-        say("bubbles hook: training %s stage %d of %d, rank %d of its %d, signals in %s (%s timing)", inst.training,
-            inst.stage, inst.stages, inst.rank, inst.ranks, inst.stage_dir, inst.timing)
+        say("bubbles hook: training %s %s (%d stages) signals in %s (%s timing)", inst.training, inst.where,
+            inst.stages, inst.stage_dir, inst.timing)
     return inst
 
 
