@@ -108,7 +108,8 @@ class Card:
                 r, n = d.get("rank"), d.get("ranks")
                 if not (isinstance(r, int) and isinstance(n, int) and not isinstance(r, bool)
                         and 0 <= r < n <= MAX_RANKS):
-                    raise ValueError(f"rank {r!r} of {n!r} ranks is not a rank of the stage")
+                    raise ValueError(f"rank {r!r} of {n!r} ranks is not a rank of the stage: rank must be an "
+                                     f"integer from 0 to ranks - 1, ranks from 1 to {MAX_RANKS}")
                 rank, ranks = r, n
                 check_namespace(ns)
         except KeyError as exc:
