@@ -195,7 +195,7 @@ class GrpcAgents:
                                 assignment.name, assignment.training.split("/", 1)[-1], assignment.stage,
                                 assignment.pod, assignment.device, assignment.fill_pod, assignment.job,
                                 assignment.gpu_uuid, assignment.slowdown_budget, assignment.max_fill_share,
-                                assignment.tail_risk)
+                                assignment.tail_risk, assignment.ranks)
         try:
             await stub.Assign(assignment_to_pb(msg), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
