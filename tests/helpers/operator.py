@@ -36,10 +36,10 @@ def cycle(stage: int = 0, bubble_s: float = 0.010, free: int = 1024 * MIB, itera
 
 def stage(k: int = 0, pod: str = "llama-0", node: str = "node-a", rank: int = 0, **kw: Any) -> GpuView:
     """Rank ``rank`` of stage ``k`` of ml/llama, one GPU (cuda:<rank> of its Pod)."""
-    fields: dict[str, Any] = {"hook_reporting": True, "ranks": rank + 1, **kw}
+    fields: dict[str, Any] = {"hook_reporting": True, "ranks": rank + 1, "device": f"cuda:{rank}", **kw}
     if "cycle" not in fields:
         fields["cycle"] = cycle(k)
-    return GpuView("ml/llama", k, pod, f"uid-{pod}", node, f"cuda:{rank}", rank=rank, **fields)
+    return GpuView("ml/llama", k, pod, f"uid-{pod}", node, rank=rank, **fields)
 
 
 def training(labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
