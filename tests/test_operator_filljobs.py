@@ -25,8 +25,8 @@ from helpers.operator import (
 
 from bubbles.core.api import FillState
 from bubbles.operator.decide import (
-    JobProgress,
     GpuView,
+    JobProgress,
 )
 
 

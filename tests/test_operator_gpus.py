@@ -175,3 +175,19 @@ def test_the_shells_view_has_one_gpu_per_report_of_a_pod_none_collapsed() -> Non
                    ("ml/llama", "llama-1", -1, 0, None, False)]  # llama-1 reports no GPU (yet)
     assert len(gpus_by_key(view.gpus)) == 4
     assert max(s.free_bytes for g in view.gpus if g.cycle for s in g.cycle.slots) == 1024 * MIB
+
+
+def test_the_per_job_gauges_say_the_stage_and_ranks_a_job_runs_on() -> None:
+    from prometheus_client import generate_latest
+
+    from bubbles.operator.metrics import OperatorMetrics
+
+    m = OperatorMetrics()
+    job = fill_job()
+    step([job], tp2()[1:])
+    m.observe([job])
+    body = generate_latest(m.registry).decode()
+    assert ('bubbles_operator_fill_job_progress_ratio{fill_job="fj",namespace="ml",node="node-a",ranks="1",stage="0",'
+            'training="llama"} 0.0') in body
+    assert 'bubbles_operator_fill_job_eta_timestamp_seconds{fill_job="fj",namespace="ml",node="node-a",ranks="1"' \
+        in body

@@ -271,7 +271,7 @@ async def test_a_restarted_operator_places_nothing_twice(cluster: Cluster) -> No
 
 async def test_one_pod_with_two_ranks_of_a_stage_takes_a_fill_job_on_each_gpu(
         cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
-    op, agents = operator
+    _op, agents = operator
     agents.reports["node-a"] = NodeReport("node-a", tuple(
         StageReport("ml", "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2)
         for r in (0, 1)))

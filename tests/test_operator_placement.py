@@ -23,8 +23,8 @@ from bubbles.core.api import FillState
 from bubbles.operator.decide import (
     ClusterView,
     FillPodSettings,
-    JobProgress,
     GpuView,
+    JobProgress,
     fill_pod_node,
     reconcile,
 )

@@ -42,7 +42,8 @@ def test_the_template_is_the_pod_the_operator_creates(tmp_path: Path, capsys: py
     code, printed, err = template(
         capsys, str(manifest(tmp_path, {k: v for k, v in job.items() if k != "status"})),
         "--node", "node-a", "--stage", "0", "--rank", "1", "--device", "cuda:1", "--gpu-uuid", "GPU-1", "--training",
-        "llama", "--training-pod", "llama-0", "--training-pod-tolerations", json.dumps([GPU_TAINT]), "--fill-uid", "1000", "--fill-gid", "2000",
+        "llama", "--training-pod", "llama-0", "--training-pod-tolerations", json.dumps([GPU_TAINT]),
+        "--fill-uid", "1000", "--fill-gid", "2000",
         "--fill-pod-tolerations", json.dumps([{"key": "spot", "operator": "Exists"}]))
     assert code == 0, err
     assert printed == made

@@ -12,8 +12,8 @@ from bubbles.operator.decide import (
     ClusterView,
     Decisions,
     FillPodSettings,
-    JobProgress,
     GpuView,
+    JobProgress,
     reconcile,
 )
 

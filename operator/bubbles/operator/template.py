@@ -40,8 +40,8 @@ CHART_MPS_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Print the Pod the operator would create for FILLJOB placed on rank R of stage K of NODE (YAML, for kubectl, Pod "
-        "Security admission or a policy engine to check before a namespace is granted).")
+        "Print the Pod the operator would create for FILLJOB placed on rank R of stage K of NODE (YAML, for kubectl, "
+        "Pod Security admission or a policy engine to check before a namespace is granted).")
     parser.add_argument("filljob", type=Path, metavar="FILLJOB", help="a FillJob manifest (YAML, as for kubectl apply)")
     parser.add_argument("--node", required=True, help="the node of the training's Pod")
     parser.add_argument("--stage", type=int, required=True, metavar="K", help="the pipeline stage it fills")
