@@ -52,7 +52,9 @@ def test_examples_apply_and_the_servers_defaults_are_the_tables(kube: ApiServer)
     assert bare["spec"] == apply_defaults(FILL_JOB_SPEC, GOOD) != GOOD  # kind, interface, priority, restartLimit
     header = kube.kubectl("get", "fj").stdout.splitlines()[0].split()
     assert header == ["NAME", "PHASE", "TRAINING", "NODE", "PROGRESS", "ETA", "AGE"]
-    assert kube.kubectl("get", "pt").stdout.splitlines()[0].split()[:3] == ["NAME", "PODS", "BUBBLE-RATIO"]
+    assert kube.kubectl("get", "pt").stdout.splitlines()[0].split()[:4] == ["NAME", "GPUS", "HARVESTED", "BUBBLE-RATIO"]
+    assert kube.kubectl("get", "pt", "-o", "wide").stdout.splitlines()[0].split()[:4] == \
+        ["NAME", "PODS", "GPUS", "HARVESTED"]
 
 
 @pytest.mark.parametrize(

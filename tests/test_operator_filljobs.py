@@ -25,8 +25,8 @@ from helpers.operator import (
 
 from bubbles.core.api import FillState
 from bubbles.operator.decide import (
+    GpuView,
     JobProgress,
-    StageView,
 )
 
 
@@ -133,7 +133,7 @@ def test_a_lost_training_pod_requeues_the_job_uncounted_and_its_own_losses_reach
 def test_a_training_that_keeps_restarting_never_fails_its_fill_jobs() -> None:
     """Restarted, replaced or edited into an invalid spec and back, any number of times: the job's restart limit is
     for losses of its own."""
-    def pod(uid: str, **kw: Any) -> StageView:
+    def pod(uid: str, **kw: Any) -> GpuView:
         return dataclasses.replace(stage(**kw), pod_uid=uid)
 
     job = fill_job(restartLimit=0)
@@ -189,7 +189,7 @@ def test_a_stage_its_restarted_agent_does_not_report_says_so_not_that_the_pod_is
     # A restarted agent: the training Pod is there (stage -1: no card read yet), the job's stage is not reported.
     step([job], [stage(-1, cycle=None, hook_reporting=False)])
     msg = cond(job, "Evicted")["message"]
-    assert "no longer reports stage 0 of llama" in msg and "llama-0 still runs" in msg and "is gone" not in msg
+    assert "no longer reports stage 0 rank 0 of llama" in msg and "llama-0 still runs" in msg and "is gone" not in msg
     assert job["status"]["restarts"] == 1
 
 
@@ -268,7 +268,7 @@ def test_a_new_training_pod_under_the_same_name_evicts_what_ran_in_the_old_ones_
     job = fill_job()
     step([job], [stage()])
     assert job["status"]["assignment"]["trainingPodUid"] == "uid-llama-0"
-    replaced = StageView("ml/llama", 0, "llama-0", "uid-llama-0-again", "node-a", "cuda:0", cycle=cycle(0),
+    replaced = GpuView("ml/llama", 0, "llama-0", "uid-llama-0-again", "node-a", "cuda:0", cycle=cycle(0),
                          hook_reporting=True)
     d = step([job], [replaced])
     assert job["status"]["restarts"] == 1 and ("ml", "fj-fj-a0") in d.delete_pods

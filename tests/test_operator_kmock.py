@@ -267,3 +267,29 @@ async def test_a_restarted_operator_places_nothing_twice(cluster: Cluster) -> No
         await asyncio.to_thread(thread.close)
         assert op.writes_total["pod"] == (1 if round_ == 0 else 0), op.writes_total
     assert len(agents.assigned) == 1
+
+
+async def test_one_pod_with_two_ranks_of_a_stage_takes_a_fill_job_on_each_gpu(
+        cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
+    _op, agents = operator
+    agents.reports["node-a"] = NodeReport("node-a", tuple(
+        StageReport("ml", "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2)
+        for r in (0, 1)))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    for name in ("a", "b"):
+        await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job(name))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("nowhere", stage=7))
+    await cluster.until("both Placed", lambda: phase(cluster, "a") == phase(cluster, "b") == "Placed")
+    ranks = sorted(cluster.get(FJ, "ml", n)["status"]["assignment"]["ranks"][0] for n in ("a", "b"))
+    assert ranks == [0, 1] and sorted(a.ranks for a in agents.assigned) == [(0,), (1,)]
+    pods = [await cluster.until(f"{n}'s Pod", lambda n=n: cluster.get(PODS, "ml", f"fj-{n}-a0")) for n in ("a", "b")]
+    assert sorted(next(v["hostPath"]["path"] for v in p["spec"]["volumes"] if v["name"] == "bubbles-fills")
+                  for p in pods) == [f"/run/bubbles/ml/llama/stage-0/rank-{r}/fills" for r in (0, 1)]
+    pt = await cluster.until("the training's GPUs both harvested", lambda: (
+        p := cluster.get("bubbles.dev/v1alpha1/pipelinetrainings", "ml", "llama")) and
+        (p.get("status") or {}).get("gpusHarvested") == 2 and p)
+    (s0,) = pt["status"]["stages"]
+    assert [(g["rank"], g["gpuUUID"], g["fillJobs"]) for g in s0["gpus"]] == [(0, "GPU-0", 1), (1, "GPU-1", 1)]
+    nowhere = cluster.get(FJ, "ml", "nowhere")["status"]
+    assert nowhere["phase"] == "Queued" and "spec.stage 7 is no stage" in nowhere["message"]

@@ -504,3 +504,56 @@ def test_the_templated_pod_is_accepted_by_the_real_api_server(cluster: ApiServer
     accepted = json.loads(proc.stdout)
     assert accepted["spec"]["affinity"]["nodeAffinity"]
     assert get(cluster, "pod", "fj-templated-a0") is None  # a dry run: nothing was created
+
+
+def test_two_ranks_of_one_pods_stage_take_a_fill_job_each_and_the_status_lists_both_gpus(
+        cluster: ApiServer) -> None:
+    """llama-0 runs stage 0 on two GPUs (tensor-parallel ranks 0 and 1): two FillJobs are placed, one per GPU, each
+    status naming its rank and GPU, and the PipelineTraining's status lists both GPUs: through the CRD's schema
+    (nothing pruned) and kubectl's columns. A FillJob pinned to a stage the training does not have says so."""
+    agents = InMemoryAgents()
+    agents.reports["node-a"] = NodeReport("node-a", tuple(
+        StageReport(NS, "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2)
+        for r in (0, 1)))
+    bad = json.loads(fill_job("tp-nowhere"))
+    bad["spec"]["stage"] = 9
+    bad["spec"]["trainingSelector"] = {"matchLabels": {"team": "a"}}  # llama alone (other tests leave trainings)
+    negative = json.loads(fill_job("tp-negative"))
+    negative["spec"]["stage"] = -1
+    refused = cluster.kubectl("create", "-f", "-", input_text=json.dumps(negative), check=False)
+    assert refused.returncode != 0 and "spec.stage" in refused.stderr
+    op = operator(cluster, agents)
+    try:
+        for name in ("tp-a", "tp-b"):
+            cluster.kubectl("create", "-f", "-", input_text=fill_job(name))
+        cluster.kubectl("create", "-f", "-", input_text=json.dumps(bad))
+        for name in ("tp-a", "tp-b"):
+            until(f"{name} Placed", lambda n=name: phase(cluster, n) == "Placed")
+        placed = [get(cluster, "fj", n)["status"]["assignment"] for n in ("tp-a", "tp-b")]  # type: ignore[index]
+        assert sorted((p["stage"], p["ranks"], p["gpuUUIDs"]) for p in placed) == \
+            [(0, [0], ["GPU-0"]), (0, [1], ["GPU-1"])]
+        assert sorted(a.ranks for a in agents.assigned) == [(0,), (1,)]
+        pt = until("the training's status lists both GPUs harvested", lambda: (
+            p := get(cluster, "pt", "llama")) and p["status"].get("gpusHarvested") == 2 and p, 15)
+        (s0,) = pt["status"]["stages"]
+        assert s0["stage"] == 0 and s0["ranks"] == 2
+        assert [(g["rank"], g["pod"], g["node"], g["device"], g["gpuUUID"], g["hookReporting"], g["fillJobs"])
+                for g in s0["gpus"]] == [(0, "llama-0", "node-a", "cuda:0", "GPU-0", True, 1),
+                                         (1, "llama-0", "node-a", "cuda:1", "GPU-1", True, 1)]
+        assert all(g["bubbleRatio"] == 0.1 and g["bubbles"][0]["freeBytes"] == 1024 * MIB for g in s0["gpus"])
+        header, row = cluster.kubectl("get", "pt", "llama", "-n", NS).stdout.splitlines()
+        assert header.split()[1:3] == ["GPUS", "HARVESTED"] and row.split()[1:3] == ["2", "2"]
+        nowhere = until("the pinned job says its stage is none of the training's",
+                        lambda: (f := get(cluster, "fj", "tp-nowhere")) and (f.get("status") or {}).get("message")
+                        and f)
+        assert nowhere["status"]["phase"] == "Queued"
+        assert "spec.stage 9 is no stage of the PipelineTrainings it may use: harvest/llama has 2 (0-1)" in \
+            nowhere["status"]["message"]
+        events = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json").stdout)["items"]
+        assert [e["type"] for e in events if e["involvedObject"]["name"] == "tp-nowhere"
+                and e["reason"] == "NoSuchStage"] == ["Warning"]
+    finally:
+        cluster.kubectl("delete", "fj", "tp-a", "tp-b", "tp-nowhere", "-n", NS, "--wait=false", "--ignore-not-found")
+        for name in ("tp-a", "tp-b", "tp-nowhere"):
+            until(f"{name} gone (its finalizer released)", lambda n=name: get(cluster, "fj", n) is None)
+        op.close()

@@ -23,8 +23,8 @@ from bubbles.core.api import FillState
 from bubbles.operator.decide import (
     ClusterView,
     FillPodSettings,
+    GpuView,
     JobProgress,
-    StageView,
     fill_pod_node,
     reconcile,
 )
@@ -35,7 +35,7 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     d = step([job], [stage()])
     st = job["status"]
     assert st["phase"] == "Placed" and st["observedGeneration"] == 1
-    assert st["assignment"] == {"training": "llama", "stage": 0, "node": "node-a", "device": "cuda:0",
+    assert st["assignment"] == {"training": "llama", "stage": 0, "ranks": [0], "node": "node-a", "device": "cuda:0",
                                 "pod": "fj-fj-a0", "trainingPod": "llama-0", "trainingPodUid": "uid-llama-0",
                                 "placedAt": "2026-11-23T08:00:00Z"}
     assert st["progressText"] == "0% (0/1000)" and st["counters"]["placements"] == 1
@@ -233,6 +233,6 @@ def test_outside_mps_a_gpu_stage_is_offered_only_what_a_job_and_its_cuda_context
     step([mps], tight, cuda_context_bytes=ctx, fill_pods=FillPodSettings(mps_pipe_dir="/tmp/nvidia-mps"))
     assert mps["status"]["phase"] == "Placed"
     cpu = fill_job("cpu", profile={"memory": "768Mi", "stepTime": "2ms"})
-    step([cpu], [StageView("ml/llama", 0, "llama-0", "uid-llama-0", "node-a", "cpu", cycle(free=1024 * MIB),
+    step([cpu], [GpuView("ml/llama", 0, "llama-0", "uid-llama-0", "node-a", "cpu", cycle(free=1024 * MIB),
                            hook_reporting=True)], cuda_context_bytes=ctx)
     assert cpu["status"]["phase"] == "Placed"

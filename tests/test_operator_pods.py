@@ -32,21 +32,24 @@ from bubbles.operator.decide import (
 )
 
 
-def test_fill_pods_mount_only_the_attach_and_their_stages_fill_directories_and_run_as_the_agents_user() -> None:
-    (pod,) = step([fill_job()], [stage(1)]).create_pods
+def test_fill_pods_mount_only_the_attach_and_their_gpus_fill_directories_and_run_as_the_agents_user() -> None:
+    (pod,) = step([fill_job()], [stage(1, rank=3)]).create_pods
     assert pod["spec"]["volumes"] == [
         {"name": "bubbles-attach", "hostPath": {"path": "/run/bubbles/_attach", "type": "Directory"}},
-        {"name": "bubbles-fills", "hostPath": {"path": "/run/bubbles/llama/stage-1/fills", "type": "Directory"}}]
+        {"name": "bubbles-fills", "hostPath": {"path": "/run/bubbles/ml/llama/stage-1/rank-3/fills",
+                                               "type": "Directory"}}]
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["BUBBLES_STAGE"] == "1" and env["BUBBLES_RANKS"] == "3"
     assert "securityContext" not in pod["spec"]
     # The chart's agent.runDir and agent.runAsUser: the sockets live there and are private to that user.
     settings = FillPodSettings("/var/lib/bubbles/run", run_as_user=1000, run_as_group=2000)
     (pod,) = step([fill_job("other")], [stage()], fill_pods=settings).create_pods
     assert [v["hostPath"]["path"] for v in pod["spec"]["volumes"]] == [
-        "/var/lib/bubbles/run/_attach", "/var/lib/bubbles/run/llama/stage-0/fills"]
+        "/var/lib/bubbles/run/_attach", "/var/lib/bubbles/run/ml/llama/stage-0/rank-0/fills"]
     # Where the SDK looks ($BUBBLES_RUN_DIR) and where the agent tells it to bind its socket: the node's paths, under
     # /run/bubbles. The stage's lock, card and agent socket, and the node's other trainings, are not in the Pod.
     assert [m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]] == [
-        str(paths.attach_dir("/run/bubbles")), str(paths.fills_dir("/run/bubbles", "llama", 0))]
+        str(paths.attach_dir("/run/bubbles")), str(paths.fills_dir("/run/bubbles", paths.GpuKey("ml", "llama", 0)))]
     assert {"name": "BUBBLES_RUN_DIR", "value": "/run/bubbles"} in pod["spec"]["containers"][0]["env"]
     assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "runAsGroup": 2000}
 
@@ -111,7 +114,7 @@ def test_a_fill_pod_mounts_the_jobs_own_volumes_beside_the_runtimes() -> None:
     assert volumes["config"] == {"name": "config", "configMap": {"name": "job-config"}}
     assert volumes["creds"] == {"name": "creds", "secret": {"secretName": "s3", "optional": True}}
     assert volumes["scratch"] == {"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}}
-    assert mounts["bubbles-fills"]["mountPath"] == "/run/bubbles/llama/stage-0/fills" and "hostPath" in \
+    assert mounts["bubbles-fills"]["mountPath"] == "/run/bubbles/ml/llama/stage-0/rank-0/fills" and "hostPath" in \
         volumes["bubbles-fills"]
     assert "checkpoint" not in volumes  # no claim: the path is in the job's answers volume
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
@@ -295,14 +298,22 @@ def test_long_names_are_refused_or_kept_valid_in_labels() -> None:
     long_job = fill_job("x" * 70)  # a valid Kubernetes name, but fill-job names are DNS labels (socket paths)
     step([long_job], [stage()])
     assert long_job["status"]["phase"] == "Failed" and "1-63 lower-case letters" in long_job["status"]["message"]
+    # A PipelineTraining's name is its hooks' $BUBBLES_TRAINING and a directory on its nodes: a longer one than a
+    # DNS label is refused in its status, and nothing is placed through it.
     name = "t" * 200
     t = training()
     t["metadata"]["name"] = name
     job = fill_job()
     d = step([job], [replace(stage(), training=f"ml/{name}")], [t])
+    said = cond(t, "Admitted")
+    assert said["reason"] == "InvalidSpec" and "1-63 lower-case letters" in said["message"]
+    assert "re-create it under a shorter name" in said["message"]
+    assert job["status"]["phase"] == "Queued" and not d.create_pods
+    # A long fill-job name within a label's bound keeps its label valid (labels hash what is longer).
+    job = fill_job("j" * 63)
+    d = step([job], [stage()])
     labels = d.create_pods[0]["metadata"]["labels"]
-    assert all(len(v) <= 63 for v in labels.values()) and labels["bubbles.dev/training"].startswith("t" * 50)
-    assert job["status"]["assignment"]["training"] == name
+    assert all(len(v) <= 63 for v in labels.values()) and labels["bubbles.dev/fill-job"] == "j" * 63
 
 
 def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt() -> None:

@@ -37,12 +37,13 @@ def test_the_template_is_the_pod_the_operator_creates(tmp_path: Path, capsys: py
     job = fill_job("resnet", volumes=[claim])
     spot = {"key": "spot", "operator": "Exists"}
     settings = FillPodSettings(run_as_user=1000, run_as_group=2000, tolerations=(spot,))
-    the_stage = replace(stage(), gpu_uuid="GPU-1", tolerations=(GPU_TAINT,))
+    the_stage = replace(stage(rank=1), gpu_uuid="GPU-1", tolerations=(GPU_TAINT,))  # the stage's second GPU
     (made,) = step([fill_job("resnet", volumes=job["spec"]["volumes"])], [the_stage], fill_pods=settings).create_pods
     code, printed, err = template(
         capsys, str(manifest(tmp_path, {k: v for k, v in job.items() if k != "status"})),
-        "--node", "node-a", "--stage", "0", "--gpu-uuid", "GPU-1", "--training", "llama", "--training-pod", "llama-0",
-        "--training-pod-tolerations", json.dumps([GPU_TAINT]), "--fill-uid", "1000", "--fill-gid", "2000",
+        "--node", "node-a", "--stage", "0", "--rank", "1", "--device", "cuda:1", "--gpu-uuid", "GPU-1", "--training",
+        "llama", "--training-pod", "llama-0", "--training-pod-tolerations", json.dumps([GPU_TAINT]),
+        "--fill-uid", "1000", "--fill-gid", "2000",
         "--fill-pod-tolerations", json.dumps([{"key": "spot", "operator": "Exists"}]))
     assert code == 0, err
     assert printed == made
@@ -87,7 +88,8 @@ def test_a_manifest_not_yet_applied_gets_a_placeholder_uid_and_the_default_names
 @pytest.mark.parametrize(("content", "flags", "needle"), [
     ({"kind": "Pod", "metadata": {"name": "x"}}, [], "is not a FillJob manifest (kind: FillJob)"),
     ({"kind": "FillJob", "metadata": {"name": "x"}, "spec": {"image": "i"}}, [], "is not a valid FillJob"),
-    (None, ["--stage", "-1"], "--stage and --attempt must be >= 0"),
+    (None, ["--stage", "-1"], "--stage, --rank and --attempt must be >= 0"),
+    (None, ["--rank", "-1"], "--stage, --rank and --attempt must be >= 0"),
     (None, ["--training-pod-tolerations", "{}"], "--training-pod-tolerations must be a JSON list"),
     (None, ["--training-pod-tolerations", '[{"operator": "Sometimes"}]'], "operator must be Exists or Equal"),
     (None, ["--training", "Llama_70B"], "training name 'Llama_70B' is not valid"),

@@ -13,7 +13,7 @@ from helpers.operator import (
 )
 
 from bubbles.operator.decide import (
-    StageView,
+    GpuView,
 )
 
 
@@ -27,16 +27,17 @@ def test_training_status_says_whether_the_hook_reports_and_what_harvesting_costs
     st = t["status"]
     assert st["bubbleRatio"] == 0.1 and st["slowdown"] == 0.03 and st["shareFilled"] == 0.7
     assert st["slowdownText"] == "+3.00% of 1.00%" and cond(t, "BudgetExceeded")["status"] == "True"
-    assert st["stages"][0]["bubbles"] == [{"slot": 0, "durationSeconds": 0.01, "freeBytes": 1024 * MIB}]
+    assert st["stages"][0]["gpus"][0]["bubbles"] == [{"slot": 0, "durationSeconds": 0.01, "freeBytes": 1024 * MIB}]
+    assert st["stages"][0]["gpus"][0]["shareFilled"] == 0.7 and st["gpus"] == 1 and st["gpusHarvested"] == 0
 
 
 def test_a_pod_whose_hook_never_reported_gets_a_status_the_server_accepts() -> None:
     from bubbles.core.resources import PIPELINE_TRAINING_STATUS, validate
 
     t = training()
-    silent = StageView("ml/llama", -1, "llama-0", "uid-llama-0", "node-a", "", None)
+    silent = GpuView("ml/llama", -1, "llama-0", "uid-llama-0", "node-a", "", None)
     step([], [silent], [t])
-    assert t["status"]["stages"] == [{"pod": "llama-0", "node": "node-a"}]
+    assert t["status"]["stages"] == [] and t["status"]["unreportedPods"] == ["llama-0"] and t["status"]["gpus"] == 0
     assert validate(PIPELINE_TRAINING_STATUS, t["status"], "status") == []
 
 
@@ -66,13 +67,14 @@ def test_a_stage_no_agent_answers_for_is_blamed_on_the_agent_not_the_hook() -> N
     assert hook["reason"] == "NoAgent" and "node-a" in hook["message"] and "agent.gpuNodeLabels" in hook["message"]
     step([], [stage(hook_reporting=False, cycle=None)], [t])
     assert cond(t, "HookReporting")["reason"] == "NoHook" and "stood down" not in cond(t, "HookReporting")["message"]
-    # Silent beside a Pod of the training that reports on the same node: maybe a twin of its stage, stood down.
-    step([], [stage(), stage(0, pod="llama-r1", hook_reporting=False, cycle=None),
+    # A Pod reporting no GPU beside a Pod of the training that reports on the same node: maybe a twin of a rank (a
+    # second training of this name, or the rank started twice), stood down; one reporting a silent GPU is named so.
+    step([], [stage(), stage(-1, pod="llama-r1", hook_reporting=False, cycle=None),
               stage(1, pod="llama-elsewhere", node="node-b", hook_reporting=False, cycle=None)], [t])
     said = cond(t, "HookReporting")
-    assert said["reason"] == "NoHook" and "llama-elsewhere, llama-r1:" in said["message"]
+    assert said["reason"] == "NoHook" and "llama-elsewhere (stage 1 rank 0), llama-r1:" in said["message"]
     assert "llama-r1 share a node with Pods of this training that report" in said["message"]
-    assert "its hook stood down, as one process per stage and node is harvested" in said["message"]
+    assert "its hook stood down, as one process per rank and node is harvested" in said["message"]
     step([], [stage(node="", agent_up=False, hook_reporting=False, cycle=None)], [t])  # not scheduled yet
     said = cond(t, "HookReporting")
     assert said["reason"] == "NotScheduled" and "llama-0 not on a node yet" in said["message"]
@@ -101,7 +103,7 @@ def test_a_training_outside_its_nodes_mps_server_is_said_per_stage_and_never_act
                  stage(1, pod="llama-1", node="node-b", training_membership=outside)], [t])
     said = cond(t, "MpsClient")
     assert said["status"] == "False" and said["reason"] == "NotMpsClient"
-    assert said["message"] == f"stage 1 (llama-1 on node-b): {outside}"
+    assert said["message"] == f"stage 1 rank 0 (llama-1 on node-b): {outside}"
     assert job["status"]["phase"] == "Placed"  # the job is placed and runs all the same
     # A stage restarted and not checked again yet: a partial view changes nothing (no flapping to True).
     step([job], [stage(training_membership="client"), stage(1, pod="llama-1", node="node-b")], [t])
@@ -109,7 +111,7 @@ def test_a_training_outside_its_nodes_mps_server_is_said_per_stage_and_never_act
     step([job], [stage(training_membership="client"), stage(1, pod="llama-1", node="node-b",
                                                             training_membership="client")], [t])
     said = cond(t, "MpsClient")
-    assert (said["status"], said["reason"]) == ("True", "MpsClient") and "every profiled stage (2)" in said["message"]
+    assert (said["status"], said["reason"]) == ("True", "MpsClient") and "every profiled GPU (2)" in said["message"]
     step([job], [stage(training_membership="client"), stage(1, pod="llama-1", node="node-b")], [t])
     assert cond(t, "MpsClient")["reason"] == "MpsClient"  # still: nothing new is known against it
     step([job], [stage(), stage(1, pod="llama-1", node="node-b")], [t])  # nothing known at all (mps switched off)
@@ -120,6 +122,8 @@ def test_a_training_outside_its_nodes_mps_server_is_said_per_stage_and_never_act
             for k in range(64)]
     step([job], many, [t])
     said = cond(t, "MpsClient")
-    assert said["message"].startswith(f"stage 0 (llama-0 on node-0): {outside}") and said["message"].count(outside) == 1
-    assert "; likewise stage(s) 1 (llama-1 on node-1), 2 (llama-2 on node-2)" in said["message"]
-    assert said["message"].endswith("20 (llama-20 on node-20) and 43 more") and len(said["message"]) < 32768
+    assert said["message"].startswith(f"stage 0 rank 0 (llama-0 on node-0): {outside}")
+    assert said["message"].count(outside) == 1
+    assert "; likewise stage 1 rank 0 (llama-1 on node-1), stage 2 rank 0 (llama-2 on node-2)" in said["message"]
+    assert said["message"].endswith("stage 20 rank 0 (llama-20 on node-20) and 43 more")
+    assert len(said["message"]) < 32768

@@ -376,3 +376,17 @@ def test_a_broken_trace_model_says_how_to_regenerate_it(tmp_path: Path, text: st
     with pytest.raises(TraceError, match=message):
         load_trace_model(bad)
     assert TRACE_MODEL_PATH.exists()
+
+
+def test_the_training_shape_is_tp_x_pp_x_dp_under_short_names_too() -> None:
+    import argparse
+
+    from bubbles.operator.simulator.cli import add_arguments, settings
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    short = settings(p.parse_args(["--tp", "8", "--pp", "4", "--dp", "2"]))
+    long = settings(p.parse_args(["--tensor-parallel", "8", "--stages", "4", "--data-parallel", "2"]))
+    assert short == long and (short["tensor_parallel"], short["stages"], short["data_parallel"]) == (8, 4, 2)
+    main = MainJob(stages=4, microbatches=8, data_parallel=2, tensor_parallel=8)
+    assert main.gpus == 64 and [c.executors for c in main.executor_classes()] == [16] * 4

@@ -4,7 +4,8 @@
     .venv/bin/python tools/dashboard.py --check    # exit 1 if the committed file differs (the tests run this)
 
 Every query uses only metric names the exporters define (tests/test_dashboard.py holds them to it). ``node`` on
-the agents' series comes from the chart's ServiceMonitor (the Pod's node name, relabelled).
+the agents' series comes from the chart's ServiceMonitor (the Pod's node name, relabelled). A harvested GPU is named
+on the agents' series as everywhere: ``namespace``, ``training``, ``stage``, ``rank`` (bubbles.core.identity.GpuKey).
 """
 
 from __future__ import annotations
@@ -77,9 +78,14 @@ def build() -> dict[str, Any]:
     d = d.with_panel(single("Fill jobs queued", "FillJobs waiting for a bubble (phase Queued)", "none",
                             q("max(bubbles_operator_queue_length)"), x=18, y=1))
     d = d.with_panel(ts("Recovered TFLOPS per training", "FLOP/s of fill steps in each training's bubbles", "none",
-                        q(f"sum by (training) ({flops}) / 1e12", "{{training}}"), x=0, y=5))
+                        q(f"sum by (namespace, training) ({flops}) / 1e12", "{{namespace}}/{{training}}"),
+                        w=8, x=0, y=5))
+    d = d.with_panel(ts("Recovered TFLOPS per GPU", "FLOP/s of fill steps in each harvested GPU's bubbles: one "
+                        "rank of one stage of one training (tensor- and data-parallel ranks each have their own)",
+                        "none", q(f"sum by (namespace, training, stage, rank) ({flops}) / 1e12",
+                                  "{{namespace}}/{{training}} stage {{stage}} rank {{rank}}"), w=8, x=8, y=5))
     d = d.with_panel(ts("Recovered TFLOPS per node", "FLOP/s of fill steps by the node the agent runs on", "none",
-                        q(f"sum by (node) ({flops}) / 1e12", "{{node}}"), x=12, y=5))
+                        q(f"sum by (node) ({flops}) / 1e12", "{{node}}"), w=8, x=16, y=5))
     d = d.with_row(dashboard.Row("Bubbles and where their time went").grid_pos(GridPos(h=1, w=24, x=0, y=13)))
     d = d.with_panel(ts("Bubble ratio per stage", "Share of each stage's time its GPU waits in a bubble",
                         "percentunit", q(f"sum by (training, stage) ({bubble})", "{{training}} stage {{stage}}"),
@@ -120,9 +126,9 @@ def build() -> dict[str, Any]:
                         q("max(bubbles_operator_deadline_misses)", "misses"), w=8, x=16, y=32))
     running = (table.Panel().title("Running fill jobs").description("Placed FillJobs: progress and expected finish")
                .datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=40))
-               .with_target(q("max by (namespace, fill_job, training, node) (bubbles_operator_fill_job_progress_ratio)",
-                              ref="A", instant=True, table_format=True))
-               .with_target(q("max by (namespace, fill_job, training, node) "
+               .with_target(q("max by (namespace, fill_job, training, stage, ranks, node) "
+                              "(bubbles_operator_fill_job_progress_ratio)", ref="A", instant=True, table_format=True))
+               .with_target(q("max by (namespace, fill_job, training, stage, ranks, node) "
                               "(bubbles_operator_fill_job_eta_timestamp_seconds) * 1000",
                               ref="B", instant=True, table_format=True)))
     d = d.with_panel(running)

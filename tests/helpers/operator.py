@@ -1,5 +1,5 @@
-"""Set-ups of the operator's decision tests: a training, its stages and their bubble cycles, fill jobs, and one
-reconcile round whose decided statuses are written back into the objects, as the API server would."""
+"""Set-ups of the operator's decision tests: a training, its GPUs (stages' ranks) and their bubble cycles, fill jobs,
+and one reconcile round whose decided statuses are written back into the objects, as the API server would."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from bubbles.operator.decide import (
     ClusterView,
     Decisions,
     FillPodSettings,
+    GpuView,
     JobProgress,
-    StageView,
     reconcile,
 )
 
@@ -34,11 +34,12 @@ def cycle(stage: int = 0, bubble_s: float = 0.010, free: int = 1024 * MIB, itera
                    "p10_s": bubble_s, "p90_s": bubble_s, "free_bytes": free}]})
 
 
-def stage(k: int = 0, pod: str = "llama-0", node: str = "node-a", **kw: Any) -> StageView:
-    fields: dict[str, Any] = {"hook_reporting": True, **kw}
+def stage(k: int = 0, pod: str = "llama-0", node: str = "node-a", rank: int = 0, **kw: Any) -> GpuView:
+    """Rank ``rank`` of stage ``k`` of ml/llama, one GPU (cuda:<rank> of its Pod)."""
+    fields: dict[str, Any] = {"hook_reporting": True, "ranks": rank + 1, "device": f"cuda:{rank}", **kw}
     if "cycle" not in fields:
         fields["cycle"] = cycle(k)
-    return StageView("ml/llama", k, pod, f"uid-{pod}", node, "cuda:0", **fields)
+    return GpuView("ml/llama", k, pod, f"uid-{pod}", node, rank=rank, **fields)
 
 
 def training(labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
@@ -55,7 +56,7 @@ def fill_job(name: str = "fj", created: str = "2026-11-23T07:00:00Z", **spec: An
                          "creationTimestamp": created}, "spec": body}
 
 
-def step(jobs: list[dict[str, Any]], stages: list[StageView], trainings: list[dict[str, Any]] | None = None,
+def step(jobs: list[dict[str, Any]], stages: list[GpuView], trainings: list[dict[str, Any]] | None = None,
          progress: dict[str, JobProgress] | None = None, now: dt.datetime = NOW,
          failed_pods: dict[str, str] | None = None, fill_pods: FillPodSettings | None = None,
          ended_pods: dict[str, str] | None = None, acting_s: float = math.inf,

@@ -23,7 +23,7 @@ class AgentDirectory(Protocol):
         """The node's report, or None if its agent does not answer (it is then treated as down)."""
 
     async def assign(self, assignment: Assignment) -> None:
-        """Tell the node's agent which fill job will connect for which stage (idempotent per uid)."""
+        """Tell the node's agent which fill job will connect for which GPUs (a stage's ranks; idempotent per uid)."""
 
     async def cancel(self, node: str, uid: str) -> None:
         """Tell the node's agent to stop the fill job (idempotent)."""
@@ -37,7 +37,7 @@ class InMemoryAgents:
         self.down: set[str] = set()
         self.assigned: list[Assignment] = []
         self.cancelled: list[tuple[str, str]] = []
-        self._keys: set[tuple[str, int]] = set()
+        self._keys: set[tuple[str, int]] = set()  # (FillJob uid, attempt)
 
     async def report(self, node: str) -> NodeReport | None:
         if node in self.down:

@@ -81,7 +81,9 @@ def pipeline_training_crd() -> dict[str, Any]:
     return _crd("PipelineTraining", "pipelinetrainings", "pt",
                 "A pipeline-parallel training whose bubbles fill jobs may use.",
                 PIPELINE_TRAINING_SPEC, PIPELINE_TRAINING_STATUS, [
-                    {"name": "Pods", "type": "integer", "jsonPath": ".status.pods"},
+                    {"name": "Pods", "type": "integer", "jsonPath": ".status.pods", "priority": 1},
+                    {"name": "GPUs", "type": "integer", "jsonPath": ".status.gpus"},
+                    {"name": "Harvested", "type": "integer", "jsonPath": ".status.gpusHarvested"},
                     {"name": "Bubble-Ratio", "type": "number", "jsonPath": ".status.bubbleRatio"},
                     {"name": "Filled", "type": "number", "jsonPath": ".status.shareFilled"},
                     {"name": "Slowdown", "type": "string", "jsonPath": ".status.slowdownText"},

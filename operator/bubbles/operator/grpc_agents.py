@@ -89,6 +89,16 @@ def failure(exc: grpc.aio.AioRpcError) -> str:
     return f"{exc.code().name}: {exc.details()}"
 
 
+def assignment_message(a: Assignment) -> AssignmentMessage:
+    """What the agent API carries of an assignment: the training by name (its namespace is the FillJob's), the GPUs
+    as the stage's ranks."""
+    if a.job is None:
+        raise ValueError(f"assignment of {a.namespace}/{a.name} carries no fill-job spec")
+    return AssignmentMessage(a.uid, a.generation, a.attempt, a.namespace, a.name, a.training.split("/", 1)[-1],
+                             a.stage, a.pod, a.device, a.fill_pod, a.job, a.gpu_uuid, a.slowdown_budget,
+                             a.max_fill_share, a.tail_risk, a.ranks)
+
+
 class GrpcAgents:
     """``AgentDirectory`` over gRPC; see the module's documentation."""
 
@@ -191,13 +201,9 @@ class GrpcAgents:
         stub = self._stub(assignment.node)
         if stub is None:
             return
-        msg = AssignmentMessage(assignment.uid, assignment.generation, assignment.attempt, assignment.namespace,
-                                assignment.name, assignment.training.split("/", 1)[-1], assignment.stage,
-                                assignment.pod, assignment.device, assignment.fill_pod, assignment.job,
-                                assignment.gpu_uuid, assignment.slowdown_budget, assignment.max_fill_share,
-                                assignment.tail_risk)
         try:
-            await stub.Assign(assignment_to_pb(msg), timeout=self.timeout_s, metadata=self._metadata)
+            await stub.Assign(assignment_to_pb(assignment_message(assignment)), timeout=self.timeout_s,
+                              metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             self._warn(assignment.node, f"assigning {assignment.namespace}/{assignment.name} to the agent on "
                        f"{assignment.node} failed ({failure(exc)}); told again next round")

@@ -38,12 +38,13 @@ class OperatorMetrics:
         self.completion = Histogram(
             "bubbles_operator_completion_seconds", "From a FillJob's creation to its success",
             buckets=(10, 30, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400, 259200), registry=r)
+        # Where a placed job runs, to the GPU: its stage and the stage's ranks it runs on ("0"; "0,1" for a job over
+        # two GPUs), as the agents' series name a GPU (namespace, training, stage, rank).
+        placed = ["namespace", "fill_job", "training", "stage", "ranks", "node"]
         self.progress = Gauge("bubbles_operator_fill_job_progress_ratio",
-                              "Share of its steps a placed FillJob has done",
-                              ["namespace", "fill_job", "training", "node"], registry=r)
+                              "Share of its steps a placed FillJob has done", placed, registry=r)
         self.eta = Gauge("bubbles_operator_fill_job_eta_timestamp_seconds",
-                         "When a placed FillJob is expected to finish (Unix time)",
-                         ["namespace", "fill_job", "training", "node"], registry=r)
+                         "When a placed FillJob is expected to finish (Unix time)", placed, registry=r)
         self._server: Any = None
 
     def observe(self, fill_jobs: Sequence[Mapping[str, Any]]) -> None:
@@ -84,7 +85,9 @@ class OperatorMetrics:
             if st.get("phase") not in ("Placed", "Running", "Paused") or not a:
                 continue
             meta = obj.get("metadata") or {}
-            labels = (meta.get("namespace", ""), meta.get("name", ""), a.get("training", ""), a.get("node", ""))
+            ranks = ",".join(str(r) for r in a.get("ranks") or (0,))  # (0,): placed by an operator before ranks
+            labels = (meta.get("namespace", ""), meta.get("name", ""), a.get("training", ""), str(a.get("stage", "")),
+                      ranks, a.get("node", ""))
             done = (st.get("progress") or {}).get("percent")
             if done is not None:
                 self.progress.labels(*labels).set(float(done) / 100)

@@ -25,6 +25,7 @@ from typing import Any
 
 from bubbles.core.api import DEFAULT_CUDA_CONTEXT_MIB
 from bubbles.core.cycle import BubbleCycle
+from bubbles.core.identity import GpuKey
 from bubbles.core.resources import (
     GROUP,
     VERSION,
@@ -32,6 +33,7 @@ from bubbles.core.resources import (
     NodeReport,
     PipelineTrainingResource,
     ResourceError,
+    StageReport,
     selector_matches,
 )
 
@@ -42,7 +44,7 @@ from .decide import (
     Decisions,
     FillJobDecisions,
     FillPodSettings,
-    StageView,
+    GpuView,
     key_of,
     pod_not_starting,
     reconcile,
@@ -136,8 +138,9 @@ class Operator:
         self._pod_matches: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {}  # Pod -> (rv, trainings, keys)
         self._generation: tuple[Any, ...] = ()
         self._agent_index: dict[str, str] = {}
-        self._cycles: dict[str, tuple[Any, BubbleCycle | None]] = {}  # stage key -> (reported dict, parsed)
-        self._report_index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], Any]]] = {}  # node -> by Pod
+        self._cycles: dict[GpuKey, tuple[Any, BubbleCycle | None]] = {}  # GPU -> (reported dict, parsed)
+        # node -> (its report, its GPUs' reports by (namespace, training, Pod)): a Pod may run several GPUs
+        self._report_index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], list[StageReport]]]] = {}
         self._observed = -math.inf  # when the per-job gauges were last recomputed
         self._first_waiting: dict[str, float] = {}  # fill Pod key -> when it was first seen failing to start
         self._agents_version = -1
@@ -353,51 +356,57 @@ class Operator:
                         if (p.get("spec") or {}).get("nodeName")})
         answers = await asyncio.gather(*(self.agents.report(n) for n in nodes))
         reports: dict[str, NodeReport | None] = dict(zip(nodes, answers, strict=True))
-        stages: list[StageView] = []
+        gpus: list[GpuView] = []
         progress: dict[str, JobProgress] = {}
         for rep in reports.values():
             for j in rep.jobs if rep else ():
                 progress[j.uid] = j
-        index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], Any]]] = {}
+        index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], list[StageReport]]]] = {}
         for node, rep in reports.items():
             if rep is not None:
                 ix = self._report_index.get(node)
                 if ix is None or ix[0] is not rep:
                     ix = (rep, {})
                     for s in rep.stages:
-                        ix[1].setdefault((s.namespace, s.training, s.pod), s)
+                        if _named(s, node):
+                            ix[1].setdefault((s.namespace, s.training, s.pod), []).append(s)
                 index[node] = ix
         self._report_index = index
-        cycles: dict[str, tuple[Any, BubbleCycle | None]] = {}
+        cycles: dict[GpuKey, tuple[Any, BubbleCycle | None]] = {}
         for tkey, pods in pods_by_training.items():
             ns, name = tkey.split("/", 1)
             for pod in pods:
                 meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
                 node = str(spec.get("nodeName") or "")
                 rep = reports.get(node)
-                sr = index[node][1].get((ns, name, str(meta.get("name")))) if rep is not None else None
-                cycle = None
-                if sr is not None and sr.cycle is not None:
-                    # Parsed once per reported cycle: the same object each round lets decisions memoize per stage.
-                    ckey = f"{tkey}/{meta.get('name')}"
-                    had = self._cycles.get(ckey)
-                    if had is not None and (had[0] is sr.cycle or had[0] == sr.cycle):
-                        cycle = had[1]
-                    else:
-                        try:
-                            cycle = BubbleCycle.from_dict(sr.cycle)
-                        except ValueError:
-                            cycle = None
-                    cycles[ckey] = (sr.cycle, cycle)
-                stages.append(StageView(
-                    tkey, sr.stage if sr else -1, str(meta.get("name")), str(meta.get("uid", "")), node,
-                    sr.device if sr else "", cycle if node else None, agent_up=rep is not None,
-                    hook_reporting=bool(sr and sr.hook_reporting), iteration_s=sr.iteration_s if sr else None,
-                    baseline_iteration_s=sr.baseline_iteration_s if sr else None,
-                    bubble_s=sr.bubble_s if sr else 0.0, filled_s=sr.filled_s if sr else 0.0,
-                    gpu_uuid=sr.gpu_uuid if sr else None,
-                    training_membership=sr.training_membership if sr else "",
-                    tolerations=tuple(spec.get("tolerations") or ())))
+                pod_name, pod_uid = str(meta.get("name")), str(meta.get("uid", ""))
+                tolerations = tuple(spec.get("tolerations") or ())
+                # One view per GPU the Pod runs (each stage, each rank: none collapses); a Pod no agent reports a GPU
+                # of is one view with stage -1, for its training's status to say why.
+                reported = index[node][1].get((ns, name, pod_name), []) if rep is not None else []
+                if not reported:
+                    gpus.append(GpuView(tkey, -1, pod_name, pod_uid, node, "", None, agent_up=rep is not None,
+                                        tolerations=tolerations))
+                for sr in reported:
+                    gkey = sr.key
+                    cycle = None
+                    if sr.cycle is not None and node:
+                        # Parsed once per reported cycle: the same object each round lets decisions memoize per GPU.
+                        had = self._cycles.get(gkey)
+                        if had is not None and (had[0] is sr.cycle or had[0] == sr.cycle):
+                            cycle = had[1]
+                        else:
+                            try:
+                                cycle = BubbleCycle.from_dict(sr.cycle)
+                            except ValueError:
+                                cycle = None
+                        cycles[gkey] = (sr.cycle, cycle)
+                    gpus.append(GpuView(
+                        tkey, sr.stage, pod_name, pod_uid, node, sr.device, cycle, agent_up=True,
+                        hook_reporting=sr.hook_reporting, iteration_s=sr.iteration_s,
+                        baseline_iteration_s=sr.baseline_iteration_s, bubble_s=sr.bubble_s, filled_s=sr.filled_s,
+                        gpu_uuid=sr.gpu_uuid, training_membership=sr.training_membership, tolerations=tolerations,
+                        rank=sr.rank, ranks=sr.ranks))
         self._cycles = cycles
         failed: dict[str, str] = {}
         ended: dict[str, str] = {}
@@ -425,7 +434,7 @@ class Operator:
         self._training_written = {k: t for k, t in self._training_written.items() if k in self.store.trainings}
         live = {str((o.get("metadata") or {}).get("uid", "")) for o in self.store.fill_jobs.values()}
         self.pod_refusals = {uid: r for uid, r in self.pod_refusals.items() if uid in live}  # gone jobs: forgotten
-        return ClusterView(now, list(self.store.fill_jobs.values()), trainings, stages, progress, self.config.policy,
+        return ClusterView(now, list(self.store.fill_jobs.values()), trainings, gpus, progress, self.config.policy,
                            failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods,
                            refused_pods=dict(self.pod_refusals), pod_retry_s=self.config.pod_retry_s,
                            waiting_pods=waiting, pod_start_timeout_s=self.config.pod_start_timeout_s,
@@ -601,6 +610,17 @@ class Operator:
             if created:
                 t = dt.datetime.fromisoformat(str(created).replace("Z", "+00:00"))
                 self.metrics.placement_latency.observe(max(0.0, (now - t).total_seconds()))
+
+
+def _named(report: StageReport, node: str) -> bool:
+    """Whether a GPU's report names one (``StageReport.key``); one that does not is logged and left out: no GPU key,
+    no placement or status can refer to it."""
+    try:
+        report.key  # noqa: B018 (its validation is the point)
+    except ValueError as exc:
+        log.warning("the agent on %s reports a GPU this operator cannot name, left out: %s", node, exc)
+        return False
+    return True
 
 
 class LeadershipLost(Exception):

@@ -40,14 +40,16 @@ CHART_MPS_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Print the Pod the operator would create for FILLJOB placed on stage K of NODE (YAML, for kubectl, Pod "
-        "Security admission or a policy engine to check before a namespace is granted).")
+        "Print the Pod the operator would create for FILLJOB placed on rank R of stage K of NODE (YAML, for kubectl, "
+        "Pod Security admission or a policy engine to check before a namespace is granted).")
     parser.add_argument("filljob", type=Path, metavar="FILLJOB", help="a FillJob manifest (YAML, as for kubectl apply)")
     parser.add_argument("--node", required=True, help="the node of the training's Pod")
     parser.add_argument("--stage", type=int, required=True, metavar="K", help="the pipeline stage it fills")
+    parser.add_argument("--rank", type=int, default=0, metavar="R",
+                        help="the stage's rank (GPU) it fills, its index among the stage's ranks (default 0)")
     parser.add_argument("--gpu-uuid", default=None, metavar="UUID",
-                        help="the stage's GPU, as its node's agent reports it")
-    parser.add_argument("--device", default="cuda:0", help="the stage's device (default cuda:0)")
+                        help="that rank's GPU, as its node's agent reports it")
+    parser.add_argument("--device", default="cuda:0", help="that rank's device (default cuda:0)")
     parser.add_argument("--training", default="training", metavar="NAME",
                         help="the PipelineTraining, in the FillJob's namespace (default: training)")
     parser.add_argument("--training-pod", default=None, metavar="POD",
@@ -92,7 +94,7 @@ def apply_values(args: argparse.Namespace, values: Any) -> None:
 
 def render(obj: Any, *, node: str, stage: int, device: str, training: str, training_pod: str,
            tolerations: tuple[dict[str, Any], ...], gpu_uuid: str | None, attempt: int,
-           settings: Any) -> dict[str, Any]:
+           settings: Any, rank: int = 0) -> dict[str, Any]:
     """The Pod ``decide.fill_pod`` makes for the FillJob ``obj`` placed so (ValueError saying what is wrong with it)."""
     from bubbles.core.resources import FillJobResource, ResourceError
 
@@ -112,13 +114,13 @@ def render(obj: Any, *, node: str, stage: int, device: str, training: str, train
         raise ValueError(f"is not a valid FillJob: {exc}") from None
     a = Assignment(job.uid, job.generation, job.namespace, job.name, f"{job.namespace}/{training}", stage, node,
                    training_pod, device, fill_pod_name(job.name, attempt), attempt, gpu_uuid, job.job,
-                   tolerations=tolerations)
+                   tolerations=tolerations, ranks=(rank,))
     return fill_pod(job, a, settings)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.stage < 0 or args.attempt < 0:
-        return _fail("--stage and --attempt must be >= 0")
+    if args.stage < 0 or args.attempt < 0 or args.rank < 0:
+        return _fail("--stage, --rank and --attempt must be >= 0")
     if args.values is not None:
         try:
             apply_values(args, read_yaml(args.values, "values file"))
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         obj = read_yaml(args.filljob, "FillJob manifest")
         pod = render(obj, node=args.node, stage=args.stage, device=args.device, training=args.training,
                      training_pod=args.training_pod or f"{args.training}-{args.stage}", tolerations=tuple(tolerations),
-                     gpu_uuid=args.gpu_uuid, attempt=args.attempt, settings=settings)
+                     gpu_uuid=args.gpu_uuid, attempt=args.attempt, settings=settings, rank=args.rank)
     except (OSError, ValueError) as exc:
         return _fail(f"{args.filljob}: {exc}")
     import yaml

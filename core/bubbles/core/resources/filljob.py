@@ -20,6 +20,7 @@ from bubbles.core.api import (
     parse_quantity,
     parse_spec,
 )
+from bubbles.core.identity import MAX_STAGES
 from bubbles.core.paths import MOUNTED_RUN_DIR, is_plain_absolute
 
 from .phases import FillJobPhase, conditions_field
@@ -105,6 +106,9 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
           "whether the current plan meets it", pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$"),
     label_selector_field("trainingSelector", "which PipelineTrainings' bubbles the job may use (labels of the "
                          "PipelineTraining objects); empty or left out: any"),
+    Field("stage", "integer", "the pipeline stage whose GPUs the job may use (0-based), e.g. the one with the "
+          "longest bubbles or the most free memory; left out: any stage. A stage the training does not have keeps "
+          "the job queued, saying so", minimum=0, maximum=MAX_STAGES - 1),
     Field("checkpoint", "object", "where the job keeps its state to resume after a preemption", fields=(
         Field("path", "string", "the directory inside the fill job's Pod where the SDK keeps the job's state "
               "(checkpoint() on stop, restore() at start)", required=True, max_length=1024, pattern=r"^/"),
@@ -242,6 +246,7 @@ class FillJobResource:
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets' names
     volumes: tuple[dict[str, Any], ...] = ()  # spec.volumes, checked (names and paths apart from the runtime's)
     init_s: float = 0.0  # spec.profile.initTime: placement to first step, as the user expects it
+    stage: int | None = None  # spec.stage: the one stage whose GPUs it may use (None: any)
 
     @property
     def flops_per_step(self) -> float | None:
@@ -338,7 +343,7 @@ class FillJobResource:
             checkpoint_claim=(s.get("checkpoint") or {}).get("claimName"), restart_limit=int(s["restartLimit"]),
             labels=dict(meta.get("labels") or {}), pod_resources=pod_resources, env=env,
             image_pull_secrets=tuple(str(p["name"]) for p in s.get("imagePullSecrets") or ()), volumes=volumes,
-            init_s=init_s,
+            init_s=init_s, stage=int(s["stage"]) if s.get("stage") is not None else None,
         )
 
 
@@ -383,9 +388,13 @@ FILL_JOB_STATUS: tuple[Field, ...] = (
     Field("phase", "string", "where the job is", enum=tuple(p.value for p in FillJobPhase)),
     Field("message", "string", "the latest reason, for people"),
     Field("observedGeneration", "integer", "the spec generation this status is for", minimum=0),
-    Field("assignment", "object", "where the job runs", fields=(
+    Field("assignment", "object", "where the job runs: GPUs (ranks) of one stage of one training", fields=(
         Field("training", "string", "the PipelineTraining whose bubbles it fills"),
         Field("stage", "integer", "the pipeline stage", minimum=0),
+        Field("ranks", "array", "the stage's ranks (GPUs) its processes run on, one per process", max_items=4096,
+              items=Field("rank", "integer", "a rank's index among its stage's ranks", minimum=0)),
+        Field("gpuUUIDs", "array", "those GPUs' UUIDs, where their agent knows them (NVML)", max_items=4096,
+              items=Field("uuid", "string", "a GPU's UUID, e.g. GPU-5b7c...", max_length=128)),
         Field("node", "string", "the node"),
         Field("device", "string", "the device, e.g. cuda:0"),
         Field("pod", "string", "the fill job's Pod"),

@@ -1,5 +1,5 @@
 """The ``PipelineTraining`` resource: its spec's table, the typed view ``PipelineTrainingResource`` and its
-status's table (the stages the hook profiled, the slowdown against the budget).
+status's table (each stage's GPUs as their hooks profiled them, the slowdown against the budget).
 """
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bubbles.core.api import DEFAULT_TAIL_RISK, MAX_TAIL_RISK, parse_quantity
+from bubbles.core.identity import check_name
 
 from .phases import conditions_field
 from .schema import Field, ResourceError, label_selector_field, valid_spec
 
 PIPELINE_TRAINING_SPEC: tuple[Field, ...] = (
-    label_selector_field("selector", "labels of the training's Pods (one Pod per pipeline stage and replica)",
+    label_selector_field("selector", "labels of the training's Pods (a Pod may run several stages, and several "
+                         "ranks of a stage: tensor- and data-parallel ones)",
                          required=True, rules=((
                              "(has(self.matchLabels) && size(self.matchLabels) > 0) || "
                              "(has(self.matchExpressions) && size(self.matchExpressions) > 0)",
@@ -55,6 +57,12 @@ class PipelineTrainingResource:
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PipelineTrainingResource:
         meta = obj.get("metadata") or {}
+        try:
+            # Its name is its hooks' $BUBBLES_TRAINING and a directory on every node (identity.GpuKey): a DNS label.
+            check_name("PipelineTraining", str(meta.get("name", "")))
+        except ValueError as exc:
+            raise ResourceError(f"{exc}; its hooks name it in $BUBBLES_TRAINING and its nodes' run directories: "
+                                "re-create it under a shorter name") from None
         s = valid_spec(PIPELINE_TRAINING_SPEC, obj)
         if not (s.get("selector") or {}).get("matchLabels") and not (s.get("selector") or {}).get("matchExpressions"):
             raise ResourceError("spec.selector must select the training's Pods, e.g. matchLabels: {app: llama-70b}")
@@ -72,21 +80,35 @@ class PipelineTrainingResource:
 PIPELINE_TRAINING_STATUS: tuple[Field, ...] = (
     Field("observedGeneration", "integer", "the spec generation this status is for", minimum=0),
     Field("pods", "integer", "training Pods the selector matches", minimum=0),
-    Field("stages", "array", "per pipeline stage and Pod: where it runs and its profiled bubbles", items=Field(
-        "stage", "object", "one stage", fields=(
-            Field("stage", "integer", "the stage's index", minimum=0),
-            Field("pod", "string", "the training Pod"),
-            Field("node", "string", "its node"),
-            Field("device", "string", "its device"),
-            Field("iterationSeconds", "number", "its profiled iteration time", minimum=0),
-            Field("bubbleRatio", "number", "share of the iteration it idles", minimum=0, maximum=1),
-            Field("bubbles", "array", "its profiled bubble cycle", items=Field("bubble", "object", "one bubble",
-                  fields=(
-                      Field("slot", "integer", "position in the cycle", minimum=0),
-                      Field("durationSeconds", "number", "median length", minimum=0),
-                      Field("freeBytes", "integer", "accelerator memory free in it", minimum=0),
-                  ))),
-        ))),
+    Field("gpus", "integer", "GPUs its hooks report: every rank of every stage, on every node", minimum=0),
+    Field("gpusHarvested", "integer", "of those, GPUs a fill job is placed on", minimum=0),
+    Field("unreportedPods", "array", "Pods the selector matches whose GPUs no agent reports yet (the conditions say "
+          "why)", items=Field("pod", "string", "a training Pod")),
+    Field("stages", "array", "per pipeline stage: its GPUs (ranks), where each runs and its profiled bubbles",
+          items=Field("stage", "object", "one stage", fields=(
+              Field("stage", "integer", "the stage's index", minimum=0),
+              Field("ranks", "integer", "how many ranks (GPUs) the stage has, as its hooks report", minimum=1),
+              Field("gpus", "array", "its ranks reported, each one GPU", items=Field("gpu", "object", "one GPU",
+                    fields=(
+                        Field("rank", "integer", "its index among the stage's ranks", minimum=0),
+                        Field("pod", "string", "the training Pod whose process runs it"),
+                        Field("node", "string", "its node"),
+                        Field("device", "string", "its device in that process, e.g. cuda:1"),
+                        Field("gpuUUID", "string", "its UUID, where the agent knows it (NVML)"),
+                        Field("hookReporting", "boolean", "whether its hook sent bubble signals lately"),
+                        Field("iterationSeconds", "number", "its profiled iteration time", minimum=0),
+                        Field("bubbleRatio", "number", "share of the iteration it idles", minimum=0, maximum=1),
+                        Field("shareFilled", "number", "share of its bubble time fill jobs used", minimum=0,
+                              maximum=1),
+                        Field("fillJobs", "integer", "fill jobs placed on it", minimum=0),
+                        Field("bubbles", "array", "its profiled bubble cycle", items=Field(
+                            "bubble", "object", "one bubble", fields=(
+                                Field("slot", "integer", "position in the cycle", minimum=0),
+                                Field("durationSeconds", "number", "median length", minimum=0),
+                                Field("freeBytes", "integer", "accelerator memory free in it", minimum=0),
+                            ))),
+                    ))),
+          ))),
     Field("bubbleRatio", "number", "share of the training's GPU time spent in bubbles", minimum=0, maximum=1),
     Field("iterationSeconds", "number", "iteration time without harvesting", minimum=0),
     Field("iterationSecondsHarvesting", "number", "iteration time while fill jobs run", minimum=0),

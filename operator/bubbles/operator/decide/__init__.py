@@ -9,13 +9,19 @@ caller owns.
 Level-triggered: the status of each FillJob is the record of where it runs. A job whose status names an
 assignment is placed, whatever the operator remembers, so a restarted operator places nothing twice.
 
+Its unit is one harvested GPU (``GpuView``, keyed by ``identity.GpuKey``: namespace, training, stage, rank): a Pod
+that runs several stages or several ranks of one is several GPUs, each with bubbles of its own, each placed on alone.
+
 ``view``: what it sees and decides; ``status``: a FillJob's status and its phase transitions; ``filljobs``:
-tracking; ``placement``: queued jobs onto stages; ``pods``: the fill Pod; ``trainings``: the PipelineTrainings'
+tracking; ``placement``: queued jobs onto GPUs; ``pods``: the fill Pod; ``trainings``: the PipelineTrainings'
 statuses; ``cache``: the memos.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from bubbles.core.identity import GpuKey
 from bubbles.core.resources import JobProgress, PipelineTrainingResource, ResourceError
 
 from .cache import DecideCache
@@ -34,9 +40,9 @@ from .view import (
     Event,
     FillJobDecisions,
     FillPodSettings,
-    StageView,
+    GpuView,
+    gpu_context_bytes,
     key_of,
-    stage_context_bytes,
 )
 
 __all__ = [
@@ -54,20 +60,21 @@ __all__ = [
     "FillJobDecisions",
     "FillJobStatus",
     "FillPodSettings",
+    "GpuView",
     "InvalidTransition",
     "JobProgress",
-    "StageView",
     "check_transition",
     "fill_pod",
     "fill_pod_mounts",
     "fill_pod_name",
     "fill_pod_node",
     "fill_pod_place",
+    "gpu_context_bytes",
+    "gpus_by_key",
     "key_of",
     "label_value",
     "pod_not_starting",
     "reconcile",
-    "stage_context_bytes",
 ]
 
 
@@ -83,11 +90,21 @@ def reconcile(view: ClusterView, cache: DecideCache | None = None) -> Decisions:
             trainings[key_of(t)] = PipelineTrainingResource.from_object(t)
         except ResourceError as exc:
             invalid[key_of(t)] = str(exc)  # said in its status; it selects no Pod until it is fixed
-    stages = {s.key: s for s in view.stages if s.training in trainings}
-    valid, busy = see_fill_jobs(view, out, cache, stages, trainings, invalid)
-    place(view, out, cache, valid, stages, trainings, busy, view.now.timestamp())
+    gpus = gpus_by_key(g for g in view.gpus if g.training in trainings)
+    valid, busy = see_fill_jobs(view, out, cache, gpus, trainings, invalid)
+    place(view, out, cache, valid, gpus, trainings, busy, view.now.timestamp())
     for _obj, _job, st in valid.values():
         st.finish()
-    training_statuses(view, out, trainings, stages, valid)
+    training_statuses(view, out, trainings, gpus, valid)
     invalid_training_statuses(view, out, invalid)
+    return out
+
+
+def gpus_by_key(gpus: Iterable[GpuView]) -> dict[GpuKey, GpuView]:
+    """The reported GPUs by key. A key is one rank of one stage: should two Pods report it at once (a replaced Pod
+    its agent still reports beside the new one), the one whose hook reports wins, then the Pod named first, so that
+    every round picks the same."""
+    out: dict[GpuKey, GpuView] = {}
+    for g in sorted((g for g in gpus if g.reported), key=lambda g: (not g.hook_reporting, g.pod)):
+        out.setdefault(g.key, g)
     return out

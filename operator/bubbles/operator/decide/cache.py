@@ -1,4 +1,4 @@
-"""What the reconcile remembers between rounds: parsed FillJob specs, scheduler profiles and stage classes.
+"""What the reconcile remembers between rounds: parsed FillJob specs, scheduler profiles and GPUs' executor classes.
 
 The shell owns one ``DecideCache`` and hands it to every ``reconcile``; each memo's key holds all its result depends
 on, so a memo never changes a decision, only its cost (a thousand unchanged specs re-validated every round would
@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from bubbles.core.api import WorkloadKind
+from bubbles.core.identity import GpuKey
 from bubbles.core.plan import Bubble, FillNode
 from bubbles.core.resources import FillJobResource, PipelineTrainingResource
 from bubbles.operator.scheduler import ExecutorClass, FillConfig, FillProfile
 
-from .view import PROVISIONAL_STEP_S, StageView
+from .view import PROVISIONAL_STEP_S, GpuView
 
 # Past these sizes a memo starts again (bounded memory for a long-lived operator).
 MAX_PARSED = 100_000
@@ -30,10 +31,9 @@ class DecideCache:
     def __init__(self) -> None:
         self.parsed: dict[tuple[str, str, str, str], FillJobResource] = {}
         self.profiles: dict[tuple[Any, ...], FillProfile] = {}
-        # stage key -> (cycle, share, reserve, stage number, class): a stage's class is rebuilt only when its cycle
-        # object or its training's share or reserve changes (the shell hands the same cycle object over while the
-        # report is unchanged).
-        self.classes: dict[str, tuple[Any, float, int, int, ExecutorClass]] = {}
+        # GPU -> (cycle, share, reserve, class): a GPU's class is rebuilt only when its cycle object or its training's
+        # share or reserve changes (the shell hands the same cycle object over while the report is unchanged).
+        self.classes: dict[GpuKey, tuple[Any, float, int, ExecutorClass]] = {}
 
     def fill_job(self, obj: Mapping[str, Any]) -> FillJobResource:
         """``FillJobResource.from_object``, remembered per (identity, spec)."""
@@ -64,21 +64,22 @@ class DecideCache:
                                                     (FillConfig("spec", job.samples_per_step, nodes),))
         return prof
 
-    def executor_class(self, stage: StageView, training: PipelineTrainingResource,
+    def executor_class(self, gpu: GpuView, training: PipelineTrainingResource,
                        context_bytes: int = 0) -> ExecutorClass:
-        """The scheduler's view of one stage: its bubbles cut to the training's share and memory reserve (and the
-        fill process's CUDA context, ``context_bytes``, where the agent plans one: ``stage_context_bytes``)."""
-        assert stage.cycle is not None
+        """The scheduler's view of one GPU, one executor named by its key: its bubbles cut to the training's share
+        and memory reserve (and the fill process's CUDA context, ``context_bytes``, where the agent plans one:
+        ``gpu_context_bytes``)."""
+        assert gpu.cycle is not None
         reserve = training.memory_reserve_bytes + context_bytes
-        have = self.classes.get(stage.key)
-        if have is not None and have[0] is stage.cycle and have[1] == training.max_fill_share \
-                and have[2] == reserve and have[3] == stage.stage:
-            return have[4]
+        key = gpu.key
+        have = self.classes.get(key)
+        if have is not None and have[0] is gpu.cycle and have[1] == training.max_fill_share and have[2] == reserve:
+            return have[3]
         bubbles = tuple(Bubble(s.duration_s * training.max_fill_share,
                                max(0, s.free_bytes - reserve),
-                               f"{stage.training} stage {stage.stage} slot {s.slot}") for s in stage.cycle.slots)
-        cls = ExecutorClass(stage.key, bubbles, stage.cycle.iteration_s, 1)
+                               f"{gpu.where} slot {s.slot}") for s in gpu.cycle.slots)
+        cls = ExecutorClass(str(key), bubbles, gpu.cycle.iteration_s, 1)
         if len(self.classes) > MAX_CLASSES:
             self.classes.clear()
-        self.classes[stage.key] = (stage.cycle, training.max_fill_share, reserve, stage.stage, cls)
+        self.classes[key] = (gpu.cycle, training.max_fill_share, reserve, cls)
         return cls

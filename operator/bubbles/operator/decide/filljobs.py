@@ -1,5 +1,5 @@
 """FillJob tracking: each job admitted or failed, a placed job followed (its progress, its ETA) or evicted when its
-stage, Pod, agent or process is gone, a deleted one cleaned up."""
+GPU, Pod, agent or process is gone, a deleted one cleaned up."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 from bubbles.core.api import FillState
+from bubbles.core.identity import GpuKey
 from bubbles.core.resources import (
     FINALIZER,
     HOOK_SILENCE_S,
@@ -25,7 +26,7 @@ from bubbles.operator.scheduler import best_rate
 from .cache import DecideCache
 from .pods import check_paths, not_starting
 from .status import ACTIVE, Assigned, FillJobStatus, condition_of
-from .view import STARTUP_GRACE_S, Assignment, ClusterView, Decisions, Event, StageView, key_of, stage_context_bytes
+from .view import STARTUP_GRACE_S, Assignment, ClusterView, Decisions, Event, GpuView, gpu_context_bytes, key_of
 
 MAX_ETA_S = dt.datetime(9000, 1, 1, tzinfo=dt.UTC).timestamp()
 
@@ -33,15 +34,15 @@ MAX_ETA_S = dt.datetime(9000, 1, 1, tzinfo=dt.UTC).timestamp()
 Seen = tuple[Mapping[str, Any], FillJobResource, FillJobStatus]
 
 
-def see_fill_jobs(view: ClusterView, out: Decisions, cache: DecideCache, stages: Mapping[str, StageView],
+def see_fill_jobs(view: ClusterView, out: Decisions, cache: DecideCache, gpus: Mapping[GpuKey, GpuView],
                   trainings: Mapping[str, PipelineTrainingResource], invalid: Mapping[str, str],
-                  ) -> tuple[dict[str, Seen], dict[str, tuple[str, float]]]:
+                  ) -> tuple[dict[str, Seen], dict[GpuKey, tuple[str, float]]]:
     """Every FillJob of the view: deleted ones cleaned up, final ones let go of, invalid ones failed, new ones
-    admitted, placed ones tracked. Returns the valid ones by key and the stages they keep busy (stage key ->
+    admitted, placed ones tracked. Returns the valid ones by key and the GPUs they keep busy (GPU key ->
     (FillJob uid, expected end))."""
     now_s = view.now.timestamp()
     valid: dict[str, Seen] = {}
-    busy: dict[str, tuple[str, float]] = {}
+    busy: dict[GpuKey, tuple[str, float]] = {}
     for obj in view.fill_jobs:
         meta = obj.get("metadata") or {}
         if meta.get("deletionTimestamp"):
@@ -80,7 +81,7 @@ def see_fill_jobs(view: ClusterView, out: Decisions, cache: DecideCache, stages:
             st.status.update(progress_fields(job, 0, 0.0))
             st.phase(FillJobPhase.QUEUED, "waiting for a bubble it fits", event="Queued")
         if st.phase_now in ACTIVE:
-            _track(out, view, cache, st, job, stages, trainings, busy, now_s, invalid)
+            _track(out, view, cache, st, job, gpus, trainings, busy, now_s, invalid)
         valid[st.key] = (obj, job, st)
     return valid, busy
 
@@ -128,13 +129,15 @@ def clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
 
 
 def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobStatus, job: FillJobResource,
-           stages: Mapping[str, StageView], trainings: Mapping[str, PipelineTrainingResource],
-           busy: dict[str, tuple[str, float]], now_s: float, invalid: Mapping[str, str] | None = None) -> None:
-    """A placed job: follow its progress, or evict it when its stage, Pod or agent is gone (or its training's spec
+           gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource],
+           busy: dict[GpuKey, tuple[str, float]], now_s: float, invalid: Mapping[str, str] | None = None) -> None:
+    """A placed job: follow its progress, or evict it when its GPU, Pod or agent is gone (or its training's spec
     turned invalid: ``invalid``, training key -> why)."""
     a = st.assignment
-    skey = f"{job.namespace}/{a.training}/{a.stage}/{a.training_pod}"
-    stage = stages.get(skey)
+    gkey = a.gpu_key(job.namespace)
+    gpu = gpus.get(gkey) if gkey is not None else None
+    if gpu is not None and gpu.pod != a.training_pod:
+        gpu = None  # its rank runs in another Pod now: the job's Pod (its process, its bubbles) is gone
     uid = job.uid
     prog = view.progress.get(uid)
     if prog is not None and prog.attempt != st.restarts:
@@ -152,29 +155,29 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
     on_gpu = prog is not None and (a.device or "").startswith("cuda") and (
         prog.state in (FillState.PAUSED, FillState.RUNNING, FillState.STOPPED) or prog.steps_done > 0)
     training_side = False
-    if stage is None and view.acting_s < STARTUP_GRACE_S:
+    if gpu is None and view.acting_s < STARTUP_GRACE_S:
         return  # just started: the training Pod may not be in the watch's first listing yet; look again next round
-    if stage is None:
+    if gpu is None:
         tkey, tpod = f"{job.namespace}/{a.training}", a.training_pod
         if tkey in (invalid or {}):
             lost = (f"PipelineTraining {a.training}'s spec turned invalid ({(invalid or {})[tkey]}): its "
                     "bubbles are not used until it is fixed")
             training_side = True
-        elif any(s.pod == tpod and s.training == tkey for s in view.stages):
-            # The Pod is there, its stage is not reported: the node's agent restarted (it lost its fill processes).
-            # (A silent hook leaves the stage reported, hook_reporting False: the job is Paused, below.)
-            lost = (f"the bubbles agent on node {a.node} no longer reports stage {a.stage} of "
+        elif any(s.pod == tpod and s.training == tkey for s in view.gpus):
+            # The Pod is there, its GPU is not reported: the node's agent restarted (it lost its fill processes).
+            # (A silent hook leaves the GPU reported, hook_reporting False: the job is Paused, below.)
+            lost = (f"the bubbles agent on node {a.node} no longer reports stage {a.stage} rank {a.ranks[0]} of "
                     f"{a.training} (training Pod {tpod} still runs: the agent restarted)")
         else:
-            lost = f"training Pod {tpod} (stage {a.stage} of {a.training}) is gone"
+            lost = f"training Pod {tpod} (stage {a.stage} rank {a.ranks[0]} of {a.training}) is gone"
             training_side = not on_gpu
-    elif not stage.agent_up:
-        lost = f"the bubbles agent on node {stage.node} stopped answering"
-    elif a.training_pod_uid and stage.pod_uid and a.training_pod_uid != stage.pod_uid:
-        lost = f"training Pod {stage.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
+    elif not gpu.agent_up:
+        lost = f"the bubbles agent on node {gpu.node} stopped answering"
+    elif a.training_pod_uid and gpu.pod_uid and a.training_pod_uid != gpu.pod_uid:
+        lost = f"training Pod {gpu.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
         training_side = not on_gpu
-    elif stage.cycle is None:
-        lost = f"training Pod {stage.pod} restarted: its bubbles are re-measured before anything runs there"
+    elif gpu.cycle is None:
+        lost = f"training Pod {gpu.pod} restarted: its bubbles are re-measured before anything runs there"
         training_side = not on_gpu
     elif (failed := view.failed_pods.get(f"{job.namespace}/{a.pod}")) is not None:
         lost = f"fill Pod {a.pod} failed: {failed}"
@@ -203,27 +206,27 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
         ended_itself = True
     if lost is not None:
         _evict(st, job, lost, a, keep_pod=ended_itself, counted=not training_side)
-        if stage is not None and st.evicted:
-            # The job is placed again from the next round (see placement.place): until then the stage it had is held for
+        if gpu is not None and gkey is not None and st.evicted:
+            # The job is placed again from the next round (see placement.place): until then the GPU it had is held for
             # it, or a job of lower priority would take it now and keep it.
-            busy[skey] = (uid, now_s)
+            busy[gkey] = (uid, now_s)
         return
-    assert stage is not None
+    assert gpu is not None and gkey is not None
     if prog is None:
         # The agent does not know this run (just placed, or the agent restarted): tell it again. Idempotent on the
         # agent's side (uid, generation, attempt), so a lost or repeated call costs nothing.
         out.assign_job(st.key, st.uid, Assignment(
-            job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node, stage.pod,
-            stage.device, str(a.pod or ""), st.restarts, stage.gpu_uuid, job.job,
-            **limits(trainings.get(stage.training))))
+            job.uid, job.generation, job.namespace, job.name, gpu.training, gpu.stage, gpu.node, gpu.pod,
+            gpu.device, str(a.pod or ""), st.restarts, gpu.gpu_uuid, job.job,
+            **limits(trainings.get(gpu.training)), ranks=a.ranks))
     done = prog.steps_done if prog is not None else st.steps_done
     flops = prog.flops if prog is not None else st.recovered_flops
     st.status.update(progress_fields(job, done, flops))
     if prog is not None:
         st.count("kills", at_least=prog.kills)
-    rate = _steps_per_s(cache, job, stage, trainings.get(stage.training), stage_context_bytes(view, stage))
+    rate = _steps_per_s(cache, job, gpu, trainings.get(gpu.training), gpu_context_bytes(view, gpu))
     end_s = now_s + _init_left_s(job, a, prog, now_s) + (job.steps - done) / rate if rate > 0 else math.inf
-    busy[skey] = (uid, end_s)
+    busy[gkey] = (uid, end_s)
     set_eta(st, job, end_s)
     if waiting is not None and waiting[0]:
         what, hint = not_starting(waiting[0], str(a.pod))
@@ -231,27 +234,26 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
         # The phase's message (and its Event) names the kind of failure only: the kubelet's own words alternate
         # (ErrImagePull, ImagePullBackOff) with every retry, and are in the condition.
         st.phase(FillJobPhase.PLACED, f"fill Pod {a.pod} has not started: {what}; {hint}. It is taken off "
-                 f"the stage and queued again if it has not started {view.pod_start_timeout_s:g} s after its "
+                 f"its GPU and queued again if it has not started {view.pod_start_timeout_s:g} s after its "
                  "creation", event="PodNotStarting", warning=True)
     elif st.phase_now is FillJobPhase.PLACED and \
             condition_of(st.status, ConditionType.RUNNING).get("reason") == "PodNotStarting":
         st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.pod} started")
-        st.phase(FillJobPhase.PLACED, placed_message(stage))
+        st.phase(FillJobPhase.PLACED, placed_message(gpu))
     if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
-        if not stage.hook_reporting:
+        if not gpu.hook_reporting:
             # No bubbles while the training sends no signals (stopped, evaluating or checkpointing, hung), so no fill
-            # steps: said, so that a job making no progress says why. It keeps its stage and its process.
-            st.condition(ConditionType.RUNNING, False, "TrainingSilent", f"no bubble signals from stage {stage.stage} "
-                         f"of {stage.training} (training Pod {stage.pod})")
-            st.phase(FillJobPhase.PAUSED, f"paused: the training's hook on {stage.training} stage {stage.stage} "
-                     f"(Pod {stage.pod}) has sent no bubble signals for {HOOK_SILENCE_S:g} s (the training stopped, "
+            # steps: said, so that a job making no progress says why. It keeps its GPU and its process.
+            st.condition(ConditionType.RUNNING, False, "TrainingSilent", f"no bubble signals from {gpu.where} "
+                         f"(training Pod {gpu.pod})")
+            st.phase(FillJobPhase.PAUSED, f"paused: the training's hook on {gpu.where} "
+                     f"(Pod {gpu.pod}) has sent no bubble signals for {HOOK_SILENCE_S:g} s (the training stopped, "
                      "is evaluating or checkpointing, or hangs); fill work runs only in its bubbles, so the job "
                      "runs again at its next one", event="Paused")
             return
-        st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {stage.stage} "
-                     f"on {stage.node}")
-        st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {stage.training} stage {stage.stage} on "
-                 f"{stage.node}", event="Running")
+        st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {gpu.stage} "
+                     f"rank {gpu.rank} on {gpu.node}")
+        st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {gpu.where} on {gpu.node}", event="Running")
 
 
 def _kubelet_words(status: Mapping[str, Any], pod: str, why: str) -> str:
@@ -271,13 +273,13 @@ def _kubelet_words(status: Mapping[str, Any], pod: str, why: str) -> str:
 
 
 
-def placed_message(stage: StageView) -> str:
-    return f"placed on {stage.training} stage {stage.stage} ({stage.pod} on {stage.node}, {stage.device})"
+def placed_message(gpu: GpuView) -> str:
+    return f"placed on {gpu.where} ({gpu.pod} on {gpu.node}, {gpu.device})"
 
 
 def _evict(st: FillJobStatus, job: FillJobResource, why: str, a: Assigned, *, keep_pod: bool = False,
            counted: bool = True) -> None:
-    """Take the job off its stage: requeue it, or fail it past its restart limit. Its Pod is deleted unless
+    """Take the job off its GPU: requeue it, or fail it past its restart limit. Its Pod is deleted unless
     ``keep_pod`` (it ended on its own: kept, like a Job's failed Pods, for ``kubectl logs``; it holds nothing, and
     goes with the FillJob, its owner). Not ``counted``: the training's doing (its Pod gone, replaced or restarted, its
     spec turned invalid), which a job cannot avoid: a new attempt (``status.restarts`` names its Pod) that does not
@@ -326,13 +328,13 @@ def _init_left_s(job: FillJobResource, a: Assigned, prog: JobProgress | None, no
     return max(0.0, job.init_s - (now_s - placed))
 
 
-def _steps_per_s(cache: DecideCache, job: FillJobResource, stage: StageView,
+def _steps_per_s(cache: DecideCache, job: FillJobResource, gpu: GpuView,
                  training: PipelineTrainingResource | None, context_bytes: int = 0) -> float:
-    if stage.cycle is None or training is None:
+    if gpu.cycle is None or training is None:
         return 0.0
-    cls = cache.executor_class(stage, training, context_bytes)
+    cls = cache.executor_class(gpu, training, context_bytes)
     rate = best_rate(cls.bubbles, cls.iteration_s, cache.profile(job))  # cached per bubble shape and profile
-    return rate.steps_per_cycle / stage.cycle.iteration_s if rate else 0.0
+    return rate.steps_per_cycle / gpu.cycle.iteration_s if rate else 0.0
 
 
 def set_eta(st: FillJobStatus, job: FillJobResource, end_s: float) -> None:

@@ -1,5 +1,7 @@
-"""Placement: queued FillJobs onto free profiled stages, by priority tier, then by the scheduling policy (looked
-up by name); a placed job gets its assignment, its fill Pod and its finalizer."""
+"""Placement: queued FillJobs onto free profiled GPUs, by priority tier, then by the scheduling policy (looked up by
+name); a placed job gets its assignment, its fill Pod and its finalizer. The scheduler's executors are GPUs (one
+executor class each, named by its ``GpuKey``): the ranks of a stage are placed on one by one, each with its own
+bubbles (its own waits, its own free memory)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bubbles.core.identity import GpuKey
 from bubbles.core.resources import (
     FINALIZER,
     ConditionType,
@@ -30,9 +33,9 @@ from .view import (
     ClusterView,
     Decisions,
     FillPodSettings,
-    StageView,
+    GpuView,
+    gpu_context_bytes,
     key_of,
-    stage_context_bytes,
 )
 
 
@@ -51,11 +54,21 @@ def _eligible(job: FillJobResource, training_keys: Sequence[str], trainings: Map
     return memo[key]
 
 
+def stage_counts(gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource]) -> dict[str, int]:
+    """How many stages each training has, where known: its spec.stages, else what its hooks' profiles say (None
+    known: left out)."""
+    counts = {k: t.stages for k, t in trainings.items() if t.stages is not None}
+    for g in gpus.values():
+        if g.training not in counts and g.cycle is not None:
+            counts[g.training] = max(counts.get(g.training, 0), g.cycle.stages)
+    return counts
+
+
 def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[str, Seen],
-          stages: Mapping[str, StageView], trainings: Mapping[str, PipelineTrainingResource],
-          busy: Mapping[str, tuple[str, float]], now_s: float) -> None:
-    """Queued jobs onto free profiled stages: by priority tier, then by the scheduling policy."""
-    usable = [s for s in stages.values() if s.cycle is not None and s.agent_up]
+          gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource],
+          busy: Mapping[GpuKey, tuple[str, float]], now_s: float) -> None:
+    """Queued jobs onto free profiled GPUs: by priority tier, then by the scheduling policy."""
+    usable = [g for g in gpus.values() if g.cycle is not None and g.agent_up]
     # A job evicted this round is placed from the next: its eviction (Pod deleted, run cancelled, restarts counted) is
     # written first, whatever becomes of its next Pod (one the API server refuses writes nothing of its round).
     queued = [(obj, job, st) for obj, job, st in valid.values()
@@ -69,18 +82,21 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
             st.condition(ConditionType.PLACED, False, "NoProfiledTraining", why)
             st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
         return
-    classes = [cache.executor_class(s, trainings[s.training], stage_context_bytes(view, s)) for s in usable]
-    by_name = {c.name: s for c, s in zip(classes, usable, strict=True)}
+    classes = [cache.executor_class(g, trainings[g.training], gpu_context_bytes(view, g)) for g in usable]
+    by_name = {c.name: g for c, g in zip(classes, usable, strict=True)}
     sched = Scheduler(classes, policy(view.policy))
-    for e, c in enumerate(classes):
-        if c.name in busy:
-            sched.occupy(e, busy[c.name][0], busy[c.name][1])
+    for e, g in enumerate(usable):  # one executor per class: executor e is class e
+        if g.key in busy:
+            sched.occupy(e, busy[g.key][0], busy[g.key][1])
     requests: dict[str, Seen] = {}
     tiers: dict[int, list[FillJobRequest]] = {}
-    class_names: dict[str, set[str]] = {}  # training -> names of its usable stages' classes
+    class_names: dict[tuple[str, int | None], set[str]] = {}  # (training, stage or None: any) -> its usable GPUs
     for c in classes:
-        class_names.setdefault(by_name[c.name].training, set()).add(c.name)
-    eligible_sets: dict[tuple[str, ...], frozenset[str]] = {}
+        g = by_name[c.name]
+        class_names.setdefault((g.training, None), set()).add(c.name)
+        class_names.setdefault((g.training, g.stage), set()).add(c.name)
+    counts: dict[str, int] | None = None
+    eligible_sets: dict[tuple[tuple[str, ...], int | None], frozenset[str]] = {}
     training_keys = sorted(trainings)
     selector_memo: dict[str, list[str]] = {}
     for obj, job, st in queued:
@@ -104,17 +120,36 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
             st.condition(ConditionType.PLACED, False, "NoMatchingTraining", why)
             st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NoMatchingTraining", warning=True)
             continue
-        key_allowed = tuple(allowed)
+        if job.stage is not None:
+            counts = counts if counts is not None else stage_counts(gpus, trainings)
+            having = [a for a in allowed if a not in counts or job.stage < counts[a]]
+            if not having:
+                have = ", ".join(f"{a} has {counts[a]} (0-{counts[a] - 1})" for a in allowed)
+                why = (f"spec.stage {job.stage} is no stage of the PipelineTrainings it may use: {have}; set "
+                       "spec.stage to one of theirs, or leave it out to use any stage")
+                st.condition(ConditionType.PLACED, False, "NoSuchStage", why)
+                st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NoSuchStage", warning=True)
+                continue
+            allowed = having
+        key_allowed = (tuple(allowed), job.stage)
         eligible = eligible_sets.get(key_allowed)
         if eligible is None:
-            eligible = eligible_sets[key_allowed] = frozenset().union(*(class_names.get(a, ()) for a in allowed))
+            eligible = eligible_sets[key_allowed] = frozenset().union(
+                *(class_names.get((a, job.stage), ()) for a in allowed))
         created = (obj.get("metadata") or {}).get("creationTimestamp")
         arrival = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() if created else now_s
         req = FillJobRequest(job.uid or key_of(obj), cache.profile(job), job.steps * job.samples_per_step,
                              arrival_s=arrival, deadline_s=job.deadline.timestamp() if job.deadline else None,
                              eligible=eligible, setup_s=job.init_s)
+        if not eligible and job.stage is not None:
+            why = (f"no GPU of stage {job.stage} of {', '.join(allowed)} has reported its bubbles yet (spec.stage "
+                   f"pins the job there)")
+            st.condition(ConditionType.PLACED, False, "StageNotProfiled", why)
+            st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
+            continue
         if not eligible or not math.isfinite(min(sched.processing_times_s(req))):
-            why = (f"fits no profiled bubble of {', '.join(allowed)}: each step needs "
+            pinned = f"stage {job.stage} of " if job.stage is not None else ""
+            why = (f"fits no profiled bubble of {pinned}{', '.join(allowed)}: each step needs "
                    f"{(job.job.gating_step_s or PROVISIONAL_STEP_S) * 1e3:.3g} ms and "
                    f"{job.job.memory_bytes / 2**20:.0f} MiB; lower spec.profile.memory or the step's batch")
             st.condition(ConditionType.PLACED, False, "NoBubbleFits", why)
@@ -133,36 +168,35 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
     for req_id, (_obj, job, st) in requests.items():
         if req_id in placed:
             cls_name, end_s = placed[req_id]
-            stage = by_name[cls_name]
-            _assign(out, st, job, stage, end_s, view.fill_pods, trainings.get(stage.training))
+            gpu = by_name[cls_name]
+            _assign(out, st, job, gpu, end_s, view.fill_pods, trainings.get(gpu.training))
             continue
         position += 1
         st.status["queuePosition"] = position
         set_eta(st, job, etas.get(req_id, math.inf))
-        st.condition(ConditionType.PLACED, False, "AllBubblesBusy", "every stage it fits runs another fill job")
+        st.condition(ConditionType.PLACED, False, "AllBubblesBusy", "every GPU it fits runs another fill job")
         st.phase(FillJobPhase.QUEUED, "waiting: every bubble it fits is in use")
 
 
 
-def _assign(out: Decisions, st: FillJobStatus, job: FillJobResource, stage: StageView, end_s: float,
+def _assign(out: Decisions, st: FillJobStatus, job: FillJobResource, gpu: GpuView, end_s: float,
             settings: FillPodSettings, training: PipelineTrainingResource | None) -> None:
     attempt = st.restarts
     pod = fill_pod_name(job.name, attempt)
-    a = Assignment(job.uid, job.generation, job.namespace, job.name, stage.training, stage.stage, stage.node,
-                   stage.pod, stage.device, pod, attempt, stage.gpu_uuid, job.job, **limits(training),
-                   tolerations=stage.tolerations)
+    a = Assignment(job.uid, job.generation, job.namespace, job.name, gpu.training, gpu.stage, gpu.node,
+                   gpu.pod, gpu.device, pod, attempt, gpu.gpu_uuid, job.job, **limits(training),
+                   tolerations=gpu.tolerations, ranks=(gpu.rank,))
     out.assign_job(st.key, st.uid, a)
     out.create_pod(st.key, st.uid, fill_pod(job, a, settings))
     if FINALIZER not in (st.meta.get("finalizers") or []):
         out.hold(st.key, st.uid)
     st.count("placements")
-    st.status["assignment"] = {"training": stage.training.split("/", 1)[-1], "stage": stage.stage,
-                               "node": stage.node, "device": stage.device, "pod": pod, "trainingPod": stage.pod,
-                               "trainingPodUid": stage.pod_uid, "placedAt": rfc3339(st.now)}
+    st.status["assignment"] = {"training": gpu.training.split("/", 1)[-1], "stage": gpu.stage,
+                               "ranks": list(a.ranks), **({"gpuUUIDs": [gpu.gpu_uuid]} if gpu.gpu_uuid else {}),
+                               "node": gpu.node, "device": gpu.device, "pod": pod, "trainingPod": gpu.pod,
+                               "trainingPodUid": gpu.pod_uid, "placedAt": rfc3339(st.now)}
     st.status.pop("queuePosition", None)
     set_eta(st, job, end_s)
-    msg = placed_message(stage)
+    msg = placed_message(gpu)
     st.condition(ConditionType.PLACED, True, "Placed", msg)
     st.phase(FillJobPhase.PLACED, msg, event="Placed")
-
-

@@ -135,16 +135,18 @@ def fill_pod_mounts(training: str, stage: int, node_run_dir: str, rank: int = 0)
 
 
 def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | None = None) -> dict[str, Any]:
-    """The fill job's Pod: on the training's node, next to its stage, reaching the agent's node-local sockets (two
-    directories of the node's run directory, under RUN_DIR, as the agent's UID: ``fill_pod_mounts``)."""
+    """The fill job's Pod: on the training's node, on the GPU it was placed on, reaching the agent's node-local
+    sockets (two directories of the node's run directory, under RUN_DIR, as the agent's UID: ``fill_pod_mounts``).
+    One GPU per job today: its first rank's (``a.ranks``)."""
     settings = settings or FillPodSettings()
-    mounts = fill_pod_mounts(a.training, a.stage, settings.node_run_dir)
+    mounts = fill_pod_mounts(a.training, a.stage, settings.node_run_dir, rank=a.ranks[0])
     env = [
         {"name": "BUBBLES_FILL_JOB", "value": job.name},
         {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},  # with the attempt: how the process attaches to the agent
         {"name": "BUBBLES_FILL_ATTEMPT", "value": str(a.attempt)},
         {"name": "BUBBLES_TRAINING", "value": a.training.split("/", 1)[-1]},
         {"name": "BUBBLES_STAGE", "value": str(a.stage)},
+        {"name": "BUBBLES_RANKS", "value": ",".join(map(str, a.ranks))},  # the stage's ranks (GPUs) it runs on
         {"name": "BUBBLES_DEVICE", "value": a.device},
         {"name": "BUBBLES_RUN_DIR", "value": RUN_DIR},
         {"name": "BUBBLES_MEMORY_BYTES", "value": str(job.job.memory_bytes)},

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from bubbles.core.identity import GpuKey
 from bubbles.core.resources import Condition, ConditionType, FillJobPhase, set_condition
 
 from .view import Decisions, Event, key_of
@@ -65,6 +66,8 @@ class Assigned:
 
     training: str | None = None  # the PipelineTraining's name, in the FillJob's namespace
     stage: int | None = None
+    ranks: tuple[int, ...] = (0,)  # the stage's ranks it runs on ((0,) where an operator before ranks placed it)
+    gpu_uuids: tuple[str, ...] = ()
     node: str | None = None
     device: str | None = None
     pod: str | None = None  # the fill job's Pod
@@ -76,8 +79,23 @@ class Assigned:
     def read(cls, raw: Mapping[str, Any] | None) -> Assigned:
         """The assignment in a status's ``assignment`` object (None or {}: not placed)."""
         d = raw or {}
-        return cls(d.get("training"), d.get("stage"), d.get("node"), d.get("device"), d.get("pod"),
-                   d.get("trainingPod"), d.get("trainingPodUid"), d.get("placedAt"))
+        ranks = tuple(int(r) for r in d.get("ranks") or (0,))
+        return cls(d.get("training"), d.get("stage"), ranks, tuple(str(u) for u in d.get("gpuUUIDs") or ()),
+                   d.get("node"), d.get("device"), d.get("pod"), d.get("trainingPod"), d.get("trainingPodUid"),
+                   d.get("placedAt"))
+
+    def gpu_keys(self, namespace: str) -> tuple[GpuKey, ...]:
+        """The GPUs it runs on (one per rank), () where the status names none that can be (not placed)."""
+        try:
+            return tuple(GpuKey(namespace, str(self.training), int(self.stage if self.stage is not None else -1), r)
+                         for r in self.ranks)
+        except ValueError:
+            return ()
+
+    def gpu_key(self, namespace: str) -> GpuKey | None:
+        """The GPU of its first rank (a single-GPU job's one), or None where it is not placed."""
+        keys = self.gpu_keys(namespace)
+        return keys[0] if keys else None
 
 
 class FillJobStatus:

@@ -1,5 +1,5 @@
-"""The PipelineTrainings' statuses: their stages and bubbles as the hooks report them, what keeps them from
-reporting, the slowdown harvesting costs them, and why an invalid spec is not read."""
+"""The PipelineTrainings' statuses: their stages, each with its GPUs and their bubbles as the hooks report them, what
+keeps them from reporting, the slowdown harvesting costs them, and why an invalid spec is not read."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bubbles.core.api import MPS_CLIENT
+from bubbles.core.identity import GpuKey
 from bubbles.core.resources import (
     HOOK_SILENCE_S,
     Condition,
@@ -17,40 +18,76 @@ from bubbles.core.resources import (
 )
 
 from .status import ACTIVE, FillJobStatus, condition_of, phase_of, status_of
-from .view import ClusterView, Decisions, Event, StageView, key_of
+from .view import ClusterView, Decisions, Event, GpuView, key_of
+
+
+def _gpu_status(g: GpuView, fill_jobs: int) -> dict[str, Any]:
+    """One GPU of a stage, as the status lists it."""
+    return {
+        "rank": g.rank, "pod": g.pod, "node": g.node, **({"device": g.device} if g.device else {}),
+        **({"gpuUUID": g.gpu_uuid} if g.gpu_uuid else {}), "hookReporting": g.hook_reporting,
+        **({"iterationSeconds": g.cycle.iteration_s, "bubbleRatio": round(g.cycle.bubble_ratio, 4)} if g.cycle
+           else {}),
+        **({"shareFilled": round(min(1.0, g.filled_s / g.bubble_s), 4)} if g.bubble_s > 0 else {}),
+        "fillJobs": fill_jobs,
+        **({"bubbles": [{"slot": b.slot, "durationSeconds": b.duration_s, "freeBytes": b.free_bytes}
+                        for b in g.cycle.slots]} if g.cycle else {}),
+    }
+
+
+def _stages_status(gpus: list[GpuView], placed: Mapping[GpuKey, int]) -> list[dict[str, Any]]:
+    """The status's stages, each with its GPUs by rank."""
+    by_stage: dict[int, list[GpuView]] = {}
+    for g in gpus:
+        by_stage.setdefault(g.stage, []).append(g)
+    return [{"stage": k, "ranks": max(g.ranks for g in mine),
+             "gpus": [_gpu_status(g, placed.get(g.key, 0)) for g in sorted(mine, key=lambda g: g.rank)]}
+            for k, mine in sorted(by_stage.items())]
 
 
 def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str, PipelineTrainingResource],
-                      stages: Mapping[str, StageView],
+                      gpus: Mapping[GpuKey, GpuView],
                       valid: Mapping[str, tuple[Mapping[str, Any], FillJobResource, FillJobStatus]]) -> None:
-    """Each valid PipelineTraining's status: its stages, conditions and figures, written where they changed."""
+    """Each valid PipelineTraining's status: its stages and their GPUs, conditions and figures, written where they
+    changed."""
     by_key = {key_of(t): t for t in view.trainings}
     placed_on: dict[str, int] = {}
+    placed_gpu: dict[GpuKey, int] = {}
     for _o, j, st in valid.values():
         if phase_of(st.status) in ACTIVE:
-            tk = f"{j.namespace}/{st.assignment.training}"
+            a = st.assignment
+            tk = f"{j.namespace}/{a.training}"
             placed_on[tk] = placed_on.get(tk, 0) + 1
-    by_training: dict[str, list[StageView]] = {}
-    for s in stages.values():
-        by_training.setdefault(s.training, []).append(s)
+            for gkey in a.gpu_keys(j.namespace):
+                placed_gpu[gkey] = placed_gpu.get(gkey, 0) + 1
+    by_training: dict[str, list[GpuView]] = {}
+    for g in gpus.values():
+        by_training.setdefault(g.training, []).append(g)
+    # Pods that report no GPU: said, not placed on (their hook is not attached or not heard yet).
+    unreported: dict[str, list[GpuView]] = {}
+    for g in view.gpus:
+        if not g.reported and g.training in trainings:
+            unreported.setdefault(g.training, []).append(g)
     for tkey, tr in trainings.items():
         obj = by_key[tkey]
         before = status_of(obj)
         status = dict(before)
-        mine = by_training.get(tkey, [])
+        reported = by_training.get(tkey, [])
+        mine = reported + unreported.get(tkey, [])
         status["pods"] = len({s.pod for s in mine})
-        status["stages"] = [{
-            **({"stage": s.stage} if s.stage >= 0 else {}),  # unknown until the Pod's hook reports
-            "pod": s.pod, "node": s.node, **({"device": s.device} if s.device else {}),
-            **({"iterationSeconds": s.cycle.iteration_s, "bubbleRatio": round(s.cycle.bubble_ratio, 4),
-                "bubbles": [{"slot": b.slot, "durationSeconds": b.duration_s, "freeBytes": b.free_bytes}
-                            for b in s.cycle.slots]} if s.cycle else {}),
-        } for s in sorted(mine, key=lambda s: (s.stage, s.pod))]
+        status["gpus"] = len(reported)
+        status["gpusHarvested"] = sum(1 for g in reported if placed_gpu.get(g.key))
+        status["stages"] = _stages_status(reported, placed_gpu)
+        if unreported.get(tkey):
+            status["unreportedPods"] = sorted({g.pod for g in unreported[tkey]})
+        else:
+            status.pop("unreportedPods", None)
         profiled = [s for s in mine if s.cycle is not None]
         gen = tr.generation
         conds = set_condition(status.get("conditions") or [], Condition(
             ConditionType.ADMITTED.value, "True", "Valid", "the spec is valid", observed_generation=gen), view.now)
-        silent = [s.pod for s in mine if not s.hook_reporting]
+        # GPUs in words: a Pod runs several (stages, ranks); one not reported yet is named by its Pod alone.
+        silent = [_named(s) for s in mine if not s.hook_reporting]
         # Silent and never profiled: a hook to set up. Silent after it was profiled is the training's pause (an
         # evaluation, a checkpoint), stop or hang: said apart (Silent), with no set-up advice.
         unheard = [s for s in mine if not s.hook_reporting and s.cycle is None]
@@ -74,17 +111,18 @@ def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str,
             conds = set_condition(conds, Condition(
                 "HookReporting", "False", "Silent", f"no bubble signals for {HOOK_SILENCE_S:g} s from "
                 f"{', '.join(sorted(silent))}, profiled before: the training stopped, is evaluating or checkpointing, "
-                "or hangs. Fill jobs on those stages are Paused until it trains again", observed_generation=gen),
+                "or hangs. Fill jobs on those GPUs are Paused until it trains again", observed_generation=gen),
                 view.now)
         elif silent:
-            # A silent Pod beside one of the training's reporting Pods on its node may be a second process of a stage
-            # already reported there (the hook stands such a twin down: one process per stage and node is harvested).
-            shared = sorted(s.pod for s in unheard if any(o.hook_reporting and o.node == s.node for o in mine))
-            twin = (f". {', '.join(shared)} share a node with Pods of this training that report: if one runs a stage "
-                    "already reported there (tensor-parallel ranks or data-parallel replicas of one stage on one "
-                    "node), its hook stood down, as one process per stage and node is harvested (its log says so)"
-                    if shared else "")
-            pods = ", ".join(sorted(s.pod for s in unheard))
+            # A silent Pod beside one of the training's reporting Pods on its node may run a rank already reported
+            # there: a second training of this name in this namespace, or the rank started twice (the hook stands such
+            # a twin down: one process per GPU key and node signals).
+            shared = sorted({s.pod for s in unheard if any(o.hook_reporting and o.node == s.node for o in mine)})
+            twin = (f". {', '.join(shared)} share a node with Pods of this training that report: if one runs a rank "
+                    "already reported there (a second training of this name in this namespace, or the rank started "
+                    "twice), its hook stood down, as one process per rank and node is harvested (its log says so): "
+                    "give each training a name of its own" if shared else "")
+            pods = ", ".join(sorted({_named(s) for s in unheard}))
             conds = set_condition(conds, Condition(
                 "HookReporting", "False", "NoHook", f"no bubble signals from {pods}: attach the "
                 "hook (bubbles.hook.instrument(engine)), set BUBBLES_TRAINING to this PipelineTraining's name and "
@@ -92,12 +130,12 @@ def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str,
                 observed_generation=gen), view.now)
         else:
             conds = set_condition(conds, Condition("HookReporting", "True", "Reporting",
-                                                   f"all {len(mine)} stage(s) report", observed_generation=gen),
+                                                   f"all {len(mine)} GPU(s) report", observed_generation=gen),
                                   view.now)
         conds = set_condition(conds, Condition(
             "Profiled", "True" if mine and len(profiled) == len(mine) else "False",
             "Profiled" if mine and len(profiled) == len(mine) else "Profiling",
-            f"{len(profiled)} of {len(mine)} stage(s) profiled", observed_generation=gen), view.now)
+            f"{len(profiled)} of {len(mine)} GPU(s) profiled", observed_generation=gen), view.now)
         differ = [f"spec.{what} is {want}, the hook reports {', '.join(map(str, sorted(got)))}"
                   for what, want, got in (
                       ("stages", tr.stages, {s.cycle.stages for s in profiled if s.cycle}),
@@ -110,7 +148,7 @@ def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str,
                 "SpecMatches", "False" if differ else "True", "Differs" if differ else "Matches",
                 "; ".join(differ) + " (the hook's are used: fix the spec or the selector)" if differ
                 else "the hook reports what the spec says", observed_generation=gen), view.now)
-        told = sorted((s for s in mine if s.training_membership), key=lambda s: (s.stage, s.pod))
+        told = sorted((s for s in mine if s.training_membership), key=lambda s: (s.stage, s.rank, s.pod))
         outside = [s for s in told if s.training_membership != MPS_CLIENT]
         had = any(c.get("type") == "MpsClient" for c in conds)
         said: Condition | None = None
@@ -120,13 +158,14 @@ def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str,
         # nothing; nothing known at all (isolation no longer mps) says Unknown where something was said before.
         if outside:
             # The first stage's words in full, the others named (the status has room for one message, not many).
-            first, more = outside[0], [f"{s.stage} ({s.pod} on {s.node})" for s in outside[1:]]
-            text = f"stage {first.stage} ({first.pod} on {first.node}): {first.training_membership}" + (
-                f"; likewise stage(s) {', '.join(more[:20])}" + (f" and {len(more) - 20} more" if len(more) > 20
+            first, more = outside[0], [f"stage {s.stage} rank {s.rank} ({s.pod} on {s.node})" for s in outside[1:]]
+            text = (f"stage {first.stage} rank {first.rank} ({first.pod} on {first.node}): "
+                    f"{first.training_membership}") + (
+                f"; likewise {', '.join(more[:20])}" + (f" and {len(more) - 20} more" if len(more) > 20
                                                                  else "") if more else "")
             said = Condition("MpsClient", "False", "NotMpsClient", text, observed_generation=gen)
         elif profiled and all(s.training_membership == MPS_CLIENT for s in profiled):
-            said = Condition("MpsClient", "True", "MpsClient", f"the training's process on every profiled stage "
+            said = Condition("MpsClient", "True", "MpsClient", f"the training's process on every profiled GPU "
                              f"({len(profiled)}) is a client of its node's MPS server", observed_generation=gen)
         elif not told and had:
             said = Condition("MpsClient", "Unknown", "NotChecked", "no stage's training process has been checked "
@@ -160,6 +199,10 @@ def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str,
         status["observedGeneration"] = gen
         if status != before:
             out.training_status[tkey] = status
+
+
+def _named(g: GpuView) -> str:
+    return f"{g.pod} (stage {g.stage} rank {g.rank})" if g.reported else g.pod
 
 
 def invalid_training_statuses(view: ClusterView, out: Decisions, invalid: Mapping[str, str]) -> None:

@@ -1,4 +1,4 @@
-"""What the operator sees (``ClusterView``, ``StageView``, ``FillPodSettings``) and what it decides (``Decisions``,
+"""What the operator sees (``ClusterView``, ``GpuView``, ``FillPodSettings``) and what it decides (``Decisions``,
 grouped by FillJob: ``FillJobDecisions``; ``Assignment``; ``Event``)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from bubbles.core import mps_client
 from bubbles.core.api import FillJobSpec
 from bubbles.core.cycle import BubbleCycle
+from bubbles.core.identity import GpuKey
 from bubbles.core.paths import MOUNTED_RUN_DIR
 from bubbles.core.resources import JobProgress
 
@@ -29,16 +30,19 @@ PROVISIONAL_STEP_S = 1e-3
 STARTUP_GRACE_S = 10.0
 
 @dataclass(frozen=True)
-class StageView:
-    """One pipeline stage of one training Pod: the Pod from the API server, its bubbles from its node's agent."""
+class GpuView:
+    """One harvested GPU (a rank of a pipeline stage) of one training Pod: the Pod from the API server, the GPU's
+    bubbles from its node's agent (one ``StageReport`` each). A Pod that runs several stages or ranks is several of
+    these; a Pod no agent reports a GPU of yet is one with ``stage`` -1 (``reported`` False), so that its training's
+    status can say why."""
 
     training: str  # "namespace/name" of the PipelineTraining
-    stage: int
+    stage: int  # -1: the Pod's GPUs are not reported (yet)
     pod: str
     pod_uid: str
     node: str
     device: str
-    cycle: BubbleCycle | None = None  # None until the hook has profiled the stage (or after the Pod restarted)
+    cycle: BubbleCycle | None = None  # None until the hook has profiled the GPU (or after the Pod restarted)
     agent_up: bool = True
     hook_reporting: bool = False
     iteration_s: float | None = None  # latest iteration time while harvesting
@@ -48,10 +52,23 @@ class StageView:
     gpu_uuid: str | None = None  # the GPU's UUID, when the agent knows it (NVML)
     training_membership: str = ""  # under MPS: "client", "not a client: ..." (resources.StageReport), or unknown ""
     tolerations: tuple[Mapping[str, Any], ...] = ()  # the training Pod's: it runs on the node, so they fit its taints
+    rank: int = 0  # its index among its stage's ranks (identity.GpuKey)
+    ranks: int = 1  # how many ranks the stage has, as its hook reports
 
     @property
-    def key(self) -> str:
-        return f"{self.training}/{self.stage}/{self.pod}"
+    def reported(self) -> bool:
+        return self.stage >= 0
+
+    @property
+    def key(self) -> GpuKey:
+        """Which GPU it is; ValueError for a Pod whose GPUs are not reported (``reported`` False)."""
+        namespace, _, name = self.training.partition("/")
+        return GpuKey(namespace, name, self.stage, self.rank)
+
+    @property
+    def where(self) -> str:
+        """The GPU in words, for statuses and Events: "ml/llama stage 0 rank 1"."""
+        return f"{self.training} stage {self.stage} rank {self.rank}"
 
 
 @dataclass(frozen=True)
@@ -59,7 +76,7 @@ class ClusterView:
     now: dt.datetime
     fill_jobs: Sequence[Mapping[str, Any]]  # FillJob objects as the API server has them (with status)
     trainings: Sequence[Mapping[str, Any]]  # PipelineTraining objects
-    stages: Sequence[StageView]
+    gpus: Sequence[GpuView]  # every harvested GPU of every selected training Pod, and the Pods not reported yet
     progress: Mapping[str, JobProgress] = field(default_factory=dict)  # by FillJob uid
     policy: str = "fifo"
     # Fill Pods that failed, "namespace/name" -> why (the kubelet's reason): their jobs are evicted.
@@ -160,7 +177,8 @@ def check_toleration(t: Any, where: str) -> None:
 # -- what it decides ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Assignment:
-    """A FillJob placed on one stage: what the agent on ``node`` is told, and what the fill Pod is given."""
+    """A FillJob placed on GPUs of one stage (``ranks``: one for a single-GPU job): what the agent on ``node`` is
+    told, and what the fill Pod is given."""
 
     uid: str
     generation: int
@@ -173,12 +191,20 @@ class Assignment:
     device: str
     fill_pod: str  # the fill job's Pod
     attempt: int
-    gpu_uuid: str | None = None
+    gpu_uuid: str | None = None  # the UUID of the GPU of ranks[0]
     job: FillJobSpec | None = field(default=None, compare=False)  # what the agent plans and drives
     slowdown_budget: float | None = None  # the PipelineTraining's limits, for the agent's slowdown guard
     max_fill_share: float | None = None
     tail_risk: float | None = None  # and for the fill processes' steps past a bubble's predicted end
     tolerations: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)  # the training Pod's
+    # The stage's ranks (GpuKey.rank) the job's processes run on, one per process: a tuple already, for the jobs over
+    # several GPUs to come; one rank today.
+    ranks: tuple[int, ...] = (0,)
+
+    @property
+    def gpu_keys(self) -> tuple[GpuKey, ...]:
+        namespace, _, name = self.training.partition("/")
+        return tuple(GpuKey(namespace, name, self.stage, r) for r in self.ranks)
 
 
 @dataclass(frozen=True)
@@ -291,7 +317,7 @@ def key_of(obj: Mapping[str, Any]) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
-def stage_context_bytes(view: ClusterView, stage: StageView) -> int:
-    """The CUDA-context allowance the stage's agent adds to a job's memory: on a GPU, outside MPS."""
-    gpu = bool(stage.gpu_uuid) or stage.device.startswith("cuda")
-    return view.cuda_context_bytes if gpu and view.fill_pods.mps_pipe_dir is None else 0
+def gpu_context_bytes(view: ClusterView, gpu: GpuView) -> int:
+    """The CUDA-context allowance the GPU's agent adds to a job's memory: on a GPU, outside MPS."""
+    on_gpu = bool(gpu.gpu_uuid) or gpu.device.startswith("cuda")
+    return view.cuda_context_bytes if on_gpu and view.fill_pods.mps_pipe_dir is None else 0

@@ -54,11 +54,14 @@ DEFAULTS: dict[str, Any] = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("main job (flags override --config)")
     g.add_argument("--config", type=Path, help="JSON or YAML file with any of: " + ", ".join(CONFIG_KEYS))
-    g.add_argument("--stages", type=int, help="pipeline stages p (default 16)")
+    # The training's shape, TP x PP x DP: --tensor-parallel x --stages x --data-parallel (or --gpus), with the short
+    # names --tp --pp --dp. Every GPU of a stage has its own bubbles; the simulator's executor classes are the stages,
+    # each of dp x tp GPUs (the operator's executors are single GPUs: see docs/simulator.md).
+    g.add_argument("--stages", "--pp", type=int, help="pipeline stages p (default 16)")
     g.add_argument("--microbatches", type=int, help="micro-batches m per replica and iteration (default 8)")
     g.add_argument("--gpus", type=int, help="GPUs of the main job (default 8192 = stages x dp x tp)")
-    g.add_argument("--data-parallel", type=int, help="data-parallel degree, instead of --gpus")
-    g.add_argument("--tensor-parallel", type=int, help="GPUs per stage and replica (default 1)")
+    g.add_argument("--data-parallel", "--dp", type=int, help="data-parallel degree, instead of --gpus")
+    g.add_argument("--tensor-parallel", "--tp", type=int, help="GPUs per stage and replica (default 1)")
     g.add_argument("--schedule", help="gpipe or 1f1b (default gpipe)")
     g.add_argument("--fwd-ms", type=float, help="forward time per micro-batch and stage, ms (default 40)")
     g.add_argument("--bwd-ms", type=float, help="backward time per micro-batch and stage, ms (default 80)")
