@@ -351,18 +351,23 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     fill_spec = fill["spec"]
     assert "hostIPC" not in fill_spec
     (c,) = fill_spec["containers"]
+    # The GPU the fill Pod is placed on (training llama, stage 0, rank 0: not one the other tests run): its directory
+    # under the node's run directory, as the Pod's fills volume names it.
+    (fills_volume,) = [v for v in fill_spec["volumes"] if v["name"] == "bubbles-fills"]
+    gpu = Path(fills_volume["hostPath"]["path"]).parent.relative_to(cluster.run_dir)
+    assert gpu.parts[1:] == ("llama", "stage-0", "rank-0"), gpu
     c["command"] = ["python", "-c", "import os; print('fill-saw', open('/dev/shm/from-agent').read(), "
                     "open('/dev/shm/from-daemon').read()); "
                     "open('/dev/shm/from-fill', 'w').write('fill'); "
                     "print('fill-env', os.environ['CUDA_MPS_PIPE_DIRECTORY']); "
-                    "open('/run/bubbles/llama/stage-0/fills/from-fill', 'w').write('fill'); "
+                    f"open('/run/bubbles/{gpu}/fills/from-fill', 'w').write('fill'); "
                     "print('fill-sees', sorted(os.path.relpath(os.path.join(r, n), '/run/bubbles') "
                     "for r, ds, fs in os.walk('/run/bubbles') for n in ds + fs))"]
-    # The stage the fill Pod is placed on (training llama, stage 0: not one the other tests run), with a stand-in for
-    # the training's lock beside its fills/: the Pod must see fills/ and the attach directory of the node's run
-    # directory, and nothing else of it (not the lock, not the other trainings' stages).
-    stage_dir = cluster.run_dir / "llama" / "stage-0"
-    for d in (cluster.run_dir / "_attach", cluster.run_dir / "llama", stage_dir, stage_dir / "fills"):
+    # A stand-in for the training's lock beside the GPU's fills/: the Pod must see fills/ and the attach directory of
+    # the node's run directory, and nothing else of it (not the lock, not the other trainings' GPUs).
+    stage_dir = cluster.run_dir / gpu
+    made = [cluster.run_dir / "_attach"] + [cluster.run_dir.joinpath(*gpu.parts[:n]) for n in range(1, 5)]
+    for d in (*made, stage_dir / "fills"):
         d.mkdir(mode=0o700, exist_ok=True)
         os.chown(d, UID, UID)
     (stage_dir / "hook.lock").touch()
@@ -378,11 +383,12 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
         assert "fill-saw agent daemon" in fill_log and f"fill-env {pipe}" in fill_log, fill_log
         (seen,) = [ast.literal_eval(line.split(" ", 1)[1]) for line in fill_log.splitlines()
                    if line.startswith("fill-sees ")]
-        assert "llama/stage-0/fills/from-fill" in seen and "_attach" in seen, seen
-        assert not [p for p in seen if p not in ("llama", "llama/stage-0") and not p.startswith(
-            ("_attach", "llama/stage-0/fills"))], seen  # no lock, no card, no agent socket, no other training
+        assert f"{gpu}/fills/from-fill" in seen and "_attach" in seen, seen
+        above = {str(Path(*gpu.parts[:n])) for n in range(1, 5)}  # the directories the mount point lies in
+        assert not [p for p in seen if p not in above and not p.startswith(
+            ("_attach", f"{gpu}/fills"))], seen  # no lock, no card, no agent socket, no other GPU or training
         assert (stage_dir / "fills" / "from-fill").stat().st_uid == UID
-        shutil.rmtree(cluster.run_dir / "llama")
+        shutil.rmtree(cluster.run_dir / gpu.parts[0] / "llama")
         assert (shm / "from-fill").read_text() == "fill" and (shm / "from-fill").stat().st_uid == UID
         # A Pod without the mount (and without host IPC) has a /dev/shm of its own.
         other = {"apiVersion": "v1", "kind": "Pod",
@@ -666,6 +672,64 @@ def test_the_trainings_loss_is_bit_identical_to_a_run_without_bubbles_and_its_sl
             assert harvest["losses"][:n] == reference["losses"], f"rank {rank}: the losses differ"
             assert harvest["stats"]["bubbles_signalled"] > 0 and not harvest["stats"]["disabled"]
         print(json.dumps({"timeline": cluster.timeline, "harvest_iterations": len(harvest["losses"])}, indent=1))
+
+
+TP_TRAINING = "llama-tp"  # one Pod: 2 stages x 2 model-parallel ranks (4 processes), every rank its own GPU key
+
+
+def test_a_training_pod_with_two_ranks_of_a_stage_has_both_ranks_filled(cluster: Cluster) -> None:
+    """After the main training has stopped (the cores are free): a training Pod that runs 2 stages x 2 model-parallel
+    ranks under torchrun, as a node of a tensor-parallel training does. Every rank's hook reports its own GPU, the
+    PipelineTraining's status lists the four, and two FillJobs pinned to stage 1 run one on each of its ranks."""
+    node = cluster.node
+    out = cluster.out_dir / "tp"
+    out.mkdir(parents=True, exist_ok=True)
+    os.chown(out, UID, UID)
+    pod = training_pod(0, "", 100_000, out, cluster.run_dir, name=TP_TRAINING)
+    pod["metadata"]["name"] = TP_TRAINING
+    (c,) = pod["spec"]["containers"]
+    train = c["command"][3:]  # after "python -m bubbles.demo.train"
+    c["command"] = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                    "-m", "bubbles.demo.train", "--tp", "2", *train]
+    c["env"] = [e for e in c["env"] if e["name"] not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
+                                                          "MASTER_ADDR", "GLOO_SOCKET_IFNAME")]
+    pt = yaml.safe_load((ROOT / "examples" / "cluster" / "pipelinetraining.yaml").read_text())
+    pt["metadata"].update(name=TP_TRAINING, namespace=NS)
+    pt["metadata"].setdefault("labels", {})["bubbles-test"] = "tp"
+    pt["spec"]["selector"] = {"matchLabels": {"app": TP_TRAINING}}
+    pt["spec"]["slowdownBudget"] = 0.25
+    with explained(cluster):
+        node.apply(pod, pt)
+        t0 = time.monotonic()
+        wait_for(f"{TP_TRAINING}'s four GPUs to be profiled", lambda: (
+            st if (st := node.get("pt", "-n", NS, TP_TRAINING).get("status", {})).get("gpus") == 4
+            and condition(node, "pt", TP_TRAINING, "Profiled") else None), 600, 2)
+        cluster.timeline["a Pod of 2 stages x 2 ranks to Profiled"] = time.monotonic() - t0
+        stages = node.get("pt", "-n", NS, TP_TRAINING)["status"]["stages"]
+        assert [(st["stage"], sorted(g["rank"] for g in st["gpus"])) for st in stages] == [(0, [0, 1]), (1, [0, 1])]
+        assert {g["pod"] for st in stages for g in st["gpus"]} == {TP_TRAINING}
+        jobs = []
+        for i in range(2):
+            fj = fill_job(f"tp-rank-fill-{i}", 100)
+            fj["spec"]["stage"] = 1
+            fj["spec"]["trainingSelector"] = {"matchLabels": {"bubbles-test": "tp"}}
+            jobs.append(fj)
+        node.apply(*jobs)
+        done = [wait_phase(node, f"tp-rank-fill-{i}", {"Succeeded", "Failed"}, 600) for i in range(2)]
+        cluster.timeline["two FillJobs on the two ranks of stage 1 to Succeeded"] = time.monotonic() - t0
+        for obj in done:
+            assert obj["status"]["phase"] == "Succeeded", obj["status"]
+            assert obj["status"]["progress"]["stepsDone"] == 100
+        placed = sorted(tuple(obj["status"]["assignment"]["ranks"]) for obj in done)
+        assert placed == [(0,), (1,)], placed  # one job on each GPU of the stage
+        assert {obj["status"]["assignment"]["stage"] for obj in done} == {1}
+        (out / "stop").touch()
+        wait_for(f"{TP_TRAINING} to complete", lambda: node.get("pod", "-n", NS, TP_TRAINING)["status"]["phase"]
+                 == "Succeeded", 600, 2)
+        records = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+        assert sorted((r["stage"], r["stage_rank"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(r["stats"]["bubbles_signalled"] > 0 and not r["stats"]["disabled"] for r in records)
+        assert len({tuple(r["losses"]) for r in records if r["stage"] == 1}) == 1  # the model-parallel ranks agree
 
 
 def test_a_real_prometheus_scrapes_the_pods_and_every_dashboard_query_has_data(cluster: Cluster) -> None:
