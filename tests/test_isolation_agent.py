@@ -17,7 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.agent import TRAINING, Harness, Hook, StartAgent, cycle, environ, spec, start_agent, wait_for
+from helpers.agent import (
+    TRAINING,
+    Harness,
+    Hook,
+    StartAgent,
+    cycle,
+    environ,
+    short_tmp,
+    spec,
+    start_agent,
+    wait_for,
+)
 from helpers.isolation import FAKE_MPS, MpsDirs, fill_pid, mps_config, mps_dirs, sleeper, zombie
 from prometheus_client import generate_latest
 
@@ -26,7 +37,7 @@ from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
 from bubbles.core import wire
 from bubbles.core.api import FillState
 
-__all__ = ["mps_dirs", "start_agent"]  # the fixtures, from helpers.isolation and helpers.agent
+__all__ = ["mps_dirs", "short_tmp", "start_agent"]  # the fixtures, from helpers.isolation and helpers.agent
 
 
 def metrics_text(agent: Agent) -> str:
@@ -90,12 +101,12 @@ class CpuStandIn(Launcher):
 
 @pytest.mark.parametrize("joins", [True, False], ids=["joined", "not-joined"])
 def test_an_mps_fill_job_on_a_gpu_is_armed_only_once_the_daemon_lists_it_as_a_client(
-        joins: bool, mps_dirs: MpsDirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        joins: bool, mps_dirs: MpsDirs, short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_MPS_CLIENTS_FROM_ENV", "1")  # the stand-in lists the processes on its pipe directory
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    cfg = AgentConfig(run_dir=tmp_path / "run", training=TRAINING, pin_cores=False, devices=("cuda:0",),
+    cfg = AgentConfig(run_dir=short_tmp / "run", training=TRAINING, pin_cores=False, devices=("cuda:0",),
                       isolation=mps_config(mps_dirs))
-    h = Harness(Agent(cfg, [busy(memory="64Mi")], launcher=CpuStandIn(joins)), tmp_path / "run")
+    h = Harness(Agent(cfg, [busy(memory="64Mi")], launcher=CpuStandIn(joins)), short_tmp / "run")
     h.agent.start()
     h.thread.start()
     try:

@@ -126,6 +126,15 @@ StartAgent = Callable[..., Harness]
 
 
 @pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory under /tmp, not pytest's tmp_path: a GPU's socket paths under it (``<run>/_local/t/stage-0/rank-0/
+    fills/fill-<job>.sock``) must fit the 107 bytes a Unix socket allows."""
+    short = Path(tempfile.mkdtemp(prefix="bba-", dir="/tmp"))
+    yield short
+    shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
 def start_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Harness]]:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     harnesses: list[Harness] = []
