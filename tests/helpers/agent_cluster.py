@@ -14,6 +14,8 @@ from bubbles.core.identity import GpuKey
 from helpers.agent import TRAINING
 
 NODE = "node-a"
+NAMESPACE = "ml"  # the training Pods' namespace in these tests
+TR = (NAMESPACE, TRAINING)  # the training, namespace-qualified: NodeAgent.trainings' key
 ENTRY = "bubbles.fill_examples.spin:SpinJob"
 
 
@@ -31,6 +33,13 @@ def write_card(run_dir: Path, stage: int = 0, pod: str = "llama-0", stages: int 
     card = {"training": training, "stage": stage, "stages": stages, "namespace": namespace, "pod": pod,
             "device": "cpu", "gpu_uuid": None, "pid": 1, "fills": True, **more, **extra}
     path.write_text(json.dumps(card))
+    return path
+
+
+def legacy_card_path(run_dir: Path, training: str, stage: int) -> Path:
+    """Where a hook before card v4 wrote its card (one rank per stage, no namespace)."""
+    path = paths.legacy_stage_dir(run_dir, training, stage) / paths.HOOK_CARD_NAME
+    paths.make_private_dir(path.parent)
     return path
 
 
