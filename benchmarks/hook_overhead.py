@@ -232,7 +232,7 @@ def _bubble_case(inst: Any, engine: Any, direct: dict[Any, Any], per: int, inter
     never fills), against the bare handler."""
     assert inst.cycle is not None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    listener.bind(str(paths.make_private_dir(paths.stage_dir(run_dir, training, 1)) / paths.AGENT_SOCKET_NAME))
+    listener.bind(str(paths.make_private_dir(paths.gpu_dir(run_dir, inst.key)) / paths.AGENT_SOCKET_NAME))
     listener.setblocking(False)
     inst._listeners.refresh()
     hot = inst._hot

@@ -203,7 +203,8 @@ def test_without_the_control_program_no_fill_process_starts(mps_dirs: MpsDirs, s
     assert iso["state"] == "unavailable"
     assert iso["daemon"] is None
     assert 'bubbles_isolation_ready{mode="mps",namespace="_local",training="t"} 0.0' in metrics_text(h.agent)
-    assert 'bubbles_isolation_state{mode="mps",namespace="_local",state="unavailable",training="t"} 1.0' in metrics_text(h.agent)
+    assert 'bubbles_isolation_state{mode="mps",namespace="_local",state="unavailable",training="t"} 1.0' \
+        in metrics_text(h.agent)
 
 
 @pytest.mark.parametrize("allow_unisolated", [False, True])
@@ -229,7 +230,8 @@ def test_a_daemon_that_will_not_start_holds_jobs_back_unless_unisolated_is_allow
     assert h.job("busy")["isolation"] == "unisolated"
     env = environ(fill_pid(h))
     assert not {"CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"} & set(env)
-    assert 'bubbles_isolation_state{mode="mps",namespace="_local",state="unisolated",training="t"} 1.0' in metrics_text(h.agent)
+    assert 'bubbles_isolation_state{mode="mps",namespace="_local",state="unisolated",training="t"} 1.0' \
+        in metrics_text(h.agent)
 
 
 def test_slow_health_checks_never_stall_the_agents_loop(mps_dirs: MpsDirs, start_agent: StartAgent,

@@ -80,7 +80,7 @@ def job_spec(name: str = "j", **fields: Any) -> Any:
 def started(core: AgentCore, name: str = "j", has_control: bool = True, **fields: Any) -> JobRecord:
     """Submit to stage 0, profile it, launch: the job is CREATED (SDK) or PAUSED (plain command)."""
     job = core.submit(job_spec(name, **{"stage": 0, **fields}))
-    core.on_datagram(core.key(0), wire.encode_profile(0, cycle()))
+    core.on_datagram(gpu(0), wire.encode_profile(0, cycle()))
     actions = core.take_actions()
     assert [type(a) for a in actions] == [Launch] and actions[0].job is job and actions[0].isolated
     core.launched(job, has_control=has_control)
