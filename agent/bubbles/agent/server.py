@@ -276,6 +276,10 @@ class Agent:
         """Local mode: serve every GPU of the training whose hook has written a card (``<training dir>/stage-<k>/
         rank-<r>/hook.json``) and that is not served yet; the keys added. A card nobody's process holds (left by an
         earlier run) is no GPU to serve; an unreadable one is said once and skipped."""
+        with self.lock:
+            return self._discover()
+
+    def _discover(self) -> list[GpuKey]:
         added: list[GpuKey] = []
         for path in sorted(self.training_dir.glob(f"stage-*/rank-*/{paths.HOOK_CARD_NAME}")):
             try:
