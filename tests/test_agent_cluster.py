@@ -450,3 +450,73 @@ def test_a_training_whose_processes_are_gone_loses_its_cards_and_its_agent(node:
     write_card(node.run_dir)  # it comes back: served afresh
     node.scan()
     assert node.trainings[TR] is not tr
+
+
+# -- several GPUs per stage, several namespaces ---------------------------------------------------------------------
+def test_two_ranks_of_one_stage_are_two_gpus_and_a_job_assigned_to_rank_1_binds_in_its_fills(node: NodeAgent) -> None:
+    write_card(node.run_dir, rank=0, ranks=2, gpu_uuid="GPU-r0")
+    node.scan()
+    assert [(s.stage, s.rank, s.ranks) for s in node.report().stages] == [(0, 0, 2)]
+    write_card(node.run_dir, rank=1, ranks=2, pod="llama-1", gpu_uuid="GPU-r1")  # a rank found later: no restart
+    node.scan()
+    stages = node.report().stages
+    assert [(s.stage, s.rank, s.ranks, s.pod, s.gpu_uuid) for s in stages] == [
+        (0, 0, 2, "llama-0", "GPU-r0"), (0, 1, 2, "llama-1", "GPU-r1")]
+    assert paths.agent_socket(node.run_dir, gpu(0, 1, namespace=NAMESPACE)).is_socket()
+    rank0, rank1 = Hook(node.run_dir, 0, 0, namespace=NAMESPACE), Hook(node.run_dir, 0, 1, namespace=NAMESPACE)
+    try:
+        rank1.send(wire.encode_profile(0, cycle(slots=((0.02, 1 << 30),))), agent_only=True)
+        wait_for(lambda: node.report().stages[1].cycle is not None, what="rank 1's profile")
+        assert node.report().stages[0].cycle is None  # rank 0's GPU has its own bubbles, not measured yet
+        node.assign(assignment(ranks=(1,)))
+        proc = fill_process(node.run_dir, "uid-1")
+        try:
+            wait_for(lambda: rank1.fill_armed("fj-a0"), timeout_s=30, what="the job armed in rank 1's fills/")
+            assert not rank0.fill_armed("fj-a0")
+            for _ in range(10):
+                rank1.bubble(0.02)
+            wait_for(lambda: (j := job(node, "uid-1")) and j.steps_done > 0, what="steps on rank 1")
+            assert node.report().stages[1].filled_s > 0 and node.report().stages[0].filled_s == 0
+            with node.trainings[TR].agent.lock:
+                (record,) = node.trainings[TR].agent.jobs
+            assert record.key == gpu(0, 1, namespace=NAMESPACE)
+        finally:
+            proc.kill()
+            proc.communicate()
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_trainings_of_one_name_in_two_namespaces_are_two_trainings(node: NodeAgent) -> None:
+    write_card(node.run_dir, namespace="a", pod="llama-a")
+    write_card(node.run_dir, namespace="b", pod="llama-b")
+    node.scan()
+    a, b = node.trainings[("a", TRAINING)], node.trainings[("b", TRAINING)]
+    assert a.agent is not b.agent and len(node.trainings) == 2
+    assert [(s.namespace, s.pod) for s in node.report().stages] == [("a", "llama-a"), ("b", "llama-b")]
+    hook = Hook(node.run_dir, namespace="a")
+    try:
+        hook.send(wire.encode_profile(0, cycle()), agent_only=True)
+        wait_for(lambda: node.report().stages[0].cycle is not None, what="a's profile")
+        assert node.report().stages[1].cycle is None  # b's stage heard nothing
+    finally:
+        hook.close()
+    node.assign(dataclasses.replace(assignment(namespace="a"), slowdown_budget=0.2))
+    assert a.agent.core.config.guard.budget == 0.2 and b.agent.core.config.guard.budget != 0.2  # its own guard
+    assert paths.fills_dir(node.run_dir, gpu(0, namespace="a")).is_dir()
+    assert paths.fills_dir(node.run_dir, gpu(0, namespace="b")).is_dir()
+
+
+def test_an_assignment_naming_a_rank_without_a_hook_here_is_refused_naming_the_gpu(node: NodeAgent) -> None:
+    write_card(node.run_dir, rank=0, ranks=4)
+    node.scan()
+    node.assign(assignment(ranks=(2,)))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(paths.attach_socket(node.run_dir)))
+        s.sendall(control.encode("hello", uid="uid-1", attempt=0))
+        reply = control.parse_reply(s.makefile("rb").readline())
+    assert reply.type == "refused"
+    assert f"ml/{TRAINING}/stage-0/rank-2 (stage 0 rank 2 of training {TRAINING}) has no hook on this node" \
+        in reply["reason"]
+    assert node.book.jobs["uid-1"].attached_pid is None  # refused: the next attempt may attach
