@@ -379,7 +379,7 @@ class Agent:
 
     def run(self) -> None:
         """Serve until ``request_stop()``; then stop every fill job, close the sockets, undo isolation."""
-        if not self._socks:
+        if not self._bound:  # not started yet (an agent may serve no GPU yet: its sockets are bound as they come)
             self.start()
         self._supervisor_stop.clear()
         self._supervisor = threading.Thread(target=self._supervise, name="bubbles-isolation", daemon=True)
