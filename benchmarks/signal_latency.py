@@ -54,7 +54,8 @@ def bubble_start_latencies_us(signals: int, gap_s: float, work: Path, spin_us: f
             if agent.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"agent did not start: {agent.stderr.read() if agent.stderr else ''}")
             time.sleep(0.05)
-        stage_dir = paths.stage_dir(run_dir, TRAINING, 0)
+        key = paths.GpuKey(paths.LOCAL_NAMESPACE, TRAINING, 0)  # rank 0 of stage 0, the local agent's first GPU
+        stage_dir = paths.gpu_dir(run_dir, key)
         listeners = Listeners(stage_dir)
         cycle = BubbleCycle(training=TRAINING, stage=0, stages=2, microbatches=8, schedule="TrainSchedule",
                             iteration_s=0.05, samples=5,
@@ -62,7 +63,7 @@ def bubble_start_latencies_us(signals: int, gap_s: float, work: Path, spin_us: f
                                               BUBBLE_MS / 1e3, 1 << 30),))
         listeners.refresh()
         listeners.send(wire.encode_profile(0, cycle.to_dict()))
-        fill_sock = paths.fill_socket(run_dir, TRAINING, 0, "spin")
+        fill_sock = paths.fill_socket(run_dir, key, "spin")
         deadline = time.monotonic() + 60
         while not fill_sock.exists():  # the job is created, initialized and armed
             if time.monotonic() > deadline:

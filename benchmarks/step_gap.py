@@ -68,14 +68,15 @@ def gaps_us(bubbles: int, bubble_ms: float, step_us: float, work: Path, entry: s
             if agent.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("step_gap: the agent did not start: " + _agent_said(agent, stats, log))
             time.sleep(0.05)
-        listeners = Listeners(paths.stage_dir(run_dir, TRAINING, 0))
+        key = paths.GpuKey(paths.LOCAL_NAMESPACE, TRAINING, 0)  # rank 0 of stage 0, the local agent's first GPU
+        listeners = Listeners(paths.gpu_dir(run_dir, key))
         length_s = bubble_ms / 1e3
         cycle = BubbleCycle(training=TRAINING, stage=0, stages=2, microbatches=8, schedule="TrainSchedule",
                             iteration_s=length_s * 2, samples=5,
                             slots=(BubbleSlot(0, 3, "RecvGrad", "fwd-bwd", length_s, length_s, length_s, 16 << 30),))
         listeners.refresh()
         listeners.send(wire.encode_profile(0, cycle.to_dict()))
-        fill_sock = paths.fill_socket(run_dir, TRAINING, 0, "spin")
+        fill_sock = paths.fill_socket(run_dir, key, "spin")
         deadline = time.monotonic() + float(os.environ.get("STEP_GAP_ARM_TIMEOUT_S", "300"))
         while not fill_sock.exists():  # created, initialized (a GPU job profiles its steps) and armed
             if time.monotonic() > deadline or agent.poll() is not None:

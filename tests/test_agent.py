@@ -28,6 +28,7 @@ from helpers.agent import (
     StartAgent,
     cycle,
     environ,
+    gpu,
     spec,
     start_agent,
     wait_for,
@@ -142,14 +143,14 @@ def test_only_the_process_holding_the_stages_lock_speaks_for_the_training(start_
     a stage whose bubbles have 64 MiB. The training's hook holds the stage's hook.lock for its process's life; the
     agent takes datagrams only from that process."""
     h = start_agent([spec("big", "test_agent_jobs:BusyJob", memory="2Gi", step_time="1ms")])
-    lock = paths.hook_lock(h.run_dir, TRAINING, 0)
+    lock = paths.hook_lock(h.run_dir, gpu(0))
     script = ("import fcntl, os, socket, sys\n"
               f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
               "fcntl.flock(fd, fcntl.LOCK_EX)\n"
               "print('locked', flush=True)\n"
               "data = bytes.fromhex(sys.stdin.readline())\n"
               f"socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(data, {str(h.run_dir)!r} + "
-              f"'/{TRAINING}/stage-0/agent.sock')\n"
+              f"'/_local/{TRAINING}/stage-0/rank-0/agent.sock')\n"
               "print('sent', flush=True)\n"
               "sys.stdin.read()\n")
     training = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -350,7 +351,7 @@ def test_an_imperative_job_whose_bubble_end_is_lost_is_stopped_by_the_agent_itse
     assert time.monotonic_ns() - start >= 250_000_000
     wait_for(lambda: proc_state() == "T", what="process stopped again")
     body = urllib.request.urlopen(f"http://127.0.0.1:{h.agent.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'bubbles_missed_bubble_ends_total{stage="0",training="t"} 1.0' in body
+    assert 'bubbles_missed_bubble_ends_total{namespace="_local",rank="0",stage="0",training="t"} 1.0' in body
 
 
 def test_metrics_endpoint_serves_the_documented_names(start_agent: StartAgent) -> None:
@@ -378,7 +379,7 @@ def test_metrics_endpoint_serves_the_documented_names(start_agent: StartAgent) -
         assert name in found, f"{name} missing from /metrics"
     assert "# HELP bubbles_fill_kills_total" in body
     assert 'fill_job="busy"' in body and 'device="cpu:0"' in body
-    assert 'bubbles_isolation_ready{mode="contexts",training="t"} 1.0' in body
+    assert 'bubbles_isolation_ready{mode="contexts",namespace="_local",training="t"} 1.0' in body
 
 
 def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: StartAgent) -> None:
@@ -395,7 +396,7 @@ def test_default_isolation_is_separate_processes_kept_off_mps(start_agent: Start
     assert proc is not None
     env = environ(proc.pid)
     private = Path(env["CUDA_MPS_PIPE_DIRECTORY"])
-    assert private == h.run_dir / TRAINING / "no-mps" and private.is_dir() and not list(private.iterdir())
+    assert private == h.run_dir / "_local" / TRAINING / "no-mps" and private.is_dir() and not list(private.iterdir())
     assert h.job("cmd")["isolation"] == "contexts"
     assert any(e["kind"] == "isolation" and e["message"].startswith("ready: ") for e in stats["events"])
     # The kernel named the hook's process (this one) as the datagrams' sender; without MPS it is not checked.
@@ -450,7 +451,7 @@ def test_a_fill_job_whose_socket_path_would_be_too_long_is_stopped_with_the_reas
     # the job is stopped before it starts, saying what to shorten, and the agent and its other jobs go on.
     long_name = "j" * 63
     h = start_agent([spec(long_name, "test_agent_jobs:BusyJob"), spec("ok", "test_agent_jobs:BusyJob")])
-    assert paths.socket_path_problem(paths.fill_socket(h.run_dir, TRAINING, 0, long_name)) is not None
+    assert paths.socket_path_problem(paths.fill_socket(h.run_dir, gpu(0), long_name)) is not None
     Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
     j = h.wait_state(long_name, "STOPPED")
     assert "use a shorter run directory" in j["reason"] and "not started" in j["reason"]

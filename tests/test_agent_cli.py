@@ -19,6 +19,7 @@ import pytest
 
 from bubbles.core import paths, wire
 from bubbles.core.api import FillInterface, SpecError, load_spec, parse_duration, parse_quantity, parse_spec
+from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
 
 ROOT = Path(__file__).parent.parent
 GOOD = {"name": "job", "entry": "pkg.mod:Job"}
@@ -158,14 +159,15 @@ def _run_an_example_fill_job(run_dir: Path, ready: Path, stats: Path) -> None:
                      "--fill-job", str(ROOT / "examples/fill-jobs/batch-inference.yaml"), "--stats", str(stats),
                      "--log-level", "WARNING", ready=ready) as proc:
         deadline = time.monotonic() + 20
-        stage_dir = paths.stage_dir(run_dir, "demo", 1)
+        key = GpuKey(LOCAL_NAMESPACE, "demo", 1, 0)
+        stage_dir = paths.gpu_dir(run_dir, key)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         cycle = {"training": "demo", "stage": 1, "stages": 2, "microbatches": 4, "schedule": "TrainSchedule",
                  "iteration_s": 0.05, "samples": 5,
                  "slots": [{"slot": 0, "position": 3, "instruction": "RecvActivation", "kind": "fill",
                             "duration_s": 0.008, "p10_s": 0.008, "p90_s": 0.008, "free_bytes": 2**30}]}
         sock.sendto(wire.encode_profile(1, cycle), str(stage_dir / "agent.sock"))
-        fill = paths.fill_socket(run_dir, "demo", 1, "batch-inference")
+        fill = paths.fill_socket(run_dir, key, "batch-inference")
         while not fill.exists():  # the fill process imports torch, creates and initializes the model
             assert proc.poll() is None and time.monotonic() < deadline + 20, "fill job never armed"
             time.sleep(0.02)
@@ -289,11 +291,13 @@ HOOK = r"""
 import os, sys, time
 from bubbles.core import card, paths
 run_dir, training, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
-path = paths.hook_card(run_dir, training, stage)
+key = paths.GpuKey(paths.LOCAL_NAMESPACE, training, stage, 0)
+path = paths.hook_card(run_dir, key)
 paths.make_private_dir(path.parent)
-fd = card.hold_lock(paths.hook_lock(run_dir, training, stage))  # as the hook: the lock before the card
-card.write_card(path, card.Card(training=training, stage=stage, stages=2, namespace="", pod="test", device="cpu",
-                                gpu_uuid=None, pid=os.getpid(), started_ns=time.time_ns(), lock=fd is not None))
+fd = card.hold_lock(paths.hook_lock(run_dir, key))  # as the hook: the lock before the card
+card.write_card(path, card.Card(training=training, stage=stage, stages=2, namespace=key.namespace, pod="test",
+                                device="cpu", gpu_uuid=None, pid=os.getpid(), started_ns=time.time_ns(),
+                                lock=fd is not None))
 print("attached", flush=True)
 if sys.stdin.readline().strip() == "detach":  # as detach(): the card removed, the lock let go; the process lives on
     path.unlink()
@@ -308,10 +312,11 @@ def test_exit_when_done_ends_the_agent_once_every_hook_detached_or_died(tmp_path
     one whose process was SIGKILLed (its card left behind, its lock free). The agent exits 0 by itself, stats and
     summary written; a card left by an earlier run was no start."""
     run_dir = Path(tempfile.mkdtemp(prefix="bbexit-", dir="/tmp"))
-    stale = paths.hook_card(run_dir, "t", 1)
+    stale = paths.hook_card(run_dir, GpuKey(LOCAL_NAMESPACE, "t", 1, 0))
     stale.parent.mkdir(parents=True)
     (stale.parent / paths.HOOK_LOCK_NAME).write_text("")
-    stale.write_text(json.dumps({"training": "t", "stage": 1, "stages": 2, "pod": "old", "lock": True, "version": 3}))
+    stale.write_text(json.dumps({"training": "t", "stage": 1, "stages": 2, "pod": "old", "lock": True, "version": 4,
+                                 "namespace": LOCAL_NAMESPACE, "rank": 0, "ranks": 1}))
     ready, stats = tmp_path / "ready", tmp_path / "stats.json"
     agent = subprocess.Popen([sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training",
                               "t", "--executors", "2", "--exit-when-done", "--stats", str(stats), "--ready-file",
@@ -351,8 +356,8 @@ def test_exit_when_done_ends_the_agent_once_every_hook_detached_or_died(tmp_path
         shutil.rmtree(run_dir, ignore_errors=True)
     assert code == 0, err
     assert took < 10, f"the agent took {took:.1f} s to see its training end"
-    assert "training 't' ended: every stage's hook is gone (stage 0: its hook detached (its card was removed); " \
-           "stage 1: its process is gone (its card is left, but nothing holds the card's lock))" in err
+    assert "training 't' ended: every GPU's hook is gone (stage 0 rank 0: its hook detached (its card was removed); " \
+           "stage 1 rank 0: its process is gone (its card is left, but nothing holds the card's lock))" in err
     assert "  stage 0 (cpu:0): no bubbles signalled in harvest mode" in err and f"stats: {stats}" in err
     assert json.loads(stats.read_text())["ended"]["code"] == 0
 

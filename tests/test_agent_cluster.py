@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.agent import TRAINING, Hook, cycle, wait_for
-from helpers.agent_cluster import ENTRY, NODE, assignment, write_card
+from helpers.agent import TRAINING, Hook, cycle, gpu, short_tmp, wait_for
+from helpers.agent_cluster import ENTRY, NAMESPACE, NODE, TR, assignment, legacy_card_path, write_card
 from prometheus_client import generate_latest
 
 from bubbles.agent.cluster import FORGET_AFTER_S, ClusterConfig, NodeAgent
@@ -33,10 +33,12 @@ from bubbles.core.api import FillState, IsolationMode, parse_spec
 from bubbles.core.card import Card, card_is_stale, read_cards
 from bubbles.core.resources import JobProgress
 
+__all__ = ["short_tmp"]  # the fixture, from helpers.agent
+
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[NodeAgent]:
-    run_dir = tmp_path / "run"
+def node(short_tmp: Path) -> Iterator[NodeAgent]:
+    run_dir = short_tmp / "run"  # short: a fill socket's path must fit a Unix socket's 107 bytes
     template = AgentConfig(run_dir=run_dir, training="placeholder",
                            isolation=IsolationConfig(mode=IsolationMode.NONE))
     n = NodeAgent(ClusterConfig(NODE, template, scan_interval_s=0.05))
@@ -88,11 +90,9 @@ def test_attach_admits_only_the_assigned_process_on_its_gpu() -> None:
 
 def test_cards_that_cannot_be_used_are_reported_not_fatal(tmp_path: Path) -> None:
     write_card(tmp_path, stage=0)
-    bad = paths.hook_card(tmp_path, "other", 0)
-    paths.make_private_dir(bad.parent)
+    bad = legacy_card_path(tmp_path, "other", 0)
     bad.write_text("{not json")
-    wrong = paths.hook_card(tmp_path, "third", 1)
-    paths.make_private_dir(wrong.parent)
+    wrong = legacy_card_path(tmp_path, "third", 1)
     wrong.write_text(json.dumps({"training": "third", "stage": 0, "stages": 2, "pod": "p"}))
     cards, problems = read_cards(tmp_path)
     assert [c.training for c in cards] == [TRAINING]
@@ -114,17 +114,14 @@ def test_cards_a_fill_job_planted_are_reported_without_holding_the_agent(tmp_pat
     import threading
 
     write_card(tmp_path, stage=0)
-    fifo = paths.hook_card(tmp_path, "fifo", 0)
-    paths.make_private_dir(fifo.parent)
+    fifo = legacy_card_path(tmp_path, "fifo", 0)
     os.mkfifo(fifo)
-    link = paths.hook_card(tmp_path, "link", 0)
+    link = paths.hook_card(tmp_path, gpu(0, namespace=NAMESPACE, training="link"))
     paths.make_private_dir(link.parent)
-    os.symlink(paths.hook_card(tmp_path, TRAINING, 0), link)  # a valid card, elsewhere
-    deep = paths.hook_card(tmp_path, "deep", 0)
-    paths.make_private_dir(deep.parent)
+    os.symlink(paths.hook_card(tmp_path, gpu(0, namespace=NAMESPACE)), link)  # a valid card, elsewhere
+    deep = legacy_card_path(tmp_path, "deep", 0)
     deep.write_text("[" * 30_000)
-    big = paths.hook_card(tmp_path, "big", 0)
-    paths.make_private_dir(big.parent)
+    big = legacy_card_path(tmp_path, "big", 0)
     big.write_text(json.dumps({"training": "big", "stage": 0, "stages": 1, "pod": "p", "pad": "x" * 100_000}))
     out: list[Any] = []
     t = threading.Thread(target=lambda: out.append(read_cards(tmp_path)), daemon=True)
@@ -147,22 +144,22 @@ def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancell
     assert (stage.namespace, stage.training, stage.pod, stage.stage, stage.cycle) == ("ml", TRAINING, "llama-0", 0,
                                                                                        None)
     assert stage.hook_reporting is False
-    hook = Hook(run_dir)
+    hook = Hook(run_dir, namespace=NAMESPACE)
     try:
         hook.send(wire.encode_profile(0, cycle(slots=((0.02, 1 << 30),))), agent_only=True)
         wait_for(lambda: node.report().stages[0].cycle is not None, what="the stage's profile")
         assert node.report().stages[0].hook_reporting is True
         assert node.report().stages[0].training_membership == ""  # a CPU stage: no MPS server to be a client of
-        with node.trainings[TRAINING].agent.lock:
-            executor = node.trainings[TRAINING].agent.core.executors[0]
+        with node.trainings[TR].agent.lock:
+            executor = node.trainings[TR].agent.core.executors[0]
             assert executor.training_pid == os.getpid()  # the kernel named the hook's process (this test's)
             executor.training_membership = TrainingMembership.PENDING  # a check under way: not reported, not known yet
         assert node.report().stages[0].training_membership == ""
-        with node.trainings[TRAINING].agent.lock:
+        with node.trainings[TR].agent.lock:
             executor.training_membership = TrainingMembership.from_wire(
                 "not a client: the training's process is not listed")
         assert node.report().stages[0].training_membership == "not a client: the training's process is not listed"
-        with node.trainings[TRAINING].agent.lock:
+        with node.trainings[TR].agent.lock:
             executor.training_membership = TrainingMembership.NOT_ASKED
         assert node.assign(assignment()).outcome is Outcome.ACCEPTED
         assert job(node, "uid-1") == JobProgress("uid-1", FillState.SUBMITTED,
@@ -178,8 +175,8 @@ def test_a_fill_pod_attaches_runs_in_the_bubbles_reports_progress_and_is_cancell
             assert node.cancel("uid-1", "the FillJob was deleted") is True
             assert proc.wait(timeout=15) is not None
             assert job(node, "uid-1") is None  # cancelled: no longer reported
-            with node.trainings[TRAINING].agent.lock:
-                (record,) = node.trainings[TRAINING].agent.jobs
+            with node.trainings[TR].agent.lock:
+                (record,) = node.trainings[TR].agent.jobs
             assert record.state is FillState.STOPPED and "the FillJob was deleted" in record.reason
         finally:
             proc.kill()
@@ -194,14 +191,14 @@ def test_the_trainings_limits_from_an_assignment_reach_its_guard_before_and_afte
     node.assign(limited)  # before the training's hook has written its card
     write_card(node.run_dir)
     node.scan()
-    core = node.trainings[TRAINING].agent.core
+    core = node.trainings[TR].agent.core
     assert (core.config.guard.budget, core.config.guard.max_share, core.share) == (0.2, 0.5, 0.5)
     assert core.config.tail_risk == 0.05
     node.assign(dataclasses.replace(limited, uid="uid-2", slowdown_budget=0.05, max_fill_share=None, tail_risk=0.0))
     assert (core.config.guard.budget, core.config.guard.max_share) == (0.05, 0.5)  # None: unchanged
     assert core.config.tail_risk == 0.0
-    text = generate_latest(node.trainings[TRAINING].agent.metrics.registry).decode()
-    assert f'bubbles_slowdown_budget{{training="{TRAINING}"}} 0.05' in text
+    text = generate_latest(node.trainings[TR].agent.metrics.registry).decode()
+    assert f'bubbles_slowdown_budget{{namespace="ml",training="{TRAINING}"}} 0.05' in text
 
 
 def test_what_the_node_keeps_for_a_job_or_a_training_goes_with_them(tmp_path: Path) -> None:
@@ -213,7 +210,7 @@ def test_what_the_node_keeps_for_a_job_or_a_training_goes_with_them(tmp_path: Pa
     n.assign(dataclasses.replace(assignment(), slowdown_budget=0.2))  # its training has no card here (yet)
     n.failures["uid-1"] = "not admitted: a reason"
     n.scan()
-    assert TRAINING in n.limits and "uid-1" in n.failures  # kept while the job is assigned
+    assert TR in n.limits and "uid-1" in n.failures  # kept while the job is assigned
     n.cancel("uid-1", "the FillJob was deleted")
     now[0] = int((FORGET_AFTER_S + 1) * 1e9)
     n.scan()  # the cancelled record is forgotten, and with it what was kept for it and its training
@@ -254,24 +251,34 @@ def test_processes_the_operator_did_not_assign_are_refused_with_the_reason(node:
     assert job(node, "uid-1") is not None and job(node, "uid-gpu") is not None  # the assignments are untouched
 
 
-def test_a_fill_pod_on_a_stage_whose_hook_predates_fills_is_refused_saying_to_upgrade(node: NodeAgent) -> None:
-    """A hook of card v1 or v2 signals only the stage directory, which fill Pods do not mount: the job would sit at 0
-    steps without a word. Its card has neither ``fills`` nor a version."""
-    write_card(node.run_dir, fills=None)
+def test_a_hook_before_ranks_is_served_as_rank_0_but_a_fill_pod_there_is_refused_saying_to_upgrade(
+        node: NodeAgent) -> None:
+    """A hook of card v3 writes its card, socket and fills/ in the stage directory of the old layout
+    (<run>/<training>/stage-<k>/), not in the GPU directory a fill Pod mounts: its bubbles are measured and reported
+    (rank 0 of 1), but a fill job admitted there would sit at 0 steps without a word."""
+    card = write_card(node.run_dir, version=3)
     node.scan()
+    (stage,) = node.report().stages
+    assert (stage.namespace, stage.stage, stage.rank, stage.ranks) == ("ml", 0, 0, 1)
+    hook = Hook(node.run_dir, directory=card.parent)  # the old hook: its agent socket in the stage directory
+    try:
+        hook.send(wire.encode_profile(0, cycle()), agent_only=True)
+        wait_for(lambda: node.report().stages[0].cycle is not None, what="the old hook's profile")
+    finally:
+        hook.close()
     node.assign(assignment())
     proc = fill_process(node.run_dir, "uid-1")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 3
-    assert "speaks card v1; this side needs v3" in err
+    assert "speaks card v3; this side needs v4" in err
     assert "upgrade bubbles in the training's image to release" in err
-    assert "fills/" in err
+    assert f"{card.parent}/fills, not in ml/{TRAINING}/stage-0/rank-0/fills" in err
 
 
 def test_a_replaced_training_pod_invalidates_the_stage_until_it_is_profiled_again(node: NodeAgent) -> None:
     write_card(node.run_dir)
     node.scan()
-    hook = Hook(node.run_dir)
+    hook = Hook(node.run_dir, namespace=NAMESPACE)
     try:
         hook.send(wire.encode_profile(0, cycle()), agent_only=True)
         wait_for(lambda: node.report().stages[0].cycle is not None, what="the profile")
@@ -301,7 +308,7 @@ def test_a_plain_command_attaches_through_the_sdk_and_is_frozen_outside_bubbles(
     run_dir = node.run_dir
     write_card(run_dir)
     node.scan()
-    hook = Hook(run_dir)
+    hook = Hook(run_dir, namespace=NAMESPACE)
     program = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"]
     spec = parse_spec({"name": "plain", "interface": "imperative", "command": program, "memory": "16Mi",
                        "step_time": "1ms"})
@@ -341,12 +348,9 @@ def test_exec_without_a_command_or_outside_a_fill_pod_says_what_is_missing(tmp_p
 
 def test_one_metrics_endpoint_for_the_node_merges_every_training(node: NodeAgent) -> None:
     write_card(node.run_dir)
-    other = paths.hook_card(node.run_dir, "other", 0)
-    paths.make_private_dir(other.parent)
-    other.write_text(json.dumps({"training": "other", "stage": 0, "stages": 1, "namespace": "ml", "pod": "o-0",
-                                 "device": "cpu", "gpu_uuid": None}))
+    write_card(node.run_dir, training="other", pod="o-0")
     node.scan()
-    assert sorted(node.trainings) == ["other", TRAINING]
+    assert sorted(node.trainings) == [("ml", "other"), TR]
     node.assign(assignment())
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # one refused attach
         s.connect(str(paths.attach_socket(node.run_dir)))
@@ -357,7 +361,7 @@ def test_one_metrics_endpoint_for_the_node_merges_every_training(node: NodeAgent
     type_lines = [line for line in text.splitlines() if line.startswith("# TYPE")]
     assert len(type_lines) == len(set(type_lines))  # each family once, as the exposition format requires
     for training in ("other", TRAINING):
-        assert f'bubbles_fill_share{{training="{training}"}} 1.0' in text
+        assert f'bubbles_fill_share{{namespace="ml",training="{training}"}} 1.0' in text
     assert 'bubbles_fill_assignments{state="waiting"} 1.0' in text
     assert "bubbles_attach_refused_total 1.0" in text
 
@@ -417,7 +421,7 @@ def test_a_training_whose_processes_are_gone_loses_its_cards_and_its_agent(node:
     while it lives (the lock, across PID namespaces, is how the agent tells): once nothing holds it, the card is
     removed and the training's agent stops, rather than serve it (and check its isolation every second) for good."""
     node.config = dataclasses.replace(node.config, retire_after_s=0.5)
-    lock = paths.hook_lock(node.run_dir, TRAINING, 0)
+    lock = paths.hook_lock(node.run_dir, gpu(0, namespace=NAMESPACE))
     paths.make_private_dir(lock.parent)
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
                                f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
@@ -428,21 +432,91 @@ def test_a_training_whose_processes_are_gone_loses_its_cards_and_its_agent(node:
         card = write_card(node.run_dir, stages=2, lock=True)
         legacy = write_card(node.run_dir, stage=1, stages=2, lock=False)  # a hook before the lock: always live
         node.scan()
-        tr = node.trainings[TRAINING]
+        tr = node.trainings[TR]
         node.scan()
-        assert node.trainings.get(TRAINING) is tr and card.exists()  # the process lives: nothing changes
+        assert node.trainings.get(TR) is tr and card.exists()  # the process lives: nothing changes
     finally:
         holder.kill()
         holder.wait()
     node.scan()
-    assert not card.exists() and legacy.exists() and node.trainings.get(TRAINING) is tr  # stage 1 still there
+    assert not card.exists() and legacy.exists() and node.trainings.get(TR) is tr  # stage 1 still there
     assert [s.stage for s in node.report().stages] == [1]  # the gone stage is no longer reported
     legacy.unlink()  # the old hook detached
     node.scan()
-    assert node.trainings.get(TRAINING) is tr  # not at once: a restarting process writes a new card within the grace
-    wait_for(lambda: TRAINING not in node.trainings, 10, "the training without cards to be retired")
+    assert node.trainings.get(TR) is tr  # not at once: a restarting process writes a new card within the grace
+    wait_for(lambda: TR not in node.trainings, 10, "the training without cards to be retired")
     tr.thread.join(10)
     assert not tr.thread.is_alive()
     write_card(node.run_dir)  # it comes back: served afresh
     node.scan()
-    assert node.trainings[TRAINING] is not tr
+    assert node.trainings[TR] is not tr
+
+
+# -- several GPUs per stage, several namespaces ---------------------------------------------------------------------
+def test_two_ranks_of_one_stage_are_two_gpus_and_a_job_assigned_to_rank_1_binds_in_its_fills(node: NodeAgent) -> None:
+    write_card(node.run_dir, rank=0, ranks=2, gpu_uuid="GPU-r0")
+    node.scan()
+    assert [(s.stage, s.rank, s.ranks) for s in node.report().stages] == [(0, 0, 2)]
+    write_card(node.run_dir, rank=1, ranks=2, pod="llama-1", gpu_uuid="GPU-r1")  # a rank found later: no restart
+    node.scan()
+    stages = node.report().stages
+    assert [(s.stage, s.rank, s.ranks, s.pod, s.gpu_uuid) for s in stages] == [
+        (0, 0, 2, "llama-0", "GPU-r0"), (0, 1, 2, "llama-1", "GPU-r1")]
+    assert paths.agent_socket(node.run_dir, gpu(0, 1, namespace=NAMESPACE)).is_socket()
+    rank0, rank1 = Hook(node.run_dir, 0, 0, namespace=NAMESPACE), Hook(node.run_dir, 0, 1, namespace=NAMESPACE)
+    try:
+        rank1.send(wire.encode_profile(0, cycle(slots=((0.02, 1 << 30),))), agent_only=True)
+        wait_for(lambda: node.report().stages[1].cycle is not None, what="rank 1's profile")
+        assert node.report().stages[0].cycle is None  # rank 0's GPU has its own bubbles, not measured yet
+        node.assign(assignment(ranks=(1,)))
+        proc = fill_process(node.run_dir, "uid-1")
+        try:
+            wait_for(lambda: rank1.fill_armed("fj-a0"), timeout_s=30, what="the job armed in rank 1's fills/")
+            assert not rank0.fill_armed("fj-a0")
+            for _ in range(10):
+                rank1.bubble(0.02)
+            wait_for(lambda: (j := job(node, "uid-1")) and j.steps_done > 0, what="steps on rank 1")
+            assert node.report().stages[1].filled_s > 0 and node.report().stages[0].filled_s == 0
+            with node.trainings[TR].agent.lock:
+                (record,) = node.trainings[TR].agent.jobs
+            assert record.key == gpu(0, 1, namespace=NAMESPACE)
+        finally:
+            proc.kill()
+            proc.communicate()
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_trainings_of_one_name_in_two_namespaces_are_two_trainings(node: NodeAgent) -> None:
+    write_card(node.run_dir, namespace="a", pod="llama-a")
+    write_card(node.run_dir, namespace="b", pod="llama-b")
+    node.scan()
+    a, b = node.trainings[("a", TRAINING)], node.trainings[("b", TRAINING)]
+    assert a.agent is not b.agent and len(node.trainings) == 2
+    assert [(s.namespace, s.pod) for s in node.report().stages] == [("a", "llama-a"), ("b", "llama-b")]
+    hook = Hook(node.run_dir, namespace="a")
+    try:
+        hook.send(wire.encode_profile(0, cycle()), agent_only=True)
+        wait_for(lambda: node.report().stages[0].cycle is not None, what="a's profile")
+        assert node.report().stages[1].cycle is None  # b's stage heard nothing
+    finally:
+        hook.close()
+    node.assign(dataclasses.replace(assignment(namespace="a"), slowdown_budget=0.2))
+    assert a.agent.core.config.guard.budget == 0.2 and b.agent.core.config.guard.budget != 0.2  # its own guard
+    assert paths.fills_dir(node.run_dir, gpu(0, namespace="a")).is_dir()
+    assert paths.fills_dir(node.run_dir, gpu(0, namespace="b")).is_dir()
+
+
+def test_an_assignment_naming_a_rank_without_a_hook_here_is_refused_naming_the_gpu(node: NodeAgent) -> None:
+    write_card(node.run_dir, rank=0, ranks=4)
+    node.scan()
+    node.assign(assignment(ranks=(2,)))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(paths.attach_socket(node.run_dir)))
+        s.sendall(control.encode("hello", uid="uid-1", attempt=0))
+        reply = control.parse_reply(s.makefile("rb").readline())
+    assert reply.type == "refused"
+    assert f"ml/{TRAINING}/stage-0/rank-2 (stage 0 rank 2 of training {TRAINING}) has no hook on this node" \
+        in reply["reason"]
+    assert node.book.jobs["uid-1"].attached_pid is None  # refused: the next attempt may attach

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers.agent_core import MS, READY, Clock, Sink, armed, cycle, job_spec, line, make_core, started
+from helpers.agent_core import MS, READY, Clock, Sink, armed, cycle, gpu, job_spec, line, make_core, started
 
 from bubbles.agent.core import (
     AgentCore,
@@ -35,7 +35,7 @@ def mps_gpu_core(relaunch: bool = True) -> tuple[AgentCore, JobRecord]:
     core.on_isolation(MPS_READY)
     core.start_serving()
     job = core.submit(job_spec())
-    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.on_datagram(gpu(0), wire.encode_profile(0, cycle()))
     core.take_actions()
     core.launched(job, has_control=True)
     core.take_actions()
@@ -46,7 +46,7 @@ def mps_gpu_core(relaunch: bool = True) -> tuple[AgentCore, JobRecord]:
 def test_an_mps_fill_job_on_a_gpu_is_armed_only_once_its_membership_is_verified() -> None:
     core, job = mps_gpu_core()
     assert core.take_actions() == [VerifyIsolation(job, "cuda:0")] and job.armed is None
-    core.on_datagram(0, wire.encode_fill_mode(0, FillMode.NAIVE))  # a mode switch meanwhile arms nothing either
+    core.on_datagram(gpu(0), wire.encode_fill_mode(0, FillMode.NAIVE))  # a mode switch meanwhile arms nothing either
     assert not [a for a in core.take_actions() if isinstance(a, Send) and a.type == "arm"]
     core.isolation_verified(job, None)
     arms = [a for a in core.take_actions() if isinstance(a, Send) and a.type == "arm"]
@@ -105,16 +105,16 @@ def test_jobs_with_nothing_to_join_are_armed_at_once() -> None:
     job = started(cpu)
     cpu.on_control_line(job, line("state", state="PAUSED"))
     assert not [a for a in cpu.take_actions() if isinstance(a, VerifyIsolation)] and job.armed is FillMode.HARVEST
-    gpu = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),)), Clock(), Sink())
-    gpu.on_isolation(MPS_READY)
-    gpu.start_serving()
+    on_gpu = AgentCore(CoreConfig(run_dir=Path("/run/x"), training="t", executors=(("cuda:0", None),)), Clock(), Sink())
+    on_gpu.on_isolation(MPS_READY)
+    on_gpu.start_serving()
     # A plain command: no init, so no moment by which it must have joined.
-    plain = gpu.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"],
+    plain = on_gpu.submit(parse_spec({"name": "cmd", "interface": "imperative", "command": ["sleep", "30"],
                                    "memory": "16Mi"}))
-    gpu.on_datagram(0, wire.encode_profile(0, cycle()))
-    gpu.take_actions()
-    gpu.launched(plain, has_control=False)
-    assert gpu.take_actions() == [Signal(plain, signal.SIGSTOP)] and plain.state is FillState.PAUSED
+    on_gpu.on_datagram(gpu(0), wire.encode_profile(0, cycle()))
+    on_gpu.take_actions()
+    on_gpu.launched(plain, has_control=False)
+    assert on_gpu.take_actions() == [Signal(plain, signal.SIGSTOP)] and plain.state is FillState.PAUSED
 
 
 def test_isolation_fails_closed_and_a_lost_client_is_stopped_and_resubmitted() -> None:
@@ -141,7 +141,7 @@ def test_unisolated_running_needs_the_users_consent() -> None:
     core.on_isolation(broken)
     assert core.isolation_status.state is IsolationState.UNISOLATED and core.isolation_status.usable
     job = core.submit(job_spec())
-    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.on_datagram(gpu(0), wire.encode_profile(0, cycle()))
     (launch,) = core.take_actions()
     assert isinstance(launch, Launch) and not launch.isolated
     core.launched(job, has_control=True)
@@ -157,7 +157,7 @@ def test_outside_mps_a_gpu_fill_job_is_planned_with_its_cuda_context_beside_its_
         core.on_isolation(IsolationStatus(mode, IsolationState.READY, "ok", epoch=1))
         core.start_serving()
         job = core.submit(job_spec(memory="1Gi"))
-        core.on_datagram(0, wire.encode_profile(0, cycle(slots=((0.005, free),))))
+        core.on_datagram(gpu(0), wire.encode_profile(0, cycle(slots=((0.005, free),))))
         return core, job
 
     core, job = gpu_core(IsolationMode.CONTEXTS, 1 << 30)
@@ -182,50 +182,51 @@ def test_under_mps_the_trainings_process_is_checked_once_its_stage_is_profiled_a
     from bubbles.agent.core import TRAINING_RECHECK_S, VerifyTraining
 
     core, clock = mps_stage()
-    core.on_datagram(0, wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=4242)  # not profiled yet
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=4242)  # not profiled yet
     assert core.take_actions() == []
-    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=4242)
-    assert core.take_actions() == [VerifyTraining(0, 4242, "cuda:0")]
+    core.on_datagram(gpu(0), wire.encode_profile(0, cycle()), pid=4242)
+    assert core.take_actions() == [VerifyTraining(gpu(0), 4242, "cuda:0")]
     assert core.stats()["executors"][0]["training_membership"] == "pending"
-    core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=4242)
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=4242)
     assert core.take_actions() == []  # asked once
-    core.training_membership(0, 4242, "not a client: the training's process 4242 is not a client")
+    core.training_membership(gpu(0), 4242, "not a client: the training's process 4242 is not a client")
     ex = core.stats()["executors"][0]
     assert ex["training_pid"] == 4242 and ex["training_membership"].startswith("not a client: the training's")
     assert [e["message"] for e in core.stats()["events"] if e["kind"] == "training"] == \
         ["not a client: the training's process 4242 is not a client"]
-    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=5151)  # the training restarted ...
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=5151)  # the training restarted ...
     assert core.take_actions() == []  # ... within the rate: asked later (two senders cannot make a check each)
     assert core.stats()["executors"][0]["training_membership"] == ""
     clock.now += int(TRAINING_RECHECK_S * 1e9)
-    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=5151)
-    assert core.take_actions() == [VerifyTraining(0, 5151, "cuda:0")]
-    core.on_datagram(0, wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=6161)  # another, while one is pending
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=5151)
+    assert core.take_actions() == [VerifyTraining(gpu(0), 5151, "cuda:0")]
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=6161)  # another, while one is pending
     assert core.take_actions() == []  # one check at a time
-    core.training_membership(0, 5151, "client")  # about a process the stage no longer has: dropped, and ...
+    core.training_membership(gpu(0), 5151, "client")  # about a process the stage no longer has: dropped, and ...
     assert core.stats()["executors"][0]["training_membership"] == ""
     clock.now += int(TRAINING_RECHECK_S * 1e9)
-    core.on_datagram(0, wire.encode_iteration(0, 6, 900 * MS, 50 * MS), pid=6161)
-    assert core.take_actions() == [VerifyTraining(0, 6161, "cuda:0")]  # ... the current one asked about
-    core.training_membership(0, 6161, "client")
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 6, 900 * MS, 50 * MS), pid=6161)
+    assert core.take_actions() == [VerifyTraining(gpu(0), 6161, "cuda:0")]  # ... the current one asked about
+    core.training_membership(gpu(0), 6161, "client")
     assert core.stats()["executors"][0]["training_membership"] == "client"
     assert core.stats()["events"][-1]["message"] == "the training's process 6161 is a client of the node's MPS server"
-    core.on_datagram(0, wire.encode_iteration(0, 7, 900 * MS, 50 * MS))  # a datagram the kernel named no sender for
+    # A datagram the kernel named no sender for:
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 7, 900 * MS, 50 * MS))
     assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 6161
-    core.on_datagram(0, b"not a bubbles datagram", pid=999)  # refused: its sender is not taken for the training
-    core.on_datagram(0, wire.encode_iteration(1, 8, 900 * MS, 50 * MS), pid=999)  # another stage's: refused too
+    core.on_datagram(gpu(0), b"not a bubbles datagram", pid=999)  # refused: its sender is not taken for the training
+    core.on_datagram(gpu(0), wire.encode_iteration(1, 8, 900 * MS, 50 * MS), pid=999)  # another stage's: refused too
     assert core.take_actions() == [] and core.stats()["executors"][0]["training_pid"] == 6161
     from prometheus_client import generate_latest
 
     from bubbles.agent.metrics import AgentMetrics
 
     text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
-    assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 1.0' in text
+    assert 'bubbles_training_mps_client{device="cuda:0",namespace="_local",rank="0",stage="0",training="t"} 1.0' in text
     core.executors[0].training_membership = TrainingMembership.from_wire("not a client: ...")
     text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
-    assert 'bubbles_training_mps_client{device="cuda:0",stage="0",training="t"} 0.0' in text
+    assert 'bubbles_training_mps_client{device="cuda:0",namespace="_local",rank="0",stage="0",training="t"} 0.0' in text
     core.executors[0].training_membership = TrainingMembership.from_wire("client")
-    core.reset_stage(0, "the training's Pod was replaced")  # the old process's answer goes with it
+    core.reset_gpu(gpu(0), "the training's Pod was replaced")  # the old process's answer goes with it
     text = generate_latest(AgentMetrics("t", core.snapshot).registry).decode()
     assert "bubbles_training_mps_client" not in text  # not known: absent, not 0
     assert core.stats()["executors"][0]["training_pid"] is None
@@ -236,27 +237,27 @@ def test_a_training_check_that_could_not_be_made_or_told_nothing_is_asked_again_
     from bubbles.agent.core import TRAINING_RECHECK_S, VerifyTraining
 
     core, clock = mps_stage()
-    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=77)
-    assert core.take_actions() == [VerifyTraining(0, 77, "cuda:0")]
-    core.training_membership(0, 77, "the MPS control program timed out", transient=True)
+    core.on_datagram(gpu(0), wire.encode_profile(0, cycle()), pid=77)
+    assert core.take_actions() == [VerifyTraining(gpu(0), 77, "cuda:0")]
+    core.training_membership(gpu(0), 77, "the MPS control program timed out", transient=True)
     assert core.stats()["executors"][0]["training_membership"] == ""
-    core.on_datagram(0, wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=77)
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 1, 900 * MS, 50 * MS), pid=77)
     assert core.take_actions() == []  # not before the recheck interval
     clock.now += int(TRAINING_RECHECK_S * 1e9)
-    core.on_datagram(0, wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=77)
-    assert core.take_actions() == [VerifyTraining(0, 77, "cuda:0")]
-    core.training_membership(0, 77, None)  # the daemon's PIDs are another namespace's (now): nothing can be told
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 2, 900 * MS, 50 * MS), pid=77)
+    assert core.take_actions() == [VerifyTraining(gpu(0), 77, "cuda:0")]
+    core.training_membership(gpu(0), 77, None)  # the daemon's PIDs are another namespace's (now): nothing can be told
     assert core.stats()["executors"][0]["training_membership"] == "unknown"
-    core.on_datagram(0, wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=77)
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 3, 900 * MS, 50 * MS), pid=77)
     assert core.take_actions() == []
     assert not [e for e in core.stats()["events"] if e["kind"] == "training"]
     clock.now += int(TRAINING_RECHECK_S * 1e9)
     core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.UNAVAILABLE, "the daemon is gone", epoch=1))
-    core.on_datagram(0, wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=77)
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 4, 900 * MS, 50 * MS), pid=77)
     assert not [a for a in core.take_actions() if isinstance(a, VerifyTraining)]  # not while MPS is unavailable
     core.on_isolation(IsolationStatus(IsolationMode.MPS, IsolationState.READY, "the daemon answers", epoch=2))
-    core.on_datagram(0, wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=77)
-    assert [a for a in core.take_actions() if isinstance(a, VerifyTraining)] == [VerifyTraining(0, 77, "cuda:0")]
+    core.on_datagram(gpu(0), wire.encode_iteration(0, 5, 900 * MS, 50 * MS), pid=77)
+    assert [a for a in core.take_actions() if isinstance(a, VerifyTraining)] == [VerifyTraining(gpu(0), 77, "cuda:0")]
 
 
 @pytest.mark.parametrize(("device", "isolation"), [
@@ -264,6 +265,6 @@ def test_a_training_check_that_could_not_be_made_or_told_nothing_is_asked_again_
     ("cuda:0", IsolationStatus(IsolationMode.NONE, IsolationState.UNISOLATED, "none", epoch=1))])
 def test_the_training_is_not_checked_without_an_mps_server_on_a_gpu(device: str, isolation: IsolationStatus) -> None:
     core, _clock = mps_stage(device, isolation)
-    core.on_datagram(0, wire.encode_profile(0, cycle()), pid=4242)
+    core.on_datagram(gpu(0), wire.encode_profile(0, cycle()), pid=4242)
     assert not [a for a in core.take_actions() if type(a).__name__ == "VerifyTraining"]
     assert core.stats()["executors"][0]["training_membership"] == ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from helpers.agent_core import MS, armed, line, make_core
+from helpers.agent_core import MS, armed, gpu, line, make_core
 
 from bubbles.agent.core import PLAN_FACTOR, PLAN_SLACK_STEPS, AgentCore, JobRecord, PlanWatch, within_factor
 from bubbles.agent.core.planning import PLAN_CHECK_ITERATIONS, PLAN_MIN_ITERATIONS
@@ -28,14 +28,14 @@ def bubbles_with_steps(core: AgentCore, job: JobRecord, n: int, step_ms: float, 
     clock = core.clock
     for _ in range(n):
         seq, t0 = next(SEQ), clock.now  # type: ignore[attr-defined]
-        core.on_datagram(0, wire.encode_bubble_start(0, 0, seq, t0, t0 + int(predicted_ms * MS)))
+        core.on_datagram(gpu(0), wire.encode_bubble_start(0, 0, seq, t0, t0 + int(predicted_ms * MS)))
         start = t0 + int(latency_ms * MS)
         for _ in range(per_bubble):
             end = start + int(step_ms * MS)
             core.on_control_line(job, line("step", start_ns=start, end_ns=end, flops=1.0, bubble_seq=seq,
                                            signal_ns=t0, mode="harvest"))
             start = end
-        core.on_datagram(0, wire.encode_bubble_end(0, 0, seq, t0 + int((predicted_ms + 0.5) * MS)))
+        core.on_datagram(gpu(0), wire.encode_bubble_end(0, 0, seq, t0 + int((predicted_ms + 0.5) * MS)))
         clock.now += 10 * MS  # type: ignore[attr-defined]
 
 

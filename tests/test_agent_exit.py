@@ -83,7 +83,7 @@ def test_the_agent_exits_by_itself_with_its_report_once_the_training_ends(tmp_pa
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
     assert code == 0, err[-4000:]
     assert took < EXIT_BOUND_S
-    assert "bubbles agent: training 't' ended: every stage's hook is gone (stage 0: its hook detached" in err, err
+    assert "bubbles agent: training 't' ended: every GPU's hook is gone (stage 0 rank 0: its hook detached" in err, err
     data = json.loads(stats.read_text())
     assert data["ended"]["code"] == 0 and data["modes"]["harvest"]["fill_steps"] > 0
     for stage in (0, 1):

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.agent_cluster import NODE, assignment, write_card
+from helpers.agent_cluster import NODE, TR, assignment, write_card
 from helpers.pki import SERVER_NAME, Pki
 
 from bubbles.agent.cluster import ClusterConfig, NodeAgent
@@ -180,7 +180,7 @@ def test_the_operators_client_reports_assigns_and_cancels(node: NodeAgent, pki: 
             assert report is not None
             (job,) = report.jobs
             assert (job.uid, job.state) == ("uid-9", FillState.SUBMITTED)
-            core = node.trainings["t"].agent.core  # the training's limits crossed the wire to its agent
+            core = node.trainings[TR].agent.core  # the training's limits crossed the wire to its agent
             assert (core.config.guard.budget, core.config.guard.max_share, core.config.tail_risk) == (0.02, 0.5, 0.03)
             await agents.cancel(NODE, "uid-9")
             report = await agents.report(NODE)

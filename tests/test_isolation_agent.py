@@ -17,7 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.agent import TRAINING, Harness, Hook, StartAgent, cycle, environ, spec, start_agent, wait_for
+from helpers.agent import (
+    TRAINING,
+    Harness,
+    Hook,
+    StartAgent,
+    cycle,
+    environ,
+    short_tmp,
+    spec,
+    start_agent,
+    wait_for,
+)
 from helpers.isolation import FAKE_MPS, MpsDirs, fill_pid, mps_config, mps_dirs, sleeper, zombie
 from prometheus_client import generate_latest
 
@@ -26,7 +37,7 @@ from bubbles.agent.server import MAX_ISOLATION_RESUBMISSIONS, Agent, AgentConfig
 from bubbles.core import wire
 from bubbles.core.api import FillState
 
-__all__ = ["mps_dirs", "start_agent"]  # the fixtures, from helpers.isolation and helpers.agent
+__all__ = ["mps_dirs", "short_tmp", "start_agent"]  # the fixtures, from helpers.isolation and helpers.agent
 
 
 def metrics_text(agent: Agent) -> str:
@@ -90,12 +101,12 @@ class CpuStandIn(Launcher):
 
 @pytest.mark.parametrize("joins", [True, False], ids=["joined", "not-joined"])
 def test_an_mps_fill_job_on_a_gpu_is_armed_only_once_the_daemon_lists_it_as_a_client(
-        joins: bool, mps_dirs: MpsDirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        joins: bool, mps_dirs: MpsDirs, short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_MPS_CLIENTS_FROM_ENV", "1")  # the stand-in lists the processes on its pipe directory
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    cfg = AgentConfig(run_dir=tmp_path / "run", training=TRAINING, pin_cores=False, devices=("cuda:0",),
+    cfg = AgentConfig(run_dir=short_tmp / "run", training=TRAINING, pin_cores=False, devices=("cuda:0",),
                       isolation=mps_config(mps_dirs))
-    h = Harness(Agent(cfg, [busy(memory="64Mi")], launcher=CpuStandIn(joins)), tmp_path / "run")
+    h = Harness(Agent(cfg, [busy(memory="64Mi")], launcher=CpuStandIn(joins)), short_tmp / "run")
     h.agent.start()
     h.thread.start()
     try:
@@ -147,9 +158,9 @@ def test_losing_the_daemon_stops_its_clients_and_resubmits_them_after_the_restar
                                                                                        "loss (1/3)"),
                      ("isolation", "ready")]
     text = metrics_text(h.agent)
-    assert 'bubbles_mps_daemon_restarts_total{training="t"} 1.0' in text
-    assert 'bubbles_isolation_losses_total{mode="mps",training="t"} 1.0' in text
-    assert 'bubbles_isolation_ready{mode="mps",training="t"} 1.0' in text
+    assert 'bubbles_mps_daemon_restarts_total{namespace="_local",training="t"} 1.0' in text
+    assert 'bubbles_isolation_losses_total{mode="mps",namespace="_local",training="t"} 1.0' in text
+    assert 'bubbles_isolation_ready{mode="mps",namespace="_local",training="t"} 1.0' in text
     # The armed job works again: its steps run in the bubbles.
     wait_for(lambda: hook.fill_armed("busy"), what="fill socket bound")
     for _ in range(3):
@@ -191,8 +202,9 @@ def test_without_the_control_program_no_fill_process_starts(mps_dirs: MpsDirs, s
     iso = h.agent.stats()["isolation"]
     assert iso["state"] == "unavailable"
     assert iso["daemon"] is None
-    assert 'bubbles_isolation_ready{mode="mps",training="t"} 0.0' in metrics_text(h.agent)
-    assert 'bubbles_isolation_state{mode="mps",state="unavailable",training="t"} 1.0' in metrics_text(h.agent)
+    assert 'bubbles_isolation_ready{mode="mps",namespace="_local",training="t"} 0.0' in metrics_text(h.agent)
+    assert 'bubbles_isolation_state{mode="mps",namespace="_local",state="unavailable",training="t"} 1.0' \
+        in metrics_text(h.agent)
 
 
 @pytest.mark.parametrize("allow_unisolated", [False, True])
@@ -218,7 +230,8 @@ def test_a_daemon_that_will_not_start_holds_jobs_back_unless_unisolated_is_allow
     assert h.job("busy")["isolation"] == "unisolated"
     env = environ(fill_pid(h))
     assert not {"CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"} & set(env)
-    assert 'bubbles_isolation_state{mode="mps",state="unisolated",training="t"} 1.0' in metrics_text(h.agent)
+    assert 'bubbles_isolation_state{mode="mps",namespace="_local",state="unisolated",training="t"} 1.0' \
+        in metrics_text(h.agent)
 
 
 def test_slow_health_checks_never_stall_the_agents_loop(mps_dirs: MpsDirs, start_agent: StartAgent,

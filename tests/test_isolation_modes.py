@@ -165,7 +165,7 @@ def test_contexts_mode_keeps_a_gpu_fill_job_off_mps(start_agent: StartAgent, tmp
     Hook(h.run_dir).send(wire.encode_profile(0, cycle()))
     h.wait_state("cmd", "PAUSED")
     private = Path(environ(fill_pid(h))["CUDA_MPS_PIPE_DIRECTORY"])
-    assert private == h.run_dir / TRAINING / "no-mps"
+    assert private == h.run_dir / "_local" / TRAINING / "no-mps"
     assert private.is_dir()
     assert not list(private.iterdir())
     assert private.stat().st_mode & 0o777 == 0o700

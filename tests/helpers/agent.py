@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +19,7 @@ import pytest
 from bubbles.agent.server import Agent, AgentConfig
 from bubbles.core import paths, wire
 from bubbles.core.api import FillJobSpec, parse_spec
+from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
 
 TESTS = str(Path(__file__).parent.parent)  # tests/: fill processes import its modules
 TRAINING = "t"
@@ -55,11 +58,18 @@ def cycle(stage: int = 0, slots: tuple[tuple[float, int], ...] = ((0.005, 1 << 3
     }
 
 
-class Hook:
-    """Sends datagrams the way bubbles.hook does: to the agent's socket and every *.sock in the stage's fills/."""
+def gpu(stage: int = 0, rank: int = 0, namespace: str = LOCAL_NAMESPACE, training: str = TRAINING) -> GpuKey:
+    """A GPU of the tests' training (outside Kubernetes unless ``namespace`` says otherwise)."""
+    return GpuKey(namespace, training, stage, rank)
 
-    def __init__(self, run_dir: Path, stage: int = 0) -> None:
-        self.dir = paths.stage_dir(run_dir, TRAINING, stage)
+
+class Hook:
+    """Sends datagrams the way bubbles.hook does: to the agent's socket and every *.sock in its GPU's fills/ (rank
+    ``rank`` of stage ``stage``; ``directory``: a GPU directory elsewhere, such as a card before v4's)."""
+
+    def __init__(self, run_dir: Path, stage: int = 0, rank: int = 0, namespace: str = LOCAL_NAMESPACE,
+                 directory: Path | None = None) -> None:
+        self.dir = directory or paths.gpu_dir(run_dir, gpu(stage, rank, namespace))
         self.stage = stage
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.seq = 0
@@ -74,7 +84,7 @@ class Hook:
                 self.sock.sendto(data, str(p))
 
     def fill_armed(self, job: str) -> bool:
-        return paths.fill_socket(self.dir.parent.parent, TRAINING, self.stage, job).exists()
+        return (self.dir / paths.FILLS_DIR_NAME / f"{paths.FILL_SOCKET_PREFIX}{job}{paths.SOCKET_SUFFIX}").exists()
 
     def bubble(self, duration_s: float, slot: int = 0, end_late_s: float = 0.0) -> tuple[int, int, int]:
         """START now, busy-wait, END at the predicted end (plus ``end_late_s``)."""
@@ -116,12 +126,25 @@ StartAgent = Callable[..., Harness]
 
 
 @pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory under /tmp, not pytest's tmp_path: a GPU's socket paths under it (``<run>/_local/t/stage-0/rank-0/
+    fills/fill-<job>.sock``) must fit the 107 bytes a Unix socket allows."""
+    short = Path(tempfile.mkdtemp(prefix="bba-", dir="/tmp"))
+    yield short
+    shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
 def start_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Harness]]:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     harnesses: list[Harness] = []
 
+    # Not under pytest's tmp_path: a fill socket's path there (<run>/_local/t/stage-0/rank-0/fills/fill-<job>.sock)
+    # can be longer than a Unix socket allows.
+    short = Path(tempfile.mkdtemp(prefix="bba-", dir="/tmp"))
+
     def start(specs: list[FillJobSpec], **kw: Any) -> Harness:
-        run_dir = tmp_path / "run"
+        run_dir = short / "run"
         cfg = AgentConfig(run_dir=run_dir, training=TRAINING, pin_cores=False, **kw)
         h = Harness(Agent(cfg, specs), run_dir)
         h.agent.start()
@@ -130,10 +153,13 @@ def start_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cal
         return h
 
     yield start
-    for h in harnesses:
-        h.agent.request_stop()
-        h.thread.join(10)
-        assert not h.thread.is_alive(), "agent did not stop"
+    try:
+        for h in harnesses:
+            h.agent.request_stop()
+            h.thread.join(10)
+            assert not h.thread.is_alive(), "agent did not stop"
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def spec(name: str, entry: str, **fields: Any) -> FillJobSpec:

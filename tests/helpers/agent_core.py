@@ -6,12 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bubbles.agent.core import AgentCore, CoreConfig, JobRecord, Launch
+from bubbles.agent.core import AgentCore, CoreConfig, HookFacts, JobRecord, Launch
 from bubbles.core import control, wire
 from bubbles.core.api import IsolationMode, IsolationState, IsolationStatus, parse_spec
+from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
 
 MS = 1_000_000
 READY = IsolationStatus(IsolationMode.CONTEXTS, IsolationState.READY, "ready for tests", epoch=1)
+
+
+def gpu(stage: int, rank: int = 0) -> GpuKey:
+    """The key of a GPU of the training ``make_core`` serves ("t", outside Kubernetes)."""
+    return GpuKey(LOCAL_NAMESPACE, "t", stage, rank)
+
+
+def facts(*per_stage: HookFacts) -> dict[GpuKey, HookFacts]:
+    """What the shell found of rank 0 of each stage's hook, in stage order (``AgentCore.watch_hooks``)."""
+    return {gpu(k): f for k, f in enumerate(per_stage)}
 
 
 class Clock:
@@ -26,17 +37,17 @@ class Sink:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def kill(self, stage: int, device: str, job: str) -> None:
-        self.calls.append(("kill", stage, device, job))
+    def kill(self, key: GpuKey, device: str, job: str) -> None:
+        self.calls.append(("kill", key, device, job))
 
-    def rejected(self, stage: int, source: str) -> None:
-        self.calls.append(("rejected", stage, source))
+    def rejected(self, key: GpuKey, source: str) -> None:
+        self.calls.append(("rejected", key, source))
 
-    def missed_end(self, stage: int) -> None:
-        self.calls.append(("missed_end", stage))
+    def missed_end(self, key: GpuKey) -> None:
+        self.calls.append(("missed_end", key))
 
-    def iteration(self, stage: int, seconds: float) -> None:
-        self.calls.append(("iteration", stage, seconds))
+    def iteration(self, key: GpuKey, seconds: float) -> None:
+        self.calls.append(("iteration", key, seconds))
 
     def share(self, value: float) -> None:
         self.calls.append(("share", value))
@@ -69,7 +80,7 @@ def job_spec(name: str = "j", **fields: Any) -> Any:
 def started(core: AgentCore, name: str = "j", has_control: bool = True, **fields: Any) -> JobRecord:
     """Submit to stage 0, profile it, launch: the job is CREATED (SDK) or PAUSED (plain command)."""
     job = core.submit(job_spec(name, **{"stage": 0, **fields}))
-    core.on_datagram(0, wire.encode_profile(0, cycle()))
+    core.on_datagram(gpu(0), wire.encode_profile(0, cycle()))
     actions = core.take_actions()
     assert [type(a) for a in actions] == [Launch] and actions[0].job is job and actions[0].isolated
     core.launched(job, has_control=has_control)

@@ -27,6 +27,7 @@ from bubbles.agent.isolation import IsolationConfig
 from bubbles.agent.rpc import ServerSecurity, serve
 from bubbles.core import paths, wire
 from bubbles.core.api import IsolationMode
+from bubbles.core.identity import GpuKey
 from bubbles.operator.decide import fill_pod_node
 from bubbles.operator.grpc_agents import ClientSecurity
 from helpers.kubeapi import ApiServer
@@ -44,7 +45,8 @@ def cycle(training: str, stage: int, stages: int) -> dict[str, Any]:
 
 
 class LocalNode:
-    """A node running one training's pipeline stages (``stages`` of them, one hook card each) and the agent."""
+    """A node running one training's pipeline stages (``stages`` of them, one rank each with its hook card) and the
+    agent."""
 
     def __init__(self, name: str, namespace: str, training: str, pod: str, tmp: Path, stages: int = 1,
                  metrics: bool = False) -> None:
@@ -60,12 +62,13 @@ class LocalNode:
         self.metrics_port = self.node.serve_metrics(0, "127.0.0.1") if metrics else None
         self.server = serve(self.node, "127.0.0.1:0", ServerSecurity(pki.server.cert, pki.server.key, pki.ca.cert))
         self.address = f"127.0.0.1:{self.server.port}"
-        self.cards = [paths.hook_card(self.run_dir, training, stage) for stage in range(stages)]
+        self.cards = [paths.hook_card(self.run_dir, GpuKey(namespace, training, stage, 0)) for stage in range(stages)]
         for stage, card in enumerate(self.cards):
             paths.make_private_dir(card.parent)
+            paths.make_private_dir(card.parent / paths.FILLS_DIR_NAME)
             card.write_text(json.dumps({"training": training, "stage": stage, "stages": stages,
                                         "namespace": namespace, "pod": pod, "device": f"cpu:{stage}",
-                                        "gpu_uuid": None, "fills": True}))
+                                        "gpu_uuid": None, "fills": True, "version": 4, "rank": 0, "ranks": 1}))
         self.hook = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.stop = threading.Event()
         self.node.scan()

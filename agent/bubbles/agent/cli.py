@@ -1,10 +1,12 @@
 """``bubbles agent``: run the node agent for one training on this machine.
 
-Starts one executor per local pipeline stage, binds ``<run_dir>/<training>/stage-<k>/agent.sock``,
-writes ``--ready-file`` once every socket is bound, and serves until SIGTERM/SIGINT; then it stops
-the fill jobs, writes ``--stats`` and exits 0. With ``--exit-when-done`` it also stops by itself once the training it
-serves has ended (every stage's hook gone: detached, or its process dead), prints a summary of what was harvested to
-stderr and exits 0; with ``--start-timeout`` it gives up, exit 1, when no stage started in time. Bad input (no such
+Starts one executor per local pipeline stage (its rank 0), binds
+``<run_dir>/_local/<training>/stage-<k>/rank-0/agent.sock``, writes ``--ready-file`` once every socket is bound, and
+serves until SIGTERM/SIGINT; then it stops the fill jobs, writes ``--stats`` and exits 0. The stages' other ranks
+(tensor- and data-parallel), and stages beyond ``--executors``, are served as their hooks' cards appear (read every
+second). With ``--exit-when-done`` it also stops by itself once the training it serves has ended (every GPU's hook
+gone: detached, or its process dead), prints a summary of what was harvested to stderr and exits 0; with
+``--start-timeout`` it gives up, exit 1, when no GPU started in time. Bad input (no such
 spec file, an invalid spec,
 ``--executors 0``, a bad ``--devices`` entry, an ``--mps-control`` that is not an executable) exits 2
 with a message saying what to fix.

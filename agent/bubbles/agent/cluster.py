@@ -2,17 +2,22 @@
 
 What it does, as thin shells around pure code:
 
-- **Discovers the node's trainings** from the cards their hooks write (``<run_dir>/<training>/stage-<k>/hook.json``:
-  the training Pod, the stage, its GPU; read with ``bubbles.core.card``, which the hook writes with). Each training
-  gets the same agent as local mode (``server.Agent`` around the pure ``AgentCore``: bubble signals, planning,
-  watchdog, slowdown guard, isolation), running on its own thread. A card whose Pod changed means the training
-  restarted: the stage's bubbles are forgotten and re-measured before anything runs there again.
+- **Discovers the node's trainings and their GPUs** from the cards their hooks write, one per rank of a stage
+  (``<run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/hook.json``: the training Pod, the stage and rank, its GPU;
+  read with ``bubbles.core.card``, which the hook writes with). A training is its namespace and name: two trainings
+  of one name in two namespaces are two. Each gets the same agent as local mode (``server.Agent`` around the pure
+  ``AgentCore``: bubble signals, planning, watchdog, slowdown guard, isolation), running on its own thread, with an
+  executor per card; a rank or stage whose card appears later is added to it as it appears. A card whose Pod changed
+  means the training restarted: the GPU's bubbles are forgotten and re-measured before anything runs there again. A
+  card before v4 (``<run_dir>/<training>/stage-<k>/``, one rank per stage) is served as rank 0 of 1, but no fill Pod
+  is placed there: its fill sockets are not in the GPU directory a fill Pod mounts.
 - **Keeps the operator's assignments** (``bubbles.agent.node.NodeBook``: idempotent by uid, attempt and generation).
 - **Admits attaching fill processes**: the operator's fill Pod runs ``python -m bubbles.sdk``, which connects to
   ``<run_dir>/_attach/attach.sock`` and says which FillJob it is and which GPU it sees. Only an assigned job, seeing
   its assigned GPU, visible to the agent (so the watchdog can SIGKILL it), is admitted; the connection then becomes the
   job's control channel, exactly as a locally started process's socketpair.
-- **Reports** every stage and every assigned job (``report()``, served over gRPC by ``bubbles.agent.rpc``).
+- **Reports** every GPU (one ``StageReport`` per rank) and every assigned job (``report()``, served over gRPC by
+  ``bubbles.agent.rpc``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from bubbles.core import control, paths, versions
 from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, known_membership
 from bubbles.core.card import Card, card_is_stale, read_cards
+from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
 from bubbles.core.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
@@ -84,23 +90,26 @@ class AttachedProcess(FillProcess):
             self.exit_fd = -1
 
 
+TrainingKey = tuple[str, str]  # (namespace, training): a training, namespace-qualified (GpuKey.training_key)
+
+
 class AttachLauncher:
     """Processes that attached and wait for their job's ``Launch``; ``for_training`` is the launcher a training's agent
     uses: its ``launch`` hands over the process that attached (already running) instead of starting one."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.pending: dict[tuple[str, str], AttachedProcess] = {}  # (training, job name) -> process
+        self.pending: dict[tuple[str, str, str], AttachedProcess] = {}  # (namespace, training, job name) -> process
 
-    def offer(self, training: str, job: str, proc: AttachedProcess) -> None:
+    def offer(self, training: TrainingKey, job: str, proc: AttachedProcess) -> None:
         with self.lock:
-            self.pending[(training, job)] = proc
+            self.pending[(*training, job)] = proc
 
-    def withdraw(self, training: str, job: str) -> AttachedProcess | None:
+    def withdraw(self, training: TrainingKey, job: str) -> AttachedProcess | None:
         with self.lock:
-            return self.pending.pop((training, job), None)
+            return self.pending.pop((*training, job), None)
 
-    def for_training(self, training: str) -> Launcher:
+    def for_training(self, training: TrainingKey) -> Launcher:
         launcher = self
 
         class _One(Launcher):
@@ -142,10 +151,31 @@ class ClusterConfig:
 
 @dataclass(eq=False)
 class _Training:
+    namespace: str
     name: str
     agent: Agent
     thread: threading.Thread
-    cards: dict[int, Card] = field(default_factory=dict)
+    cards: dict[GpuKey, Card] = field(default_factory=dict)  # one per GPU whose hook runs here
+
+    @property
+    def key(self) -> TrainingKey:
+        return (self.namespace, self.name)
+
+
+def training_of(msg: AssignmentMessage) -> TrainingKey:
+    """The training an assignment names (an operator before namespaces may name none: ``_local``, as its keys)."""
+    return (msg.namespace or LOCAL_NAMESPACE, msg.training)
+
+
+def newest_cards(cards: list[Card]) -> dict[GpuKey, Card]:
+    """One card per GPU: where a training's Pod was replaced by one with a newer hook, its old card (a stage
+    directory before v4) and its new one name the same GPU until the old one is found stale; the newer counts."""
+    out: dict[GpuKey, Card] = {}
+    for card in cards:
+        have = out.get(card.key)
+        if have is None or card.version > have.version:
+            out[card.key] = card
+    return out
 
 
 class NodeAgent:
@@ -158,17 +188,17 @@ class NodeAgent:
         self.lock = threading.RLock()
         self.book = NodeBook(clock)
         self.launcher = AttachLauncher()
-        self.trainings: dict[str, _Training] = {}
+        self.trainings: dict[TrainingKey, _Training] = {}
         self.failures: dict[str, str] = {}  # uid -> why its process could not be queued
         # training -> its guard's limits: slowdown budget, largest fill share, source, tail risk
-        self.limits: dict[str, tuple[float | None, float | None, str, float | None]] = {}
+        self.limits: dict[TrainingKey, tuple[float | None, float | None, str, float | None]] = {}
         self.changed = threading.Condition(self.lock)
         self.version = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
         self._problems_seen: set[str] = set()
-        self._cardless_since: dict[str, int] = {}  # training -> when its last card went
+        self._cardless_since: dict[TrainingKey, int] = {}  # training -> when its last card went
         self.metrics = NodeMetrics(self._registries, self._assignment_counts)
         self.metrics_port: int | None = None
 
@@ -242,7 +272,8 @@ class NodeAgent:
                 log.exception("scanning %s failed", self.run_dir)
 
     def scan(self) -> None:
-        """Read the cards: start an agent for each new training, reset stages whose Pod changed."""
+        """Read the cards: start an agent for each new training, add the GPUs a training's agent does not serve yet,
+        reset GPUs whose Pod or process changed."""
         cards, problems = read_cards(self.run_dir)
         for p in problems:
             if p not in self._problems_seen:
@@ -251,87 +282,107 @@ class NodeAgent:
         live = []
         for card in cards:
             if card_is_stale(self.run_dir, card):
-                log.info("training %s stage %d: the process of Pod %s/%s is gone; its hook card is removed",
-                         card.training, card.stage, card.namespace, card.pod)
+                log.info("%s: the process of Pod %s/%s is gone; its hook card is removed", card.key, card.namespace,
+                         card.pod)
             else:
                 live.append(card)
-        cards = live
+        by_key = newest_cards(live)
         changed = False
         retired: list[_Training] = []
         with self.lock:
-            for card in cards:
-                tr = self.trainings.get(card.training)
+            for key, card in sorted(by_key.items()):
+                tr = self.trainings.get(key.training_key)
                 if tr is None:
-                    tr = self._start_training(card.training, [c for c in cards if c.training == card.training])
+                    tr = self._start_training(key.training_key,
+                                              [c for k, c in by_key.items() if k.training_key == key.training_key])
                     changed = True
-                old = tr.cards.get(card.stage)
+                old = tr.cards.get(key)
                 if old == card:
                     continue
-                if card.stage >= len(tr.agent.executors):
-                    log.error("training %s: stage %d is beyond the %d stages its first card announced; restart "
-                              "the agent to serve it", card.training, card.stage, len(tr.agent.executors))
+                if not self._serve(tr, card):
                     continue
-                tr.cards[card.stage] = card
-                tr.agent.executors[card.stage].device = self._device(card)
+                tr.cards[key] = card
                 changed = True
                 if old is not None and old.pod != card.pod:
-                    tr.agent.reset_stage(card.stage, f"training Pod {old.pod} was replaced by {card.pod}: the "
-                                                     "stage's bubbles are measured again")
+                    tr.agent.reset_gpu(key, f"training Pod {old.pod} was replaced by {card.pod}: the GPU's bubbles "
+                                            "are measured again")
                 elif old is not None and old.instance != card.instance:
-                    tr.agent.reset_stage(card.stage, f"the training process of {card.pod} restarted: the stage's "
-                                                     "bubbles are measured again")
-            # A stage whose card went (its process is gone) is no longer reported. A training with no card left for
+                    tr.agent.reset_gpu(key, f"the training process of {card.pod} restarted: the GPU's bubbles are "
+                                            "measured again")
+            # A GPU whose card went (its process is gone) is no longer reported. A training with no card left for
             # retire_after_s ended (its hooks detached, or their processes are gone; a restart writes a new card
             # within that): its agent stops, rather than serve (and check the isolation of) it for good.
             now = self.clock()
-            on_disk = {(c.training, c.stage) for c in cards}
-            for name, tr in list(self.trainings.items()):
-                for stage in [k for k in tr.cards if (name, k) not in on_disk]:
-                    del tr.cards[stage]
+            for tkey, tr in list(self.trainings.items()):
+                for key in [k for k in tr.cards if k not in by_key]:
+                    del tr.cards[key]
                     changed = True
                 if tr.cards:
-                    self._cardless_since.pop(name, None)
+                    self._cardless_since.pop(tkey, None)
                     continue
-                since = self._cardless_since.setdefault(name, now)
+                since = self._cardless_since.setdefault(tkey, now)
                 if now - since >= int(self.config.retire_after_s * 1e9):
-                    retired.append(self.trainings.pop(name))
-                    del self._cardless_since[name]
+                    retired.append(self.trainings.pop(tkey))
+                    del self._cardless_since[tkey]
             for uid in self.book.forget_before(self.clock() - int(FORGET_AFTER_S * 1e9)):
                 self.failures.pop(uid, None)
             # A training's limits are kept while it runs here or a job of it is assigned (it may start after).
-            wanted = set(self.trainings) | {j.message.training for j in self.book.jobs.values()}
+            wanted = set(self.trainings) | {training_of(j.message) for j in self.book.jobs.values()}
             self.limits = {t: lim for t, lim in self.limits.items() if t in wanted}
         for tr in retired:  # outside the node's lock: the training's loop may be waiting for it
-            log.info("training %s: no stage of it runs on this node any more; its agent stops", tr.name)
+            log.info("training %s/%s: no GPU of it runs on this node any more; its agent stops", tr.namespace,
+                     tr.name)
             tr.agent.request_stop()
             tr.thread.join(10.0)
         if changed or retired:
             self._bump()
+
+    def _serve(self, tr: _Training, card: Card) -> bool:
+        """Make ``tr``'s agent serve ``card``'s GPU where its card says it is (added, moved to its card's directory,
+        its device updated); False, said, where its socket cannot be bound (tried again at the next scan)."""
+        device = self._device(card)
+        directory = card.directory(self.run_dir)
+        try:
+            if not tr.agent.core.serves(card.key):
+                tr.agent.add_gpu(card.key, directory, device, f"its card appeared (Pod {card.pod}, card "
+                                                              f"v{card.version})")
+            else:
+                tr.agent.set_gpu(card.key, directory, device)
+        except OSError as exc:
+            log.error("%s: not served: %s", card.key, exc)
+            return False
+        if card.version < cards.RANKS_VERSION:
+            log.warning("%s: its hook (Pod %s) writes card v%d, before a card per rank: served as rank 0 of 1, but no "
+                        "fill Pod is placed there; upgrade bubbles in the training's image", card.key, card.pod,
+                        card.version)
+        return True
 
     def _device(self, card: Card) -> str:
         if card.gpu_uuid and card.gpu_uuid in self.config.gpus:
             return self.config.gpus[card.gpu_uuid]
         return card.device if card.device.startswith("cuda") else "cpu"
 
-    def _start_training(self, name: str, cards: list[Card]) -> _Training:
-        stages = max(c.stages for c in cards)
-        by_stage = {c.stage: c for c in cards}
-        devices = tuple(self._device(by_stage[k]) if k in by_stage else "cpu" for k in range(stages))
+    def _start_training(self, tkey: TrainingKey, cards: list[Card]) -> _Training:
+        """An agent for a training first seen here, serving the GPUs ``cards`` name (the ones whose sockets cannot be
+        bound are tried again at the next scan)."""
+        namespace, name = tkey
         # relaunch=False: a fill Pod's process attached once; a job stopped here is restarted by the operator (a new
         # Pod, within the FillJob's restartLimit), not by this agent, which has no process to start.
-        config = dataclasses.replace(self.config.template, training=name, executors=stages, devices=devices,
-                                     relaunch=False,
-                                     metrics=False, ready_file=None)
-        agent = Agent(config, launcher=self.launcher.for_training(name), clock=self.clock)
+        config = dataclasses.replace(self.config.template, training=name, namespace=namespace, devices=(),
+                                     relaunch=False, metrics=False, ready_file=None)
+        # The isolation checks the GPUs of the cards seen now (their compute mode); ranks added later on other GPUs
+        # of the node are not checked again.
+        agent = Agent(config, launcher=self.launcher.for_training(tkey), clock=self.clock,
+                      gpus=[(c.key, c.directory(self.run_dir), self._device(c)) for c in cards])
         agent.start()
-        if name in self.limits:
-            agent.set_guard_limits(*self.limits[name])
-        thread = threading.Thread(target=agent.run, name=f"bubbles-{name}", daemon=True)
+        if tkey in self.limits:
+            agent.set_guard_limits(*self.limits[tkey])
+        thread = threading.Thread(target=agent.run, name=f"bubbles-{namespace}-{name}", daemon=True)
         thread.start()
-        log.info("training %s: serving %d stage(s) on this node (%s)", name, len(cards),
-                 ", ".join(f"stage {c.stage} in {c.namespace}/{c.pod}" for c in cards))
-        tr = _Training(name, agent, thread)
-        self.trainings[name] = tr
+        log.info("training %s/%s: serving %d GPU(s) on this node (%s)", namespace, name, len(cards),
+                 ", ".join(f"stage {c.stage} rank {c.rank} in Pod {c.pod}" for c in cards))
+        tr = _Training(namespace, name, agent, thread)
+        self.trainings[tkey] = tr
         return tr
 
     # -- the operator's side (served over gRPC) ---------------------------------------------------------------
@@ -345,8 +396,8 @@ class NodeAgent:
             if msg.slowdown_budget is not None or msg.max_fill_share is not None or msg.tail_risk is not None:
                 limits = (msg.slowdown_budget, msg.max_fill_share, f"PipelineTraining {msg.namespace}/{msg.training}",
                           msg.tail_risk)
-                self.limits[msg.training] = limits
-                if (tr := self.trainings.get(msg.training)) is not None:
+                self.limits[training_of(msg)] = limits
+                if (tr := self.trainings.get(training_of(msg))) is not None:
                     tr.agent.set_guard_limits(*limits)
         log.info("assign: %s", decision.message)
         self._bump()
@@ -363,15 +414,16 @@ class NodeAgent:
         return have is not None
 
     def _stop_run(self, have: AssignedJob, reason: str) -> None:
-        tr = self.trainings.get(have.message.training)
-        pending = self.launcher.withdraw(have.message.training, have.job_name)
+        tr = self.trainings.get(training_of(have.message))
+        pending = self.launcher.withdraw(training_of(have.message), have.job_name)
         if pending is not None:
             pending.close()
         if tr is not None:
             tr.agent.cancel(have.job_name, reason)
 
     def report(self) -> NodeReport:
-        """Every stage with a card, every assignment held (cancelled ones excepted)."""
+        """Every GPU with a card (one StageReport per rank of a stage), every assignment held (cancelled ones
+        excepted)."""
         now = self.clock()
         silence_ns = int(self.config.hook_silence_s * 1e9)
         stages: list[StageReport] = []
@@ -382,15 +434,16 @@ class NodeAgent:
                     core = tr.agent.core
                     ledger = core.ledgers["harvest"]
                     baseline = core.guard.baseline_s if core.guard is not None else None
-                    for k, card in sorted(tr.cards.items()):
-                        ex = core.executors[k]
+                    held = ledger.stages()
+                    for key, card in sorted(tr.cards.items()):
+                        ex = core.executor(key)
                         heard = ex.last_message_ns is not None and now - ex.last_message_ns <= silence_ns
-                        totals = ledger.totals(k, percentiles=False) if k in ledger.stages() else None
+                        totals = ledger.totals(key, percentiles=False) if key in held else None
                         stages.append(StageReport(
-                            card.namespace, tr.name, card.pod, k, ex.device,
+                            card.namespace, tr.name, card.pod, key.stage, ex.device,
                             ex.cycle.to_dict() if ex.cycle is not None else None, heard, ex.last_iteration_s,
                             baseline, totals.bubble_s if totals else 0.0, totals.filled_s if totals else 0.0,
-                            card.gpu_uuid, known_membership(ex.training_membership.wire)))
+                            card.gpu_uuid, known_membership(ex.training_membership.wire), key.rank, card.ranks))
             for uid, have in self.book.jobs.items():
                 if have.cancelled is not None:
                     continue
@@ -401,7 +454,7 @@ class NodeAgent:
         attempt = have.message.attempt
         if uid in self.failures:
             return JobProgress(uid, FillState.STOPPED, reason=self.failures[uid], attempt=attempt)
-        tr = self.trainings.get(have.message.training)
+        tr = self.trainings.get(training_of(have.message))
         record = None
         if tr is not None:
             with tr.agent.lock:
@@ -462,20 +515,20 @@ class NodeAgent:
                                         f"attempt {have.message.attempt} is the one assigned")
                 have = self.book.attach(uid, pid, hello.get("gpu"))
                 msg = have.message
-                tr = self.trainings.get(msg.training)
-                if tr is None or msg.stage not in tr.cards:
-                    raise AttachRefused(f"stage {msg.stage} of training {msg.training} has no hook on this node "
-                                        "(no card): is the training Pod running with the bubbles hook?")
-                card = tr.cards[msg.stage]
-                if not card.fills:
-                    # Its bubble signals go only to sockets in the stage directory, which a fill Pod does not mount:
-                    # admitted, the job would sit at 0 steps, saying nothing.
+                tr = self.trainings.get(training_of(msg))
+                key = self._gpu_for(tr, msg, hello.get("gpu"))
+                assert tr is not None  # _gpu_for refuses otherwise
+                card = tr.cards[key]
+                if card.version < cards.RANKS_VERSION:
+                    # Its bubble signals go to fill sockets in the stage directory of the old layout, not in the GPU
+                    # directory a fill Pod mounts: admitted, the job would sit at 0 steps, saying nothing.
                     raise AttachRefused(versions.needs_newer(
                         f"the bubbles hook in training {msg.training}'s Pod {card.pod}", "card", card.version,
-                        cards.FILLS_VERSION, "bubbles in the training's image") + " (from card v"
-                        f"{cards.FILLS_VERSION} on, the hook signals fill jobs in the stage's fills/ directory, the "
-                        "one a fill Pod mounts)")
-                sock = paths.fill_socket(self.run_dir, msg.training, msg.stage, have.job_name)
+                        cards.RANKS_VERSION, "bubbles in the training's image") + " (before card "
+                        f"v{cards.RANKS_VERSION} the hook signals fill jobs in {card.directory(self.run_dir)}/"
+                        f"{paths.FILLS_DIR_NAME}, not in {paths.gpu_relpath(key)}/{paths.FILLS_DIR_NAME}, the "
+                        f"directory a fill Pod placed on {key} mounts)")
+                sock = paths.fill_socket(self.run_dir, key, have.job_name)
                 # The welcome goes first, on the blocking socket: the agent's commands (init) follow it on the
                 # same stream once the job is launched, from the non-blocking socket AttachedProcess makes of it.
                 conn.sendall(control.encode("welcome", job=have.job_name, socket=str(sock), stage=msg.stage,
@@ -489,18 +542,31 @@ class NodeAgent:
                 log.warning("refused a fill process (pid %d, uid %s): %s", pid, uid, exc)
                 return None
             spec = dataclasses.replace(msg.spec, name=have.job_name, stage=msg.stage)
-            self.launcher.offer(msg.training, have.job_name, proc)
+            self.launcher.offer(tr.key, have.job_name, proc)
             try:
-                tr.agent.submit(spec)
+                tr.agent.submit_on(spec, key)
             except ValueError as exc:
-                self.launcher.withdraw(msg.training, have.job_name)
+                self.launcher.withdraw(tr.key, have.job_name)
                 proc.close()
                 self.failures[uid] = f"not admitted: {exc}"
                 log.error("fill job %s/%s not admitted: %s", msg.namespace, msg.name, exc)
-        log.info("fill job %s/%s attempt %d attached (pid %d) to stage %d of %s", msg.namespace, msg.name,
-                 attempt, pid, msg.stage, msg.training)
+        log.info("fill job %s/%s attempt %d attached (pid %d) to %s", msg.namespace, msg.name, attempt, pid, key)
         self._bump()
         return have
+
+
+    def _gpu_for(self, tr: _Training | None, msg: AssignmentMessage, seen_gpu: str | None) -> GpuKey:
+        """The GPU an attaching process of ``msg`` runs on: of the GPUs the assignment names (``msg.gpu_keys``), the
+        one whose card names the GPU the process sees, else the first (one process per fill job). AttachRefused,
+        naming the GPU, where one of them has no hook here."""
+        keys = msg.gpu_keys
+        missing = [k for k in keys if tr is None or k not in tr.cards]
+        if missing:
+            raise AttachRefused(f"{missing[0]} (stage {missing[0].stage} rank {missing[0].rank} of training "
+                                f"{msg.training}) has no hook on this node (no card): is the training Pod running "
+                                "with the bubbles hook, and does the stage have that rank here?")
+        assert tr is not None
+        return next((k for k in keys if seen_gpu and tr.cards[k].gpu_uuid == seen_gpu), keys[0])
 
 
 def _read_line(conn: socket.socket) -> bytes:

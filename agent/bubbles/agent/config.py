@@ -62,12 +62,17 @@ class AgentConfig:
     cuda_context_mib: int = DEFAULT_CUDA_CONTEXT_MIB  # a GPU fill process's own CUDA context (not under MPS)
     exit_when_done: bool = False  # stop, with the stats and a summary, once the training has ended (local mode)
     start_timeout_s: float | None = None  # with exit_when_done: give up if no stage started this long after the start
+    # The training's namespace. No flag sets it: a local agent serves a training outside Kubernetes, whose hook writes
+    # under ``_local`` (``paths.default_namespace`` without $POD_NAMESPACE); in a cluster the node agent takes it
+    # from each training's cards. A flag could only name a directory no hook writes to.
+    namespace: str = paths.LOCAL_NAMESPACE
 
     def __post_init__(self) -> None:
         if isinstance(self.executors, bool) or not isinstance(self.executors, int) or self.executors < 1:
             raise ConfigError(f"--executors must be >= 1 (one per local pipeline stage), got {self.executors}")
         try:
             paths.check_name("training", self.training)
+            paths.check_namespace(self.namespace)
             object.__setattr__(self, "mode", FillMode.parse(self.mode, "--mode"))
             for d in self.devices:
                 parse_devices(d)
@@ -116,7 +121,7 @@ class AgentConfig:
                           isolation_mode=self.isolation.mode, allow_unisolated=self.isolation.allow_unisolated,
                           tail_risk=self.tail_risk, init_timeout_s=self.init_timeout_s, relaunch=self.relaunch,
                           cuda_context_bytes=self.cuda_context_mib << 20, exit_when_done=self.exit_when_done,
-                          start_timeout_s=self.start_timeout_s)
+                          start_timeout_s=self.start_timeout_s, namespace=self.namespace)
 
 
 @dataclass(frozen=True)

@@ -575,7 +575,8 @@ def _writable_dir(path: Path) -> bool:
 
 
 def make_isolation(config: IsolationConfig, devices: Sequence[str], agent_dir: Path) -> Isolation:
-    """The backend for ``config.mode``; ``agent_dir`` (``<run_dir>/<training>``) holds its private directories.
+    """The backend for ``config.mode``; ``agent_dir`` (``<run_dir>/<namespace>/<training>``) holds its private
+    directories.
 
     Raises ValueError for a configuration that cannot work (e.g. an MPS pipe directory that is too long).
     """

@@ -14,18 +14,24 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from bubbles.core.identity import GpuKey
 from bubbles.core.stats import percentile
+
+# What the ledger keeps records by: one timeline of bubbles and steps each. The agent keys them by GPU (a rank of a
+# stage: bubbles of one rank are no bubbles of another); a reader of stats files by (stage, rank); plain stages too.
+K = TypeVar("K", int, tuple[int, int], GpuKey)
 
 _NS_PER_S = 1_000_000_000
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One fill-job step as reported: where and when it ran, and the work it did."""
+    """One fill-job step as reported: where (``stage``: the key the ledger keeps it by) and when it ran, and the
+    work it did."""
 
-    stage: int
+    stage: Any
     job: str
     start_ns: int
     end_ns: int
@@ -118,8 +124,9 @@ class _Folded:
         self.overrun_samples.append(ns)
 
 
-class HarvestLedger:
-    """Bubble and fill-step intervals per stage, totalled on demand, in bounded memory.
+class HarvestLedger(Generic[K]):
+    """Bubble and fill-step intervals per stage (or per GPU: whatever key ``K`` the caller keeps one timeline by),
+    totalled on demand, in bounded memory.
 
     An agent runs for weeks; holding every record would grow without end, and every scrape and report (under the
     agent's lock) would sort them all. So once ``fold_at`` records are held, each stage's records are *folded* up to
@@ -135,27 +142,27 @@ class HarvestLedger:
     """
 
     def __init__(self, settle_ns: int = SETTLE_NS, fold_at: int = FOLD_MIN_RECORDS,
-                 floor: Callable[[int], int | None] = lambda stage: None) -> None:
+                 floor: Callable[[K], int | None] = lambda _key: None) -> None:
         """``floor(stage)``: a time no fold may cut past (the start of the stage's oldest bubble still open, whose
         record comes at its END: a bubble longer than ``settle_ns`` would otherwise arrive late)."""
         if settle_ns < 0 or fold_at < 1:
             raise ValueError("HarvestLedger needs settle_ns >= 0 and fold_at >= 1")
         self.settle_ns = settle_ns
         self.fold_at = fold_at
-        self.floor = floor
-        self._bubbles: dict[int, list[tuple[int, int]]] = {}
-        self._steps: dict[int, list[StepRecord]] = {}
-        self._folded: dict[int, _Folded] = {}
-        self._cut: dict[int, int] = {}  # stage -> everything before it is folded
+        self.floor: Callable[[K], int | None] = floor
+        self._bubbles: dict[K, list[tuple[int, int]]] = {}
+        self._steps: dict[K, list[StepRecord]] = {}
+        self._folded: dict[K, _Folded] = {}
+        self._cut: dict[K, int] = {}  # stage -> everything before it is folded
         self._held = 0
         self._next_fold = fold_at
 
     @classmethod
-    def holding_all(cls) -> HarvestLedger:
+    def holding_all(cls) -> HarvestLedger[K]:
         """A ledger that never folds: for records added in any order (a finished run's, read back)."""
         return cls(fold_at=NEVER_FOLD)
 
-    def add_bubble(self, stage: int, start_ns: int, end_ns: int) -> None:
+    def add_bubble(self, stage: K, start_ns: int, end_ns: int) -> None:
         """Record one bubble of ``stage`` (from its BUBBLE_START to its BUBBLE_END)."""
         _check_interval(stage, start_ns, end_ns)
         cut = self._cut.get(stage)
@@ -169,7 +176,7 @@ class HarvestLedger:
         self._bubbles.setdefault(stage, []).append((start_ns, end_ns))
         self._added()
 
-    def add_step(self, stage: int, job: str, start_ns: int, end_ns: int, flops: float, tail: bool = False) -> None:
+    def add_step(self, stage: K, job: str, start_ns: int, end_ns: int, flops: float, tail: bool = False) -> None:
         """Record one fill-job step that ran on ``stage``'s accelerator (``tail``: started past its bubble's predicted
         end, on the tail's risk)."""
         _check_interval(stage, start_ns, end_ns)
@@ -189,7 +196,7 @@ class HarvestLedger:
         self._steps.setdefault(stage, []).append(StepRecord(stage, job, start_ns, end_ns, float(flops), tail=tail))
         self._added()
 
-    def stages(self) -> tuple[int, ...]:
+    def stages(self) -> tuple[K, ...]:
         """Stages with any bubble or step recorded, ascending."""
         return tuple(sorted(set(self._bubbles) | set(self._steps) | set(self._folded)))
 
@@ -201,7 +208,7 @@ class HarvestLedger:
         """Records that arrived after their time was folded (see the class)."""
         return sum(f.late for f in self._folded.values())
 
-    def bubble_intervals(self, stage: int) -> tuple[tuple[int, int], ...]:
+    def bubble_intervals(self, stage: K) -> tuple[tuple[int, int], ...]:
         """The stage's held bubbles as (start_ns, end_ns), sorted by start, as recorded (not merged)."""
         return tuple(sorted(self._bubbles.get(stage, ())))
 
@@ -210,10 +217,10 @@ class HarvestLedger:
         return tuple(sorted((r for rs in self._steps.values() for r in rs),
                             key=lambda r: (r.stage, r.start_ns, r.end_ns)))
 
-    def totals(self, stage: int | None = None, percentiles: bool = True) -> LedgerTotals:
+    def totals(self, stage: K | None = None, percentiles: bool = True) -> LedgerTotals:
         """Sum up every stage, or only ``stage``: the folded totals plus a sweep of the held records, O(n log n).
         ``percentiles=False`` leaves the overrun p99 at 0 (it sorts up to ``OVERRUN_SAMPLES`` per stage)."""
-        stages = self.stages() if stage is None else (stage,)
+        stages: tuple[K, ...] = self.stages() if stage is None else (stage,)
         sums = _Folded()
         samples: list[int] = []
         for st in stages:
@@ -247,7 +254,7 @@ class HarvestLedger:
             # before the next.
             self._next_fold = max(self.fold_at, 2 * self._held)
 
-    def fold(self, stage: int) -> None:
+    def fold(self, stage: K) -> None:
         """Fold ``stage``'s records up to ``settle_ns`` before its newest (see the class)."""
         bubbles = self._bubbles.get(stage, [])
         steps = self._steps.get(stage, [])
@@ -324,11 +331,15 @@ class _Coverage:
         return self.up_to(b) - self.up_to(a)
 
 
-def _check_interval(stage: int, start_ns: int, end_ns: int) -> None:
-    for name, v in (("stage", stage), ("start_ns", start_ns), ("end_ns", end_ns)):
+def _check_interval(stage: object, start_ns: int, end_ns: int) -> None:
+    for name, v in (("start_ns", start_ns), ("end_ns", end_ns)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} must be an integer (time.monotonic_ns()), got {v!r}")
-    if stage < 0:
+    if isinstance(stage, GpuKey):
+        return
+    if isinstance(stage, bool) or not isinstance(stage, int | tuple):
+        raise ValueError(f"stage must be an integer, (stage, rank) or a GpuKey, got {stage!r}")
+    if any(k < 0 for k in (stage if isinstance(stage, tuple) else (stage,))):
         raise ValueError(f"stage must be >= 0, got {stage}")
     if end_ns < start_ns:
         raise ValueError(f"interval ends before it starts ({start_ns} > {end_ns}): swap the timestamps")
@@ -350,18 +361,20 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
     """Split the bubbles' time into where it went (``BREAKDOWN``'s keys, seconds; they sum to ``bubble_s``), and the
     fill-step time that ran past its bubble's end (``overrun_s``: not bubble time, the training waited for it).
 
-    ``bubbles`` are the agent's bubble records (``stage``, ``start_ns``, ``end_ns``, ``predicted_end_ns``,
+    ``bubbles`` are the agent's bubble records (``stage``, ``rank``, ``start_ns``, ``end_ns``, ``predicted_end_ns``,
     ``guard_paused``, ``share``, ``job``, ``step_s``; the agent's ``status().bubbles``), ``steps`` its step records
-    (``stage``, ``start_ns``, ``end_ns``, ``tail``); pass one mode's of each. A step belongs to the bubble it started
-    in. Of the filled time and the overrun, ``tail_s`` and ``tail_overrun_s`` are those of the steps the predicted end
+    (``stage``, ``rank``, ``start_ns``, ``end_ns``, ``tail``); pass one mode's of each. A step belongs to the bubble
+    it started in, of its own GPU (stage and rank; a record without ``rank``, from an agent before ranks, is rank 0).
+    Of the filled time and the overrun, ``tail_s`` and ``tail_overrun_s`` are those of the steps the predicted end
     did not allow (``tail``: started on ``bubbles.training.gating.TailRisk``'s word). Pure.
     """
-    by_stage: dict[int, list[tuple[int, int]]] = {}
-    tails: set[tuple[int, int, int]] = set()
+    by_stage: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    tails: set[tuple[tuple[int, int], int, int]] = set()
     for st in steps:
-        by_stage.setdefault(int(st["stage"]), []).append((int(st["start_ns"]), int(st["end_ns"])))
+        gpu = _gpu_of(st)
+        by_stage.setdefault(gpu, []).append((int(st["start_ns"]), int(st["end_ns"])))
         if st.get("tail"):
-            tails.add((int(st["stage"]), int(st["start_ns"]), int(st["end_ns"])))
+            tails.add((gpu, int(st["start_ns"]), int(st["end_ns"])))
     for v in by_stage.values():
         v.sort()
     starts = {k: [a for a, _ in v] for k, v in by_stage.items()}
@@ -372,7 +385,7 @@ def bubble_breakdown(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mappi
         if e <= s:
             continue
         bubble_ns += e - s
-        stage = int(b["stage"])
+        stage = _gpu_of(b)
         lo, hi = bisect_left(starts.get(stage, []), s), bisect_left(starts.get(stage, []), e)
         theirs = by_stage.get(stage, [])[lo:hi]
         mine = _merge(theirs)
@@ -418,15 +431,20 @@ def filled_share(bubbles: Iterable[Mapping[str, Any]], steps: Iterable[Mapping[s
     steps covered, as ``Ledger.totals`` counts it (a step's time inside any bubble of its stage, wherever the step
     started: under naive co-location steps run through bubbles without starting in them); None when no bubble time
     falls there. Pure."""
-    ledger = HarvestLedger.holding_all()  # records in no particular order: none may count as late
+    ledger = HarvestLedger[tuple[int, int]].holding_all()  # records in no particular order: none may count as late
     for b in bubbles:
         if t0_ns <= int(b["start_ns"]) < t1_ns:
-            ledger.add_bubble(int(b["stage"]), int(b["start_ns"]), int(b["end_ns"]))
+            ledger.add_bubble(_gpu_of(b), int(b["start_ns"]), int(b["end_ns"]))
     for st in steps:
         if t0_ns <= int(st["start_ns"]) < t1_ns:
-            ledger.add_step(int(st["stage"]), str(st.get("job", "")), int(st["start_ns"]), int(st["end_ns"]), 0.0)
+            ledger.add_step(_gpu_of(st), str(st.get("job", "")), int(st["start_ns"]), int(st["end_ns"]), 0.0)
     totals = ledger.totals()
     return totals.filled_s / totals.bubble_s if totals.bubble_s else None
+
+
+def _gpu_of(record: Mapping[str, Any]) -> tuple[int, int]:
+    """(stage, rank) of a bubble or step record (rank 0 in records of agents before ranks)."""
+    return int(record["stage"]), int(record.get("rank", 0))
 
 
 def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

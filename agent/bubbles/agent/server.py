@@ -1,9 +1,14 @@
 """The node agent's shell: sockets, fill processes, the isolation supervisor and metrics around ``AgentCore``.
 
 Every decision is the core's (``bubbles.agent.core``); this module only moves bytes and carries out the
-core's actions. One thread runs a ``selectors`` loop over the executors' datagram sockets, the fill jobs'
-control channels and exit descriptors, and the core's watchdog deadlines. Nothing in it waits on a fill
-job: control lines are read when they arrive, and writes that would block are queued.
+core's actions. One thread runs a ``selectors`` loop over the executors' datagram sockets (one per harvested GPU:
+``<run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/agent.sock``), the fill jobs' control channels and exit
+descriptors, and the core's watchdog deadlines. Nothing in it waits on a fill job: control lines are read when they
+arrive, and writes that would block are queued.
+
+In local mode the loop also discovers the training's other GPUs (``discover``, every ``DISCOVER_INTERVAL_S``): each
+card of a (stage, rank) not served yet gets an executor and its socket. The hook lists its directory's listeners
+every iteration and greets a new one with its profile, so a rank found late is harvested from its next iteration.
 
 Isolation's health check may block on subprocesses (bounded by timeouts), so a supervisor thread runs
 it and hands the result to the loop through the wake-up socket.
@@ -12,6 +17,7 @@ it and hands the result to the loop through the wake-up socket.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +28,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +36,7 @@ from typing import Any
 from bubbles.core import control, paths, wire
 from bubbles.core.api import FillJobSpec, IsolationState, IsolationStatus
 from bubbles.core.card import hook_lock_held, read_card
+from bubbles.core.identity import GpuKey
 
 from .config import AgentConfig
 from .core import (
@@ -61,7 +68,8 @@ log = logging.getLogger("bubbles.agent")
 
 _STOP_WAIT_S = 2.0
 _VERDICT_TTL_S = 1.0  # how long an answer of _from_training other than "the lock's holder" stands
-_MAX_VERDICTS = 256  # senders remembered per stage
+_MAX_VERDICTS = 256  # senders remembered per GPU
+DISCOVER_INTERVAL_S = 1.0  # local mode: how often the training's cards are read for ranks not served yet
 _CREDENTIALS_SPACE = socket.CMSG_SPACE(struct.calcsize("3i"))  # struct ucred: pid, uid, gid
 
 
@@ -118,32 +126,44 @@ class _Channel:
 
 
 class Agent:
-    """Serves one training's stages on this node; ``run()`` until ``request_stop()`` (or a signal).
+    """Serves one training's GPUs on this node; ``run()`` until ``request_stop()`` (or a signal).
 
-    ``clock`` is the monotonic clock in nanoseconds the core decides with (the hook's clock too).
+    ``clock`` is the monotonic clock in nanoseconds the core decides with (the hook's clock too). ``gpus`` (cluster
+    mode): the GPUs to serve from the start, as (key, directory, device), instead of the configuration's local stages;
+    the caller adds more with ``add_gpu`` and nothing is discovered here. Without it (local mode) rank 0 of each of
+    ``config.executors`` stages is served from the start and the other ranks are discovered from their cards.
     """
 
     def __init__(self, config: AgentConfig, specs: list[FillJobSpec] | None = None,
                  launcher: Launcher | None = None, isolation: Isolation | None = None,
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock: Callable[[], int] = time.monotonic_ns,
+                 gpus: Sequence[tuple[GpuKey, Path, str]] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.launcher = launcher or ProcessLauncher()
         self.lock = threading.RLock()
-        self.metrics = AgentMetrics(config.training, self._snapshot)
-        self.core = AgentCore(config.core(), clock, self.metrics)
-        agent_dir = paths.stage_dir(config.run_dir, config.training, 0).parent
+        self.metrics = AgentMetrics(config.training, self._snapshot, config.namespace)
+        core_config = config.core()
+        self.discovering = gpus is None
+        if gpus is not None:
+            core_config = dataclasses.replace(core_config, executors=())
+        self.core = AgentCore(core_config, clock, self.metrics)
+        for key, directory, device in gpus or ():
+            self.core.add_executor(key, directory, device)
+        self.training_dir = paths.training_dir(config.run_dir, config.namespace, config.training)
         self.isolation = isolation or make_isolation(config.isolation, [ex.device for ex in self.core.executors],
-                                                     agent_dir)
+                                                     self.training_dir)
         self.metrics_port: int | None = None
         self._channels: dict[JobRecord, _Channel] = {}  # processes whose exit is not handled yet
         self._started: dict[JobRecord, FillProcess] = {}  # every process started, for callers and tests
-        self._socks: dict[int, socket.socket] = {}
-        self._speaker: dict[int, int] = {}  # stage -> the process last found holding its lock (_from_training)
-        self._verdicts: dict[int, dict[int, tuple[bool, int, int | None]]] = {}  # stage -> pid -> (ok, until, holder)
+        self._socks: dict[GpuKey, socket.socket] = {}
+        self._bound = False  # start() has bound the sockets: a GPU added later binds its own at once
+        self._speaker: dict[GpuKey, int] = {}  # GPU -> the process last found holding its lock (_from_training)
+        self._verdicts: dict[GpuKey, dict[int, tuple[bool, int, int | None]]] = {}  # GPU -> pid -> (ok, until, holder)
+        self._unusable_cards: set[str] = set()  # discover: what was said about cards it could not use (said once)
         self._isolation_update: IsolationStatus | None = None  # from the supervisor thread, for the loop
         self._verified: list[tuple[JobRecord, str | None, bool]] = []  # VerifyIsolation answers, from threads
-        self._training_answers: list[tuple[int, int, str | None, bool]] = []  # VerifyTraining answers, likewise
+        self._training_answers: list[tuple[GpuKey, int, str | None, bool]] = []  # VerifyTraining answers, likewise
         self._supervisor: threading.Thread | None = None
         self._supervisor_stop = threading.Event()
         self._sel = selectors.DefaultSelector()
@@ -188,6 +208,14 @@ class Agent:
             self._execute()
             return job
 
+    def submit_on(self, spec: FillJobSpec, key: GpuKey) -> JobRecord:
+        """Queue a fill job on GPU ``key``, where it was placed (cluster mode: the operator's assignment);
+        ValueError saying why it cannot be queued."""
+        with self.lock:
+            job = self.core.submit(spec, on=key)
+            self._execute()
+            return job
+
     def cancel(self, name: str, reason: str) -> bool:
         """Stop the fill job ``name`` (queued or running); False if no such job is live."""
         with self.lock:
@@ -202,11 +230,81 @@ class Agent:
             self.core.set_guard_limits(budget, max_share, source, tail_risk)
             self._execute()
 
-    def reset_stage(self, stage: int, reason: str) -> None:
-        """The stage's training process changed: re-profile before admitting anything there."""
+    def reset_gpu(self, key: GpuKey, reason: str) -> None:
+        """The GPU's training process changed: re-profile before admitting anything there."""
         with self.lock:
-            self.core.reset_stage(stage, reason)
+            self.core.reset_gpu(key, reason)
             self._execute()
+
+    def add_gpu(self, key: GpuKey, directory: Path, device: str, why: str = "") -> ExecutorState:
+        """Serve one more GPU of the training (``AgentCore.add_executor``), its socket bound at once if the others'
+        are. OSError where the socket cannot be bound (the GPU is then not served); ValueError if it is served."""
+        with self.lock:
+            ex = self.core.add_executor(key, directory, device, why=why)
+            if self._bound:
+                try:
+                    self._bind_gpu(ex)
+                except OSError as exc:
+                    self.core.remove_executor(key)
+                    raise OSError(f"{key}: cannot bind its socket in {directory}: {exc}") from exc
+            self._execute()
+            return ex
+
+    def set_gpu(self, key: GpuKey, directory: Path, device: str) -> None:
+        """GPU ``key`` runs on ``device`` now, its files in ``directory`` (a training Pod replaced by one with a newer
+        hook writes its card elsewhere): its socket moves there. OSError where it cannot be bound there."""
+        with self.lock:
+            ex = self.core.executor(key)
+            ex.device = device
+            if ex.directory == directory:
+                return
+            old = ex.directory
+            sock = self._socks.pop(key, None)
+            if sock is not None:
+                self._sel.unregister(sock)
+                sock.close()
+                with contextlib.suppress(FileNotFoundError):
+                    (old / paths.AGENT_SOCKET_NAME).unlink()
+            ex.directory = directory
+            self._speaker.pop(key, None)
+            self._verdicts.pop(key, None)
+            if self._bound:
+                self._bind_gpu(ex)
+            log.info("%s: its files are in %s now (were in %s)", key, directory, old)
+
+    def discover(self) -> list[GpuKey]:
+        """Local mode: serve every GPU of the training whose hook has written a card (``<training dir>/stage-<k>/
+        rank-<r>/hook.json``) and that is not served yet; the keys added. A card nobody's process holds (left by an
+        earlier run) is no GPU to serve; an unreadable one is said once and skipped."""
+        with self.lock:
+            return self._discover()
+
+    def _discover(self) -> list[GpuKey]:
+        added: list[GpuKey] = []
+        for path in sorted(self.training_dir.glob(f"stage-*/rank-*/{paths.HOOK_CARD_NAME}")):
+            try:
+                card = read_card(path)
+                if card.key.training_key != (self.config.namespace, self.config.training) or \
+                        card.directory(self.config.run_dir) != path.parent:
+                    raise ValueError(f"{path}: the card names {card.key}, not its directory")
+            except (OSError, ValueError) as exc:
+                if str(exc) not in self._unusable_cards and not isinstance(exc, FileNotFoundError):
+                    self._unusable_cards.add(str(exc))
+                    log.warning("ignoring a hook card: %s", exc)
+                continue
+            if self.core.serves(card.key) or hook_lock_held(path.parent) is False:
+                continue
+            stages = self.config.executors
+            why = "discovered from its card" + (f"; its stage is beyond the --executors {stages} stages served "
+                                                "from the start" if card.stage >= stages else "")
+            device = card.device if card.device.startswith("cuda") else "cpu"
+            try:
+                self.add_gpu(card.key, path.parent, device, why)
+            except (OSError, ValueError) as exc:
+                log.error("%s", exc)
+                continue
+            added.append(card.key)
+        return added
 
     def start(self) -> None:
         """Set up isolation, bind every executor's socket, start the metrics endpoint, write the ready file.
@@ -226,27 +324,37 @@ class Agent:
         with self.lock:
             self.core.start_serving()
 
-    def _bind(self) -> None:
-        """Bind the executors' sockets, serve metrics, write the ready file."""
-        for ex in self.core.executors:
-            path = paths.agent_socket(self.config.run_dir, self.config.training, ex.index)
-            if (problem := paths.socket_path_problem(path)) is not None:
-                raise OSError(problem)
-            paths.make_private_dir(path.parent)
-            # Where the stage's fill jobs bind their sockets: made here too, for a training whose hook predates it
-            # (a fill Pod's mount of it must find it there).
-            paths.make_private_dir(paths.fills_dir(self.config.run_dir, self.config.training, ex.index))
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    def _bind_gpu(self, ex: ExecutorState) -> None:
+        """Bind GPU ``ex``'s datagram socket in its directory; OSError where it cannot be."""
+        path = ex.directory / paths.AGENT_SOCKET_NAME
+        if (problem := paths.socket_path_problem(path)) is not None:
+            raise OSError(problem)
+        paths.make_private_dir(path.parent)
+        # Where the GPU's fill jobs bind their sockets: made here too, for a training whose hook predates it
+        # (a fill Pod's mount of it must find it there).
+        paths.make_private_dir(ex.directory / paths.FILLS_DIR_NAME)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             # The kernel attaches each sender's credentials, its PID named in this agent's PID namespace (a training
             # in a Pod included: the node agent has the host's), with no change on the hook's side.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             s.bind(str(path))
             s.setblocking(False)
-            self._socks[ex.index] = s
-            self._sel.register(s, selectors.EVENT_READ, lambda _m, k=ex.index: self._on_datagrams(k))
+        except OSError:
+            s.close()
+            raise
+        self._socks[ex.key] = s
+        self._sel.register(s, selectors.EVENT_READ, lambda _m, k=ex.key: self._on_datagrams(k))
+
+    def _bind(self) -> None:
+        """Bind the executors' sockets, serve metrics, write the ready file."""
+        with self.lock:
+            for ex in self.core.executors:
+                self._bind_gpu(ex)
+            self._bound = True
         if self.config.metrics:
             self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, self.metrics_port)
@@ -255,10 +363,9 @@ class Agent:
             tmp.write_text(json.dumps({"pid": os.getpid(), "metrics_port": self.metrics_port}) + "\n")
             tmp.replace(self.config.ready_file)
         status = self.core.isolation_status
-        log.info("agent for training %r serving %d executor(s) (%s) under %s in %s mode; isolation %s: %s",
+        log.info("agent for training %r serving %d GPU(s) (%s) under %s in %s mode; isolation %s: %s",
                  self.config.training, len(self.core.executors), ", ".join(ex.device for ex in self.core.executors),
-                 paths.stage_dir(self.config.run_dir, self.config.training, 0).parent, self.config.mode.label,
-                 status.mode, status.state)
+                 self.training_dir, self.config.mode.label, status.mode, status.state)
 
     def request_stop(self) -> None:
         """Ask ``run()`` to return (thread- and signal-safe)."""
@@ -272,18 +379,21 @@ class Agent:
 
     def run(self) -> None:
         """Serve until ``request_stop()``; then stop every fill job, close the sockets, undo isolation."""
-        if not self._socks:
+        if not self._bound:  # not started yet (an agent may serve no GPU yet: its sockets are bound as they come)
             self.start()
         self._supervisor_stop.clear()
         self._supervisor = threading.Thread(target=self._supervise, name="bubbles-isolation", daemon=True)
         self._supervisor.start()
         # --exit-when-done: the stages' hooks are looked at every WATCH_INTERVAL_S; the core decides when it has ended.
         next_watch = self.clock() if self.config.exit_when_done else None
+        # Local mode: the training's cards are read for GPUs not served yet every DISCOVER_INTERVAL_S.
+        next_discovery = self.clock() if self.discovering else None
         try:
             while not self._stop:
                 deadline = self.core.next_deadline_ns()
-                if next_watch is not None:
-                    deadline = next_watch if deadline is None else min(deadline, next_watch)
+                for due in (next_watch, next_discovery):
+                    if due is not None:
+                        deadline = due if deadline is None else min(deadline, due)
                 timeout = None if deadline is None else min(3600.0, max(0.0, (deadline - self.clock()) / 1e9))
                 events = self._sel.select(timeout)
                 with self.lock:
@@ -294,6 +404,9 @@ class Agent:
                         self._drain_control(job)  # a step report may be waiting
                     self.core.tick(now)
                     self._execute()
+                    if next_discovery is not None and now >= next_discovery:
+                        next_discovery = now + int(DISCOVER_INTERVAL_S * 1e9)
+                        self.discover()
                     if next_watch is not None and now >= next_watch:
                         next_watch = now + int(WATCH_INTERVAL_S * 1e9)
                         if self.core.watch_hooks(self._hook_facts()) is not None:
@@ -344,12 +457,13 @@ class Agent:
             self._drain_control(job)
             self.core.reaped_at_shutdown(job)
             self._execute()
-        for index, sock in self._socks.items():
+        for key, sock in self._socks.items():
             self._sel.unregister(sock)
             sock.close()
             with contextlib.suppress(FileNotFoundError):
-                paths.agent_socket(self.config.run_dir, self.config.training, index).unlink()
+                (self.core.executor(key).directory / paths.AGENT_SOCKET_NAME).unlink()
         self._socks.clear()
+        self._bound = False
         self.metrics.close()
 
     def _on_wake(self, _mask: int) -> None:
@@ -367,8 +481,8 @@ class Agent:
             self.core.isolation_verified(job, problem, transient=transient)
             self._execute()
         answers, self._training_answers = self._training_answers, []
-        for stage, pid, answer, transient in answers:
-            self.core.training_membership(stage, pid, answer, transient=transient)
+        for key, pid, answer, transient in answers:
+            self.core.training_membership(key, pid, answer, transient=transient)
 
     # -- carrying out the core's actions -----------------------------------------------------------------
     def _execute(self) -> None:
@@ -404,7 +518,7 @@ class Agent:
                 threading.Thread(target=self._verify_training, args=(action,), name="bubbles-verify-training",
                                  daemon=True).start()
             except RuntimeError as exc:
-                self.core.training_membership(action.stage, action.pid, str(exc), transient=True)
+                self.core.training_membership(action.key, action.pid, str(exc), transient=True)
         elif isinstance(action, Release):
             self._close(action.job)
             # Leave no stale socket behind for the hook if the job died while armed.
@@ -439,7 +553,7 @@ class Agent:
             log.exception("checking the training's MPS membership failed")
             answer, transient = repr(exc), True
         with self.lock:
-            self._training_answers.append((action.stage, action.pid, answer, transient))
+            self._training_answers.append((action.key, action.pid, answer, transient))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"t")
 
@@ -530,52 +644,52 @@ class Agent:
         proc.close()
 
     # -- bubble signals ----------------------------------------------------------------------------------
-    def _on_datagrams(self, stage: int) -> None:
-        sock = self._socks[stage]
-        for _ in range(1024):  # bounded, so one flooding stage cannot starve the others
+    def _on_datagrams(self, key: GpuKey) -> None:
+        sock = self._socks[key]
+        for _ in range(1024):  # bounded, so one flooding GPU cannot starve the others
             try:
                 data, pid = recv_with_pid(sock, wire.MAX_DATAGRAM_BYTES + 1)
             except BlockingIOError:
                 return
-            if pid is not None and not self._from_training(stage, pid):
+            if pid is not None and not self._from_training(key, pid):
                 continue
-            self.core.on_datagram(stage, data, pid)
+            self.core.on_datagram(key, data, pid)
             self._execute()
 
-    def _from_training(self, stage: int, pid: int) -> bool:
-        """Whether ``pid`` may speak for ``stage`` (``core.sent_by_the_training``), looked up at most once a second
-        per sender: the process found to hold the stage's lock is remembered until another is, so the training's own
+    def _from_training(self, key: GpuKey, pid: int) -> bool:
+        """Whether ``pid`` may speak for GPU ``key`` (``core.sent_by_the_training``), looked up at most once a second
+        per sender: the process found to hold the GPU's lock is remembered until another is, so the training's own
         datagrams cost a dictionary lookup; any other answer (refused, or taken because no process held the lock) is
         remembered for _VERDICT_TTL_S, so a sender flooding the socket costs one look at /proc/locks a second, and a
         restarted training that got a refused process's PID is heard within that second."""
-        if self._speaker.get(stage) == pid:
+        if self._speaker.get(key) == pid:
             return True
         now = self.clock()
-        verdicts = self._verdicts.setdefault(stage, {})
+        verdicts = self._verdicts.setdefault(key, {})
         known = verdicts.get(pid)
         if known is not None and known[1] > now:
             allowed, holder = known[0], known[2]
         else:
             if len(verdicts) >= _MAX_VERDICTS:
                 verdicts.clear()  # a process per datagram: start over rather than grow
-            holder = lock_holder(paths.hook_lock(self.config.run_dir, self.config.training, stage))
+            holder = lock_holder(self.core.executor(key).directory / paths.HOOK_LOCK_NAME)
             allowed = sent_by_the_training(pid, holder)
             if allowed and holder == pid:
-                self._speaker[stage] = pid
+                self._speaker[key] = pid
                 verdicts.clear()
                 return True
             verdicts[pid] = (allowed, now + int(_VERDICT_TTL_S * 1e9), holder)
         if not allowed:
-            self.core.foreign_datagram(stage, pid, holder)
+            self.core.foreign_datagram(key, pid, holder)
         return allowed
 
-    def _hook_facts(self) -> list[HookFacts]:
-        """What each stage's hook is found to be, for the core's ``watch_hooks``: its card, its lock, its process."""
-        facts = []
+    def _hook_facts(self) -> dict[GpuKey, HookFacts]:
+        """What each GPU's hook is found to be, for the core's ``watch_hooks``: its card, its lock, its process."""
+        facts = {}
         for ex in self.core.executors:
             lock = None
             try:
-                card = read_card(paths.hook_card(self.config.run_dir, self.config.training, ex.index))
+                card = read_card(ex.directory / paths.HOOK_CARD_NAME)
             except FileNotFoundError:
                 present: bool | None = False
             except (OSError, ValueError):
@@ -583,9 +697,9 @@ class Agent:
             else:
                 present = True
                 if card.lock:
-                    lock = hook_lock_held(self.config.run_dir, self.config.training, ex.index)
+                    lock = hook_lock_held(ex.directory)
             alive = process_alive(ex.training_pid) if ex.training_pid is not None else None
-            facts.append(HookFacts(present, lock, alive))
+            facts[ex.key] = HookFacts(present, lock, alive)
         return facts
 
     # -- reporting ---------------------------------------------------------------------------------------
@@ -596,7 +710,7 @@ class Agent:
             return self.core.ended
 
     def summary(self) -> str:
-        """What was harvested, per stage, for a person (``--exit-when-done`` prints it)."""
+        """What was harvested, per GPU, for a person (``--exit-when-done`` prints it)."""
         with self.lock:
             return self.core.summary()
 

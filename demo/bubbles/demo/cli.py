@@ -125,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_in(args: argparse.Namespace, work: Path) -> int:
     run_dir, ranks_dir = work / "run", work / "ranks"
     specs = fill_job_specs(args.stages)
-    if any(paths.socket_path_problem(paths.fill_socket(run_dir, TRAINING, s["stage"], s["name"])) for s in specs):
+    # Each stage's rank 0: the GPUs the local agent serves from the start.
+    keys = {s["name"]: paths.GpuKey(paths.LOCAL_NAMESPACE, TRAINING, s["stage"]) for s in specs}
+    if any(paths.socket_path_problem(paths.fill_socket(run_dir, keys[s["name"]], s["name"])) for s in specs):
         # A deep --workdir would make the fill jobs' sockets longer than a Unix socket path may be: keep the
         # sockets in a short private directory instead (removed at the end), the rest of the files in --workdir.
         short = Path(tempfile.mkdtemp(prefix="bubbles-run-"))

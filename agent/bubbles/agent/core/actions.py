@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bubbles.core.identity import GpuKey
+
 from .records import JobRecord
 
 
@@ -61,11 +63,11 @@ class VerifyIsolation:
 
 @dataclass(frozen=True)
 class VerifyTraining:
-    """Ask, off the loop, what the training's process ``pid`` on stage ``stage``'s ``device`` is to the isolation's
+    """Ask, off the loop, what the training's process ``pid`` on GPU ``key``'s ``device`` is to the isolation's
     shared server (``Isolation.training_membership``); report back with ``AgentCore.training_membership``. Said,
     never acted on."""
 
-    stage: int
+    key: GpuKey
     pid: int
     device: str
 

@@ -9,11 +9,12 @@ isolation health (``on_isolation``), the answers to the MPS membership checks (`
 (``bubbles.agent.server.Agent``) carries out (the two checks off its loop). Tests drive it with plain calls and a
 fake clock.
 
-Per executor (stage k): the PROFILE gives the bubble cycle; the queued job is planned against it
-(``bubbles.core.plan``; a job that fits no bubble is rejected), launched, initialized and armed in the
-executor's fill mode. Each BUBBLE_END arms a watchdog: a job still inside a step ``grace`` after the bubble
-ended is SIGKILLed. ITERATION messages from the lowest stage feed the slowdown guard, whose share goes to
-every armed job. Isolation fails closed: a fill job starts only while the chosen mode works (or the user
+Per executor (one harvested GPU: a rank of a pipeline stage, named by its ``GpuKey``): the PROFILE gives the
+bubble cycle; the queued job is planned against it (``bubbles.core.plan``; a job that fits no bubble is rejected),
+launched, initialized and armed in the executor's fill mode. Each BUBBLE_END arms a watchdog: a job still inside a
+step ``grace`` after the bubble ended is SIGKILLed. ITERATION messages from one GPU (the lowest stage's lowest rank)
+feed the training's one slowdown guard, whose share and pause go to every armed job on every GPU. Isolation fails
+closed: a fill job starts only while the chosen mode works (or the user
 allowed running unisolated); jobs whose isolation was lost are stopped and resubmitted (a new record, at
 most ``MAX_ISOLATION_RESUBMISSIONS`` times).
 """
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from bubbles.core import control, paths, wire
@@ -39,6 +42,7 @@ from bubbles.core.api import (
     check_tail_risk,
 )
 from bubbles.core.cycle import BubbleCycle
+from bubbles.core.identity import GpuKey
 from bubbles.core.lifecycle import InvalidTransition
 from bubbles.core.plan import PlanError, bubbles_of, plan_partitions
 
@@ -56,17 +60,17 @@ log = logging.getLogger("bubbles.agent")
 
 MAX_STEP_RECORDS = 200_000
 MAX_BUBBLE_RECORDS = 200_000
-# A fill job that names no stage goes to the stage with the most bubble time, once every executor's stage has
-# profiled, or this long after the first one did (an executor may serve no stage of this training).
+# A fill job goes to the GPU with the most bubble time (of its stage, for one that names a stage), once every
+# candidate GPU has profiled, or this long after the first one did (a GPU may never profile: its rank not running).
 PLACE_WAIT_NS = 5_000_000_000
 FUTURE_SLACK_NS = 1_000_000_000  # a record stamped later than now plus this is refused (a wrong clock)
 MAX_OPEN_BUBBLES = 256
 
 
 def sent_by_the_training(pid: int, holder: int | None) -> bool:
-    """Whether a datagram from process ``pid`` is the training's: the hook holds its stage's ``hook.lock`` for its
+    """Whether a datagram from process ``pid`` is the training's: the hook holds its GPU's ``hook.lock`` for its
     process's life (``holder``, None where no process holds it or it cannot be told, as on a file system without
-    flock). While a process holds it, only that one speaks for the stage."""
+    flock). While a process holds it, only that one speaks for the GPU."""
     return holder is None or holder == pid
 
 
@@ -80,7 +84,7 @@ def effective_status(raw: IsolationStatus, allow_unisolated: bool) -> IsolationS
 
 # -- the core -----------------------------------------------------------------------------------------------
 class AgentCore(JobControl):
-    """Every decision of the node agent for one training's stages; see the module's documentation."""
+    """Every decision of the node agent for one training's GPUs on this node; see the module's documentation."""
 
     # -- the shell's side of the conversation --------------------------------------------------------------
     def take_actions(self) -> list[Action]:
@@ -97,39 +101,60 @@ class AgentCore(JobControl):
         return self._timers.due_jobs(now_ns)
 
     # -- inputs ------------------------------------------------------------------------------------------
-    def submit(self, spec: FillJobSpec) -> JobRecord:
-        """Queue a fill job (SUBMITTED) on its stage, or, for one that names none, on the executor with the fewest jobs
-        until the stages have profiled (``_place``); ValueError if it cannot be queued (a duplicate name, no such
-        stage, a GPU job without a memory limit)."""
+    def submit(self, spec: FillJobSpec, on: GpuKey | None = None) -> JobRecord:
+        """Queue a fill job (SUBMITTED) on the GPU with the fewest jobs (of its stage, for one that names a stage)
+        until the candidates have profiled, when it is placed for good (``_place``), or on GPU ``on`` where it was
+        placed already (cluster mode: the operator's assignment); ValueError if it cannot be queued (a duplicate name,
+        no GPU of such a stage, a GPU job without a memory limit)."""
         if any(j.name == spec.name and j.state is not FillState.STOPPED for j in self.jobs):
             raise ValueError(f"a fill job named {spec.name!r} is already running; names must be unique")
-        if spec.stage is not None:
-            if spec.stage >= len(self.executors):
-                raise ValueError(f"fill job {spec.name!r} asks for stage {spec.stage}, but the agent has "
-                                 f"{len(self.executors)} executor(s); raise --executors or fix 'stage'")
-            ex = self.executors[spec.stage]
-        else:
-            ex = min(self.executors, key=lambda e: len(e.queue) + (e.active is not None))
+        if on is not None and not self.serves(on):
+            raise ValueError(f"fill job {spec.name!r} was placed on {on}, which this agent does not serve (no hook of "
+                             "that rank has written its card here)")
+        candidates = [self.executor(on)] if on is not None else self._candidates(spec)
+        if not candidates:
+            if spec.stage is None:
+                raise ValueError(f"fill job {spec.name!r}: the agent serves no GPU yet (no hook of training "
+                                 f"{self.config.training!r} has written its card); submit it once the training runs")
+            served = sorted({e.stage for e in self.executors})
+            raise ValueError(f"fill job {spec.name!r} asks for stage {spec.stage}, but the agent serves no GPU of it "
+                             f"(it serves stage(s) {', '.join(map(str, served)) or 'none'}); raise --executors or "
+                             "fix 'stage'")
+        ex = min(candidates, key=lambda e: (len(e.queue) + (e.active is not None), e.key))
         if control.cuda_device_index(ex.device) is not None and spec.memory_bytes <= 0:
             raise ValueError(f"fill job {spec.name!r} would run on {ex.device} but declares no memory limit; "
                              "a GPU fill job must set 'memory', a hard limit (e.g. memory: 2Gi), so that it "
                              "cannot take the training's memory")
-        job = JobRecord(next(self._ids), spec, ex.index)
+        job = JobRecord(next(self._ids), spec, ex.key, placed=on is not None)
         self._add_job(job)
         ex.queue.append(job)
-        self._event(ex.index, job.name, "submitted", "queued")
+        self._event(ex.key, job.name, "submitted", "queued")
         if self.serving:
             self._admit(ex)
         return job
 
+    def _candidates(self, spec: FillJobSpec) -> list[ExecutorState]:
+        """The GPUs a job may run on: its stage's, or every one for a job that names none."""
+        return [e for e in self.executors if spec.stage is None or e.stage == spec.stage]
+
     def start_serving(self) -> None:
-        """The executors' sockets are bound: from now on a profiled stage admits its queued jobs."""
+        """The executors' sockets are bound: from now on a profiled GPU admits its queued jobs."""
         self.serving = True
 
-    def on_datagram(self, stage: int, data: bytes, pid: int | None = None) -> None:
-        """One datagram from the training's hook, received on ``stage``'s socket; ``pid``: its sender's process in this
-        agent's PID namespace, where the kernel could say (None: it could not, or the server did not ask)."""
-        ex = self.executors[stage]
+    def add_executor(self, key: GpuKey, directory: Path, device: str, core: int | None = None,
+                     why: str = "") -> ExecutorState:
+        """Serve one more GPU of the training (a rank or stage found after the start: its hook's card appeared);
+        ``directory``: where its agent socket and ``fills/`` are. ValueError if it is served already or is another
+        training's. Jobs waiting to be placed wait for its profile too (within PLACE_WAIT_NS of the first)."""
+        ex = self._add(key, directory, device, core)
+        log.info("%s: served on %s%s", key, device, f" ({why})" if why else "")
+        self._event(key, "", "gpu", f"served on {device}" + (f": {why}" if why else ""))
+        return ex
+
+    def on_datagram(self, key: GpuKey, data: bytes, pid: int | None = None) -> None:
+        """One datagram from the training's hook, received on GPU ``key``'s socket; ``pid``: its sender's process in
+        this agent's PID namespace, where the kernel could say (None: it could not, or the server did not ask)."""
+        ex = self.executor(key)
         try:
             msg = wire.decode(data)
         except wire.NewerMessage as exc:
@@ -137,18 +162,18 @@ class AgentCore(JobControl):
             self.newer_messages += 1
             if (exc.version, exc.kind) not in self._newer_seen and len(self._newer_seen) < 64:
                 self._newer_seen.add((exc.version, exc.kind))
-                log.warning("stage %d: the training's hook is newer than this agent: %s", ex.index, exc)
-                self._event(ex.index, "", "datagram", f"from a newer hook: {exc}")
+                log.warning("%s: the training's hook is newer than this agent: %s", ex.key, exc)
+                self._event(ex.key, "", "datagram", f"from a newer hook: {exc}")
             return
         except wire.WireError as exc:
-            self._reject(ex.index, "datagram", str(exc))
+            self._reject(ex.key, "datagram", str(exc))
             return
-        if msg.stage != ex.index:
-            self._reject(ex.index, "datagram", f"{msg.kind.name} for stage {msg.stage} sent to stage "
-                         f"{ex.index}'s socket")
+        if msg.stage != ex.stage:
+            self._reject(ex.key, "datagram", f"{msg.kind.name} for stage {msg.stage} sent to the socket of {ex.key} "
+                         f"(stage {ex.stage})")
             return
         ex.last_message_ns = self.clock()
-        self.training_end.heard(ex.index, ex.last_message_ns)
+        self.training_end.heard(ex.key, ex.last_message_ns)
         if pid is not None and pid > 0 and pid != ex.training_pid:  # a valid message's sender: the training's process
             ex.training_pid = pid
             ex.training_membership = ex.training_membership.for_new_process()
@@ -159,20 +184,20 @@ class AgentCore(JobControl):
 
     def _ask_training_membership(self, ex: ExecutorState) -> None:
         """Under MPS on a GPU, ask what the training's process is to the server: at most once every
-        ``TRAINING_RECHECK_S`` per stage, whatever the processes sending (a check could not be made, nothing could be
+        ``TRAINING_RECHECK_S`` per GPU, whatever the processes sending (a check could not be made, nothing could be
         told, a new process), and only while the isolation is ready."""
         now = self.clock()
         if not may_ask(ex.device, self.isolation_raw, ex.training_asked_ns, now):
             return
         assert ex.training_pid is not None
         ex.training_membership, ex.training_asked_ns = TrainingMembership.PENDING, now
-        self._actions.append(VerifyTraining(ex.index, ex.training_pid, ex.device))
+        self._actions.append(VerifyTraining(ex.key, ex.training_pid, ex.device))
 
-    def training_membership(self, stage: int, pid: int, answer: str | None, *, transient: bool = False) -> None:
+    def training_membership(self, key: GpuKey, pid: int, answer: str | None, *, transient: bool = False) -> None:
         """The answer to ``VerifyTraining``: ``Isolation.training_membership``'s, or (``transient``) why the check
-        could not be made, asked again later. An answer about a process the stage no longer has is dropped, and the
-        stage's current process asked about instead (no sooner than the rate allows)."""
-        ex = self.executors[stage]
+        could not be made, asked again later. An answer about a process the GPU no longer has is dropped, and the
+        GPU's current process asked about instead (no sooner than the rate allows)."""
+        ex = self.executor(key)
         if not ex.training_membership.pending:
             return
         if ex.training_pid != pid:
@@ -180,24 +205,24 @@ class AgentCore(JobControl):
             return
         if transient:
             ex.training_membership = TrainingMembership.NOT_ASKED
-            log.warning("stage %d: could not check whether the training (pid %d) is an MPS client: %s; asking again "
-                        "in %.0f s", stage, pid, answer, TRAINING_RECHECK_S)
+            log.warning("%s: could not check whether the training (pid %d) is an MPS client: %s; asking again "
+                        "in %.0f s", key, pid, answer, TRAINING_RECHECK_S)
             return
         ex.training_membership = TrainingMembership.of_answer(answer)  # None: unknown now; asked again later
         if answer is None:
             return
         if answer == MPS_CLIENT:
-            log.info("stage %d: the training (pid %d) is a client of the node's MPS server", stage, pid)
-            self._event(stage, "", "training", f"the training's process {pid} is a client of the node's MPS server")
+            log.info("%s: the training (pid %d) is a client of the node's MPS server", key, pid)
+            self._event(key, "", "training", f"the training's process {pid} is a client of the node's MPS server")
         else:
-            log.warning("stage %d: the training is %s", stage, answer)
-            self._event(stage, "", "training", answer)
+            log.warning("%s: the training is %s", key, answer)
+            self._event(key, "", "training", answer)
 
     def cancel(self, name: str, reason: str) -> bool:
         """Stop the fill job ``name`` (queued or running) with ``reason``; False if no such job is live."""
         for job in self.jobs:
             if job.name == name and job.state is not FillState.STOPPED:
-                ex = self.executors[job.stage]
+                ex = self.executor(job.key)
                 if job in ex.queue:
                     ex.queue.remove(job)
                 self._stop_job(job, reason)
@@ -226,7 +251,7 @@ class AgentCore(JobControl):
         self.config = replace(self.config, guard=new)
         if self.guard is not None:
             self.guard.retune(new)
-        self._event(self.guard_stage or 0, "", "guard",
+        self._event(self.guard_key, "", "guard",
                     f"limits from {source}: slowdown budget {budget:.2%}, largest fill share {max_share:.2f}")
         log.info("slowdown guard: limits from %s: budget %.2f%%, largest fill share %.2f", source, budget * 100,
                  max_share)
@@ -237,7 +262,7 @@ class AgentCore(JobControl):
         if risk is None or risk == self.config.tail_risk:
             return False
         self.config = replace(self.config, tail_risk=risk)
-        self._event(self.guard_stage or 0, "", "guard", f"tail risk from {source}: {risk:g}")
+        self._event(self.guard_key, "", "guard", f"tail risk from {source}: {risk:g}")
         log.info("fill steps past a bubble's predicted end: risk %g from %s", risk, source)
         for e in self.executors:
             if e.active is not None and e.active.armed is not None:
@@ -254,29 +279,29 @@ class AgentCore(JobControl):
             if e.active is not None and e.active.armed is not None:
                 self._send(e.active, "share", share=share)
 
-    def reset_stage(self, stage: int, reason: str) -> None:
-        """The process behind ``stage`` changed (its training Pod restarted): forget its bubble cycle, so nothing is
+    def reset_gpu(self, key: GpuKey, reason: str) -> None:
+        """The process behind GPU ``key`` changed (its training Pod restarted): forget its bubble cycle, so nothing is
         admitted there until the new hook has profiled it, and stop the fill job that ran in the old bubbles."""
-        ex = self.executors[stage]
+        ex = self.executor(key)
         ex.cycle = None
         ex.open_bubbles.clear()
         ex.predicted.clear()  # the new process's bubbles are predicted afresh
         ex.last_message_ns = None
         ex.training_membership = ex.training_membership.for_new_process()
         ex.training_pid = None
-        if stage == self.guard_stage:
+        if key == self.guard_key:
             self.guard = None
         job = ex.active
         if job is not None and job.state is not FillState.STOPPED:
             self._stop_job(job, reason)
-        self._event(stage, "", "reset", reason)
+        self._event(key, "", "reset", reason)
 
     def on_control_line(self, job: JobRecord, line: bytes) -> None:
         """One line from a fill process's control channel."""
         try:
             ev = control.parse_event(line)
         except control.ControlError as exc:
-            self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
+            self._reject(job.key, "control", f"fill job {job.name!r}: {exc}")
             return
         if ev.unknown:
             new = {f"{ev.type}.{name}" for name in ev.unknown} - job.unknown_fields
@@ -284,8 +309,8 @@ class AgentCore(JobControl):
                 job.unknown_fields |= new
                 message = (f"ignored field(s) {', '.join(sorted(new))} this agent does not know (the fill job's "
                            "SDK is newer than the agent: upgrade the agent to use them)")
-                log.warning("stage %d: fill job %r: %s", job.stage, job.name, message)
-                self._event(job.stage, job.name, "control", message)
+                log.warning("%s: fill job %r: %s", job.key, job.name, message)
+                self._event(job.key, job.name, "control", message)
         self._on_event(job, ev)
 
     def launched(self, job: JobRecord, *, has_control: bool) -> None:
@@ -308,12 +333,12 @@ class AgentCore(JobControl):
             # A plain command has no init handshake: the mode decides at once whether it is frozen (until its
             # stage's first bubble) or runs freely (naive).
             self._set_state(job, FillState.PAUSED)
-            self._apply_mode(self.executors[job.stage], job)
+            self._apply_mode(self.executor(job.key), job)
 
     def launch_failed(self, job: JobRecord, error: str) -> None:
         """The shell could not start ``job``'s process; the next queued job gets its turn."""
-        log.error("stage %d: fill job %r failed to start: %s", job.stage, job.name, error)
-        ex = self.executors[job.stage]
+        log.error("%s: fill job %r failed to start: %s", job.key, job.name, error)
+        ex = self.executor(job.key)
         if ex.active is job:
             ex.active = None
         self._set_state(job, FillState.STOPPED, f"failed to start: {error}")
@@ -328,10 +353,10 @@ class AgentCore(JobControl):
                 self._set_state(job, FillState.STOPPED, "finished")
             else:
                 detail = f": {job.last_error}" if job.last_error else ""
-                log.error("stage %d: fill job %r exited with code %s%s", job.stage, job.name, code, detail)
+                log.error("%s: fill job %r exited with code %s%s", job.key, job.name, code, detail)
                 self._set_state(job, FillState.STOPPED, f"failed: exited with code {code}{detail}")
         self._release(job)
-        ex = self.executors[job.stage]
+        ex = self.executor(job.key)
         if ex.active is job:
             ex.active = None
             self._admit(ex)
@@ -363,7 +388,7 @@ class AgentCore(JobControl):
             level = {IsolationState.READY: logging.INFO,
                      IsolationState.UNISOLATED: logging.WARNING}.get(status.state, logging.ERROR)
             log.log(level, "isolation (%s) %s: %s", status.mode, status.state.upper(), status.detail)
-            self._event(-1, "", "isolation", f"{status.state}: {status.detail}")
+            self._event(None, "", "isolation", f"{status.state}: {status.detail}")
         for ex in self.executors:
             job = ex.active
             if job is None or not job.launched or job.state is FillState.STOPPED:
@@ -404,12 +429,12 @@ class AgentCore(JobControl):
         return "agent shut down (the training ended)" if self.ended.code == 0 else "agent shut down (no training)"
 
     # -- bubble signals ------------------------------------------------------------------------------------
-    def foreign_datagram(self, stage: int, pid: int, holder: int | None) -> None:
-        """A datagram on ``stage``'s socket from process ``pid`` while process ``holder`` holds the stage's hook lock
-        (the training's): refused unread. Fill processes share the
-        stage directories, and a PROFILE sent by one would have set the free memory fill jobs are planned against."""
-        self._reject(stage, "datagram", f"sent by process {pid}, not by the training's process {holder} (which holds "
-                                        f"the stage's {paths.HOOK_LOCK_NAME})")
+    def foreign_datagram(self, key: GpuKey, pid: int, holder: int | None) -> None:
+        """A datagram on GPU ``key``'s socket from process ``pid`` while process ``holder`` holds its hook lock (the
+        training's): refused unread. Fill processes share the GPU directories, and a PROFILE sent by one would have
+        set the free memory fill jobs are planned against."""
+        self._reject(key, "datagram", f"sent by process {pid}, not by the training's process {holder} (which holds "
+                                      f"the GPU's {paths.HOOK_LOCK_NAME})")
 
     def _on_message(self, ex: ExecutorState, msg: wire.Message) -> None:
         if isinstance(msg, wire.BubbleStart):
@@ -436,12 +461,13 @@ class AgentCore(JobControl):
         elif isinstance(msg, wire.BubbleEnd):
             ob = ex.open_bubbles.pop(msg.seq, None)
             if ob is not None and msg.end_ns > self.clock() + FUTURE_SLACK_NS:
-                self._reject(ex.index, "datagram", f"BUBBLE_END stamped {(msg.end_ns - self.clock()) / 1e9:.1f} s in "
+                self._reject(ex.key, "datagram", f"BUBBLE_END stamped {(msg.end_ns - self.clock()) / 1e9:.1f} s in "
                              "the future (the hook must stamp CLOCK_MONOTONIC)")
             elif ob is not None and msg.end_ns >= ob.start.start_ns:
-                self.ledgers[ex.mode.label].add_bubble(ex.index, ob.start.start_ns, msg.end_ns)
+                self.ledgers[ex.mode.label].add_bubble(ex.key, ob.start.start_ns, msg.end_ns)
                 if len(self.bubbles) < MAX_BUBBLE_RECORDS:
-                    self.bubbles.append({"stage": ex.index, "slot": msg.slot, "start_ns": ob.start.start_ns,
+                    self.bubbles.append({"stage": ex.stage, "rank": ex.rank, "slot": msg.slot,
+                                         "start_ns": ob.start.start_ns,
                                          "end_ns": msg.end_ns, "mode": ex.mode.label,
                                          "predicted_end_ns": ob.start.predicted_end_ns,
                                          "guard_paused": ob.guard_paused, "share": ob.share, "job": ob.job,
@@ -458,28 +484,28 @@ class AgentCore(JobControl):
                 self._set_state(job, FillState.PAUSED)
         elif isinstance(msg, wire.Iteration):
             ex.last_iteration_s = msg.duration_ns / 1e9
-            self.sink.iteration(ex.index, msg.duration_ns / 1e9)
+            self.sink.iteration(ex.key, msg.duration_ns / 1e9)
             self._on_iteration(ex, msg)
             self._place_waiting()  # a job that names no stage, waiting for profiles that may never come
         elif isinstance(msg, wire.Profile):
             try:
                 cycle = BubbleCycle.from_dict(msg.cycle)
             except ValueError as exc:
-                self._reject(ex.index, "profile", f"invalid bubble cycle: {exc}")
+                self._reject(ex.key, "profile", f"invalid bubble cycle: {exc}")
                 return
             first = ex.cycle is None
             ex.cycle = cycle
             if first:
                 ex.profiled_ns = self.clock()
-                log.info("stage %d: bubble cycle with %d bubble(s), %.1f ms of %.1f ms per iteration",
-                         ex.index, len(cycle.slots), cycle.bubble_s * 1e3, cycle.iteration_s * 1e3)
-                self._event(ex.index, "", "profile", f"{len(cycle.slots)} bubbles, "
+                log.info("%s: bubble cycle with %d bubble(s), %.1f ms of %.1f ms per iteration",
+                         ex.key, len(cycle.slots), cycle.bubble_s * 1e3, cycle.iteration_s * 1e3)
+                self._event(ex.key, "", "profile", f"{len(cycle.slots)} bubbles, "
                             f"{cycle.bubble_s * 1e3:.2f} ms of {cycle.iteration_s * 1e3:.2f} ms")
             self._admit(ex)
             self._place_waiting()  # the last profile a job that names no stage waited for
         elif isinstance(msg, wire.FillModeChange) and msg.mode is not ex.mode:
-            log.info("stage %d: fill mode %s -> %s", ex.index, ex.mode.label, msg.mode.label)
-            self._event(ex.index, "", "mode", msg.mode.label)
+            log.info("%s: fill mode %s -> %s", ex.key, ex.mode.label, msg.mode.label)
+            self._event(ex.key, "", "mode", msg.mode.label)
             ex.mode = msg.mode
             ex.since_mode_change = 0
             ex.open_bubbles.clear()
@@ -487,11 +513,15 @@ class AgentCore(JobControl):
                 self._apply_mode(ex, ex.active)
 
     def _on_iteration(self, ex: ExecutorState, msg: wire.Iteration) -> None:
-        if self.guard_stage is None or ex.index < self.guard_stage:
-            self.guard_stage = ex.index
+        """One GPU's iteration time. The training's one guard on this node is fed by one GPU, the lowest stage's
+        lowest rank that reports (a lower one heard later takes over, with a new guard): every rank of a pipeline
+        iterates in lockstep, so its iteration time is the training's, and the guard's share and pause apply to the
+        fill jobs on every GPU of the training. Feeding it every rank would count each iteration several times."""
+        if self.guard_key is None or ex.key < self.guard_key:
+            self.guard_key = ex.key
             self.guard = None
         ex.since_mode_change += 1
-        if ex.index != self.guard_stage or msg.duration_ns <= 0:
+        if ex.key != self.guard_key or msg.duration_ns <= 0:
             return
         if ex.since_mode_change <= MODE_SETTLE_ITERATIONS:
             return  # a mode switch reaches the fill processes asynchronously: not this mode's iterations yet
@@ -509,7 +539,7 @@ class AgentCore(JobControl):
             log.info("slowdown guard: %s", decision.reason)
         self._set_share(decision.share)
         if decision.event is not None:
-            self._event(ex.index, "", "guard", decision.event)
+            self._event(ex.key, "", "guard", decision.event)
         if decision.fill_paused != self.fill_paused:
             self.fill_paused = decision.fill_paused
             for e in self.executors:
@@ -518,7 +548,7 @@ class AgentCore(JobControl):
 
     # -- control events ------------------------------------------------------------------------------------
     def _on_event(self, job: JobRecord, ev: control.ControlMessage) -> None:
-        ex = self.executors[job.stage]
+        ex = self.executor(job.key)
         if ev.type == "step_begin":
             job.in_step = (ev["t_ns"], ev["bubble_seq"])
         elif ev.type == "step":
@@ -535,15 +565,15 @@ class AgentCore(JobControl):
                 if ev["end_ns"] > self.clock() + FUTURE_SLACK_NS:  # one such stamp would fold the stage's ledger away
                     raise ValueError(f"step ends {(ev['end_ns'] - self.clock()) / 1e9:.1f} s in the future (steps are "
                                      "stamped with CLOCK_MONOTONIC)")
-                self.ledgers[mode].add_step(job.stage, job.name, ev["start_ns"], ev["end_ns"], float(flops),
+                self.ledgers[mode].add_step(job.key, job.name, ev["start_ns"], ev["end_ns"], float(flops),
                                             tail=ev.get("gate") == "tail")
             except ValueError as exc:
-                self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
+                self._reject(job.key, "control", f"fill job {job.name!r}: {exc}")
             if mode == FillMode.HARVEST.label and ev.get("bubble_seq", -1) >= 0:
                 job.plan.step(ev["bubble_seq"], ev.get("size"), ev["start_ns"], ev["end_ns"], ev.get("signal_ns", 0),
                               ev.get("gate") == "tail")
             if len(self.steps) < MAX_STEP_RECORDS:
-                self.steps.append({"stage": job.stage, "job": job.name, "start_ns": ev["start_ns"],
+                self.steps.append({"stage": job.stage, "rank": job.rank, "job": job.name, "start_ns": ev["start_ns"],
                                    "end_ns": ev["end_ns"], "flops": flops, "mode": mode,
                                    "signal_ns": ev.get("signal_ns", 0), "bubble_seq": ev.get("bubble_seq", -1),
                                    "size": ev.get("size"),  # the step size, for a job with step_sizes
@@ -557,7 +587,7 @@ class AgentCore(JobControl):
             try:
                 self._set_state(job, target)
             except InvalidTransition as exc:
-                self._reject(job.stage, "control", f"fill job {job.name!r}: {exc}")
+                self._reject(job.key, "control", f"fill job {job.name!r}: {exc}")
                 return
             if target is FillState.PAUSED and job.armed is None:
                 if self._must_verify(ex, job):
@@ -570,7 +600,7 @@ class AgentCore(JobControl):
             job.step_s = float(ev["step_s"])
             sizes = ev.get("sizes") or []
             detail = f" (by step size: {', '.join(f'{n}: {t * 1e3:.3f} ms' for n, t in sizes)})" if sizes else ""
-            self._event(job.stage, job.name, "profile", f"step time {job.step_s * 1e3:.3f} ms{detail}")
+            self._event(job.key, job.name, "profile", f"step time {job.step_s * 1e3:.3f} ms{detail}")
             job.plan.reported_times(job.step_s, sizes)
             if not job.planned_with_step and ex.cycle is not None and job.state is not FillState.STOPPED:
                 job.planned_with_step = True
@@ -587,12 +617,12 @@ class AgentCore(JobControl):
                 job.unknown_fields.add("limits")
                 message = ("its SDK is older than the limits command: the training's tailRisk does not reach it (it "
                            "keeps its own BUBBLES_TAIL_RISK; upgrade the fill job's image)")
-                log.warning("stage %d: fill job %r: %s", job.stage, job.name, message)
-                self._event(job.stage, job.name, "control", message)
+                log.warning("%s: fill job %r: %s", job.key, job.name, message)
+                self._event(job.key, job.name, "control", message)
         elif ev.type == "error":
             job.last_error = ev["message"]
-            log.error("stage %d: fill job %r reports: %s", job.stage, job.name, job.last_error)
-            self._event(job.stage, job.name, "error", job.last_error)
+            log.error("%s: fill job %r reports: %s", job.key, job.name, job.last_error)
+            self._event(job.key, job.name, "error", job.last_error)
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def _admit(self, ex: ExecutorState) -> None:
@@ -604,11 +634,11 @@ class AgentCore(JobControl):
             return
         while ex.active is None and ex.queue and ex.cycle is not None:
             job = ex.queue[0]
-            if job.state is FillState.SUBMITTED and job.spec.stage is None and not job.placed:
+            if job.state is FillState.SUBMITTED and not job.placed:
                 if not self._place(job):
-                    return  # the other stages' profiles are due: placed when they come (on_datagram)
-                if job.stage != ex.index:
-                    self._admit(self.executors[job.stage])
+                    return  # the other GPUs' profiles are due: placed when they come (on_datagram)
+                if job.key != ex.key:
+                    self._admit(self.executor(job.key))
                     continue
             job = ex.queue.popleft()
             if job.state is not FillState.SUBMITTED:
@@ -622,7 +652,7 @@ class AgentCore(JobControl):
                 continue
             problem = paths.socket_path_problem(self._fill_socket(job))
             if problem is not None:
-                log.error("stage %d: fill job %r not started: %s", ex.index, job.name, problem)
+                log.error("%s: fill job %r not started: %s", ex.key, job.name, problem)
                 self._set_state(job, FillState.STOPPED, f"not started: {problem}")
                 continue
             ex.active = job
@@ -630,38 +660,51 @@ class AgentCore(JobControl):
                                         isolated=self.isolation_raw.state == IsolationState.READY))
 
     def _place(self, job: JobRecord) -> bool:
-        """Put a job that names no stage on the stage with the most bubble time per iteration (the fewest jobs queued
-        there, then the lowest index, break ties); False while other stages' profiles are still due (every executor
-        profiled, or PLACE_WAIT_NS since the first profile). A newcomer's spec need not know which stage waits."""
-        profiled = [e for e in self.executors if e.cycle is not None]
+        """Put a job on one of its candidate GPUs (its stage's, or every one for a job that names none): the GPU with
+        the most bubble time per iteration not taken by other jobs (a GPU that runs or queues one has none free; then
+        the fewest jobs there, then the lowest key, break ties); False while other candidates' profiles are still due
+        (every candidate profiled, or PLACE_WAIT_NS since the first profile). A newcomer's spec need not know which
+        GPU waits."""
+        candidates = self._candidates(job.spec)
+        profiled = [e for e in candidates if e.cycle is not None]
         if not profiled:
             return False
         first = min(e.profiled_ns for e in profiled if e.profiled_ns is not None)
-        if len(profiled) < len(self.executors) and self.clock() - first < PLACE_WAIT_NS:
+        if len(profiled) < len(candidates) and self.clock() - first < PLACE_WAIT_NS:
             return False
-        best = max(profiled, key=lambda e: (e.cycle.bubble_s if e.cycle else 0.0,
-                                            -(len(e.queue) + (e.active is not None)), -e.index))
+
+        def others(e: ExecutorState) -> int:
+            return len([j for j in e.queue if j is not job]) + (e.active is not None)
+
+        def free_bubble_s(e: ExecutorState) -> float:
+            return e.cycle.bubble_s if e.cycle is not None and others(e) == 0 else 0.0
+
+        best = max(profiled, key=lambda e: (free_bubble_s(e), e.cycle.bubble_s if e.cycle else 0.0, -others(e),
+                                            _reversed(e.key)))
         job.placed = True
-        if best.index != job.stage:
-            old = self.executors[job.stage]
+        if best.key != job.key:
+            old = self.executor(job.key)
             old.queue.remove(job)
             best.queue.append(job)
-            job.stage = best.index
+            job.key = best.key
+        if len(candidates) == 1:
+            return True  # nothing to choose: said as "queued" already
         assert best.cycle is not None
-        message = (f"on stage {best.index}, the most bubble time: {best.cycle.bubble_s * 1e3:.1f} ms of "
-                   f"{best.cycle.iteration_s * 1e3:.1f} ms per iteration ("
-                   + ", ".join(f"stage {e.index}: {e.cycle.bubble_s * 1e3:.1f} ms" for e in profiled if e.cycle)
+        message = (f"on stage {best.stage} rank {best.rank}, the most bubble time free: "
+                   f"{best.cycle.bubble_s * 1e3:.1f} ms of {best.cycle.iteration_s * 1e3:.1f} ms per iteration ("
+                   + ", ".join(f"stage {e.stage} rank {e.rank}: {free_bubble_s(e) * 1e3:.1f} ms free"
+                               for e in profiled if e.cycle)
                    + ")")
         log.info("fill job %r placed %s", job.name, message)
-        self._event(best.index, job.name, "placed", message)
+        self._event(best.key, job.name, "placed", message)
         return True
 
     def _place_waiting(self) -> None:
-        """Place the queued jobs that name no stage, where the time to wait for profiles has run out."""
-        for ex in self.executors:
+        """Place the queued jobs not placed yet, where the time to wait for profiles has run out."""
+        for ex in list(self.executors):
             if ex.cycle is not None and ex.active is None and ex.queue:
                 head = ex.queue[0]
-                if head.spec.stage is None and not head.placed:
+                if not head.placed:
                     self._admit(ex)
 
     def _context_bytes(self, ex: ExecutorState) -> int:
@@ -691,19 +734,19 @@ class AgentCore(JobControl):
                 # 0 is what a training without a memory probe reports (a CPU training by default).
                 reason += (" The training reported no free memory in any bubble: on CPU set BUBBLES_FREE_BYTES"
                            " in the training's environment, or pass instrument(engine, memory_probe=...).")
-            log.error("stage %d: fill job %r rejected: %s", ex.index, job.name, reason)
+            log.error("%s: fill job %r rejected: %s", ex.key, job.name, reason)
             self._stop_job(job, f"rejected: {reason}")
             return False
         except ValueError as exc:  # e.g. a cycle with no bubbles
             self.rejected_jobs += 1
-            log.error("stage %d: fill job %r cannot be planned: %s", ex.index, job.name, exc)
+            log.error("%s: fill job %r cannot be planned: %s", ex.key, job.name, exc)
             self._stop_job(job, f"rejected: {exc}")
             return False
         if steps is None:
             self._state_plan(ex, job)
         else:
-            log.info("stage %d: fill job %r fits bubbles %s; its steps per iteration are planned once its step time "
-                     "is known", ex.index, job.name, sorted(plan.usable_bubbles()))
+            log.info("%s: fill job %r fits bubbles %s; its steps per iteration are planned once its step time "
+                     "is known", ex.key, job.name, sorted(plan.usable_bubbles()))
         return True
 
     def _state_plan(self, ex: ExecutorState, job: JobRecord) -> None:
@@ -720,12 +763,12 @@ class AgentCore(JobControl):
                    f"{len(rate.per_bubble)} bubbles' predicted lengths fit a first step of "
                    f"{first.first_gate_s * 1e3:.2f} ms after {inputs.latency_s * 1e3:.2f} ms of signal latency (step "
                    f"time from the {inputs.basis})")
-        log.info("stage %d: fill job %r %s", ex.index, job.name, message)
-        self._event(ex.index, job.name, "plan", message)
+        log.info("%s: fill job %r %s", ex.key, job.name, message)
+        self._event(ex.key, job.name, "plan", message)
         if rate.fitting == 0:
-            log.warning("stage %d: fill job %r: no bubble's predicted length (the longest %.2f ms) fits a first step "
+            log.warning("%s: fill job %r: no bubble's predicted length (the longest %.2f ms) fits a first step "
                         "(%.2f ms with the latency): it runs steps only past a prediction, or once bubbles lengthen",
-                        ex.index, job.name, rate.longest_s * 1e3, rate.first_need_s * 1e3)
+                        ex.key, job.name, rate.longest_s * 1e3, rate.first_need_s * 1e3)
 
     def _plan_bubble(self, ex: ExecutorState, ob: OpenBubble, end: wire.BubbleEnd) -> None:
         """A bubble of ``ex`` ended: it counts for its active job's plan if the job served it (armed in harvest, or
@@ -750,23 +793,23 @@ class AgentCore(JobControl):
                    f"{chk.iterations:.0f} iterations: {verdict}")
         said_before = before.reason.split(":", 1)[0] if before is not None else None
         if said_before != chk.reason.split(":", 1)[0]:  # the first comparison, or a new verdict
-            log.log(logging.WARNING if chk.reason else logging.INFO, "stage %d: fill job %r %s", ex.index, job.name,
+            log.log(logging.WARNING if chk.reason else logging.INFO, "%s: fill job %r %s", ex.key, job.name,
                     message)
-            self._event(ex.index, job.name, "plan", message)
+            self._event(ex.key, job.name, "plan", message)
         if not within_factor(chk.planned, chk.replanned):
             basis = chk.replanned_basis
             source = "measured in its bubbles" if basis == "measured" else f"from the {basis}"
             message = (f"re-planned: {chk.replanned:.2f} fill steps per iteration (was {chk.planned:.2f}), with step "
                        f"times {source}")
-            log.info("stage %d: fill job %r %s", ex.index, job.name, message)
-            self._event(ex.index, job.name, "plan", message)
+            log.info("%s: fill job %r %s", ex.key, job.name, message)
+            self._event(ex.key, job.name, "plan", message)
 
-    def watch_hooks(self, facts: list[HookFacts]) -> Ending | None:
-        """What the shell found of each stage's hook (``--exit-when-done``; ``.ending``): the agent's end once the
+    def watch_hooks(self, facts: Mapping[GpuKey, HookFacts]) -> Ending | None:
+        """What the shell found of each GPU's hook (``--exit-when-done``; ``.ending``): the agent's end once the
         training has ended (or never started within the start timeout), else None. Said once."""
         now = self.clock()
-        for stage, f in enumerate(facts):
-            self.training_end.observe(stage, f, now)
+        for key, f in facts.items():
+            self.training_end.observe(key, f, now)
         if not self.config.exit_when_done:
             return None
         if self.ended is None:
@@ -775,7 +818,7 @@ class AgentCore(JobControl):
                 return None
             self.ended = ending
             log.log(logging.INFO if ending.code == 0 else logging.ERROR, "%s; stopping the fill jobs", ending.reason)
-            self._event(-1, "", "ended", ending.reason)
+            self._event(None, "", "ended", ending.reason)
         return self.ended
 
     def _must_verify(self, ex: ExecutorState, job: JobRecord) -> bool:
@@ -793,17 +836,17 @@ class AgentCore(JobControl):
             return
         if problem is None:
             job.verification = "verified"
-            self._event(job.stage, job.name, "isolation", f"verified: a client of the node's {job.isolation} server")
-            self._apply_mode(self.executors[job.stage], job)
+            self._event(job.key, job.name, "isolation", f"verified: a client of the node's {job.isolation} server")
+            self._apply_mode(self.executor(job.key), job)
             return
         job.verification = ""
         if transient or job.isolation_epoch != self.isolation_raw.epoch:
-            log.warning("stage %d: fill job %r stopped and resubmitted: isolation not verified: %s", job.stage,
+            log.warning("%s: fill job %r stopped and resubmitted: isolation not verified: %s", job.key,
                         job.name, problem)
             self._stop_job(job, f"isolation not verified: {problem}")
             self._resubmit(job)
             return
-        log.error("stage %d: fill job %r stopped: isolation not verified: %s", job.stage, job.name, problem)
+        log.error("%s: fill job %r stopped: isolation not verified: %s", job.key, job.name, problem)
         self._stop_job(job, f"isolation not verified: {problem}")
 
     # -- reporting -----------------------------------------------------------------------------------------
@@ -816,9 +859,22 @@ class AgentCore(JobControl):
         return status_of(self)
 
     def stats(self) -> dict[str, Any]:
-        """The status as the stats file's JSON (see the agent's documentation for the format)."""
-        return self.status().to_dict()
+        """The status as the stats file's JSON (see the agent's documentation for the format), each executor and job
+        with its GPU's namespace and rank beside its stage (``AgentStatus`` has only the stage)."""
+        out = self.status().to_dict()
+        for entry, ex in zip(out["executors"], self.executors, strict=True):
+            entry.update(namespace=ex.key.namespace, rank=ex.rank, key=str(ex.key))
+        for entry, job in zip(out["jobs"], self.jobs, strict=True):
+            entry.update(rank=job.rank, key=str(job.key))
+        out["namespace"] = self.config.namespace
+        out["guard"]["rank"] = self.guard_key.rank if self.guard_key is not None else None
+        return out
 
     def summary(self) -> str:
-        """What was harvested, per stage, in a few lines for a person (``reporting.summary_of``)."""
+        """What was harvested, per GPU, in a few lines for a person (``reporting.summary_of``)."""
         return summary_of(self)
+
+
+def _reversed(key: GpuKey) -> tuple[int, int]:
+    """A key's order turned round, so that ``max`` prefers the lowest stage and rank."""
+    return (-key.stage, -key.rank)

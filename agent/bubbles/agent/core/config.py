@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bubbles.core.api import DEFAULT_CUDA_CONTEXT_MIB, FillMode, IsolationMode
+from bubbles.core.identity import LOCAL_NAMESPACE
 
 from ..guard import GuardConfig
 
@@ -16,7 +17,9 @@ class CoreConfig:
 
     run_dir: Path
     training: str
-    executors: tuple[tuple[str, int | None], ...]  # (device, CPU core or None) per executor
+    # (device, CPU core or None) of the GPUs served from the start: rank 0 of stage k for the k-th (local mode); none
+    # in cluster mode, where every GPU is added as its hook's card appears (``AgentCore.add_executor``).
+    executors: tuple[tuple[str, int | None], ...]
     mode: FillMode = FillMode.HARVEST
     grace_s: float = 0.050
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -40,4 +43,6 @@ class CoreConfig:
     # ``start_timeout_s``: give up (exit 1) when no stage of it has started this long after the agent's start.
     exit_when_done: bool = False
     start_timeout_s: float | None = None
+    # The training's namespace (its Pod's, in cluster mode); ``_local`` for a training outside Kubernetes.
+    namespace: str = LOCAL_NAMESPACE
 

@@ -1,21 +1,25 @@
 """When the training the agent serves has ended (``bubbles agent --exit-when-done``): pure, the time given.
 
-The shell looks at each stage's hook, as files and processes tell it (``HookFacts``): the hook's card (``hook.json``,
+The shell looks at each GPU's hook (every rank of every stage it serves), as files and processes tell it
+(``HookFacts``): the hook's card (``hook.json``,
 ``bubbles.core.card``), which ``detach()`` removes; the card's lock (``hook.lock``), which the hook's process holds for
 its life, so a training killed by SIGKILL leaves a card nobody holds; and the process the kernel named as the sender of
-the stage's datagrams. ``hook_state`` makes that a stage's state, and ``TrainingEnd`` decides:
+the GPU's datagrams. ``hook_state`` makes that a GPU's state, and ``TrainingEnd`` decides:
 
-- a stage *started* once its hook was seen live (its card held, or a datagram heard from it); a card left by an
+- a GPU *started* once its hook was seen live (its card held, or a datagram heard from it); a card left by an
   earlier run, whose lock is free, is not a start;
-- the training *ended* once every stage that started has been gone for ``ENDED_AFTER_S`` without a break and without a
-  datagram: a stage between two iterations keeps its card and its lock, so it is never taken for gone;
-- with a start timeout, the agent gives up (exit 1) when no stage started within it of the agent's start.
+- the training *ended* once every GPU that started has been gone for ``ENDED_AFTER_S`` without a break and without a
+  datagram: a rank between two iterations keeps its card and its lock, so it is never taken for gone; a rank the
+  agent found later (discovered from its card) counts from then on;
+- with a start timeout, the agent gives up (exit 1) when no GPU started within it of the agent's start.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from bubbles.core.identity import GpuKey
 
 ENDED_AFTER_S = 3.0  # every started stage gone this long (a restart within it is not an end)
 WATCH_INTERVAL_S = 0.5  # how often the shell looks at the hooks
@@ -29,7 +33,7 @@ class HookState(enum.Enum):
 
 @dataclass(frozen=True)
 class HookFacts:
-    """What the shell found of one stage's hook."""
+    """What the shell found of one GPU's hook."""
 
     card: bool | None  # a card is there (True), none is (False), one is there but unreadable (None)
     lock_held: bool | None = None  # the card's lock: held, free, or not to be told (a card without one, no flock)
@@ -74,27 +78,24 @@ class _Stage:
 
 @dataclass
 class TrainingEnd:
-    """Decides when the training has ended (see the module's documentation)."""
+    """Decides when the training has ended (see the module's documentation); GPUs are known from their first
+    ``heard`` or ``observe``."""
 
     training: str
-    stages: int
     started_ns: int  # the agent's start: a start timeout counts from it
     start_timeout_s: float | None = None
     ended_after_s: float = ENDED_AFTER_S
-    _stages: list[_Stage] = field(init=False)
+    _gpus: dict[GpuKey, _Stage] = field(init=False, default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self._stages = [_Stage() for _ in range(self.stages)]
-
-    def heard(self, stage: int, now_ns: int) -> None:
-        """A datagram from the stage's hook: it runs."""
-        st = self._stages[stage]
+    def heard(self, key: GpuKey, now_ns: int) -> None:
+        """A datagram from the GPU's hook: it runs."""
+        st = self._gpus.setdefault(key, _Stage())
         st.started = True
         st.heard_ns = now_ns
         st.gone_since_ns = None
 
-    def observe(self, stage: int, facts: HookFacts, now_ns: int) -> HookState:
-        st = self._stages[stage]
+    def observe(self, key: GpuKey, facts: HookFacts, now_ns: int) -> HookState:
+        st = self._gpus.setdefault(key, _Stage())
         state, why = hook_state(facts, st.had_card)
         st.had_card |= facts.card is not False
         if state is HookState.LIVE:
@@ -106,11 +107,11 @@ class TrainingEnd:
 
     @property
     def started(self) -> bool:
-        return any(st.started for st in self._stages)
+        return any(st.started for st in self._gpus.values())
 
     def verdict(self, now_ns: int) -> Ending | None:
         """The end, once it has come; None until then."""
-        started = [(k, st) for k, st in enumerate(self._stages) if st.started]
+        started = [(k, st) for k, st in sorted(self._gpus.items()) if st.started]
         if not started:
             if self.start_timeout_s is not None and now_ns - self.started_ns >= self.start_timeout_s * 1e9:
                 return Ending(1, f"no stage of training {self.training!r} started within {self.start_timeout_s:g} s "
@@ -123,5 +124,5 @@ class TrainingEnd:
                 return None
             if st.heard_ns is not None and now_ns - st.heard_ns < after_ns:
                 return None
-        whys = "; ".join(f"stage {k}: {st.why}" for k, st in started)
-        return Ending(0, f"training {self.training!r} ended: every stage's hook is gone ({whys})")
+        whys = "; ".join(f"stage {k.stage} rank {k.rank}: {st.why}" for k, st in started)
+        return Ending(0, f"training {self.training!r} ended: every GPU's hook is gone ({whys})")

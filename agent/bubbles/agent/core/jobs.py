@@ -12,6 +12,7 @@ from typing import Any
 
 from bubbles.core import paths
 from bubbles.core.api import FillMode, FillState, IsolationState, IsolationStatus
+from bubbles.core.identity import GpuKey
 from bubbles.core.lifecycle import transition
 
 from ..guard import SlowdownGuard
@@ -58,17 +59,17 @@ class JobControl:
     """The core's state and its effects on jobs; the base of ``AgentCore``, which holds the decisions."""
 
     def __init__(self, config: CoreConfig, clock: Callable[[], int], sink: MetricsSink | None = None) -> None:
-        if not config.executors:
-            raise ValueError("the agent needs at least one executor")
         paths.check_name("training", config.training)
+        paths.check_namespace(config.namespace)
         self.config = config
         self.clock = clock
         self.sink: MetricsSink = sink or NullSink()
-        self.executors = [ExecutorState(k, device, core, config.mode)
-                          for k, (device, core) in enumerate(config.executors)]
+        # One per harvested GPU, in key order (stage, then rank); more are added as their ranks appear (add_executor).
+        self.executors: list[ExecutorState] = []
+        self._by_key: dict[GpuKey, ExecutorState] = {}
         self.jobs: list[JobRecord] = []
         # A ledger folds no further back than the oldest bubble still open: its record comes at its END.
-        self.ledgers = {m.label: HarvestLedger(floor=self._oldest_open_bubble) for m in FillMode}
+        self.ledgers = {m.label: HarvestLedger[GpuKey](floor=self._oldest_open_bubble) for m in FillMode}
         self.steps: list[StepRecord] = []
         self.bubbles: list[BubbleRecord] = []
         self.events: list[EventRecord] = []
@@ -76,8 +77,9 @@ class JobControl:
         self.rejected_jobs = 0
         self.kills = 0
         self.missed_ends = 0  # plain commands frozen because their bubble's END never came
+        # One guard for the training on this node, fed by one GPU's iterations (``AgentCore._on_iteration``).
         self.guard: SlowdownGuard | None = None
-        self.guard_stage: int | None = None
+        self.guard_key: GpuKey | None = None
         self.share = 1.0
         self.fill_paused = False
         # The raw status from the isolation backend, and the effective one the core acts on (effective_status).
@@ -93,17 +95,55 @@ class JobControl:
         self._newer_seen: set[tuple[int, int]] = set()  # (version, kind) of messages from a newer hook, said once
         self.newer_messages = 0
         # When the training has ended (--exit-when-done), and the end once decided (``AgentCore.watch_hooks``).
-        self.training_end = TrainingEnd(config.training, len(self.executors), clock(), config.start_timeout_s)
+        self.training_end = TrainingEnd(config.training, clock(), config.start_timeout_s)
         self.ended: Ending | None = None
+        for k, (device, core) in enumerate(config.executors):  # local mode: rank 0 of each stage, from the start
+            key = self.key(k)
+            self._add(key, paths.gpu_dir(config.run_dir, key), device, core)
 
-    def _event(self, stage: int, job: str, kind: str, message: str) -> None:
+    def key(self, stage: int, rank: int = 0) -> GpuKey:
+        """The key of rank ``rank`` of stage ``stage`` of the training this core serves."""
+        return GpuKey(self.config.namespace, self.config.training, stage, rank)
+
+    def executor(self, key: GpuKey) -> ExecutorState:
+        """The executor of GPU ``key``; KeyError if this core does not serve it."""
+        return self._by_key[key]
+
+    def serves(self, key: GpuKey) -> bool:
+        return key in self._by_key
+
+    def _add(self, key: GpuKey, directory: Path, device: str, core: int | None) -> ExecutorState:
+        if key.training_key != (self.config.namespace, self.config.training):
+            raise ValueError(f"GPU {key} is not of training {self.config.namespace}/{self.config.training}, which "
+                             "this agent serves")
+        if key in self._by_key:
+            raise ValueError(f"GPU {key} is served already")
+        ex = ExecutorState(key, directory, device, core, self.config.mode)
+        self._by_key[key] = ex
+        self.executors.append(ex)
+        self.executors.sort(key=lambda e: e.key)
+        return ex
+
+    def remove_executor(self, key: GpuKey) -> None:
+        """Stop serving GPU ``key`` right after it was added (the shell could not bind its socket); ValueError if a
+        job is queued or runs there already."""
+        ex = self.executor(key)
+        if ex.queue or ex.active is not None:
+            raise ValueError(f"GPU {key} has fill jobs; it cannot be let go of")
+        del self._by_key[key]
+        self.executors.remove(ex)
+
+    def _event(self, key: GpuKey | None, job: str, kind: str, message: str) -> None:
+        """Keep an event of GPU ``key`` (None: the node's or the training's: stage and rank -1)."""
         if len(self.events) < MAX_EVENTS:
-            self.events.append({"t_ns": self.clock(), "stage": stage, "job": job, "kind": kind, "message": message})
+            stage, rank = (key.stage, key.rank) if key is not None else (-1, -1)
+            self.events.append({"t_ns": self.clock(), "stage": stage, "rank": rank, "job": job, "kind": kind,
+                                "message": message})
 
-    def _reject(self, stage: int, source: str, why: str) -> None:
+    def _reject(self, key: GpuKey, source: str, why: str) -> None:
         self.rejected_messages += 1
-        self.sink.rejected(stage, source)
-        self._rejected_log.warning("stage %d: dropped a %s message: %s", stage, source, why)
+        self.sink.rejected(key, source)
+        self._rejected_log.warning("%s: dropped a %s message: %s", key, source, why)
 
     def _set_state(self, job: JobRecord, target: FillState, reason: str = "") -> None:
         if job.state is target:
@@ -112,10 +152,10 @@ class JobControl:
         if reason:
             job.reason = reason
         if target in (FillState.CREATED, FillState.STOPPED) or reason:
-            self._event(job.stage, job.name, "state", f"{target}" + (f": {reason}" if reason else ""))
+            self._event(job.key, job.name, "state", f"{target}" + (f": {reason}" if reason else ""))
         if target is FillState.STOPPED:
             job.armed = None
-            ex = self.executors[job.stage]
+            ex = self.executor(job.key)
             if ex.active is job and not job.launched:
                 ex.active = None
 
@@ -128,8 +168,9 @@ class JobControl:
             drop = {id(j) for j in done[:len(done) - MAX_STOPPED_JOBS]}
             self.jobs = [j for j in self.jobs if id(j) not in drop]
 
-    def _oldest_open_bubble(self, stage: int) -> int | None:
-        opened = self.executors[stage].open_bubbles if stage < len(self.executors) else {}
+    def _oldest_open_bubble(self, key: GpuKey) -> int | None:
+        ex = self._by_key.get(key)
+        opened = ex.open_bubbles if ex is not None else {}
         return min((ob.start.start_ns for ob in opened.values()), default=None)
 
     def _send(self, job: JobRecord, type_: str, **fields: Any) -> None:
@@ -145,7 +186,10 @@ class JobControl:
         self._actions.append(Release(job, self._fill_socket(job)))
 
     def _fill_socket(self, job: JobRecord) -> Path:
-        return paths.fill_socket(self.config.run_dir, self.config.training, job.stage, job.name)
+        """Where ``job`` binds its socket: in its GPU's ``fills/`` (``paths.fill_socket``; a pre-v4 card's stage
+        directory has one too)."""
+        name = f"{paths.FILL_SOCKET_PREFIX}{paths.check_name('fill job', job.name)}{paths.SOCKET_SUFFIX}"
+        return self.executor(job.key).directory / paths.FILLS_DIR_NAME / name
 
     def _send_limits(self, job: JobRecord) -> None:
         """The training's tail risk to ``job``'s process, unless it has it already (or there is none to send)."""
@@ -195,17 +239,17 @@ class JobControl:
         if count > MAX_ISOLATION_RESUBMISSIONS:
             job.reason += f" (not resubmitted: already restarted {MAX_ISOLATION_RESUBMISSIONS} times after " \
                           "isolation losses)"
-            log.error("stage %d: fill job %r lost its isolation again; not resubmitted after %d restarts",
-                      job.stage, job.name, MAX_ISOLATION_RESUBMISSIONS)
-            self._event(job.stage, job.name, "resubmit", "not resubmitted: restart limit reached")
+            log.error("%s: fill job %r lost its isolation again; not resubmitted after %d restarts",
+                      job.key, job.name, MAX_ISOLATION_RESUBMISSIONS)
+            self._event(job.key, job.name, "resubmit", "not resubmitted: restart limit reached")
             return
-        again = JobRecord(next(self._ids), job.spec, job.stage, resubmission=count)
+        again = JobRecord(next(self._ids), job.spec, job.key, resubmission=count)
         again.reason = f"resubmitted after isolation loss ({count}/{MAX_ISOLATION_RESUBMISSIONS})"
         self._add_job(again)
-        self.executors[job.stage].queue.appendleft(again)
-        log.warning("stage %d: fill job %r resubmitted after isolation loss (%d/%d)", job.stage, job.name, count,
+        self.executor(job.key).queue.appendleft(again)
+        log.warning("%s: fill job %r resubmitted after isolation loss (%d/%d)", job.key, job.name, count,
                     MAX_ISOLATION_RESUBMISSIONS)
-        self._event(job.stage, job.name, "resubmit", again.reason)
+        self._event(job.key, job.name, "resubmit", again.reason)
 
     def _stop_job(self, job: JobRecord, reason: str, sig: int | None = None) -> None:
         """STOPPED with ``reason``; ask the process to stop (or signal it) if it runs."""
@@ -234,10 +278,10 @@ class JobControl:
         if not job.launched:
             return
         why = f"killed: still running {STOP_GRACE_S:g} s after it was asked to stop"
-        log.error("stage %d: fill job %r %s", job.stage, job.name, why)
-        self._event(job.stage, job.name, "kill", why)
+        log.error("%s: fill job %r %s", job.key, job.name, why)
+        self._event(job.key, job.name, "kill", why)
         self.kills += 1
-        self.sink.kill(job.stage, self.executors[job.stage].device, job.name)
+        self.sink.kill(job.key, self.executor(job.key).device, job.name)
         self._signal(job, signal.SIGCONT)
         self._signal(job, signal.SIGKILL)
 
@@ -254,10 +298,10 @@ class JobControl:
                  "or spec-file init_timeout")
         why = (f"killed: its init did not finish within {limit:g} s of its start ({whose}; see the job's output; under "
                "MPS a process of a UID other than the server's waits in CUDA's initialization)")
-        log.error("stage %d: fill job %r %s", job.stage, job.name, why)
-        self._event(job.stage, job.name, "kill", why)
+        log.error("%s: fill job %r %s", job.key, job.name, why)
+        self._event(job.key, job.name, "kill", why)
         self.kills += 1
-        self.sink.kill(job.stage, self.executors[job.stage].device, job.name)
+        self.sink.kill(job.key, self.executor(job.key).device, job.name)
         self._stop_job(job, why, sig=signal.SIGKILL)
 
     def _watchdog(self, job: JobRecord, seq: int, end_ns: int) -> None:
@@ -267,27 +311,27 @@ class JobControl:
         began_ns, step_seq = job.in_step
         if step_seq != seq and began_ns > end_ns:
             return  # a step of a later bubble: its own bubble's end arms its own watchdog
-        ex = self.executors[job.stage]
+        ex = self.executor(job.key)
         grace_ms = round(self.config.grace_s * 1e3)
         overdue_ms = (self.clock() - end_ns) / 1e6
         self.kills += 1
-        self.sink.kill(ex.index, ex.device, job.name)
-        log.error("stage %d: fill job %r still in a step %.1f ms after bubble %d ended: SIGKILL",
-                  ex.index, job.name, overdue_ms, seq)
-        self._event(ex.index, job.name, "kill", f"still in a step {overdue_ms:.1f} ms after bubble {seq} ended")
+        self.sink.kill(ex.key, ex.device, job.name)
+        log.error("%s: fill job %r still in a step %.1f ms after bubble %d ended: SIGKILL",
+                  ex.key, job.name, overdue_ms, seq)
+        self._event(ex.key, job.name, "kill", f"still in a step {overdue_ms:.1f} ms after bubble {seq} ended")
         self._stop_job(job, f"killed: did not pause within {grace_ms} ms of bubble end", sig=signal.SIGKILL)
 
     def _end_overdue(self, job: JobRecord, bubble_seq: int) -> None:
         """A plain command thawed for bubble ``bubble_seq``, whose END has not come by its deadline: frozen, unless
         the END came (the bubble is closed), a later bubble opened (its own deadline covers it), or the job is no
         longer running in harvest mode."""
-        ex = self.executors[job.stage]
+        ex = self.executor(job.key)
         if (ex.active is not job or job.state is not FillState.RUNNING or ex.mode is not FillMode.HARVEST
                 or not ex.open_bubbles or next(reversed(ex.open_bubbles)) != bubble_seq):
             return
         self.missed_ends += 1
-        self.sink.missed_end(ex.index)
+        self.sink.missed_end(ex.key)
         self._signal(job, signal.SIGSTOP)
         self._set_state(job, FillState.PAUSED)
-        self._missed_end_log.warning("stage %d: no END for bubble %d by twice its predicted length: fill job %r "
-                                   "frozen (an END the hook could not send)", ex.index, bubble_seq, job.name)
+        self._missed_end_log.warning("%s: no END for bubble %d by twice its predicted length: fill job %r "
+                                   "frozen (an END the hook could not send)", ex.key, bubble_seq, job.name)

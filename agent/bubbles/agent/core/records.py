@@ -1,15 +1,18 @@
-"""The core's state: a fill job's record, an open bubble, an executor (a stage's accelerator on this node), and the
-raw step, bubble and event records the status carries (typed dicts: the stats file's JSON is what they are)."""
+"""The core's state: a fill job's record, an open bubble, an executor (one harvested GPU: a rank of a pipeline stage on
+this node, named by its ``GpuKey``), and the raw step, bubble and event records the status carries (typed dicts: the
+stats file's JSON is what they are)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypedDict
 
 from bubbles.core import wire
 from bubbles.core.api import FillJobSpec, FillMode, FillState, JobStatus
 from bubbles.core.cycle import BubbleCycle
+from bubbles.core.identity import GpuKey
 
 from .membership import TrainingMembership
 from .planning import LAG_WINDOW, LENGTH_WINDOW, PlanWatch
@@ -25,7 +28,7 @@ class JobRecord:
 
     id: int
     spec: FillJobSpec
-    stage: int
+    key: GpuKey  # the GPU it is queued or runs on (a job that names no stage moves when placed: AgentCore._place)
     state: FillState = FillState.SUBMITTED
     reason: str = ""
     steps: int = 0
@@ -38,7 +41,7 @@ class JobRecord:
     unknown_fields: set[str] = field(default_factory=set)  # "type.field" it sent that this agent does not know
     step_s: float | None = None
     planned_with_step: bool = False
-    placed: bool = False  # a job that names no stage: moved to the stage with the most bubble time (AgentCore._place)
+    placed: bool = False  # a job that names no stage: moved to the GPU with the most bubble time (AgentCore._place)
     finished: bool = False
     last_error: str = ""
     job_totals: dict[str, list[float]] = field(default_factory=dict)  # mode label -> [steps, flops]
@@ -55,6 +58,16 @@ class JobRecord:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def stage(self) -> int:
+        """The pipeline stage it runs in (its GPU's)."""
+        return self.key.stage
+
+    @property
+    def rank(self) -> int:
+        """Its GPU's rank among the stage's ranks."""
+        return self.key.rank
 
     @property
     def iterative(self) -> bool:
@@ -86,9 +99,11 @@ class OpenBubble:
 
 @dataclass(eq=False)
 class ExecutorState:
-    """One executor (a pipeline stage's accelerator on this node) as the core sees it."""
+    """One executor: one harvested GPU on this node (a rank of a pipeline stage; a CPU core stands in for it on CPU),
+    as the core sees it. Its key names it; stage and rank come from the key."""
 
-    index: int
+    key: GpuKey
+    directory: Path  # where its agent socket and fills/ are: paths.gpu_dir, or a pre-v4 card's stage directory
     device: str
     core: int | None
     mode: FillMode
@@ -111,6 +126,14 @@ class ExecutorState:
     predicted: dict[int, deque[int]] = field(default_factory=dict)
     start_lags: deque[int] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
 
+    @property
+    def stage(self) -> int:
+        return self.key.stage
+
+    @property
+    def rank(self) -> int:
+        return self.key.rank
+
     def note_start(self, slot: int, predicted_ns: int, lag_ns: int | None) -> None:
         """A bubble's START: its predicted length, and how late this agent read it (None: not a latency)."""
         if predicted_ns >= 0:
@@ -123,6 +146,7 @@ class StepRecord(TypedDict):
     """One fill step, as the stats file's ``steps`` lists it."""
 
     stage: int
+    rank: int  # its GPU's rank within the stage
     job: str
     start_ns: int
     end_ns: int
@@ -138,6 +162,7 @@ class BubbleRecord(TypedDict):
     """One bubble between its START and END, with what the agent offered it (``ledger.bubble_breakdown`` reads it)."""
 
     stage: int
+    rank: int  # its GPU's rank within the stage
     slot: int
     start_ns: int
     end_ns: int
@@ -153,7 +178,8 @@ class EventRecord(TypedDict):
     """One thing the agent did or saw, as the stats file's ``events`` lists it."""
 
     t_ns: int
-    stage: int  # -1: the node's (isolation)
+    stage: int  # -1: the node's (isolation) or the training's (its end)
+    rank: int  # the GPU's rank within the stage; -1 with stage -1
     job: str
     kind: str
     message: str
