@@ -15,21 +15,24 @@ from prometheus_client import generate_latest
 
 from bubbles.agent.core import IsolationTotals, JobTotals, Snapshot, StageTotals
 from bubbles.agent.metrics import AgentMetrics, NodeMetrics, names
+from bubbles.core.identity import GpuKey
 from bubbles.operator.metrics import OperatorMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "helm" / "bubbles" / "dashboards" / "bubbles.json"
+GPU = GpuKey("_local", "t", 0, 0)  # the agent's series are per GPU: stage and rank
+AT = 'namespace="_local",rank="0",stage="0",training="t"}'  # its labels, as the exposition sorts them
 
 
 def exported_names() -> set[str]:
     """Every sample name the agent (cluster mode) and the operator export, each metric given a value."""
     snap = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01)],
-                    [JobTotals(0, "cuda:0", "harvest", "fj", 10, 1e12)], [(0, "cuda:0", "RUNNING")],
+                    [JobTotals(0, "cuda:0", "harvest", "fj", 10, 1e12)], [(0, 0, "cuda:0", "RUNNING")],
                     IsolationTotals("mps", "ready", 0, 0), baseline_s=0.1, budget=0.01)
     agent = AgentMetrics("t", lambda: snap)
-    agent.kill(0, "cuda:0", "fj")
-    agent.rejected(0, "datagram")
-    agent.iteration(0, 0.1)
+    agent.kill(GPU, "cuda:0", "fj")
+    agent.rejected(GPU, "datagram")
+    agent.iteration(GPU, 0.1)
     node = NodeMetrics(lambda: [agent.registry], lambda: {"waiting": 1})
     node.refused.inc()
     op = OperatorMetrics()
@@ -92,33 +95,33 @@ def test_the_chart_ships_the_dashboard_unchanged() -> None:
 def test_a_fill_job_that_was_never_killed_exports_zero_kills_not_no_data() -> None:
     # The "Guard share and kills" panel sums rate(bubbles_fill_kills_total): with no series at all it shows "No data".
     snap = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01)],
-                    [JobTotals(0, "cuda:0", "harvest", "fj", 10, 1e12)], [(0, "cuda:0", "RUNNING")],
+                    [JobTotals(0, "cuda:0", "harvest", "fj", 10, 1e12)], [(0, 0, "cuda:0", "RUNNING")],
                     None, baseline_s=0.1, budget=0.01)
     agent = AgentMetrics("t", lambda: snap)
     generate_latest(agent.registry)  # the first scrape sees the job
     body = generate_latest(agent.registry).decode()
-    assert 'bubbles_fill_kills_total{device="cuda:0",fill_job="fj",stage="0",training="t"} 0.0' in body
+    assert f'bubbles_fill_kills_total{{device="cuda:0",fill_job="fj",{AT} 0.0' in body
     # A training without tail steps exports the tail's counters at 0, so its panel draws 0, not "No data".
-    assert 'bubbles_tail_filled_bubble_seconds_total{device="cuda:0",mode="harvest",stage="0",training="t"} 0.0' in body
+    assert f'bubbles_tail_filled_bubble_seconds_total{{device="cuda:0",mode="harvest",{AT} 0.0' in body
     tail = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01, 0.2, 0.004)], [], [], None)
     body = generate_latest(AgentMetrics("t", lambda: tail).registry).decode()
-    assert 'bubbles_tail_overrun_seconds_total{device="cuda:0",mode="harvest",stage="0",training="t"} 0.004' in body
+    assert f'bubbles_tail_overrun_seconds_total{{device="cuda:0",mode="harvest",{AT} 0.004' in body
 
 
 def test_the_kill_series_of_a_job_the_agent_let_go_of_goes_with_it() -> None:
     jobs = [JobTotals(0, "cuda:0", "harvest", "old", 10, 1e12), JobTotals(0, "cuda:0", "harvest", "new", 1, 1e11)]
     snap = Snapshot([StageTotals(0, "cuda:0", "harvest", 1.0, 0.5, 0.01)], jobs, [], None)
     agent = AgentMetrics("t", lambda: snap)
-    agent.kill(0, "cuda:0", "old")
-    assert 'fill_job="old",stage="0",training="t"} 1.0' in generate_latest(agent.registry).decode()
+    agent.kill(GPU, "cuda:0", "old")
+    assert f'fill_job="old",{AT} 1.0' in generate_latest(agent.registry).decode()
     snap.jobs.pop(0)  # the core kept only the latest finished records
     body = generate_latest(agent.registry).decode()
     assert 'fill_job="old"' not in body and 'bubbles_fill_kills_total{device="cuda:0",fill_job="new"' in body
     # A job killed in its first step has no totals yet, but its record is held: its kill is exported.
-    first = Snapshot([], [], [], None, held_jobs=((0, "cuda:0", "big"),))
+    first = Snapshot([], [], [], None, held_jobs=((0, 0, "cuda:0", "big"),))
     agent = AgentMetrics("t", lambda: first)
-    agent.kill(0, "cuda:0", "big")
-    assert 'bubbles_fill_kills_total{device="cuda:0",fill_job="big",stage="0",training="t"} 1.0' in \
+    agent.kill(GPU, "cuda:0", "big")
+    assert f'bubbles_fill_kills_total{{device="cuda:0",fill_job="big",{AT} 1.0' in \
         generate_latest(agent.registry).decode()
 
 
