@@ -316,6 +316,9 @@ class FillJobSpec:
     kind: WorkloadKind | None = None  # what the job does, when the user says
     init_timeout_s: float | None = None  # how long its init may take; None: the agent's --init-timeout
     flops_per_step: float | None = None  # FLOPs of one step, counted for steps whose job reports none
+    # GPUs of one stage the job runs on together, one process each (a gang): placed, started, paused, resumed and
+    # stopped together, in the bubbles all of them share (from the last GPU's start to the first GPU's end).
+    gpus: int = 1
 
     @property
     def iterative(self) -> bool:
@@ -341,7 +344,8 @@ class FillJobSpec:
 
 
 _FIELDS = ("name", "interface", "kind", "entry", "command", "args", "steps", "memory", "step_time", "nodes",
-           "stage", "init_timeout", "flops_per_step")
+           "stage", "init_timeout", "flops_per_step", "gpus")
+MAX_GPUS = 64  # GPUs one fill job may ask for (a node's GPUs of one stage: 8 on today's nodes)
 MAX_INIT_TIMEOUT_S = 86400.0  # a day: longer is a job that will never start
 _QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i?|k|m)?\s*$")
 _UNITS = {
@@ -461,11 +465,20 @@ def parse_spec(data: Any, source: str = "spec") -> FillJobSpec:
     flops_per_step = data.get("flops_per_step")
     if flops_per_step is not None:
         flops_per_step = check_flops_per_step(flops_per_step, f"{source}: field 'flops_per_step'")
+    gpus = check_gpus(data.get("gpus", 1), f"{source}: field 'gpus'")
     return FillJobSpec(
         name=name, interface=interface, kind=kind, entry=entry, command=tuple(command) if command else None,
         args=dict(args), steps=steps, memory_bytes=memory, step_time_s=step_time_s, nodes=tuple(nodes), stage=stage,
-        init_timeout_s=init_timeout_s, flops_per_step=flops_per_step,
+        init_timeout_s=init_timeout_s, flops_per_step=flops_per_step, gpus=gpus,
     )
+
+
+def check_gpus(value: Any, where: str) -> int:
+    """``value`` as the GPUs a fill job runs on together (1 to MAX_GPUS); SpecError saying so otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GPUS:
+        raise SpecError(f"{where} must be an integer from 1 to {MAX_GPUS}: the GPUs of one pipeline stage the job "
+                        f"runs on together, one process each (1, the default, for a single-GPU job); got {value!r}")
+    return value
 
 
 def check_flops_per_step(value: Any, where: str) -> float:

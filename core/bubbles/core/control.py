@@ -51,6 +51,13 @@ FILL_WAIT_ENV = "BUBBLES_FILL_WAIT"  # how a fill process waits for its step's G
 ATTEMPT_ENV = "BUBBLES_FILL_ATTEMPT"  # its status.restarts when placed
 ARGS_ENV = "BUBBLES_FILL_ARGS"  # the job's keyword arguments (a JSON object), when not given as --args
 CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job's state across attempts
+# A gang (a fill job over several GPUs of one stage, ``FillJobSpec.gpus``): each of its processes is told its place in
+# it and where the gang's processes meet (a TCP port on 127.0.0.1 for torch.distributed or the like); absent for a
+# single-GPU job. Each process is armed with every GPU's fill socket (``arm``'s ``sockets``), and gates on the bubbles
+# they share.
+GANG_RANK_ENV = "BUBBLES_GANG_RANK"  # 0 .. size-1
+GANG_SIZE_ENV = "BUBBLES_GANG_SIZE"  # the job's gpus
+GANG_PORT_ENV = "BUBBLES_GANG_PORT"  # where the gang's processes rendezvous
 
 # A fill process's /proc/PID/oom_score_adj, the highest: when the node runs out of memory the kernel's OOM killer takes
 # fill processes before the training. The agent sets it on the processes it starts, the SDK on its own process (a fill

@@ -41,6 +41,9 @@ DEMO_FREE_BYTES = 4 << 30
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages, 2-4 (default 2)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel (model-parallel) ranks per stage, 1-4 (default 1): stages x tp processes, "
+                        "each rank's bubbles harvested on their own")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
     p.add_argument("--iterations", type=int, default=8,
                    help="training iterations per mode and round (default 8; the first 2 of each "
@@ -73,6 +76,11 @@ def validate(args: argparse.Namespace) -> list[str]:
     errors = []
     if not 2 <= args.stages <= 4:
         errors.append(f"--stages {args.stages}: the CPU demo runs 2 to 4 stages")
+    if not 1 <= args.tp <= 4:
+        errors.append(f"--tp {args.tp}: give 1 to 4 tensor-parallel ranks per stage")
+    elif args.stages * args.tp > 8:
+        errors.append(f"--stages {args.stages} x --tp {args.tp} is {args.stages * args.tp} training processes; the "
+                      "CPU demo runs at most 8 (e.g. --stages 2 --tp 4)")
     if args.microbatches < 1:
         errors.append(f"--microbatches {args.microbatches}: use 1 or more")
     if args.iterations < 4:
@@ -96,16 +104,19 @@ def validate(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def fill_job_specs(stages: int) -> list[dict[str, Any]]:
-    """One fill job per stage, alternating the two example jobs."""
+def fill_job_specs(stages: int, tp: int = 1) -> list[dict[str, Any]]:
+    """One fill job per GPU (``tp`` per stage, each naming only its stage: the agent puts each on the rank with the
+    most bubble time no other job takes), alternating the two example jobs by stage."""
     specs = []
     for stage in range(stages):
-        if stage % 2 == 0:
-            specs.append({"name": f"image-classification-s{stage}", "interface": "iterative", "entry": IMAGE_ENTRY,
-                          "memory": "256Mi", "stage": stage})
-        else:
-            specs.append({"name": f"batch-inference-s{stage}", "interface": "iterative", "entry": INFERENCE_ENTRY,
-                          "memory": "256Mi", "stage": stage})
+        for r in range(tp):
+            suffix = f"s{stage}" if tp == 1 else f"s{stage}-{r}"
+            if stage % 2 == 0:
+                specs.append({"name": f"image-classification-{suffix}", "interface": "iterative",
+                              "entry": IMAGE_ENTRY, "memory": "256Mi", "stage": stage})
+            else:
+                specs.append({"name": f"batch-inference-{suffix}", "interface": "iterative", "entry": INFERENCE_ENTRY,
+                              "memory": "256Mi", "stage": stage})
     return specs
 
 
@@ -124,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_in(args: argparse.Namespace, work: Path) -> int:
     run_dir, ranks_dir = work / "run", work / "ranks"
-    specs = fill_job_specs(args.stages)
-    # Each stage's rank 0: the GPUs the local agent serves from the start.
-    keys = {s["name"]: paths.GpuKey(paths.LOCAL_NAMESPACE, TRAINING, s["stage"]) for s in specs}
+    specs = fill_job_specs(args.stages, args.tp)
+    # The deepest rank of each stage: the GPUs' sockets are no longer than its.
+    keys = {s["name"]: paths.GpuKey(paths.LOCAL_NAMESPACE, TRAINING, s["stage"], args.tp - 1) for s in specs}
     if any(paths.socket_path_problem(paths.fill_socket(run_dir, keys[s["name"]], s["name"])) for s in specs):
         # A deep --workdir would make the fill jobs' sockets longer than a Unix socket path may be: keep the
         # sockets in a short private directory instead (removed at the end), the rest of the files in --workdir.
@@ -164,15 +175,16 @@ def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Pa
     for path in spec_paths:
         agent_cmd += ["--fill-job", str(path)]
     phases = format_phases(args.iterations, args.repeats)
-    train_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.stages),
+    train_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.stages * args.tp),
                  "--master_port", str(free_port()), "-m", "bubbles.demo.train",
                  "--microbatches", str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                  "--hidden", str(args.hidden), "--layers", str(args.layers), "--phases", phases,
-                 "--gradient-clipping", str(args.gradient_clipping),
+                 "--gradient-clipping", str(args.gradient_clipping), "--tp", str(args.tp),
                  "--run-dir", str(run_dir), "--training", TRAINING, "--out", str(ranks_dir), "--pin-cores",
                  "--trace", "--free-bytes", str(DEMO_FREE_BYTES), "--start-file", str(start_path)]
     total = args.repeats * len(COMPARED_MODES) * args.iterations
-    print(f"bubbles demo: {args.stages}-stage DeepSpeed pipeline on CPU, {args.microbatches} micro-batches, "
+    shape = f"{args.stages}-stage" + (f" x {args.tp} tensor-parallel ranks" if args.tp > 1 else "")
+    print(f"bubbles demo: {shape} DeepSpeed pipeline on CPU, {args.microbatches} micro-batches, "
           f"{total} iterations (baseline, naive, harvest x {args.repeats}); files in {work}", flush=True)
     agent_log = (work / "agent.log").open("w")
     agent = subprocess.Popen(agent_cmd, env=env, stdout=agent_log, stderr=subprocess.STDOUT,
@@ -185,7 +197,7 @@ def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Pa
         print(f"  agent ready (metrics: http://127.0.0.1:{metrics_port}/metrics); starting the training", flush=True)
         train_log = work / "train.log"
         starter = threading.Thread(target=_start_when_fill_jobs_ready,
-                                   args=(metrics_port, args.stages, start_path, agent), daemon=True)
+                                   args=(metrics_port, len(specs), start_path, agent), daemon=True)
         starter.start()
         rc = EchoedProcess(train_cmd, env, train_log, prefix="[bubbles]", stream=sys.stdout,
                            new_session=False).wait()
@@ -197,8 +209,8 @@ def _run_with(args: argparse.Namespace, work: Path, run_dir: Path, ranks_dir: Pa
         stop_gracefully(agent)
         agent_log.close()
     ranks = [json.loads(p.read_text()) for p in sorted(ranks_dir.glob("rank-*.json"))]
-    if len(ranks) != args.stages:
-        print(f"bubbles demo: error: expected {args.stages} rank records in {ranks_dir}, found {len(ranks)}",
+    if len(ranks) != args.stages * args.tp:
+        print(f"bubbles demo: error: expected {args.stages * args.tp} rank records in {ranks_dir}, found {len(ranks)}",
               file=sys.stderr)
         return 1
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else None

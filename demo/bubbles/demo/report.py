@@ -32,7 +32,7 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
     (``machine_load``), when known."""
     if not ranks:
         raise ValueError("no training ranks reported")
-    ranks = sorted(ranks, key=lambda r: r["stage"])
+    ranks = sorted(ranks, key=lambda r: (r["stage"], r.get("stage_rank", 0)))
     stages = int(ranks[0]["stages"])
     microbatches = int(ranks[0]["microbatches"])
     # Every stage ends each iteration in the same all-reduce, so their iteration times agree; the first
@@ -40,10 +40,10 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
     by_mode = iteration_times_by_mode(ranks[0], settle)
     measured: dict[str, float | None] = {}
     signalled: dict[str, float | None] = {}
-    for r in ranks:
+    for r in ranks:  # with several ranks per stage, keyed by GPU ("<stage>/rank-<r>"), else by stage
         cycle = BubbleCycle.from_dict(r["cycle"]) if r.get("cycle") else None
-        measured[str(r["stage"])] = cycle.idle_ratio if cycle else None
-        signalled[str(r["stage"])] = cycle.bubble_ratio if cycle else None
+        measured[gpu_label(r)] = cycle.idle_ratio if cycle else None
+        signalled[gpu_label(r)] = cycle.bubble_ratio if cycle else None
     agent_modes = (agent_stats or {}).get("modes", {})
     baseline = _median(by_mode.get(FillMode.OFF, []))
     modes: dict[str, dict[str, Any]] = {}
@@ -71,8 +71,10 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
         "rounds": figures,
         "over_rounds": rounds,
         "machine": dict(machine) if machine is not None else None,
-        "breakdown": harvest_breakdown(agent_stats),
+        "breakdown": harvest_breakdown(agent_stats, max(int(r.get("stage_ranks", 1)) for r in ranks)),
+        "gpus": per_gpu(ranks, agent_stats),
         "stages": stages,
+        "ranks_per_stage": max(int(r.get("stage_ranks", 1)) for r in ranks),
         "microbatches": microbatches,
         "iterations": len(ranks[0]["iteration_s"]),
         # measured: every wait of the stage; signalled: the waits long enough to be offered to fill jobs.
@@ -89,6 +91,37 @@ def build_report(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, A
         "jobs": (agent_stats or {}).get("jobs", []),
         "losses_identical_across_stages": len({tuple(r["losses"]) for r in ranks}) == 1,
     }
+
+
+def label(stage: int, rank: int, ranks: int) -> str:
+    """The report's name of a GPU: its stage alone where the stage has one rank, else ``<stage>/rank-<r>``."""
+    return str(stage) if ranks == 1 else f"{stage}/rank-{rank}"
+
+
+def gpu_label(record: Mapping[str, Any]) -> str:
+    """``label`` of a rank record's GPU."""
+    return label(int(record["stage"]), int(record.get("stage_rank", 0)), int(record.get("stage_ranks", 1)))
+
+
+def per_gpu(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Each GPU (a core on CPU) of the training with its bubbles and the fill work in them while harvesting: its
+    stage and rank, the share of the iteration it waits and the share signalled as bubbles, the harvesting
+    bubbles' time, the part of it fill steps used, and the steps and FLOPs of the fill jobs that ran there."""
+    bubbles, steps = _harvest_records(agent_stats)
+    out = []
+    for r in ranks:
+        stage, rank = int(r["stage"]), int(r.get("stage_rank", 0))
+        cycle = BubbleCycle.from_dict(r["cycle"]) if r.get("cycle") else None
+        mine_b = [b for b in bubbles if int(b["stage"]) == stage and int(b.get("rank", 0)) == rank]
+        mine_s = [st for st in steps if int(st["stage"]) == stage and int(st.get("rank", 0)) == rank]
+        d = bubble_breakdown(mine_b, mine_s)
+        jobs = [j for j in (agent_stats or {}).get("jobs", [])
+                if int(j.get("stage", -1)) == stage and int(j.get("rank", 0)) == rank]
+        out.append({"gpu": gpu_label(r), "stage": stage, "rank": rank, "process": r.get("rank"),
+                    "waits": cycle.idle_ratio if cycle else None, "signalled": cycle.bubble_ratio if cycle else None,
+                    "bubble_s": d.get("bubble_s", 0.0), "filled_s": d.get("filled", 0.0),
+                    "fill_steps": len(mine_s), "jobs": sorted(str(j.get("name")) for j in jobs)})
+    return out
 
 
 def _harvest_records(agent_stats: Mapping[str, Any] | None) -> tuple[list[Any], list[Any]]:
@@ -154,13 +187,18 @@ def over_rounds(figures: Sequence[Mapping[str, float]], confidence: float = 0.95
     return out
 
 
-def harvest_breakdown(agent_stats: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Where the harvesting bubbles' time went (``ledger.bubble_breakdown``), in all and per stage."""
+def harvest_breakdown(agent_stats: Mapping[str, Any] | None, ranks: int = 1) -> dict[str, Any]:
+    """Where the harvesting bubbles' time went (``ledger.bubble_breakdown``), in all and per GPU (``by_stage``,
+    keyed by ``label``: the stage where each has one rank; ``ranks`` per stage)."""
     bubbles, steps = _harvest_records(agent_stats)
-    stages = sorted({int(b["stage"]) for b in bubbles})
+    gpus = sorted({(int(b["stage"]), int(b.get("rank", 0))) for b in bubbles})
+
+    def on(records: list[Any], gpu: tuple[int, int]) -> list[Any]:
+        return [x for x in records if (int(x["stage"]), int(x.get("rank", 0))) == gpu]
+
     return {"all": bubble_breakdown(bubbles, steps),
-            "by_stage": {str(k): bubble_breakdown([b for b in bubbles if int(b["stage"]) == k],
-                                                  [st for st in steps if int(st["stage"]) == k]) for k in stages}}
+            "by_stage": {label(k, r, ranks): bubble_breakdown(on(bubbles, (k, r)), on(steps, (k, r)))
+                         for k, r in gpus}}
 
 
 def format_breakdown(d: Mapping[str, float]) -> str:
@@ -208,6 +246,13 @@ def format_summary(report: Mapping[str, Any]) -> str:
         lines += ["", *format_rounds(report["over_rounds"])]
     if report.get("breakdown", {}).get("all", {}).get("bubble_s"):
         lines.append("where the harvesting bubbles' time went: " + format_breakdown(report["breakdown"]["all"]))
+    if report.get("ranks_per_stage", 1) > 1:
+        lines += ["", f"{'GPU':<16}{'waits':>8}{'signalled':>11}{'bubbles':>10}{'filled':>9}"
+                  f"{'fill steps':>12}  fill jobs"]
+        for g in report["gpus"]:
+            filled = _pct(g["filled_s"] / g["bubble_s"]) if g["bubble_s"] else "-"
+            lines.append(f"{'stage ' + g['gpu']:<16}{_pct(g['waits']):>8}{_pct(g['signalled']):>11}"
+                         f"{g['bubble_s'] * 1e3:>8.0f}ms{filled:>9}{g['fill_steps']:>12}  {', '.join(g['jobs'])}")
     naive, harvest = report["modes"][MODE_NAMES[FillMode.NAIVE]], report["modes"][MODE_NAMES[FillMode.HARVEST]]
     if naive["slowdown"] is not None and harvest["slowdown"] is not None:
         lines.append(f"harvesting vs naive co-location: training slowdown {harvest['slowdown'] * 100:+.1f}% "

@@ -41,7 +41,9 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    ranks = sorted(ranks, key=lambda r: r["stage"])
+    from bubbles.demo.report import gpu_label
+
+    ranks = sorted(ranks, key=lambda r: (r["stage"], r.get("stage_rank", 0)))
     window = choose_window(ranks[0], mode, iterations)
     if window is None:
         return False
@@ -72,13 +74,16 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
         ax.broken_barh(waits, (y + 0.45, 0.45), facecolors=WAIT_COLOR)  # over compute: a wait inside an instruction
         ax.broken_barh(bubbles, (y + 0.45, 0.45), facecolors=BUBBLE_COLOR)
         fills = [(ms(st["start_ns"]), max(ms(st["end_ns"]) - ms(st["start_ns"]), 1e-3)) for st in steps
-                 if st["stage"] == rank["stage"] and st["end_ns"] >= lo and st["start_ns"] <= hi]
+                 if (st["stage"], st.get("rank", 0)) == (rank["stage"], rank.get("stage_rank", 0))
+                 and st["end_ns"] >= lo and st["start_ns"] <= hi]
         ax.broken_barh(fills, (y + 0.05, 0.35), facecolors=FILL_COLOR)
     ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))])
-    ax.set_yticklabels([f"stage {r['stage']}" for r in ranks])
+    ax.set_yticklabels([f"stage {gpu_label(r)}" for r in ranks])
     ax.set_xlim(ms(lo), ms(hi))
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"{len(ranks)}-stage DeepSpeed pipeline on CPU, {mode.label} mode, {iterations} iterations")
+    shape = f"{ranks[0]['stages']}-stage" + (f" x {ranks[0]['stage_ranks']}-rank"
+                                             if int(ranks[0].get("stage_ranks", 1)) > 1 else "")
+    ax.set_title(title or f"{shape} DeepSpeed pipeline on CPU, {mode.label} mode, {iterations} iterations")
     ax.legend(handles=[Patch(color=COMPUTE_COLOR, label="training compute"),
                        Patch(color=BUBBLE_COLOR, label="bubble (signalled)"),
                        Patch(color=WAIT_COLOR, label="other waits/comm"),
@@ -89,7 +94,7 @@ def draw_timeline(ranks: Sequence[Mapping[str, Any]], agent_stats: Mapping[str, 
     if breakdown is None:
         from bubbles.demo.report import harvest_breakdown
 
-        breakdown = harvest_breakdown(agent_stats)["by_stage"]
+        breakdown = harvest_breakdown(agent_stats, max(int(r.get("stage_ranks", 1)) for r in ranks))["by_stage"]
     _draw_breakdown(bx, ranks, breakdown)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,14 +108,15 @@ BREAKDOWN_COLORS = {"filled": FILL_COLOR, "guard": "#8e6bbf", "no_job": "#bdbdbd
 
 
 def _draw_breakdown(ax: Any, ranks: Sequence[Mapping[str, Any]], by_stage: Mapping[str, Mapping[str, float]]) -> None:
-    """Beside the timeline: one bar per stage, its harvesting bubble time split by where it went."""
+    """Beside the timeline: one bar per GPU, its harvesting bubble time split by where it went."""
     from matplotlib.patches import Patch
 
     from bubbles.agent.ledger import BREAKDOWN
+    from bubbles.demo.report import gpu_label
 
     for row, rank in enumerate(ranks):
         y = len(ranks) - 1 - row
-        d = by_stage.get(str(rank["stage"]), {})
+        d = by_stage.get(gpu_label(rank), {})
         total = d.get("bubble_s") or 0.0
         left = 0.0
         for key, _ in BREAKDOWN:
@@ -122,7 +128,7 @@ def _draw_breakdown(ax: Any, ranks: Sequence[Mapping[str, Any]], by_stage: Mappi
     ax.set_xlim(0, 100)
     ax.set_ylim(0, len(ranks))
     ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))])
-    ax.set_yticklabels([f"stage {r['stage']}" for r in ranks])
+    ax.set_yticklabels([f"stage {gpu_label(r)}" for r in ranks])
     ax.set_xlabel("% of all harvesting bubble time")
     ax.set_title("where the bubble time went (whole run)", fontsize=9)
     labels = {"filled": "filled", "guard": "guard", "no_job": "no job", "latency": "latency",

@@ -20,6 +20,7 @@ from bubbles.core.api import (
     SpecError,
     WorkloadKind,
     check_flops_per_step,
+    check_gpus,
     check_init_timeout,
     check_tail_risk,
     known_membership,
@@ -112,6 +113,8 @@ def spec_to_pb(s: FillJobSpec) -> pb.FillJobSpec:
         msg.step_time_s = s.step_time_s
     if s.stage is not None:
         msg.stage = s.stage
+    if s.gpus != 1:
+        msg.gpus = s.gpus
     if s.init_timeout_s is not None:
         msg.init_timeout_s = s.init_timeout_s
     if s.flops_per_step is not None:
@@ -202,6 +205,7 @@ def spec_from_pb(m: pb.FillJobSpec) -> FillJobSpec:
             check_init_timeout(m.init_timeout_s, f"{where}: init_timeout_s")
         if m.HasField("flops_per_step"):
             check_flops_per_step(m.flops_per_step, f"{where}: flops_per_step")
+        gpus = check_gpus(m.gpus or 1, f"{where}: gpus")  # 0: an operator before gang jobs, one GPU
     except SpecError as exc:
         raise ApiError(str(exc)) from None
     return FillJobSpec(
@@ -212,7 +216,7 @@ def spec_from_pb(m: pb.FillJobSpec) -> FillJobSpec:
         stage=m.stage if m.HasField("stage") else None,
         kind=_enum(WorkloadKind, m.kind, f"{where}'s kind") if m.kind else None,
         init_timeout_s=m.init_timeout_s if m.HasField("init_timeout_s") else None,
-        flops_per_step=m.flops_per_step if m.HasField("flops_per_step") else None)
+        flops_per_step=m.flops_per_step if m.HasField("flops_per_step") else None, gpus=gpus)
 
 
 def assignment_from_pb(m: pb.AssignRequest) -> AssignmentMessage:

@@ -88,7 +88,7 @@ class FillNode(_message.Message):
     def __init__(self, duration_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class FillJobSpec(_message.Message):
-    __slots__ = ("name", "interface", "entry", "command", "args_json", "steps", "memory_bytes", "step_time_s", "nodes", "stage", "kind", "init_timeout_s", "flops_per_step")
+    __slots__ = ("name", "interface", "entry", "command", "args_json", "steps", "memory_bytes", "step_time_s", "nodes", "stage", "kind", "init_timeout_s", "flops_per_step", "gpus")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INTERFACE_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class FillJobSpec(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     INIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     FLOPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
     name: str
     interface: str
     entry: str
@@ -115,7 +116,8 @@ class FillJobSpec(_message.Message):
     kind: str
     init_timeout_s: float
     flops_per_step: float
-    def __init__(self, name: _Optional[str] = ..., interface: _Optional[str] = ..., entry: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., args_json: _Optional[str] = ..., steps: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[FillNode, _Mapping]]] = ..., stage: _Optional[int] = ..., kind: _Optional[str] = ..., init_timeout_s: _Optional[float] = ..., flops_per_step: _Optional[float] = ...) -> None: ...
+    gpus: int
+    def __init__(self, name: _Optional[str] = ..., interface: _Optional[str] = ..., entry: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., args_json: _Optional[str] = ..., steps: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., step_time_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[FillNode, _Mapping]]] = ..., stage: _Optional[int] = ..., kind: _Optional[str] = ..., init_timeout_s: _Optional[float] = ..., flops_per_step: _Optional[float] = ..., gpus: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("uid", "generation", "attempt", "namespace", "name", "training", "stage", "pod", "device", "gpu_uuid", "fill_pod", "spec", "slowdown_budget", "max_fill_share", "tail_risk", "ranks")
