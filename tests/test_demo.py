@@ -31,6 +31,8 @@ OVERLAP_TOLERANCE_MS = 4.0
     (["--metrics-port", "70000"], "--metrics-port 70000: give a TCP port"),
     (["--gradient-clipping", "-1"], "--gradient-clipping -1.0: give a max gradient norm >= 0"),
     (["--gradient-clipping", "nan"], "--gradient-clipping nan"),
+    (["--tp", "0"], "--tp 0: give 1 to 4 tensor-parallel ranks per stage"),
+    (["--stages", "4", "--tp", "3"], "--stages 4 x --tp 3 is 12 training processes"),
 ])
 def test_bad_flags_are_rejected_with_what_to_do(flags: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,3 +192,36 @@ def test_fill_steps_run_only_inside_bubbles(demo_run: dict[str, Any]) -> None:
 def test_timeline_is_a_png(demo_run: dict[str, Any]) -> None:
     data = Path(demo_run["timeline"]).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.fixture(scope="module")
+def demo_tp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``bubbles demo --tp 2``, as the README gives it, shortened: 2 stages x 2 tensor-parallel ranks (4 processes),
+    a fill job per GPU."""
+    work = tmp_path_factory.mktemp("demo-tp")
+    report = work / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bubbles.cli", "demo", "--tp", "2", "--iterations", "8", "--repeats", "1",
+         "--report", str(report), "--workdir", str(work / "run")],
+        capture_output=True, text=True, timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"report": json.loads(report.read_text()), "stdout": proc.stdout,
+            "stats": json.loads((work / "run" / "agent-stats.json").read_text())}
+
+
+@pytest.mark.deepspeed
+def test_the_tp_demo_fills_every_gpu_and_lists_each_with_its_bubbles(demo_tp_run: dict[str, Any]) -> None:
+    r = demo_tp_run["report"]
+    assert r["stages"] == 2 and r["ranks_per_stage"] == 2
+    gpus = {(g["stage"], g["rank"]): g for g in r["gpus"]}
+    assert sorted(gpus) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for key, g in gpus.items():
+        assert g["signalled"] and g["signalled"] > 0, (key, g)  # every rank's hook signalled its own bubbles
+        assert g["bubble_s"] > 0 and g["filled_s"] > 0 and g["fill_steps"] > 0, (key, g)  # and every GPU was filled
+        assert len(g["jobs"]) == 1, (key, g)  # one fill job per GPU: the agent spread each stage's two
+    assert len({j for g in gpus.values() for j in g["jobs"]}) == 4
+    assert set(r["bubble_ratio"]["measured"]) == {"0/rank-0", "0/rank-1", "1/rank-0", "1/rank-1"}
+    assert r["losses_identical_across_stages"]
+    table = demo_tp_run["stdout"][demo_tp_run["stdout"].index("GPU "):]
+    assert all(f"stage {k}/rank-{r_}" in table for k in (0, 1) for r_ in (0, 1)), table

@@ -8,8 +8,10 @@ device-side spins, the host never synchronizes); the waits' jitter and its pairi
 from __future__ import annotations
 
 import itertools
+import shutil
 import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,13 +103,15 @@ def test_the_hook_leaves_the_emulator_s_losses_bit_identical(tmp_path: Path, sta
 
     plain = _losses(build(), 6)
     hooked = build()
-    # A listener in the stage directory, so the hook really signals every bubble while the losses are compared.
-    stage_dir = paths.stage_dir(tmp_path, "lossy", stage)
-    stage_dir.mkdir(parents=True)
+    # A listener in the GPU's directory, so the hook really signals every bubble while the losses are compared (a short
+    # run directory: pytest's tmp_path may be too long for a Unix socket's path).
+    run_dir = Path(tempfile.mkdtemp(prefix="bbemu-", dir="/tmp"))
+    gpu_dir = paths.gpu_dir(run_dir, paths.GpuKey(paths.LOCAL_NAMESPACE, "lossy", stage))
+    gpu_dir.mkdir(parents=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    listener.bind(str(stage_dir / "fill-probe.sock"))
+    listener.bind(str(gpu_dir / "fill-probe.sock"))
     listener.setblocking(False)
-    inst = instrument(hooked, training="lossy", run_dir=tmp_path, memory_probe=StaticMemoryProbe(1 << 30),
+    inst = instrument(hooked, training="lossy", run_dir=run_dir, memory_probe=StaticMemoryProbe(1 << 30),
                       warmup_iterations=1, profile_iterations=2, min_bubble_s=0.0002)
     try:
         assert _losses(hooked, 6) == plain
@@ -115,6 +119,7 @@ def test_the_hook_leaves_the_emulator_s_losses_bit_identical(tmp_path: Path, sta
     finally:
         inst.detach()
         listener.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
     assert len(set(plain)) > 1  # the optimizer works: the losses move from batch to batch
 
 
