@@ -10,7 +10,7 @@ import pytest
 from helpers.operator import MIB, cond, cycle, fill_job, stage, step, training
 
 from bubbles.core import control
-from bubbles.core.api import FillState
+from bubbles.core.api import FillState, WorkloadKind
 from bubbles.core.plan import Bubble, FillNode
 from bubbles.core.resources import FillJobResource, JobProgress, ResourceError
 from bubbles.operator.decide import FillPodSettings, GpuView, fill_pod_mounts
@@ -25,7 +25,6 @@ from bubbles.operator.scheduler import (
     place_gang,
     shared_class,
 )
-from bubbles.core.api import WorkloadKind
 
 
 def ranks(n: int, k: int = 0, pod: str = "llama-0", node: str = "node-a", **kw: Any) -> list[GpuView]:
@@ -121,7 +120,7 @@ def test_a_gang_chooses_the_gpus_with_the_most_shared_bubble_time() -> None:
 
 def test_no_gang_is_placed_partially_while_one_of_its_gpus_is_busy() -> None:
     single = fill_job("single", created="2026-11-23T06:00:00Z")
-    step([single], ranks(2)[:1] + [stage(0, rank=1, ranks=2, gpu_uuid="GPU-01", cycle=None)])  # rank 1 not profiled
+    step([single], [*ranks(2)[:1], stage(0, rank=1, ranks=2, gpu_uuid="GPU-01", cycle=None)])  # rank 1 not profiled
     assert single["status"]["assignment"]["ranks"] == [0]
     gang = fill_job("gang", gpus=2)
     d = step([single, gang], ranks(2))

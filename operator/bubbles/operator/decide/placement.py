@@ -231,9 +231,9 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
     placed: dict[str, tuple[tuple[str, ...], float]] = {}  # job id -> (its GPUs' class names, expected end)
     for prio in sorted(set(tiers) | set(gangs), reverse=True):
         for req in sorted(gangs.get(prio, ()), key=lambda r: (r.arrival_s, r.job_id)):
-            g = place_gang(sched, req, groups, now_s)
-            if g is not None:
-                placed[req.job_id] = (tuple(sched.classes[e].name for e in g.executors), g.end_s)
+            gp = place_gang(sched, req, groups, now_s)
+            if gp is not None:
+                placed[req.job_id] = (tuple(sched.classes[e].name for e in gp.executors), gp.end_s)
         for req in tiers.get(prio, ()):
             sched.submit(req, now_s, place=False)
         for p in sched.dispatch(now_s):

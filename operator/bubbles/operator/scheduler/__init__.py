@@ -1,8 +1,8 @@
 """Which pending fill job runs in which training's bubbles, on which stage's GPUs: PipeFill section 4.4.
 
 Pure Python (numpy): the scheduler knows nothing of Kubernetes. Jobs over several executors at once (gangs) are
-placed beside it by ``bubbles.operator.scheduler.gang``, which reserves their executors in it. Policies are pluggable through the
-``bubbles.policies`` entry-point group (see ``bubbles.operator.scheduler.policies``).
+placed beside it by ``bubbles.operator.scheduler.gang``, which reserves their executors in it. Policies are pluggable
+through the ``bubbles.policies`` entry-point group (see ``bubbles.operator.scheduler.policies``).
 """
 
 from bubbles.operator.scheduler.core import (

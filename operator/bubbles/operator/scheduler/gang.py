@@ -1,4 +1,4 @@
-"""Gang placement: a fill job over N executors of one group at once (``FillJobRequest.gpus``), in the bubbles they share.
+"""Gang placement: a fill job over N executors of one group at once (``FillJobRequest.gpus``), in their shared bubbles.
 
 A group is the executors a gang may span together: in the operator the usable GPUs of one stage of one training in
 one Pod on one node (the processes of a gang meet over the node's loopback, and the agent that drives them is that

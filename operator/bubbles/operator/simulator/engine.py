@@ -176,15 +176,15 @@ def simulate(
         else max((o.placement.end_s for o in outcomes.values() if o.done and o.placement), default=0.0)
     )
     if horizon_s < math.inf:
-        running: list[Placement | GangPlacement] = [*sched.running.values(), *{id(g): g for g in gang_on.values()}
-                                                                             .values()]
-        for p in running:  # partial credit for work done by the horizon
-            o = outcomes[p.job.job_id]
-            work_s = p.processing_s - p.job.setup_s  # the steps, after the job's setup
-            share = (end_s - p.start_s - p.job.setup_s) / work_s if work_s > 0 else 1.0
+        gangs = {id(g): g for g in gang_on.values()}  # each gang once (it is on several executors)
+        running: list[Placement | GangPlacement] = [*sched.running.values(), *gangs.values()]
+        for run in running:  # partial credit for work done by the horizon
+            o = outcomes[run.job.job_id]
+            work_s = run.processing_s - run.job.setup_s  # the steps, after the job's setup
+            share = (end_s - run.start_s - run.job.setup_s) / work_s if work_s > 0 else 1.0
             share = min(max(share, 0.0), 1.0)
-            o.samples_done = share * p.job.samples
-            o.filled_s = share * p.filled_s
+            o.samples_done = share * run.job.samples
+            o.filled_s = share * run.filled_s
     if progress is not None:
         progress(1.0)
     name = sched.policy.name
