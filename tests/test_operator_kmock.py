@@ -293,3 +293,35 @@ async def test_one_pod_with_two_ranks_of_a_stage_takes_a_fill_job_on_each_gpu(
     assert [(g["rank"], g["gpuUUID"], g["fillJobs"]) for g in s0["gpus"]] == [(0, "GPU-0", 1), (1, "GPU-1", 1)]
     nowhere = cluster.get(FJ, "ml", "nowhere")["status"]
     assert nowhere["phase"] == "Queued" and "spec.stage 7 is no stage" in nowhere["message"]
+
+
+async def test_a_gang_is_placed_on_both_ranks_of_a_stage_and_requeued_whole_when_one_goes(
+        cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
+    op, agents = operator
+    both = tuple(StageReport("ml", "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r,
+                             ranks=2) for r in (0, 1))
+    agents.reports["node-a"] = NodeReport("node-a", both)
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
+    await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("big", gpus=3))
+    await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/filljobs", fill_job("gang", gpus=2))
+    await cluster.until("the gang Placed", lambda: phase(cluster, "gang") == "Placed")
+    a = cluster.get(FJ, "ml", "gang")["status"]["assignment"]
+    assert a["ranks"] == [0, 1] and a["gpuUUIDs"] == ["GPU-0", "GPU-1"]
+    pod = await cluster.until("the gang's one Pod", lambda: cluster.get(PODS, "ml", "fj-gang-a0"))
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-0,GPU-1" and env["BUBBLES_GANG_SIZE"] == "2"
+    assert [x.ranks for x in agents.assigned] == [(0, 1)]
+    big = await cluster.until("the 3-GPU job refused a place", lambda: phase(cluster, "big") == "Queued" and (
+        cluster.get(FJ, "ml", "big")["status"]))
+    assert "the most any stage has there is 2" in big["message"]
+    pt = await cluster.until("both GPUs harvested", lambda: (cluster.get("bubbles.dev/v1alpha1/pipelinetrainings",
+                                                                         "ml", "llama") or {}).get("status", {})
+                             .get("gpusHarvested") == 2)
+    assert pt
+    agents.reports["node-a"] = NodeReport("node-a", both[:1])  # rank 1 no longer reported
+    op.wake()
+    await cluster.until("the gang requeued", lambda: phase(cluster, "gang") == "Queued")
+    evicted = next(c for c in cluster.get(FJ, "ml", "gang")["status"]["conditions"] if c["type"] == "Evicted")
+    assert "no longer reports stage 0 rank 1" in evicted["message"]
+    await cluster.until("its Pod deleted", lambda: cluster.get(PODS, "ml", "fj-gang-a0") is None)

@@ -557,3 +557,40 @@ def test_two_ranks_of_one_pods_stage_take_a_fill_job_each_and_the_status_lists_b
         for name in ("tp-a", "tp-b", "tp-nowhere"):
             until(f"{name} gone (its finalizer released)", lambda n=name: get(cluster, "fj", n) is None)
         op.close()
+
+
+def test_a_gang_is_placed_on_both_ranks_of_a_stage_and_the_crd_refuses_gpus_0(cluster: ApiServer) -> None:
+    """llama-0 runs stage 0 ranks 0 and 1: a FillJob of gpus: 2 is placed on both at once, its status (through the
+    CRD's schema: nothing pruned) lists both ranks and GPUs, its one Pod sees both, and the training's status counts
+    both GPUs harvested by it. The CRD refuses gpus: 0 before the operator sees it."""
+    agents = InMemoryAgents()
+    agents.reports["node-a"] = NodeReport("node-a", tuple(
+        StageReport(NS, "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2)
+        for r in (0, 1)))
+    zero = json.loads(fill_job("gang-zero"))
+    zero["spec"]["gpus"] = 0
+    refused = cluster.kubectl("create", "-f", "-", input_text=json.dumps(zero), check=False)
+    assert refused.returncode != 0 and "spec.gpus" in refused.stderr
+    gang = json.loads(fill_job("gang"))
+    gang["spec"]["gpus"] = 2
+    gang["spec"]["trainingSelector"] = {"matchLabels": {"team": "a"}}  # llama alone (other tests leave trainings)
+    op = operator(cluster, agents)
+    try:
+        cluster.kubectl("create", "-f", "-", input_text=json.dumps(gang))
+        until("the gang Placed", lambda: phase(cluster, "gang") == "Placed")
+        a = get(cluster, "fj", "gang")["status"]["assignment"]  # type: ignore[index]
+        assert (a["stage"], a["ranks"], a["gpuUUIDs"]) == (0, [0, 1], ["GPU-0", "GPU-1"])
+        assert [x.ranks for x in agents.assigned] == [(0, 1)]
+        pod = until("the gang's Pod", lambda: get(cluster, "pod", "fj-gang-a0"))
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-0,GPU-1" and env["BUBBLES_RANKS"] == "0,1"
+        assert {v["name"] for v in pod["spec"]["volumes"]} >= {"bubbles-fills", "bubbles-fills-1"}
+        pt = until("the training's status counts both GPUs harvested", lambda: (
+            p := get(cluster, "pt", "llama")) and p["status"].get("gpusHarvested") == 2 and p, 15)
+        assert [g["fillJobs"] for g in pt["status"]["stages"][0]["gpus"]] == [1, 1]
+        header, row = cluster.kubectl("get", "fj", "gang", "-n", NS, "-o", "wide").stdout.splitlines()
+        assert row.split()[header.split().index("GPUS")] == "2"
+    finally:
+        cluster.kubectl("delete", "fj", "gang", "-n", NS, "--wait=false", "--ignore-not-found")
+        until("gang gone (its finalizer released)", lambda: get(cluster, "fj", "gang") is None)
+        op.close()

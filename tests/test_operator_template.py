@@ -118,3 +118,25 @@ def test_a_values_file_that_is_no_mapping_is_refused(tmp_path: Path, capsys: pyt
                             "--values", str(tmp_path / "values.yaml"))
     assert code == 2
     assert "is not a mapping of chart values" in err
+
+
+def test_a_gangs_template_is_the_pod_the_operator_creates_for_its_ranks(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    job = fill_job("gang", gpus=2)
+    gpus = [replace(stage(rank=r, ranks=2), gpu_uuid=f"GPU-{r}") for r in (0, 1)]
+    (made,) = step([fill_job("gang", gpus=2)], gpus).create_pods
+    path = manifest(tmp_path, {k: v for k, v in job.items() if k != "status"})
+    common = ["--node", "node-a", "--stage", "0", "--device", "cuda:0", "--training", "llama", "--training-pod",
+              "llama-0"]
+    for ranks in (["--rank", "0", "--rank", "1"], ["--ranks", "0,1"]):
+        code, printed, err = template(capsys, str(path), *common, *ranks, "--gpu-uuid", "GPU-0", "--gpu-uuid",
+                                      "GPU-1")
+        assert code == 0, err
+        assert printed == made
+    for flags, needle in ((["--rank", "0"], "asks for 2 GPU(s) (spec.gpus) and is placed on 1 rank(s)"),
+                          (["--ranks", "0,0"], "name a rank twice"),
+                          (["--ranks", "0,x"], "--ranks '0,x' must be ranks separated by commas"),
+                          (["--rank", "0", "--ranks", "0,1"], "give --rank (once per rank) or --ranks, not both"),
+                          (["--ranks", "0,1", "--gpu-uuid", "GPU-0"], "1 --gpu-uuid for 2 rank(s)")):
+        code, _, err = template(capsys, str(path), *common, *flags)
+        assert code == 2 and needle in err, err

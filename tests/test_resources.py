@@ -85,6 +85,12 @@ def test_examples_are_valid_and_map_onto_the_agents_spec() -> None:
         **load("filljob-image-classification.yaml")["spec"],
         "profile": {**load("filljob-image-classification.yaml")["spec"]["profile"], "flopsPerStep": 3e9}}})
     assert counted.flops_per_step == 3e9 and counted.job.flops_per_step == 3e9  # the operator's and the agent's
+    gang = FillJobResource.from_object({**load("filljob-gang.yaml"),
+                                        "metadata": {"name": "image-classification-gang", "namespace": "ml"}})
+    assert gang.gpus == 2 and gang.job.gpus == 2 and gang.steps == 2000 and fj.gpus == bi.gpus == 1
+    from bubbles.training.sdk import load_entry
+
+    assert gang.job.entry is not None and not load_entry(gang.job.entry)(**gang.job.args).is_finished()
     pt = PipelineTrainingResource.from_object(load("pipelinetraining.yaml"))
     assert pt.memory_reserve_bytes == 512 * 2**20 and pt.slowdown_budget == 0.01 and pt.stages == 2
 

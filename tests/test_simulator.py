@@ -390,3 +390,70 @@ def test_the_training_shape_is_tp_x_pp_x_dp_under_short_names_too() -> None:
     assert short == long and (short["tensor_parallel"], short["stages"], short["data_parallel"]) == (8, 4, 2)
     main = MainJob(stages=4, microbatches=8, data_parallel=2, tensor_parallel=8)
     assert main.gpus == 64 and [c.executors for c in main.executor_classes()] == [16] * 4
+
+
+# -- gang jobs ---------------------------------------------------------------------------------------------------
+def test_no_gang_share_leaves_the_trace_and_the_results_as_they_were(tasks) -> None:
+    from bubbles.operator.simulator.trace import with_gangs
+
+    main = MainJob(stages=4, microbatches=4, data_parallel=4)
+    jobs = [t.to_fill_job(PROFILES) for t in generate_trace(tasks, PROFILES, jobs=60, hours=2, seed=1)]
+    assert with_gangs(jobs, 0.0, 4) == jobs and with_gangs(jobs, 0.5, 1) == jobs
+    assert summarize(simulate(main, with_gangs(jobs, 0.0, 2), "sjf", hours=2)) == \
+        summarize(simulate(main, jobs, "sjf", hours=2))
+    assert "gangs" not in summarize(simulate(main, jobs, "sjf", hours=2))
+    # The same share and seed draw the same jobs.
+    assert with_gangs(jobs, 0.3, 2, seed=5) == with_gangs(jobs, 0.3, 2, seed=5)
+    with pytest.raises(ValueError, match="share of gang jobs"):
+        with_gangs(jobs, 1.5, 2)
+
+
+def test_a_gang_runs_on_that_many_executors_of_one_stage_at_once_and_conserves_work() -> None:
+    main = MainJob(stages=2, microbatches=4, data_parallel=2)  # 2 executors per stage
+    prof = PROFILES[("bert-base", WorkloadKind.TRAINING)]
+    from bubbles.operator.scheduler import FillJobRequest
+
+    single = FillJobRequest("single", prof, 20_000, 0.0)
+    gang = FillJobRequest("gang", prof, 20_000, 1.0, gpus=2)
+    too_big = FillJobRequest("big", prof, 100, 2.0, gpus=3)
+    res = simulate(main, [single, gang, too_big], "fifo")
+    out = {o.job.job_id: o for o in res.outcomes}
+    g = out["gang"].placement
+    assert g is not None and out["gang"].done and len(g.executors) == 2  # type: ignore[union-attr]
+    s = out["single"].placement
+    assert s is not None
+    # On the other stage at once (the single one holds one executor of the stage it went to), on both of its
+    # executors, twice as fast as the single job: it splits the same samples between its two processes.
+    assert {main.executor_classes()[0].executors} == {2}
+    assert g.start_s == 1.0
+    assert g.processing_s == pytest.approx(s.processing_s / 2, rel=0.01)
+    assert out["gang"].samples_done == 20_000 and out["gang"].flops == 20_000 * prof.flops_per_sample
+    assert "no class has that many" in out["big"].rejected
+    summ = summarize(res)
+    assert summ["gangs"]["submitted"] == 2 and summ["gangs"]["completed"] == 1 and summ["gangs"]["gpus"] == [2, 3]
+
+
+def test_a_gang_waits_for_all_of_its_executors() -> None:
+    main = MainJob(stages=2, microbatches=4, data_parallel=2)  # 2 executors per stage
+    prof = PROFILES[("bert-base", WorkloadKind.TRAINING)]
+    from bubbles.operator.scheduler import FillJobRequest
+
+    stage0 = frozenset({main.executor_classes()[0].name})  # both may use stage 0 only
+    first = FillJobRequest("first", prof, 20_000, 0.0, eligible=stage0)
+    gang = FillJobRequest("gang", prof, 20_000, 1.0, eligible=stage0, gpus=2)
+    res = simulate(main, [first, gang], "fifo")
+    out = {o.job.job_id: o for o in res.outcomes}
+    first_p, gang_p = out["first"].placement, out["gang"].placement
+    assert first_p is not None and gang_p is not None
+    assert gang_p.start_s == pytest.approx(first_p.end_s)  # not at its arrival, with one executor idle
+
+
+def test_cli_gang_flags(capsys) -> None:
+    argv = ["simulate", "--stages", "2", "--gpus", "8", "--alibaba", str(FIXTURE), "--jobs", "40", "--hours", "1",
+            "--no-plot", "--quiet"]
+    assert bubbles_main([*argv, "--gang-share", "0.5", "--gang-gpus", "2"]) == 0
+    assert "gang jobs (2 GPUs each)" in capsys.readouterr().out
+    assert bubbles_main([*argv, "--gang-share", "0.5", "--gang-gpus", "5"]) == 2
+    assert "a stage has 4 GPUs" in capsys.readouterr().err
+    assert bubbles_main([*argv, "--gang-share", "2"]) == 2
+    assert "--gang-share 2.0: must be in [0, 1]" in capsys.readouterr().err

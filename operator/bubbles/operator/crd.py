@@ -67,6 +67,7 @@ def fill_job_crd() -> dict[str, Any]:
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                     {"name": "Training", "type": "string", "jsonPath": ".status.assignment.training"},
                     {"name": "Stage", "type": "integer", "jsonPath": ".status.assignment.stage", "priority": 1},
+                    {"name": "GPUs", "type": "integer", "jsonPath": ".spec.gpus", "priority": 1},
                     {"name": "Node", "type": "string", "jsonPath": ".status.assignment.node"},
                     {"name": "Progress", "type": "string", "jsonPath": ".status.progressText"},
                     {"name": "ETA", "type": "string", "jsonPath": ".status.eta"},

@@ -45,10 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("filljob", type=Path, metavar="FILLJOB", help="a FillJob manifest (YAML, as for kubectl apply)")
     parser.add_argument("--node", required=True, help="the node of the training's Pod")
     parser.add_argument("--stage", type=int, required=True, metavar="K", help="the pipeline stage it fills")
-    parser.add_argument("--rank", type=int, default=0, metavar="R",
-                        help="the stage's rank (GPU) it fills, its index among the stage's ranks (default 0)")
-    parser.add_argument("--gpu-uuid", default=None, metavar="UUID",
-                        help="that rank's GPU, as its node's agent reports it")
+    parser.add_argument("--rank", type=int, action="append", default=None, metavar="R",
+                        help="the stage's rank (GPU) it fills, its index among the stage's ranks (default 0); a gang "
+                             "(spec.gpus N) fills N ranks: give --rank N times, or --ranks")
+    parser.add_argument("--ranks", default=None, metavar="R,R...",
+                        help="the stage's ranks a gang fills, comma-separated (e.g. 0,1), instead of --rank")
+    parser.add_argument("--gpu-uuid", action="append", default=None, metavar="UUID",
+                        help="that rank's GPU, as its node's agent reports it (a gang: once per rank, in order)")
     parser.add_argument("--device", default="cuda:0", help="that rank's device (default cuda:0)")
     parser.add_argument("--training", default="training", metavar="NAME",
                         help="the PipelineTraining, in the FillJob's namespace (default: training)")
@@ -94,8 +97,10 @@ def apply_values(args: argparse.Namespace, values: Any) -> None:
 
 def render(obj: Any, *, node: str, stage: int, device: str, training: str, training_pod: str,
            tolerations: tuple[dict[str, Any], ...], gpu_uuid: str | None, attempt: int,
-           settings: Any, rank: int = 0) -> dict[str, Any]:
-    """The Pod ``decide.fill_pod`` makes for the FillJob ``obj`` placed so (ValueError saying what is wrong with it)."""
+           settings: Any, rank: int = 0, ranks: tuple[int, ...] | None = None,
+           gpu_uuids: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The Pod ``decide.fill_pod`` makes for the FillJob ``obj`` placed so (ValueError saying what is wrong with it):
+    on ``rank``, or a gang's ``ranks`` (as many as its spec.gpus) with their ``gpu_uuids``."""
     from bubbles.core.resources import FillJobResource, ResourceError
 
     from .decide import Assignment, fill_pod, fill_pod_name
@@ -112,14 +117,39 @@ def render(obj: Any, *, node: str, stage: int, device: str, training: str, train
         check_paths(job, settings)
     except ResourceError as exc:
         raise ValueError(f"is not a valid FillJob: {exc}") from None
+    ranks = ranks if ranks is not None else (rank,)
+    if len(ranks) != job.gpus:
+        raise ValueError(f"asks for {job.gpus} GPU(s) (spec.gpus) and is placed on {len(ranks)} rank(s) "
+                         f"({','.join(map(str, ranks))}): give as many ranks (--rank, or --ranks 0,1)")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks {','.join(map(str, ranks))} name a rank twice: a gang runs on distinct GPUs")
+    if gpu_uuids and len(gpu_uuids) != len(ranks):
+        raise ValueError(f"{len(gpu_uuids)} --gpu-uuid for {len(ranks)} rank(s): give one per rank, in order")
     a = Assignment(job.uid, job.generation, job.namespace, job.name, f"{job.namespace}/{training}", stage, node,
-                   training_pod, device, fill_pod_name(job.name, attempt), attempt, gpu_uuid, job.job,
-                   tolerations=tolerations, ranks=(rank,))
+                   training_pod, device, fill_pod_name(job.name, attempt), attempt,
+                   gpu_uuids[0] if gpu_uuids else gpu_uuid, job.job, tolerations=tolerations, ranks=ranks,
+                   gpu_uuids=gpu_uuids if len(ranks) > 1 else ())
     return fill_pod(job, a, settings)
 
 
+def _ranks(args: argparse.Namespace) -> tuple[int, ...]:
+    """The ranks of --rank (repeated) or --ranks; ValueError saying what is wrong."""
+    if args.ranks is not None and args.rank is not None:
+        raise ValueError("give --rank (once per rank) or --ranks, not both")
+    if args.ranks is not None:
+        try:
+            return tuple(int(r) for r in args.ranks.split(","))
+        except ValueError:
+            raise ValueError(f"--ranks {args.ranks!r} must be ranks separated by commas, e.g. 0,1") from None
+    return tuple(args.rank or (0,))
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.stage < 0 or args.attempt < 0 or args.rank < 0:
+    try:
+        ranks = _ranks(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.stage < 0 or args.attempt < 0 or min(ranks) < 0:
         return _fail("--stage, --rank and --attempt must be >= 0")
     if args.values is not None:
         try:
@@ -147,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         obj = read_yaml(args.filljob, "FillJob manifest")
         pod = render(obj, node=args.node, stage=args.stage, device=args.device, training=args.training,
                      training_pod=args.training_pod or f"{args.training}-{args.stage}", tolerations=tuple(tolerations),
-                     gpu_uuid=args.gpu_uuid, attempt=args.attempt, settings=settings, rank=args.rank)
+                     gpu_uuid=None, attempt=args.attempt, settings=settings, ranks=ranks,
+                     gpu_uuids=tuple(args.gpu_uuid or ()))
     except (OSError, ValueError) as exc:
         return _fail(f"{args.filljob}: {exc}")
     import yaml

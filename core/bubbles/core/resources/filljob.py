@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import datetime as dt
 import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bubbles.core.api import (
+    MAX_GPUS,
     MAX_INIT_TIMEOUT_S,
     FillInterface,
     FillJobSpec,
@@ -109,6 +111,11 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
     Field("stage", "integer", "the pipeline stage whose GPUs the job may use (0-based), e.g. the one with the "
           "longest bubbles or the most free memory; left out: any stage. A stage the training does not have keeps "
           "the job queued, saying so", minimum=0, maximum=MAX_STAGES - 1),
+    Field("gpus", "integer", "GPUs the job runs on together, one process each (a gang): GPUs of one stage of one "
+          "training in one Pod on one node, placed, started, paused and stopped together, in the bubbles they all "
+          "share. Every process takes each step (work.steps counts the gang's steps; profile is one process's). "
+          "More than any stage has on a node keeps the job queued, saying so", default=1, minimum=1,
+          maximum=MAX_GPUS),
     Field("checkpoint", "object", "where the job keeps its state to resume after a preemption", fields=(
         Field("path", "string", "the directory inside the fill job's Pod where the SDK keeps the job's state "
               "(checkpoint() on stop, restore() at start)", required=True, max_length=1024, pattern=r"^/"),
@@ -249,6 +256,11 @@ class FillJobResource:
     stage: int | None = None  # spec.stage: the one stage whose GPUs it may use (None: any)
 
     @property
+    def gpus(self) -> int:
+        """spec.gpus: the GPUs of one stage it runs on together (1: a single-GPU job; more: a gang)."""
+        return self.job.gpus
+
+    @property
     def flops_per_step(self) -> float | None:
         """spec.profile.flopsPerStep, as the node agent gets it in the job's spec."""
         return self.job.flops_per_step
@@ -284,6 +296,8 @@ class FillJobResource:
             agent_spec["step_time"] = profile["stepTime"]
         if profile.get("flopsPerStep") is not None:
             agent_spec["flops_per_step"] = profile["flopsPerStep"]
+        if s.get("gpus") is not None:
+            agent_spec["gpus"] = s["gpus"]
         if s.get("initTimeout") is not None:
             try:
                 check_init_timeout(parse_duration(s["initTimeout"], "spec.initTimeout", long=True), "spec.initTimeout")
@@ -364,9 +378,10 @@ def _checked_volumes(s: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     names: set[str] = set()
     for i, v in enumerate(volumes):
         where, name, path = f"spec.volumes[{i}]", str(v["name"]), str(v["mountPath"])
-        if name in RUNTIME_VOLUMES:
+        if name in RUNTIME_VOLUMES or re.fullmatch(r"bubbles-fills-[0-9]+", name):
             raise ResourceError(f"{where}.name {name!r} is the name of a volume the fill runtime mounts itself "
-                                f"({', '.join(RUNTIME_VOLUMES)}); choose another name")
+                                f"({', '.join(RUNTIME_VOLUMES)}, and a gang's bubbles-fills-<i>); choose another "
+                                "name")
         if name in names:
             raise ResourceError(f"{where}.name {name!r} is given twice; give each volume a name of its own")
         names.add(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from bubbles.core.api import FillState
@@ -21,7 +21,7 @@ from bubbles.core.resources import (
     ResourceError,
     rfc3339,
 )
-from bubbles.operator.scheduler import best_rate
+from bubbles.operator.scheduler import best_rate, shared_class
 
 from .cache import DecideCache
 from .pods import check_paths, not_starting
@@ -131,13 +131,16 @@ def clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
 def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobStatus, job: FillJobResource,
            gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource],
            busy: dict[GpuKey, tuple[str, float]], now_s: float, invalid: Mapping[str, str] | None = None) -> None:
-    """A placed job: follow its progress, or evict it when its GPU, Pod or agent is gone (or its training's spec
-    turned invalid: ``invalid``, training key -> why)."""
+    """A placed job: follow its progress, or evict it when its GPU (any of a gang's), Pod or agent is gone (or its
+    training's spec turned invalid: ``invalid``, training key -> why)."""
     a = st.assignment
-    gkey = a.gpu_key(job.namespace)
-    gpu = gpus.get(gkey) if gkey is not None else None
-    if gpu is not None and gpu.pod != a.training_pod:
-        gpu = None  # its rank runs in another Pod now: the job's Pod (its process, its bubbles) is gone
+    gkeys = a.gpu_keys(job.namespace)
+    # Its rank runs in another Pod now: the job's Pod (its process, its bubbles) is gone for it.
+    held = [g if g is not None and g.pod == a.training_pod else None for g in (gpus.get(k) for k in gkeys)]
+    missing = [r for r, g in zip(a.ranks, held, strict=False) if g is None] if held else list(a.ranks)
+    on = [g for g in held if g is not None]
+    gpu = on[0] if on and not missing else None  # its first rank's: the node, the Pod, the agent are all its GPUs'
+    ranks_said = f"rank{'s' if len(missing) > 1 else ''} {','.join(map(str, missing))}"
     uid = job.uid
     prog = view.progress.get(uid)
     if prog is not None and prog.attempt != st.restarts:
@@ -166,17 +169,17 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
         elif any(s.pod == tpod and s.training == tkey for s in view.gpus):
             # The Pod is there, its GPU is not reported: the node's agent restarted (it lost its fill processes).
             # (A silent hook leaves the GPU reported, hook_reporting False: the job is Paused, below.)
-            lost = (f"the bubbles agent on node {a.node} no longer reports stage {a.stage} rank {a.ranks[0]} of "
+            lost = (f"the bubbles agent on node {a.node} no longer reports stage {a.stage} {ranks_said} of "
                     f"{a.training} (training Pod {tpod} still runs: the agent restarted)")
         else:
-            lost = f"training Pod {tpod} (stage {a.stage} rank {a.ranks[0]} of {a.training}) is gone"
+            lost = f"training Pod {tpod} (stage {a.stage} {ranks_said} of {a.training}) is gone"
             training_side = not on_gpu
     elif not gpu.agent_up:
         lost = f"the bubbles agent on node {gpu.node} stopped answering"
     elif a.training_pod_uid and gpu.pod_uid and a.training_pod_uid != gpu.pod_uid:
         lost = f"training Pod {gpu.pod} was replaced by a new Pod of the same name: its bubbles are re-measured"
         training_side = not on_gpu
-    elif gpu.cycle is None:
+    elif any(g.cycle is None for g in on):
         lost = f"training Pod {gpu.pod} restarted: its bubbles are re-measured before anything runs there"
         training_side = not on_gpu
     elif (failed := view.failed_pods.get(f"{job.namespace}/{a.pod}")) is not None:
@@ -206,27 +209,30 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
         ended_itself = True
     if lost is not None:
         _evict(st, job, lost, a, keep_pod=ended_itself, counted=not training_side)
-        if gpu is not None and gkey is not None and st.evicted:
-            # The job is placed again from the next round (see placement.place): until then the GPU it had is held for
-            # it, or a job of lower priority would take it now and keep it.
-            busy[gkey] = (uid, now_s)
+        if st.evicted:
+            # The job is placed again from the next round (see placement.place): until then the GPUs it had are held
+            # for it, or a job of lower priority would take them now and keep them.
+            for g in on:
+                busy[g.key] = (uid, now_s)
         return
-    assert gpu is not None and gkey is not None
+    assert gpu is not None
     if prog is None:
         # The agent does not know this run (just placed, or the agent restarted): tell it again. Idempotent on the
         # agent's side (uid, generation, attempt), so a lost or repeated call costs nothing.
+        uuids = tuple(g.gpu_uuid for g in on if g.gpu_uuid)
         out.assign_job(st.key, st.uid, Assignment(
             job.uid, job.generation, job.namespace, job.name, gpu.training, gpu.stage, gpu.node, gpu.pod,
             gpu.device, str(a.pod or ""), st.restarts, gpu.gpu_uuid, job.job,
-            **limits(trainings.get(gpu.training)), ranks=a.ranks))
+            **limits(trainings.get(gpu.training)), ranks=a.ranks, gpu_uuids=uuids if len(uuids) == len(on) else ()))
     done = prog.steps_done if prog is not None else st.steps_done
     flops = prog.flops if prog is not None else st.recovered_flops
     st.status.update(progress_fields(job, done, flops))
     if prog is not None:
         st.count("kills", at_least=prog.kills)
-    rate = _steps_per_s(cache, job, gpu, trainings.get(gpu.training), gpu_context_bytes(view, gpu))
+    rate = _steps_per_s(cache, job, on, trainings.get(gpu.training), gpu_context_bytes(view, gpu))
     end_s = now_s + _init_left_s(job, a, prog, now_s) + (job.steps - done) / rate if rate > 0 else math.inf
-    busy[gkey] = (uid, end_s)
+    for g in on:
+        busy[g.key] = (uid, end_s)
     set_eta(st, job, end_s)
     if waiting is not None and waiting[0]:
         what, hint = not_starting(waiting[0], str(a.pod))
@@ -239,9 +245,10 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
     elif st.phase_now is FillJobPhase.PLACED and \
             condition_of(st.status, ConditionType.RUNNING).get("reason") == "PodNotStarting":
         st.condition(ConditionType.RUNNING, False, "Starting", f"fill Pod {a.pod} started")
-        st.phase(FillJobPhase.PLACED, placed_message(gpu))
+        st.phase(FillJobPhase.PLACED, placed_message(on))
     if prog is not None and prog.state in (FillState.RUNNING, FillState.PAUSED):
-        if not gpu.hook_reporting:
+        if silent := next((g for g in on if not g.hook_reporting), None):
+            gpu = silent  # a gang steps only in bubbles all its GPUs share: one silent GPU pauses it
             # No bubbles while the training sends no signals (stopped, evaluating or checkpointing, hung), so no fill
             # steps: said, so that a job making no progress says why. It keeps its GPU and its process.
             st.condition(ConditionType.RUNNING, False, "TrainingSilent", f"no bubble signals from {gpu.where} "
@@ -252,8 +259,8 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
                      "runs again at its next one", event="Paused")
             return
         st.condition(ConditionType.RUNNING, True, "Running", f"steps run in the bubbles of stage {gpu.stage} "
-                     f"rank {gpu.rank} on {gpu.node}")
-        st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {gpu.where} on {gpu.node}", event="Running")
+                     f"{_ranks_words(on)} on {gpu.node}")
+        st.phase(FillJobPhase.RUNNING, f"running in the bubbles of {_where(on)} on {gpu.node}", event="Running")
 
 
 def _kubelet_words(status: Mapping[str, Any], pod: str, why: str) -> str:
@@ -273,8 +280,21 @@ def _kubelet_words(status: Mapping[str, Any], pod: str, why: str) -> str:
 
 
 
-def placed_message(gpu: GpuView) -> str:
-    return f"placed on {gpu.where} ({gpu.pod} on {gpu.node}, {gpu.device})"
+def _ranks_words(on: Sequence[GpuView]) -> str:
+    """"rank 1", or a gang's "ranks 0,1"."""
+    return f"rank{'s' if len(on) > 1 else ''} {','.join(str(g.rank) for g in on)}"
+
+
+def _where(on: Sequence[GpuView]) -> str:
+    """The GPUs in words: "ml/llama stage 0 rank 1", or a gang's "ml/llama stage 0 ranks 0,1"."""
+    return f"{on[0].training} stage {on[0].stage} {_ranks_words(on)}"
+
+
+def placed_message(on: GpuView | Sequence[GpuView]) -> str:
+    """The Placed condition's words: the GPU (a gang's GPUs), its Pod, node and device(s)."""
+    on = [on] if isinstance(on, GpuView) else sorted(on, key=lambda g: g.rank)
+    devices = ", ".join(g.device for g in on)
+    return f"placed on {_where(on)} ({on[0].pod} on {on[0].node}, {devices})"
 
 
 def _evict(st: FillJobStatus, job: FillJobResource, why: str, a: Assigned, *, keep_pod: bool = False,
@@ -328,13 +348,15 @@ def _init_left_s(job: FillJobResource, a: Assigned, prog: JobProgress | None, no
     return max(0.0, job.init_s - (now_s - placed))
 
 
-def _steps_per_s(cache: DecideCache, job: FillJobResource, gpu: GpuView,
+def _steps_per_s(cache: DecideCache, job: FillJobResource, on: Sequence[GpuView],
                  training: PipelineTrainingResource | None, context_bytes: int = 0) -> float:
-    if gpu.cycle is None or training is None:
+    """The job's steps per second on its GPUs (a gang's: in the bubbles they all share)."""
+    if not on or any(g.cycle is None for g in on) or training is None:
         return 0.0
-    cls = cache.executor_class(gpu, training, context_bytes)
+    classes = [cache.executor_class(g, training, context_bytes) for g in on]
+    cls = classes[0] if len(classes) == 1 else shared_class(classes)
     rate = best_rate(cls.bubbles, cls.iteration_s, cache.profile(job))  # cached per bubble shape and profile
-    return rate.steps_per_cycle / gpu.cycle.iteration_s if rate else 0.0
+    return rate.steps_per_cycle / cls.iteration_s if rate else 0.0
 
 
 def set_eta(st: FillJobStatus, job: FillJobResource, end_s: float) -> None:

@@ -1,7 +1,12 @@
 """Placement: queued FillJobs onto free profiled GPUs, by priority tier, then by the scheduling policy (looked up by
 name); a placed job gets its assignment, its fill Pod and its finalizer. The scheduler's executors are GPUs (one
 executor class each, named by its ``GpuKey``): the ranks of a stage are placed on one by one, each with its own
-bubbles (its own waits, its own free memory)."""
+bubbles (its own waits, its own free memory).
+
+A gang (``spec.gpus`` N > 1) goes onto N free GPUs of one stage in one training Pod (so one node, one agent) at once,
+or waits: never a part of it. Its group is chosen by ``scheduler.gang.place_gang`` (the most bubble time its GPUs
+share), which reserves the GPUs in the scheduler. In each priority tier the gangs are placed before the single-GPU
+jobs: placed after them, a gang would find a GPU of every stage taken whenever single jobs wait, and never start."""
 
 from __future__ import annotations
 
@@ -21,7 +26,15 @@ from bubbles.core.resources import (
     rfc3339,
     selector_matches,
 )
-from bubbles.operator.scheduler import FillJobRequest, Scheduler, get_policy
+from bubbles.operator.scheduler import (
+    FillJobRequest,
+    GangGroup,
+    Scheduler,
+    fits_somewhere,
+    gang_eta_s,
+    get_policy,
+    place_gang,
+)
 
 from .cache import DecideCache
 from .filljobs import Seen, limits, placed_message, set_eta
@@ -64,6 +77,26 @@ def stage_counts(gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, Pipelin
     return counts
 
 
+def gang_groups(gpus: Sequence[GpuView]) -> dict[tuple[str, int, str, str], list[GpuView]]:
+    """The GPUs a gang may span together: (training, stage, node, training Pod) -> its GPUs by rank. One Pod: the
+    agent drives a gang as one run of one training Pod, and follows it by that Pod."""
+    out: dict[tuple[str, int, str, str], list[GpuView]] = {}
+    for g in sorted(gpus, key=lambda g: (g.training, g.stage, g.node, g.pod, g.rank)):
+        out.setdefault((g.training, g.stage, g.node, g.pod), []).append(g)
+    return out
+
+
+def most_gpus(gpus: Mapping[GpuKey, GpuView], allowed: Sequence[str], stage: int | None) -> tuple[int, str]:
+    """The most GPUs one stage of the ``allowed`` trainings (of ``stage``, where pinned) has in one Pod on one node,
+    and where, in words ("training ml/llama stage 1 on node-a")."""
+    mine = [g for g in gpus.values() if g.training in allowed and (stage is None or g.stage == stage)]
+    best = max(gang_groups(mine).items(), key=lambda kv: len(kv[1]), default=None)  # ties: the first, by name
+    if best is None:
+        return 0, ""
+    (training, k, node, pod), members = best
+    return len(members), f"training {training} stage {k} on {node} (Pod {pod})"
+
+
 def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[str, Seen],
           gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource],
           busy: Mapping[GpuKey, tuple[str, float]], now_s: float) -> None:
@@ -85,11 +118,15 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
     classes = [cache.executor_class(g, trainings[g.training], gpu_context_bytes(view, g)) for g in usable]
     by_name = {c.name: g for c, g in zip(classes, usable, strict=True)}
     sched = Scheduler(classes, policy(view.policy))
+    executor_of = {g.key: e for e, g in enumerate(usable)}
+    groups = [GangGroup(f"{tk} stage {k} on {node} (Pod {pod})", tuple(executor_of[g.key] for g in members))
+              for (tk, k, node, pod), members in gang_groups(usable).items()]
     for e, g in enumerate(usable):  # one executor per class: executor e is class e
         if g.key in busy:
             sched.occupy(e, busy[g.key][0], busy[g.key][1])
     requests: dict[str, Seen] = {}
     tiers: dict[int, list[FillJobRequest]] = {}
+    gangs: dict[int, list[FillJobRequest]] = {}  # by priority, in arrival order
     class_names: dict[tuple[str, int | None], set[str]] = {}  # (training, stage or None: any) -> its usable GPUs
     for c in classes:
         g = by_name[c.name]
@@ -138,9 +175,43 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
                 *(class_names.get((a, job.stage), ()) for a in allowed))
         created = (obj.get("metadata") or {}).get("creationTimestamp")
         arrival = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() if created else now_s
-        req = FillJobRequest(job.uid or key_of(obj), cache.profile(job), job.steps * job.samples_per_step,
+        if job.gpus > 1:
+            most, where = most_gpus(gpus, allowed, job.stage)
+            if most < job.gpus:
+                pinned = f"stage {job.stage} " if job.stage is not None else "one stage "
+                why = (f"asks for {job.gpus} GPUs of {pinned}in one Pod on one node (spec.gpus); the most any "
+                       f"{'such ' if job.stage is not None else ''}stage has there is {most}"
+                       f"{f' ({where})' if where else ''}: lower spec.gpus, or run the training with more GPUs "
+                       "per stage on a node")
+                st.condition(ConditionType.PLACED, False, "NotEnoughGPUs", why)
+                st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NotEnoughGPUs", warning=True)
+                continue
+        # A gang's work: every process takes each of its steps (its profile is one process's).
+        req = FillJobRequest(job.uid or key_of(obj), cache.profile(job),
+                             job.steps * job.samples_per_step * job.gpus,
                              arrival_s=arrival, deadline_s=job.deadline.timestamp() if job.deadline else None,
-                             eligible=eligible, setup_s=job.init_s)
+                             eligible=eligible, setup_s=job.init_s, gpus=job.gpus)
+        if job.gpus > 1:
+            if not fits_somewhere(sched, req, groups):
+                if not any(len([e for e in grp.executors if classes[e].name in eligible]) >= job.gpus
+                           for grp in groups):
+                    which = f"stage {job.stage}" if job.stage is not None else "one stage"
+                    why = (f"fewer than {job.gpus} GPUs of {which} of {', '.join(allowed)} in one Pod have reported "
+                           "their bubbles yet (a gang runs on all of its GPUs at once)")
+                    st.condition(ConditionType.PLACED, False, "StageNotProfiled", why)
+                    st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
+                    continue
+                why = (f"fits the bubbles that {job.gpus} GPUs of one stage of {', '.join(allowed)} share nowhere (a "
+                       f"gang steps in the shortest bubble of its GPUs): each step needs "
+                       f"{(job.job.gating_step_s or PROVISIONAL_STEP_S) * 1e3:.3g} ms and "
+                       f"{job.job.memory_bytes / 2**20:.0f} MiB; lower spec.profile.memory or the step's batch, or "
+                       "spec.gpus")
+                st.condition(ConditionType.PLACED, False, "NoBubbleFits", why)
+                st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NoBubbleFits", warning=True)
+                continue
+            requests[req.job_id] = (obj, job, st)
+            gangs.setdefault(job.priority, []).append(req)
+            continue
         if not eligible and job.stage is not None:
             why = (f"no GPU of stage {job.stage} of {', '.join(allowed)} has reported its bubbles yet (spec.stage "
                    f"pins the job there)")
@@ -157,46 +228,63 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
             continue
         requests[req.job_id] = (obj, job, st)
         tiers.setdefault(job.priority, []).append(req)
-    placed: dict[str, tuple[str, float]] = {}
-    for prio in sorted(tiers, reverse=True):
-        for req in tiers[prio]:
+    placed: dict[str, tuple[tuple[str, ...], float]] = {}  # job id -> (its GPUs' class names, expected end)
+    for prio in sorted(set(tiers) | set(gangs), reverse=True):
+        for req in sorted(gangs.get(prio, ()), key=lambda r: (r.arrival_s, r.job_id)):
+            gp = place_gang(sched, req, groups, now_s)
+            if gp is not None:
+                placed[req.job_id] = (tuple(sched.classes[e].name for e in gp.executors), gp.end_s)
+        for req in tiers.get(prio, ()):
             sched.submit(req, now_s, place=False)
         for p in sched.dispatch(now_s):
-            placed[p.job.job_id] = (sched.classes[p.class_index].name, p.end_s)
+            placed[p.job.job_id] = ((sched.classes[p.class_index].name,), p.end_s)
     etas = sched.expected_completions(now_s)
     position = 0
     for req_id, (_obj, job, st) in requests.items():
         if req_id in placed:
-            cls_name, end_s = placed[req_id]
-            gpu = by_name[cls_name]
-            _assign(out, st, job, gpu, end_s, view.fill_pods, trainings.get(gpu.training))
+            cls_names, end_s = placed[req_id]
+            on = [by_name[n] for n in cls_names]
+            _assign(out, st, job, on, end_s, view.fill_pods, trainings.get(on[0].training))
             continue
         position += 1
         st.status["queuePosition"] = position
+        if job.gpus > 1:
+            req = next(r for r in gangs[job.priority] if r.job_id == req_id)
+            set_eta(st, job, gang_eta_s(sched, req, groups, now_s))
+            why = (f"fewer than {job.gpus} GPUs of every stage it fits are free in one Pod (a gang starts on all of "
+                   "its GPUs at once)")
+            st.condition(ConditionType.PLACED, False, "AllBubblesBusy", why)
+            st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
+            continue
         set_eta(st, job, etas.get(req_id, math.inf))
         st.condition(ConditionType.PLACED, False, "AllBubblesBusy", "every GPU it fits runs another fill job")
         st.phase(FillJobPhase.QUEUED, "waiting: every bubble it fits is in use")
 
 
 
-def _assign(out: Decisions, st: FillJobStatus, job: FillJobResource, gpu: GpuView, end_s: float,
+def _assign(out: Decisions, st: FillJobStatus, job: FillJobResource, on: Sequence[GpuView], end_s: float,
             settings: FillPodSettings, training: PipelineTrainingResource | None) -> None:
+    """Place the job on the GPUs ``on`` (one; a gang's N of one stage in one Pod, by rank)."""
+    on = sorted(on, key=lambda g: g.rank)
+    gpu = on[0]
     attempt = st.restarts
     pod = fill_pod_name(job.name, attempt)
+    uuids = tuple(g.gpu_uuid for g in on if g.gpu_uuid)
     a = Assignment(job.uid, job.generation, job.namespace, job.name, gpu.training, gpu.stage, gpu.node,
                    gpu.pod, gpu.device, pod, attempt, gpu.gpu_uuid, job.job, **limits(training),
-                   tolerations=gpu.tolerations, ranks=(gpu.rank,))
+                   tolerations=gpu.tolerations, ranks=tuple(g.rank for g in on),
+                   gpu_uuids=uuids if len(uuids) == len(on) else ())
     out.assign_job(st.key, st.uid, a)
     out.create_pod(st.key, st.uid, fill_pod(job, a, settings))
     if FINALIZER not in (st.meta.get("finalizers") or []):
         out.hold(st.key, st.uid)
     st.count("placements")
     st.status["assignment"] = {"training": gpu.training.split("/", 1)[-1], "stage": gpu.stage,
-                               "ranks": list(a.ranks), **({"gpuUUIDs": [gpu.gpu_uuid]} if gpu.gpu_uuid else {}),
+                               "ranks": list(a.ranks), **({"gpuUUIDs": list(uuids)} if uuids else {}),
                                "node": gpu.node, "device": gpu.device, "pod": pod, "trainingPod": gpu.pod,
                                "trainingPodUid": gpu.pod_uid, "placedAt": rfc3339(st.now)}
     st.status.pop("queuePosition", None)
     set_eta(st, job, end_s)
-    msg = placed_message(gpu)
+    msg = placed_message(on)
     st.condition(ConditionType.PLACED, True, "Placed", msg)
     st.phase(FillJobPhase.PLACED, msg, event="Placed")

@@ -11,7 +11,7 @@ from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from bubbles.core import mps_client, paths
+from bubbles.core import control, mps_client, paths
 from bubbles.core.resources import API_VERSION, VOLUME_SOURCES, FillJobResource, ResourceError, inside
 
 from .view import RUN_DIR, Assignment, FillPodSettings
@@ -121,25 +121,32 @@ def check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
                                 "a path apart from it")
 
 
-def fill_pod_mounts(training: str, stage: int, node_run_dir: str, rank: int = 0) -> list[tuple[str, str, str]]:
-    """(volume name, path on the node, path in the Pod) of the two directories of the node's run directory a fill Pod
+def fill_pod_mounts(training: str, stage: int, node_run_dir: str, rank: int = 0,
+                    ranks: Sequence[int] | None = None) -> list[tuple[str, str, str]]:
+    """(volume name, path on the node, path in the Pod) of the directories of the node's run directory a fill Pod
     mounts, each at its place under RUN_DIR: the agent's attach socket's, and its GPU's fill sockets'
-    (``paths.gpu_dir``). Not the run directory: the GPU's other files (the training's lock and card, the agent's
-    socket) and the node's other trainings stay out of the fill job's reach. ``training`` is ``namespace/name``."""
+    (``paths.gpu_dir``): a gang's Pod (``ranks``, N of them) each of its GPUs' (volumes ``bubbles-fills``,
+    ``bubbles-fills-1``... in ranks' order). Not the run directory: the GPU's other files (the training's lock and
+    card, the agent's socket) and the node's other trainings stay out of the fill job's reach. ``training`` is
+    ``namespace/name``."""
     namespace, _, name = training.rpartition("/")
-    key = paths.GpuKey(namespace or paths.LOCAL_NAMESPACE, name, stage, rank)
-    fills = posixpath.join(paths.gpu_relpath(key), paths.FILLS_DIR_NAME)
-    return [("bubbles-attach", posixpath.join(node_run_dir, paths.ATTACH_DIR_NAME),
-             posixpath.join(RUN_DIR, paths.ATTACH_DIR_NAME)),
-            ("bubbles-fills", posixpath.join(node_run_dir, fills), posixpath.join(RUN_DIR, fills))]
+    out = [("bubbles-attach", posixpath.join(node_run_dir, paths.ATTACH_DIR_NAME),
+            posixpath.join(RUN_DIR, paths.ATTACH_DIR_NAME))]
+    for i, r in enumerate(ranks if ranks is not None else (rank,)):
+        key = paths.GpuKey(namespace or paths.LOCAL_NAMESPACE, name, stage, r)
+        fills = posixpath.join(paths.gpu_relpath(key), paths.FILLS_DIR_NAME)
+        out.append((f"bubbles-fills-{i}" if i else "bubbles-fills", posixpath.join(node_run_dir, fills),
+                    posixpath.join(RUN_DIR, fills)))
+    return out
 
 
 def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | None = None) -> dict[str, Any]:
     """The fill job's Pod: on the training's node, on the GPU it was placed on, reaching the agent's node-local
-    sockets (two directories of the node's run directory, under RUN_DIR, as the agent's UID: ``fill_pod_mounts``).
-    One GPU per job today: its first rank's (``a.ranks``)."""
+    sockets (directories of the node's run directory, under RUN_DIR, as the agent's UID: ``fill_pod_mounts``). A
+    gang's one Pod (``a.ranks``: N ranks) sees its N GPUs (cuda:0..N-1 in ranks' order), mounts each one's fill
+    sockets and is told the gang's size; the SDK starts one process per GPU, each told its gang rank."""
     settings = settings or FillPodSettings()
-    mounts = fill_pod_mounts(a.training, a.stage, settings.node_run_dir, rank=a.ranks[0])
+    mounts = fill_pod_mounts(a.training, a.stage, settings.node_run_dir, ranks=a.ranks)
     env = [
         {"name": "BUBBLES_FILL_JOB", "value": job.name},
         {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},  # with the attempt: how the process attaches to the agent
@@ -152,17 +159,21 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         {"name": "BUBBLES_MEMORY_BYTES", "value": str(job.job.memory_bytes)},
         {"name": "BUBBLES_MAX_STEPS", "value": str(job.steps)},
     ]
-    if a.gpu_uuid:
-        # The training's GPU, without asking the device plugin for one (it is the training's): the NVIDIA container
-        # runtime exposes the GPU this names to a Pod that requests none. Inside, it is the only GPU: cuda:0.
-        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": a.gpu_uuid})
+    if len(a.ranks) > 1:
+        env.append({"name": control.GANG_SIZE_ENV, "value": str(len(a.ranks))})
+    uuids = a.uuids
+    if uuids:
+        # The training's GPU(s), without asking the device plugin for any (they are the training's): the NVIDIA
+        # container runtime exposes the GPUs this names to a Pod that requests none. Inside, they are the only GPUs, in
+        # this order: cuda:0 (a gang's process i: cuda:i).
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(uuids)})
         env = [e if e["name"] != "BUBBLES_DEVICE" else {"name": "BUBBLES_DEVICE", "value": "cuda:0"} for e in env]
     else:
         # No GPU of the training's is known: none at all, whatever the image's own ENV says (CUDA and PyTorch base
         # images set NVIDIA_VISIBLE_DEVICES=all, which on a node whose default runtime is NVIDIA's shows every GPU,
         # the trainings' among them). A GPU job here then fails at its start, closed.
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
-    mps = settings.mps_pipe_dir if a.gpu_uuid else None
+    mps = settings.mps_pipe_dir if uuids else None
     if mps:
         # The node's MPS server, as the agent's own fill processes join it: its pipe directory, the SM share, priority
         # below the training's, and the job's memory pinned on the one GPU the Pod sees (device 0). Variables the
@@ -172,6 +183,9 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         pinned_on = 0 if job.job.memory_bytes > 0 else None
         mps_env = mps_client.fill_client_env(PurePosixPath(mps), settings.mps_thread_percentage, pinned_on,
                                              job.job.memory_bytes)
+        if pinned_on is not None and len(uuids) > 1:  # a gang's processes: the limit on each of its GPUs
+            mps_env[mps_client.PINNED_LIMIT_ENV] = ",".join(mps_client.pinned_limit(i, job.job.memory_bytes)
+                                                            for i in range(len(uuids)))
         env += [{"name": k, "value": v} for k, v in sorted(mps_env.items())]
     if job.job.gating_step_s is not None:
         env.append({"name": "BUBBLES_STEP_S", "value": repr(job.job.gating_step_s)})

@@ -177,8 +177,8 @@ def check_toleration(t: Any, where: str) -> None:
 # -- what it decides ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Assignment:
-    """A FillJob placed on GPUs of one stage (``ranks``: one for a single-GPU job): what the agent on ``node`` is
-    told, and what the fill Pod is given."""
+    """A FillJob placed on GPUs of one stage of one training Pod (``ranks``: one for a single-GPU job, N for a gang):
+    what the agent on ``node`` is told, and what the fill Pod is given."""
 
     uid: str
     generation: int
@@ -197,9 +197,19 @@ class Assignment:
     max_fill_share: float | None = None
     tail_risk: float | None = None  # and for the fill processes' steps past a bubble's predicted end
     tolerations: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)  # the training Pod's
-    # The stage's ranks (GpuKey.rank) the job's processes run on, one per process: a tuple already, for the jobs over
-    # several GPUs to come; one rank today.
+    # The stage's ranks (GpuKey.rank) the job's processes run on, one per process, in order: one for a single-GPU
+    # job, spec.gpus for a gang (its process i on ranks[i]).
     ranks: tuple[int, ...] = (0,)
+    # Every rank's GPU UUID, in ranks' order, where the agent knows them all (else (): the Pod sees no GPU); a
+    # single-GPU job may leave it out and give gpu_uuid alone.
+    gpu_uuids: tuple[str, ...] = ()
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        """The UUIDs of the GPUs its processes run on, in ranks' order; () where any is unknown."""
+        if self.gpu_uuids:
+            return self.gpu_uuids
+        return (self.gpu_uuid,) if self.gpu_uuid and len(self.ranks) == 1 else ()
 
     @property
     def gpu_keys(self) -> tuple[GpuKey, ...]:

@@ -1,7 +1,8 @@
 """Which pending fill job runs in which training's bubbles, on which stage's GPUs: PipeFill section 4.4.
 
-Pure Python (numpy): the scheduler knows nothing of Kubernetes. Policies are pluggable through the
-``bubbles.policies`` entry-point group (see ``bubbles.operator.scheduler.policies``).
+Pure Python (numpy): the scheduler knows nothing of Kubernetes. Jobs over several executors at once (gangs) are
+placed beside it by ``bubbles.operator.scheduler.gang``, which reserves their executors in it. Policies are pluggable
+through the ``bubbles.policies`` entry-point group (see ``bubbles.operator.scheduler.policies``).
 """
 
 from bubbles.operator.scheduler.core import (
@@ -15,6 +16,15 @@ from bubbles.operator.scheduler.core import (
     Scheduler,
     best_rate,
     classes_from_cycles,
+)
+from bubbles.operator.scheduler.gang import (
+    GangGroup,
+    GangPlacement,
+    choose_executors,
+    fits_somewhere,
+    gang_eta_s,
+    place_gang,
+    shared_class,
 )
 from bubbles.operator.scheduler.policies import (
     ENTRY_POINT_GROUP,
@@ -43,6 +53,8 @@ __all__ = [
     "FillJobRequest",
     "FillProfile",
     "FunctionPolicy",
+    "GangGroup",
+    "GangPlacement",
     "JobInfo",
     "MakespanPolicy",
     "Placement",
@@ -56,6 +68,11 @@ __all__ = [
     "WeightedPolicy",
     "available_policies",
     "best_rate",
+    "choose_executors",
     "classes_from_cycles",
+    "fits_somewhere",
+    "gang_eta_s",
     "get_policy",
+    "place_gang",
+    "shared_class",
 ]

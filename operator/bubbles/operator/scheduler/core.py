@@ -77,10 +77,15 @@ class FillJobRequest:
     # How long the job holds its executor before its first step (its process starting, its model loading): part of
     # its processing time on every class it fits.
     setup_s: float = 0.0
+    # Executors it runs on together, one process each (a gang, ``scheduler.gang``): ``profile`` is one process's, each
+    # step of the gang is a step of every process, and ``samples`` are the gang's (each gang step does gpus x batch).
+    gpus: int = 1
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.setup_s) and self.setup_s >= 0):
             raise ValueError(f"a fill job's setup time must be a finite number of seconds >= 0, got {self.setup_s!r}")
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ValueError(f"fill job {self.job_id!r}: gpus must be a whole number >= 1, got {self.gpus!r}")
 
 
 @dataclass(frozen=True)
@@ -312,6 +317,9 @@ class Scheduler:
             )
         if job.samples < 1:
             raise ValueError(f"fill job {job.job_id!r} has {job.samples} samples; give it at least 1")
+        if job.gpus != 1:
+            raise ValueError(f"fill job {job.job_id!r} runs on {job.gpus} executors at once: place it with "
+                             "bubbles.operator.scheduler.gang.place_gang, which reserves them here (occupy)")
         proc = self.processing_times_s(job)
         if not np.isfinite(proc).any():
             raise ValueError(self._no_fit_message(job))
@@ -341,8 +349,18 @@ class Scheduler:
         self._occupied[executor] = (job_id, until_s)
         self._version += 1
 
+    def idle(self, executor: int) -> bool:
+        """Whether ``executor`` runs nothing and is not occupied."""
+        return executor in self._idle[int(self.executor_class[executor])]
+
     def release(self, executor: int, now_s: float, *, fill: bool = True) -> Placement | None:
-        """Mark ``executor``'s job done; with ``fill``, start the best queued job on it (or None)."""
+        """Mark ``executor``'s job done (one a placement started, or one ``occupy`` marked: a gang's); with ``fill``,
+        start the best queued job on it (or None)."""
+        if self._occupied.pop(executor, None) is not None:
+            self.busy_until_s[executor] = 0.0
+            self._idle[int(self.executor_class[executor])].append(executor)
+            self._version += 1
+            return self.fill(executor, now_s) if fill else None
         done = self.running.pop(executor, None)
         if done is None:
             raise ValueError(f"executor {executor} runs no job; release only executors a placement started")

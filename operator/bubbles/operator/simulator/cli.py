@@ -21,7 +21,8 @@ DEFAULT_PLOT = Path("bubbles-simulate.png")
 FLAGS_HINT = (
     "What changes what: --stages, --microbatches, --schedule, --fwd-ms, --bwd-ms (the training's pipeline and so its "
     "bubbles); --gpus (cluster size); --free-gib, --fill-fraction (what each bubble offers); --jobs, --hours, --seed, "
-    "--deadline-share (the fill-job load); --init-s (each job's start-up); --policy, repeated to compare; --alibaba "
+    "--deadline-share (the fill-job load); --init-s (each job's start-up); --gang-share, --gang-gpus (jobs over "
+    "several GPUs); --policy, repeated to compare; --alibaba "
     "PATH (the real trace) or --trace CSV (your own jobs); --report FILE (JSON). `bubbles simulate --help` lists them "
     "all."
 )
@@ -97,6 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="seconds each fill job holds its GPU's bubbles before its first step (its Pod starting, its model "
         "loading); counted in its completion time, not in the recovered work (default 0)",
+    )
+    f.add_argument(
+        "--gang-share",
+        type=float,
+        default=0.0,
+        help="share of the trace's jobs that are gang jobs, each on --gang-gpus GPUs of one stage at once, in the "
+        "bubbles they share (drawn with --seed; default 0: none)",
+    )
+    f.add_argument(
+        "--gang-gpus", type=int, default=2, help="GPUs each gang job runs on together (default 2)"
     )
     f.add_argument("--write-trace", type=Path, help="save the generated trace as CSV here")
     f.add_argument("--profiles", type=Path, help="model profiles JSON (default: the packaged estimates)")
@@ -208,6 +219,10 @@ def validate(args: argparse.Namespace, cfg: dict[str, Any]) -> list[str]:
         errs.append(f"--deadline-share {args.deadline_share}: must be in [0, 1]")
     if not 0 <= args.init_s <= 86400:  # NaN included
         errs.append(f"--init-s {args.init_s}: must be seconds from 0 to 86400 (a day)")
+    if not 0 <= args.gang_share <= 1:
+        errs.append(f"--gang-share {args.gang_share}: must be in [0, 1]")
+    if args.gang_gpus < 1:
+        errs.append(f"--gang-gpus {args.gang_gpus}: use 1 or more")
     if args.trace is not None and args.alibaba is not None:
         errs.append("give --trace or --alibaba, not both")
     return errs
@@ -266,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
         load_trace_model,
         read_alibaba,
         read_trace,
+        with_gangs,
         write_trace,
     )
 
@@ -321,7 +337,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"bubbles simulate: error: {e}", file=sys.stderr)
         return 2
 
-    jobs = [t.to_fill_job(profiles, setup_s=args.init_s) for t in trace]
+    jobs = with_gangs([t.to_fill_job(profiles, setup_s=args.init_s) for t in trace], args.gang_share,
+                      args.gang_gpus, seed=args.seed)
+    gpus_per_stage = main.gpus // main.stages
+    if args.gang_share > 0 and args.gang_gpus > gpus_per_stage:
+        print(f"bubbles simulate: error: --gang-gpus {args.gang_gpus}: a stage has {gpus_per_stage} GPUs (dp x tp); "
+              "ask for at most that many", file=sys.stderr)
+        return 2
     hours = None if args.drain else cfg["hours"]
     show = not args.quiet and len(jobs) >= 1000
     summaries = []

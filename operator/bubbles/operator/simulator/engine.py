@@ -1,5 +1,9 @@
 """The event-driven simulator (PipeFill section 5.1): fill-job arrivals and completions are the events.
 
+Gang jobs (``FillJobRequest.gpus`` N > 1) run on N executors of one class at once (``scheduler.gang``): one waits
+until N of a class are idle together (it is tried before the single jobs whenever executors free up, in arrival
+order), never runs on part of them, and runs in their bubbles.
+
 Between events nothing changes state, so time jumps from one event to the next; a job's run time
 on an executor comes from the scheduler (its execution plan over that executor's bubble cycle),
 never from stepping a clock. Jobs still running when the main job's time is up are credited with
@@ -15,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bubbles.operator.scheduler.core import ExecutorClass, FillJobRequest, Placement, Scheduler
+from bubbles.operator.scheduler.gang import GangGroup, GangPlacement, fits_somewhere, place_gang
 from bubbles.operator.scheduler.policies import Policy
 from bubbles.operator.simulator.mainjob import MainJob
 
@@ -24,7 +29,7 @@ class JobOutcome:
     """What happened to one fill job."""
 
     job: FillJobRequest
-    placement: Placement | None = None
+    placement: Placement | GangPlacement | None = None
     done: bool = False
     samples_done: float = 0.0
     filled_s: float = 0.0  # bubble time its work occupied
@@ -67,6 +72,12 @@ def simulate(
     simulated time (or of jobs, without a horizon) now and then.
     """
     sched = Scheduler(classes if classes is not None else main.executor_classes(), policy)
+    groups, first = [], 0
+    for c in sched.classes:  # a gang's executors: of one class (one stage)
+        groups.append(GangGroup(c.name, tuple(range(first, first + c.executors))))
+        first += c.executors
+    waiting: list[FillJobRequest] = []  # gangs, in arrival order
+    gang_on: dict[int, GangPlacement] = {}  # executor -> the gang running on it
     order = sorted(range(len(jobs)), key=lambda k: (jobs[k].arrival_s, k))
     horizon_s = math.inf if hours is None else hours * 3600.0
     outcomes = {j.job_id: JobOutcome(j) for j in jobs}
@@ -87,6 +98,28 @@ def simulate(
         heapq.heappush(completions, (p.end_s, seq, p.executor))
         seq += 1
 
+    def gang_started(g: GangPlacement) -> None:
+        nonlocal seq
+        outcomes[g.job.job_id].placement = g
+        for e in g.executors:
+            gang_on[e] = g
+        heapq.heappush(completions, (g.end_s, seq, g.executors[0]))
+        seq += 1
+
+    def start_gangs(t: float) -> None:
+        for job in list(waiting):
+            g = place_gang(sched, job, groups, t)
+            if g is not None:
+                waiting.remove(job)
+                gang_started(g)
+
+    def freed(executors: Sequence[int], t: float) -> None:
+        """Executors just released (not filled): waiting gangs first, then the queued single jobs."""
+        start_gangs(t)
+        for e in executors:
+            if sched.idle(e):
+                started(sched.fill(e, t))
+
     while True:
         t_arr = jobs[order[nxt]].arrival_s if nxt < len(order) else math.inf
         t_done = completions[0][0] if completions else math.inf
@@ -96,17 +129,41 @@ def simulate(
         events += 1
         if t_done <= t_arr:  # completions first: a freed executor can take the arriving job
             _, _, e = heapq.heappop(completions)
-            p = sched.running[e]
-            o = outcomes[p.job.job_id]
-            o.done, o.samples_done, o.filled_s = True, float(p.job.samples), p.filled_s
-            started(sched.release(e, now))
+            if e in gang_on:
+                g = gang_on[e]
+                o = outcomes[g.job.job_id]
+                o.done, o.samples_done, o.filled_s = True, float(g.job.samples), g.filled_s
+                for x in g.executors:
+                    del gang_on[x]
+                    sched.release(x, now, fill=False)
+                freed(g.executors, now)
+            else:
+                p = sched.running[e]
+                o = outcomes[p.job.job_id]
+                o.done, o.samples_done, o.filled_s = True, float(p.job.samples), p.filled_s
+                if waiting:
+                    sched.release(e, now, fill=False)
+                    freed((e,), now)
+                else:
+                    started(sched.release(e, now))
         else:
             job = jobs[order[nxt]]
             nxt += 1
-            try:
-                started(sched.submit(job, now))
-            except ValueError as err:
-                outcomes[job.job_id].rejected = str(err)
+            if job.gpus > 1:
+                if fits_somewhere(sched, job, groups):
+                    g_now = place_gang(sched, job, groups, now)
+                    if g_now is not None:
+                        gang_started(g_now)
+                    else:
+                        waiting.append(job)
+                else:
+                    outcomes[job.job_id].rejected = (f"fill job {job.job_id!r} asks for {job.gpus} executors of one "
+                                                     "class whose bubbles it fits; no class has that many")
+            else:
+                try:
+                    started(sched.submit(job, now))
+                except ValueError as err:
+                    outcomes[job.job_id].rejected = str(err)
         if progress is not None:
             frac = now / horizon_s if horizon_s < math.inf else nxt / max(1, len(order))
             if frac - last_report >= 0.01:
@@ -119,13 +176,15 @@ def simulate(
         else max((o.placement.end_s for o in outcomes.values() if o.done and o.placement), default=0.0)
     )
     if horizon_s < math.inf:
-        for p in sched.running.values():  # partial credit for work done by the horizon
-            o = outcomes[p.job.job_id]
-            work_s = p.processing_s - p.job.setup_s  # the steps, after the job's setup
-            share = (end_s - p.start_s - p.job.setup_s) / work_s if work_s > 0 else 1.0
+        gangs = {id(g): g for g in gang_on.values()}  # each gang once (it is on several executors)
+        running: list[Placement | GangPlacement] = [*sched.running.values(), *gangs.values()]
+        for run in running:  # partial credit for work done by the horizon
+            o = outcomes[run.job.job_id]
+            work_s = run.processing_s - run.job.setup_s  # the steps, after the job's setup
+            share = (end_s - run.start_s - run.job.setup_s) / work_s if work_s > 0 else 1.0
             share = min(max(share, 0.0), 1.0)
-            o.samples_done = share * p.job.samples
-            o.filled_s = share * p.filled_s
+            o.samples_done = share * run.job.samples
+            o.filled_s = share * run.filled_s
     if progress is not None:
         progress(1.0)
     name = sched.policy.name

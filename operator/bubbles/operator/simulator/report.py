@@ -37,7 +37,7 @@ def summarize(r: SimResult) -> dict[str, Any]:
     ends = [o.placement.end_s for o in done if o.placement]
     starts = [o.job.arrival_s for o in submitted]
     per_gpu = flops / (gpus * horizon_s) / 1e12 if horizon_s > 0 else 0.0
-    return {
+    out: dict[str, Any] = {
         "policy": r.policy,
         "main_job": main.to_dict(),
         "gpus": gpus,
@@ -65,6 +65,21 @@ def summarize(r: SimResult) -> dict[str, Any]:
         },
         "makespan_s": (max(ends) - min(starts)) if ends and starts else None,
     }
+    gangs = [o for o in submitted if o.job.gpus > 1]
+    if gangs:  # only where the trace has any: reports without gang jobs stay as they were
+        gang_done = [o for o in gangs if o.done]
+        gang_jcts = [o.jct_s for o in gang_done if o.jct_s is not None]
+        out["gangs"] = {
+            "submitted": len(gangs),
+            "gpus": sorted({o.job.gpus for o in gangs}),
+            "completed": len(gang_done),
+            "started": sum(1 for o in gangs if o.placement is not None),
+            "rejected": sum(1 for o in gangs if o.rejected),
+            "jct_mean_s": float(np.mean(gang_jcts)) if gang_jcts else None,
+            "recovered_flops": sum(o.flops for o in gangs),
+            "bubble_time_filled_s": sum(o.filled_s for o in gangs),
+        }
+    return out
 
 
 def comparison(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -102,6 +117,14 @@ def format_summary(summaries: Sequence[dict[str, Any]]) -> str:
             f"{_dur(jct['mean']):>10}{_dur(jct['p50']):>9}{_dur(jct['p99']):>9}{_dur(s['makespan_s']):>10}"
             f"{j['deadline_misses']:>7}"
         )
+    for s in summaries:
+        g = s.get("gangs")
+        if g:
+            lines.append(
+                f"{s['policy']}: gang jobs ({'/'.join(map(str, g['gpus']))} GPUs each): {g['completed']} of "
+                f"{g['submitted']} done, {g['started'] - g['completed']} running, mean JCT {_dur(g['jct_mean_s'])}, "
+                f"{g['recovered_flops'] / 1e15:.3g} PFLOP recovered"
+            )
     rej = s0["jobs"]["rejected"]
     if rej:
         lines.append(f"{rej} jobs fit no bubble and were rejected (see model profiles or --free-gib)")

@@ -16,6 +16,7 @@ model's best isolated throughput on one GPU.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -90,6 +91,19 @@ class TraceJob:
             self.job_id, profiles[(self.model, self.kind)], self.samples, self.arrival_s, self.deadline_s,
             setup_s=setup_s,
         )
+
+
+def with_gangs(jobs: Sequence[FillJobRequest], share: float, gpus: int, seed: int = 0) -> list[FillJobRequest]:
+    """``jobs`` with a random ``share`` of them (drawn with ``seed``, the same jobs every run) asking for ``gpus``
+    executors at once: gang jobs, whose work is split among their processes. A share of 0 changes nothing."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"the share of gang jobs must be in [0, 1], got {share}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"a gang's GPUs must be a whole number >= 1, got {gpus!r}")
+    if share == 0 or gpus == 1:
+        return list(jobs)
+    draw = np.random.default_rng(seed).random(len(jobs))
+    return [dataclasses.replace(j, gpus=gpus) if d < share else j for j, d in zip(jobs, draw, strict=True)]
 
 
 def read_alibaba(path: str | Path, cap_gpu_hours: float = 1.0) -> tuple[list[AlibabaTask], FilterStats]:
