@@ -78,7 +78,7 @@ def single_gpu_rule(events: list[tuple[str, int, int]]) -> list[tuple[int, bool]
     of its number ends it. After each signal: (seq, ended) of the bubble, or None."""
     bubble: list[int | bool] | None = None
     out: list[tuple[int, bool] | None] = []
-    for kind, slot, seq in events:
+    for kind, _slot, seq in events:
         if kind == "start":
             bubble = [seq, False]
         elif bubble is not None and bubble[0] == seq:
