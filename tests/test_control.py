@@ -149,3 +149,38 @@ def test_a_handshake_version_that_is_no_version_is_refused(line: bytes, needle: 
             control.parse_hello(line)
         else:
             control.parse_reply(line)
+
+
+# -- gang jobs (v4) ------------------------------------------------------------------------------------------------
+def test_arm_carries_a_gangs_sockets_its_own_first() -> None:
+    cmd = control.parse_command(control.encode("arm", mode="harvest", socket="/r/a.sock",
+                                               sockets=["/r/a.sock", "/r/b.sock"]))
+    assert cmd["sockets"] == ["/r/a.sock", "/r/b.sock"]
+    assert control.VERSION == 4
+
+
+@pytest.mark.parametrize(("sockets", "match"), [
+    ([], "1 to 16 distinct"),
+    (["relative.sock"], "absolute"),
+    (["/r/a.sock", "/r/a.sock"], "distinct"),
+    (["/r/a.sock", 3], "absolute"),
+    ([f"/r/{i}.sock" for i in range(17)], "1 to 16"),
+    (["/r/b.sock", "/r/a.sock"], "start with the process's own GPU's socket"),
+    ("/r/a.sock", "must be list"),
+])
+def test_a_bad_sockets_list_in_arm_is_refused(sockets: object, match: str) -> None:
+    with pytest.raises(control.ControlError, match=match):
+        control.parse_command(control.encode("arm", mode="harvest", socket="/r/a.sock", sockets=sockets))
+
+
+def test_hello_says_the_gang_rank_and_welcome_the_gangs_sockets() -> None:
+    hello = control.parse_hello(control.encode("hello", uid="u", attempt=0, gang_rank=1, protocol=4))
+    assert hello["gang_rank"] == 1
+    for bad in (-1, 16, "1", True):
+        with pytest.raises(control.ControlError, match="gang_rank"):
+            control.parse_hello(control.encode("hello", uid="u", attempt=0, gang_rank=bad))
+    welcome = control.parse_reply(control.encode("welcome", job="j", socket="/r/a.sock", stage=0,
+                                                 sockets=["/r/a.sock", "/r/b.sock"]))
+    assert welcome["sockets"] == ["/r/a.sock", "/r/b.sock"]
+    with pytest.raises(control.ControlError, match="own GPU"):
+        control.parse_reply(control.encode("welcome", job="j", socket="/r/a.sock", stage=0, sockets=["/r/b.sock"]))

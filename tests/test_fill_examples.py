@@ -24,6 +24,7 @@ def keep_torch_threads() -> Iterator[None]:
     [
         ("bubbles.fill_examples.image_classification:ImageClassification", {"batch_size": 2}),
         ("bubbles.fill_examples.batch_inference:BatchInference", {"batch_size": 4}),
+        ("bubbles.fill_examples.gang_inference:GangInference", {"batch": 4, "width": 32}),  # a gang of one here
     ],
 )
 def test_example_fill_jobs_run_steps_and_report_flops(entry: str, kwargs: dict[str, Any]) -> None:
@@ -77,3 +78,17 @@ def test_example_part_batches_count_their_own_flops_and_their_share_of_the_work(
     assert job.is_finished()  # 16 samples = 2 batches
     with pytest.raises(ValueError, match="between 1 and the batch size"):
         job.step(9)
+
+
+def test_the_gang_example_refuses_a_width_its_gang_cannot_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bubbles.core import control
+    from bubbles.fill_examples.gang_inference import GangInference
+
+    monkeypatch.setenv(control.GANG_SIZE_ENV, "3")
+    monkeypatch.setenv(control.GANG_RANK_ENV, "0")
+    monkeypatch.setenv(control.GANG_PORT_ENV, "29999")
+    with pytest.raises(ValueError, match="split into the gang's 3 shards"):
+        GangInference(width=32)
+    monkeypatch.delenv(control.GANG_PORT_ENV)
+    with pytest.raises(ValueError, match="GANG_PORT"):
+        GangInference(width=33)

@@ -15,7 +15,11 @@ What it does, as thin shells around pure code:
 - **Admits attaching fill processes**: the operator's fill Pod runs ``python -m bubbles.sdk``, which connects to
   ``<run_dir>/_attach/attach.sock`` and says which FillJob it is and which GPU it sees. Only an assigned job, seeing
   its assigned GPU, visible to the agent (so the watchdog can SIGKILL it), is admitted; the connection then becomes the
-  job's control channel, exactly as a locally started process's socketpair.
+  job's control channel, exactly as a locally started process's socketpair. A gang job (its spec's ``gpus`` N > 1)
+  attaches N processes of one uid, one per GPU of its assignment's ``ranks``, each saying its gang rank in ``hello``;
+  they are welcomed (each with its GPU's fill socket and the gang's ``sockets``) and the job queued once all N are in.
+  Until then each waits for its welcome; a gang still short ``node.GANG_ATTACH_S`` after its first process came is
+  given up: the ones that came are refused with the reason, which the assignment's report carries.
 - **Reports** every GPU (one ``StageReport`` per rank) and every assigned job (``report()``, served over gRPC by
   ``bubbles.agent.rpc``).
 """
@@ -46,7 +50,7 @@ from bubbles.core.resources import HOOK_SILENCE_S, JobProgress, NodeReport, Stag
 from .config import AgentConfig
 from .launcher import FillProcess, Launcher, LaunchRequest
 from .metrics import NodeMetrics
-from .node import AssignedJob, AttachRefused, Decision, NodeBook
+from .node import GANG_ATTACH_S, AssignedJob, AttachRefused, Decision, NodeBook
 from .server import Agent
 
 log = logging.getLogger("bubbles.agent.cluster")
@@ -99,22 +103,23 @@ class AttachLauncher:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.pending: dict[tuple[str, str, str], AttachedProcess] = {}  # (namespace, training, job name) -> process
+        # (namespace, training, job name, gang rank) -> process
+        self.pending: dict[tuple[str, str, str, int], AttachedProcess] = {}
 
-    def offer(self, training: TrainingKey, job: str, proc: AttachedProcess) -> None:
+    def offer(self, training: TrainingKey, job: str, proc: AttachedProcess, gang_rank: int = 0) -> None:
         with self.lock:
-            self.pending[(*training, job)] = proc
+            self.pending[(*training, job, gang_rank)] = proc
 
-    def withdraw(self, training: TrainingKey, job: str) -> AttachedProcess | None:
+    def withdraw(self, training: TrainingKey, job: str, gang_rank: int = 0) -> AttachedProcess | None:
         with self.lock:
-            return self.pending.pop((*training, job), None)
+            return self.pending.pop((*training, job, gang_rank), None)
 
     def for_training(self, training: TrainingKey) -> Launcher:
         launcher = self
 
         class _One(Launcher):
             def launch(self, request: LaunchRequest) -> FillProcess:
-                proc = launcher.withdraw(training, request.spec.name)
+                proc = launcher.withdraw(training, request.spec.name, request.gang_rank or 0)
                 if proc is None:
                     raise OSError(f"fill job {request.spec.name!r} has no attached process (its Pod has not "
                                   "connected, or it exited)")
@@ -199,6 +204,8 @@ class NodeAgent:
         self._listener: socket.socket | None = None
         self._problems_seen: set[str] = set()
         self._cardless_since: dict[TrainingKey, int] = {}  # training -> when its last card went
+        # A gang's processes attached so far, waiting for their welcome: uid -> gang rank -> (connection, pid, GPU).
+        self._gangs: dict[str, dict[int, tuple[socket.socket, int, GpuKey]]] = {}
         self.metrics = NodeMetrics(self._registries, self._assignment_counts)
         self.metrics_port: int | None = None
 
@@ -268,6 +275,7 @@ class NodeAgent:
         while not self._stop.wait(self.config.scan_interval_s):
             try:
                 self.scan()
+                self.expire_gangs()
             except Exception:  # a bug here must not end discovery
                 log.exception("scanning %s failed", self.run_dir)
 
@@ -415,9 +423,12 @@ class NodeAgent:
 
     def _stop_run(self, have: AssignedJob, reason: str) -> None:
         tr = self.trainings.get(training_of(have.message))
-        pending = self.launcher.withdraw(training_of(have.message), have.job_name)
-        if pending is not None:
-            pending.close()
+        for rank in range(have.gang_size):
+            pending = self.launcher.withdraw(training_of(have.message), have.job_name, rank)
+            if pending is not None:
+                pending.close()
+        for conn, _pid, _key in self._gangs.pop(have.uid, {}).values():
+            _refuse(conn, f"fill job {have.message.name} was stopped before its gang started: {reason}")
         if tr is not None:
             tr.agent.cancel(have.job_name, reason)
 
@@ -458,10 +469,18 @@ class NodeAgent:
         record = None
         if tr is not None:
             with tr.agent.lock:
-                record = next((j for j in reversed(tr.agent.jobs) if j.name == have.job_name), None)
+                record = next((j for j in reversed(tr.agent.jobs) if j.name == have.job_name and j.gang_rank == 0),
+                              None)
+                if record is not None and record.gang is not None:  # one progress: its processes step together
+                    killed = sum(m.reason.startswith("killed") for m in record.gang.members)
+                    return JobProgress(uid, record.state, record.gang.steps, record.gang.flops, record.reason,
+                                       killed, attempt)
                 if record is not None:
                     return JobProgress(uid, record.state, record.steps, record.flops, record.reason,
                                        int(record.reason.startswith("killed")), attempt)
+        if have.gang_pids:
+            return JobProgress(uid, FillState.SUBMITTED, reason=f"{len(have.gang_pids)} of {have.gang_size} processes "
+                               f"of Pod {have.message.fill_pod} attached; waiting for the others", attempt=attempt)
         return JobProgress(uid, FillState.SUBMITTED, reason=f"waiting for Pod {have.message.fill_pod} to attach",
                            attempt=attempt)
 
@@ -509,6 +528,8 @@ class NodeAgent:
                      uid, ", ".join(hello.unknown))
         with self.lock:
             have = self.book.jobs.get(uid)
+            if have is not None and have.gang_size > 1:
+                return self._attach_gang(conn, hello, pid)
             try:
                 if have is not None and have.cancelled is None and have.message.attempt != attempt:
                     raise AttachRefused(f"this Pod runs attempt {attempt} of fill job {have.message.name}, but "
@@ -554,6 +575,121 @@ class NodeAgent:
         self._bump()
         return have
 
+
+    def _attach_gang(self, conn: socket.socket, hello: control.ControlMessage, pid: int) -> AssignedJob | None:
+        """``attach`` for one process of a gang job (under the node's lock): admitted and parked until all N are
+        in, then all welcomed and the job queued; or refused, the reason said."""
+        uid, attempt, rank = hello["uid"], hello["attempt"], hello.get("gang_rank")
+        have = self.book.jobs[uid]
+        msg = have.message
+        try:
+            if have.cancelled is None and msg.attempt != attempt:
+                raise AttachRefused(f"this Pod runs attempt {attempt} of fill job {msg.name}, but attempt "
+                                    f"{msg.attempt} is the one assigned")
+            if len(msg.ranks) != have.gang_size:
+                raise AttachRefused(f"fill job {msg.name} asks for {have.gang_size} GPUs but was assigned ranks "
+                                    f"{list(msg.ranks)} of stage {msg.stage}: the operator places one rank per GPU")
+            have = self.book.attach_gang(uid, pid, rank)
+        except AttachRefused as exc:
+            _refuse(conn, str(exc))
+            self.metrics.refused.inc()
+            log.warning("refused a fill process (pid %d, uid %s): %s", pid, uid, exc)
+            return None
+        assert rank is not None
+        try:
+            tr = self.trainings.get(training_of(msg))
+            key = self._gang_gpu_for(tr, msg, hello.get("gpu"), rank, self._gangs.get(uid, {}))
+            assert tr is not None
+            card = tr.cards[key]
+            if card.version < cards.RANKS_VERSION:
+                raise AttachRefused(versions.needs_newer(
+                    f"the bubbles hook in training {msg.training}'s Pod {card.pod}", "card", card.version,
+                    cards.RANKS_VERSION, "bubbles in the training's image"))
+        except AttachRefused as exc:
+            self.book.left_gang(uid, rank)
+            _refuse(conn, str(exc))
+            self.metrics.refused.inc()
+            log.warning("refused gang rank %d of fill job %s (pid %d): %s", rank, msg.name, pid, exc)
+            return None
+        waiting = self._gangs.setdefault(uid, {})
+        waiting[rank] = (conn, pid, key)
+        log.info("fill job %s/%s: gang rank %d attached (pid %d) on %s; %d of %d in", msg.namespace, msg.name, rank,
+                 pid, key, len(waiting), have.gang_size)
+        if len(waiting) < have.gang_size:
+            self._bump()
+            return have
+        del self._gangs[uid]
+        keys = [waiting[r][2] for r in range(have.gang_size)]
+        procs: list[AttachedProcess] = []
+        try:
+            for r in range(have.gang_size):
+                conn_r, pid_r, key_r = waiting[r]
+                own = paths.fill_socket(self.run_dir, key_r, have.job_name)
+                sockets = [str(own), *(str(paths.fill_socket(self.run_dir, k, have.job_name)) for k in keys
+                                       if k != key_r)]
+                conn_r.sendall(control.encode("welcome", job=have.job_name, socket=str(own), stage=msg.stage,
+                                              protocol=control.VERSION, sockets=sockets))
+                procs.append(AttachedProcess(pid_r, conn_r, speaks_control=True))
+        except OSError as exc:
+            for proc in procs:
+                proc.close()
+            for conn_r, _, _ in waiting.values():
+                conn_r.close()
+            self.book.detached(uid)
+            self.failures[uid] = f"not admitted: a process of its gang went away as it started ({exc})"
+            log.error("fill job %s/%s: %s", msg.namespace, msg.name, self.failures[uid])
+            return None
+        spec = dataclasses.replace(msg.spec, name=have.job_name, stage=msg.stage)
+        for r, proc in enumerate(procs):
+            self.launcher.offer(tr.key, have.job_name, proc, r)
+        try:
+            tr.agent.submit_on(spec, keys)
+        except ValueError as exc:
+            for r, proc in enumerate(procs):
+                self.launcher.withdraw(tr.key, have.job_name, r)
+                proc.close()
+            self.failures[uid] = f"not admitted: {exc}"
+            log.error("fill job %s/%s not admitted: %s", msg.namespace, msg.name, exc)
+        log.info("fill job %s/%s attempt %d: all %d processes of its gang attached (%s)", msg.namespace, msg.name,
+                 attempt, have.gang_size, ", ".join(str(k) for k in keys))
+        self._bump()
+        return have
+
+    def expire_gangs(self) -> None:
+        """Give up gangs still short of processes ``node.GANG_ATTACH_S`` after their first attached: refuse the ones
+        that came, and report why (the operator restarts the job in a new Pod, within its restartLimit)."""
+        with self.lock:
+            overdue = self.book.gangs_overdue(self.clock())
+            for have in overdue:
+                waiting = self._gangs.pop(have.uid, {})
+                missing = sorted(set(range(have.gang_size)) - set(waiting))
+                why = (f"only {len(waiting)} of the {have.gang_size} processes of its gang attached within "
+                       f"{GANG_ATTACH_S:g} s (gang ranks {', '.join(map(str, missing))} did not: see Pod "
+                       f"{have.message.fill_pod}'s log)")
+                for conn, _, _ in waiting.values():
+                    _refuse(conn, why)
+                self.failures[have.uid] = f"not admitted: {why}"
+                log.error("fill job %s/%s %s", have.message.namespace, have.message.name, self.failures[have.uid])
+        if overdue:
+            self._bump()
+
+    def _gang_gpu_for(self, tr: _Training | None, msg: AssignmentMessage, seen_gpu: str | None, rank: int,
+                      taken: Mapping[int, tuple[socket.socket, int, GpuKey]]) -> GpuKey:
+        """The GPU of gang rank ``rank``'s process: of the assignment's GPUs, the one whose card names the GPU it sees,
+        else the ``rank``-th; AttachRefused where one has no hook here, or another rank's process runs on it."""
+        keys = msg.gpu_keys
+        missing = [k for k in keys if tr is None or k not in tr.cards]
+        if missing:
+            raise AttachRefused(f"{missing[0]} (stage {missing[0].stage} rank {missing[0].rank} of training "
+                                f"{msg.training}) has no hook on this node (no card): is the training Pod running "
+                                "with the bubbles hook, and does the stage have that rank here?")
+        assert tr is not None
+        key = next((k for k in keys if seen_gpu and tr.cards[k].gpu_uuid == seen_gpu), keys[rank])
+        other = next((r for r, (_, _, k) in taken.items() if k == key), None)
+        if other is not None:
+            raise AttachRefused(f"gang rank {rank}'s process runs on {key}, where gang rank {other}'s does already: "
+                                "each process of a gang needs a GPU of its own (CUDA_VISIBLE_DEVICES)")
+        return key
 
     def _gpu_for(self, tr: _Training | None, msg: AssignmentMessage, seen_gpu: str | None) -> GpuKey:
         """The GPU an attaching process of ``msg`` runs on: of the GPUs the assignment names (``msg.gpu_keys``), the

@@ -34,6 +34,10 @@ class LaunchRequest:
     device: str = "cpu"  # "cpu" or "cuda:N"
     core: int | None = None  # CPU core to pin to; None: no pinning
     env: dict[str, str] = field(default_factory=dict)  # from the isolation mode (Isolation.client_env)
+    # A gang's member (FillJobSpec.gpus > 1): its place, the gang's size and rendezvous port; None for a single job.
+    gang_rank: int | None = None
+    gang_size: int = 1
+    gang_port: int | None = None
 
 
 class FillProcess(ABC):
@@ -149,6 +153,13 @@ class ProcessLauncher(Launcher):
             env[control.MAX_STEPS_ENV] = str(spec.steps)
         if request.core is not None:
             env[control.CORE_ENV] = str(request.core)
+        if request.gang_rank is not None:
+            env[control.GANG_RANK_ENV] = str(request.gang_rank)
+            env[control.GANG_SIZE_ENV] = str(request.gang_size)
+            env[control.GANG_PORT_ENV] = str(request.gang_port)
+        else:  # not a gang's, whatever the agent's own environment says
+            for name in (control.GANG_RANK_ENV, control.GANG_SIZE_ENV, control.GANG_PORT_ENV):
+                env.pop(name, None)
         ours: socket.socket | None = None
         theirs: socket.socket | None = None
         pass_fds: tuple[int, ...] = ()
@@ -185,6 +196,14 @@ class ProcessLauncher(Launcher):
         if ours is not None:
             ours.setblocking(False)
         return LocalProcess(popen, ours)
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: where a gang's processes meet (its leader listens there
+    once its init begins; a port taken meanwhile fails the gang's init, and the job says so)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
 
 def default_device(executor: int, pin: bool) -> tuple[str, int | None]:
     """CPU: executor k stands in for a stage's accelerator on core k % cpu_count (when pinning)."""

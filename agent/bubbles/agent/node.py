@@ -7,6 +7,10 @@ agent admits it: only a process the operator assigned, seeing the GPU it was ass
 agent (so the watchdog can stop it). ``NodeBook`` keeps those records and says what to do; the shell
 (``bubbles.agent.cluster``) owns the sockets, the trainings' agents and the gRPC server.
 
+A gang job (its spec's ``gpus`` N > 1) attaches N processes, one per GPU, each saying its gang rank (``attach_gang``);
+the job starts once all N are in, and a gang still short of processes ``GANG_ATTACH_S`` after its first attached is
+given up (``gangs_overdue``): the ones that came are refused, and the assignment reports why.
+
 Idempotency: ``assign`` is keyed by (uid, attempt, generation). The same key again changes nothing (a retried
 call never starts a job twice); a larger key supersedes (the old run is stopped); a smaller one is stale and
 refused.
@@ -16,9 +20,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from bubbles.core import control
 from bubbles.core.agentapi import AssignmentMessage
+
+# How long a gang's first process waits for the others to attach: under the SDK's own wait for its welcome (30 s, from
+# its own connect), so that the processes that came hear why they are refused instead of timing out.
+GANG_ATTACH_S = 25.0
 
 
 class Outcome(enum.Enum):
@@ -41,8 +50,15 @@ class AssignedJob:
 
     message: AssignmentMessage
     assigned_ns: int
-    attached_pid: int | None = None  # the fill process, once admitted
+    attached_pid: int | None = None  # the fill process, once admitted (a gang's: its leader, once all N are in)
     cancelled: str | None = None  # the reason, once cancelled
+    gang_pids: dict[int, int] = field(default_factory=dict)  # a gang's processes attached so far, by gang rank
+    gang_since_ns: int | None = None  # when its first one attached
+
+    @property
+    def gang_size(self) -> int:
+        """Its processes: the spec's ``gpus`` (1 for a single-GPU job)."""
+        return self.message.spec.gpus
 
     @property
     def uid(self) -> str:
@@ -126,11 +142,61 @@ class NodeBook:
         have.attached_pid = pid
         return have
 
+    def attach_gang(self, uid: str, pid: int, gang_rank: int | None) -> AssignedJob:
+        """Admit one process of a gang job (``gang_rank``: the rank its ``hello`` says; None from an SDK before gangs);
+        AttachRefused saying why not: as ``attach``, and a rank missing, out of range or taken already."""
+        have = self.jobs.get(uid)
+        if have is None or have.cancelled is not None:
+            return self.attach(uid, pid, None)  # refused, with attach's reason
+        name, size = have.message.name, have.gang_size
+        if gang_rank is None:
+            raise AttachRefused(f"fill job {name} is a gang of {size} GPUs, but its process says no gang rank: the SDK "
+                                f"in the fill job's image predates gang jobs (control v{control.VERSION}); upgrade "
+                                "bubbles in the image, whose process starts one process per GPU")
+        if not 0 <= gang_rank < size:
+            raise AttachRefused(f"fill job {name} is a gang of {size} GPUs (gang ranks 0 to {size - 1}), but a process "
+                                f"says gang rank {gang_rank}")
+        if gang_rank in have.gang_pids:
+            raise AttachRefused(f"fill job {name} already has gang rank {gang_rank}'s process attached (pid "
+                                f"{have.gang_pids[gang_rank]}); one process per gang rank")
+        if have.attached_pid is not None:
+            raise AttachRefused(f"fill job {name} (uid {uid}) has all {size} processes attached already")
+        if pid <= 0:
+            raise AttachRefused("the agent cannot see the fill process (it runs in a PID namespace the agent does not "
+                                "see), so its watchdog could not stop it: run the agent with hostPID: true")
+        have.gang_pids[gang_rank] = pid
+        if have.gang_since_ns is None:
+            have.gang_since_ns = self.clock()
+        if len(have.gang_pids) == size:
+            have.attached_pid = have.gang_pids[0]
+        return have
+
+    def gangs_overdue(self, now_ns: int, wait_s: float = GANG_ATTACH_S) -> list[AssignedJob]:
+        """Gangs whose first process attached more than ``wait_s`` ago and that are still short of processes: given
+        up (their attached processes forgotten; the shell refuses them and says why)."""
+        late = [have for have in self.jobs.values()
+                if have.gang_since_ns is not None and have.attached_pid is None and have.cancelled is None
+                and now_ns - have.gang_since_ns > int(wait_s * 1e9)]
+        for have in late:
+            have.gang_pids.clear()
+            have.gang_since_ns = None
+        return late
+
+    def left_gang(self, uid: str, gang_rank: int) -> None:
+        """Gang rank ``gang_rank``'s process of ``uid`` was refused after all (or is gone before its gang started)."""
+        have = self.jobs.get(uid)
+        if have is not None and have.attached_pid is None:
+            have.gang_pids.pop(gang_rank, None)
+            if not have.gang_pids:
+                have.gang_since_ns = None
+
     def detached(self, uid: str) -> None:
         """The attached process is gone (its exit is reported through the training's agent)."""
         have = self.jobs.get(uid)
         if have is not None:
             have.attached_pid = None
+            have.gang_pids.clear()
+            have.gang_since_ns = None
 
     def forget_before(self, cutoff_ns: int) -> list[str]:
         """Drop cancelled records assigned before ``cutoff_ns`` (bounded memory); the uids dropped."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles.core import control, paths, wire
-from bubbles.core.api import FillJobSpec, IsolationState, IsolationStatus
+from bubbles.core.api import FillJobSpec, FillState, IsolationState, IsolationStatus
 from bubbles.core.card import hook_lock_held, read_card
 from bubbles.core.identity import GpuKey
 
@@ -58,7 +58,7 @@ from .core import (
     sent_by_the_training,
 )
 from .isolation import Isolation, make_isolation
-from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher
+from .launcher import FillProcess, Launcher, LaunchRequest, ProcessLauncher, free_port
 from .metrics import AgentMetrics
 from .mps import MpsError
 
@@ -157,6 +157,7 @@ class Agent:
         self._channels: dict[JobRecord, _Channel] = {}  # processes whose exit is not handled yet
         self._started: dict[JobRecord, FillProcess] = {}  # every process started, for callers and tests
         self._socks: dict[GpuKey, socket.socket] = {}
+        self._gang_ports: dict[int, int] = {}  # gang id -> its rendezvous port, while its members are launched
         self._bound = False  # start() has bound the sockets: a GPU added later binds its own at once
         self._speaker: dict[GpuKey, int] = {}  # GPU -> the process last found holding its lock (_from_training)
         self._verdicts: dict[GpuKey, dict[int, tuple[bool, int, int | None]]] = {}  # GPU -> pid -> (ok, until, holder)
@@ -208,9 +209,9 @@ class Agent:
             self._execute()
             return job
 
-    def submit_on(self, spec: FillJobSpec, key: GpuKey) -> JobRecord:
-        """Queue a fill job on GPU ``key``, where it was placed (cluster mode: the operator's assignment);
-        ValueError saying why it cannot be queued."""
+    def submit_on(self, spec: FillJobSpec, key: GpuKey | Sequence[GpuKey]) -> JobRecord:
+        """Queue a fill job on GPU ``key``, where it was placed (cluster mode: the operator's assignment; a gang's
+        GPUs, by gang rank); ValueError saying why it cannot be queued."""
         with self.lock:
             job = self.core.submit(spec, on=key)
             self._execute()
@@ -559,10 +560,20 @@ class Agent:
 
     def _launch(self, action: Launch) -> None:
         job = action.job
+        if job.state is FillState.STOPPED:
+            return  # a gang's member stopped with another that failed to start, before its own launch came up
+        gang = job.gang
+        port = None
+        if gang is not None:
+            port = self._gang_ports.setdefault(gang.id, free_port())
+            if job.gang_rank == gang.size - 1:
+                del self._gang_ports[gang.id]  # its last member: the port is the processes' now
         try:
             # Isolated only while the backend works; otherwise (allowed unisolated) no client variables.
             env = self.isolation.client_env(action.device, job.spec.memory_bytes) if action.isolated else {}
-            req = LaunchRequest(job.spec, action.socket_path, device=action.device, core=action.core, env=env)
+            req = LaunchRequest(job.spec, action.socket_path, device=action.device, core=action.core, env=env,
+                                gang_rank=job.gang_rank if gang is not None else None,
+                                gang_size=gang.size if gang is not None else 1, gang_port=port)
             proc = self.launcher.launch(req)
         except (OSError, ValueError) as exc:
             self.core.launch_failed(job, str(exc))

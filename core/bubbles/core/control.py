@@ -13,7 +13,13 @@ value, an unknown type or a missing required field is still refused. New fields 
 harmlessly; a new command or event type is refused by it with a message, and the line is dropped. (v1 refused
 unknown fields too: its SDKs and agents work only with their own release.) v3 adds the version itself: the attaching
 process says its version in ``hello`` (``protocol``) and the agent its own in ``welcome``; each refuses a peer older
-than ``MIN_VERSION``, naming both versions. A peer that sends no version predates the field: v2.
+than ``MIN_VERSION``, naming both versions. A peer that sends no version predates the field: v2. v4 adds gang jobs (a
+fill job over several GPUs of one stage, one process each): ``arm`` carries ``sockets``, every GPU's fill socket of the
+gang with the process's own GPU's first (``socket`` stays, the first, for runtimes before it); ``hello`` carries the
+process's ``gang_rank`` and ``welcome`` the gang's ``sockets``. A runtime before v4 armed for a gang would listen on its
+own GPU only, and so start steps whose collectives wait for peers still inside the training's compute: the steps would
+outlive their bubbles until the watchdog killed them. The agent therefore refuses a gang process whose ``hello`` says
+no ``gang_rank`` (only v4 SDKs send one), with a reason naming the upgrade.
 
 The fill process inherits its end of the socketpair; its number is in ``$BUBBLES_CONTROL_FD``.
 
@@ -58,13 +64,14 @@ CHECKPOINT_ENV = "BUBBLES_CHECKPOINT"  # a directory where the SDK keeps the job
 GANG_RANK_ENV = "BUBBLES_GANG_RANK"  # 0 .. size-1
 GANG_SIZE_ENV = "BUBBLES_GANG_SIZE"  # the job's gpus
 GANG_PORT_ENV = "BUBBLES_GANG_PORT"  # where the gang's processes rendezvous
+MAX_GANG = 16  # processes (GPUs) of one gang the channel carries: more than a node's GPUs of a stage
 
 # A fill process's /proc/PID/oom_score_adj, the highest: when the node runs out of memory the kernel's OOM killer takes
 # fill processes before the training. The agent sets it on the processes it starts, the SDK on its own process (a fill
 # Pod's too); raising one's own score needs no privilege, and children inherit it.
 FILL_OOM_SCORE_ADJ = 1000
 MAX_LINE_BYTES = 64 * 1024
-VERSION = 3
+VERSION = 4
 MIN_VERSION = 2  # the oldest peer either side works with: from v2 on unknown fields are tolerated
 UNVERSIONED = 2  # what a peer that sends no version speaks
 
@@ -77,7 +84,9 @@ _NUM = (int, float)
 # type -> {field: (python types, required)}
 COMMANDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "init": {},
-    "arm": {"mode": ((str,), True), "share": (_NUM, False), "socket": ((str,), False)},
+    # sockets (v4): a gang's fill sockets, one per GPU, the process's own GPU's first; socket, when both come, is the
+    # first of them (what a runtime before v4 binds).
+    "arm": {"mode": ((str,), True), "share": (_NUM, False), "socket": ((str,), False), "sockets": ((list,), False)},
     "disarm": {},
     "share": {"share": (_NUM, True)},
     # The training's limit on steps past a bubble's predicted end: the runtime takes the lower of this and its own
@@ -120,11 +129,11 @@ NON_NEGATIVE = frozenset({"step.flops"})
 # The attach handshake: the process's first line, and the agent's one reply.
 HELLO: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "hello": {"uid": ((str,), True), "attempt": ((int,), True), "gpu": ((str,), False), "pid": ((int,), False),
-              "protocol": ((int,), False)},
+              "protocol": ((int,), False), "gang_rank": ((int,), False)},
 }
 REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "welcome": {"job": ((str,), True), "socket": ((str,), True), "stage": ((int,), True),
-                "protocol": ((int,), False)},
+                "protocol": ((int,), False), "sockets": ((list,), False)},
     "refused": {"reason": ((str,), True)},
 }
 
@@ -158,6 +167,8 @@ def parse_command(line: bytes | str) -> ControlMessage:
     msg = _parse(line, COMMANDS, "command")
     if msg.type == "arm":
         parse_mode(msg["mode"], "arm.mode")
+        if "sockets" in msg.fields:
+            check_sockets(msg["sockets"], "arm.sockets", msg.get("socket"))
     if "share" in msg.fields and not 0 <= msg["share"] <= 1:
         raise ControlError(f"{msg.type}.share must be in [0, 1], got {msg['share']!r}")
     if "tail_risk" in msg.fields:
@@ -209,6 +220,9 @@ def parse_hello(line: bytes | str) -> ControlMessage:
     if not msg["uid"] or msg["attempt"] < 0:
         raise ControlError("hello needs the FillJob's uid and an attempt >= 0 (the operator sets "
                            f"${UID_ENV} and ${ATTEMPT_ENV} in the fill Pod)")
+    if not 0 <= msg.get("gang_rank", 0) < MAX_GANG:
+        raise ControlError(f"hello.gang_rank must be the process's place in its gang, from 0 to {MAX_GANG - 1} "
+                           f"(${GANG_RANK_ENV}), got {msg['gang_rank']!r}")
     _check_version(msg)
     return msg
 
@@ -217,7 +231,23 @@ def parse_reply(line: bytes | str) -> ControlMessage:
     """Parse the agent's answer to ``hello``; ControlError naming what is wrong."""
     msg = _parse(line, REPLIES, "reply")
     _check_version(msg)
+    if "sockets" in msg.fields:
+        check_sockets(msg["sockets"], "welcome.sockets", msg["socket"])
     return msg
+
+
+def check_sockets(sockets: list[Any], what: str, first: str | None = None) -> list[str]:
+    """A gang's fill sockets (``arm.sockets``, ``welcome.sockets``): 1 to ``MAX_GANG`` distinct absolute paths, the
+    process's own GPU's first, so equal to ``first`` (the message's ``socket``) when that is given; ControlError
+    naming ``what`` otherwise."""
+    ok = 1 <= len(sockets) <= MAX_GANG and all(isinstance(p, str) and p.startswith("/") and "\0" not in p
+                                               for p in sockets)
+    if not ok or len(set(sockets)) != len(sockets):
+        raise ControlError(f"{what} must list 1 to {MAX_GANG} distinct absolute socket paths (one per GPU of the "
+                           f"gang, its own GPU's first), got {sockets!r}"[:400])
+    if first is not None and sockets[0] != first:
+        raise ControlError(f"{what} must start with the process's own GPU's socket {first!r}, got {sockets[0]!r}")
+    return sockets
 
 
 def peer_version(msg: ControlMessage) -> int:

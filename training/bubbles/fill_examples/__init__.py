@@ -1,4 +1,5 @@
-"""Example fill jobs that run on CPU: a small CNN training step and a batched inference step.
+"""Example fill jobs that run on CPU: a small CNN training step, a batched inference step, and a gang's
+tensor-parallel inference step (``gang_inference``: one process per GPU, all-reducing among them each step).
 
 Both count their step's FLOPs once, with ``torch.utils.flop_counter.FlopCounterMode`` on the first
 step, and report that figure for every later step: the counter intercepts every operator, which

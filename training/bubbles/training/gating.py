@@ -11,6 +11,9 @@ bubble has lasted, is small.
 
 ``StartPredictor``: when the next bubble should start, for busy-polling around it.
 
+``GangGate``: the bubbles a gang's GPUs share (a fill job over N GPUs of one stage, one process each), from the N
+GPUs' signals.
+
 ``bubbles.training.sdk.runtime.FillRuntime`` is the shell that feeds them the signals and step times and runs what
 they allow.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bubbles.core.stats import percentile
 
@@ -204,3 +208,71 @@ class StartPredictor:
             if best is None or nxt < best:
                 best = nxt
         return best
+
+
+@dataclass(frozen=True)
+class SharedBubble:
+    """A bubble of every GPU of a gang at once: from the last of their STARTs to the first of their ENDs.
+
+    ``seq``: stream 0's (the process's own GPU's) number for it, what the agent's records of that GPU know it by.
+    ``predicted_end_ns``: the earliest of the GPUs' predicted ends."""
+
+    slot: int
+    seq: int
+    start_ns: int
+    predicted_end_ns: int
+
+
+class GangGate:
+    """The bubbles a gang's ``size`` GPUs share, from each GPU's BUBBLE_START/BUBBLE_END signals (stream ``i``: the
+    ``i``-th GPU, the process's own first). Pure: every time is a signal's stamp.
+
+    The gang's processes do collectives with each other, so a step of one waits for the others': it may run only
+    while every GPU of the gang is in a bubble. The GPUs are ranks of one stage and run one schedule, so their bubbles
+    of a slot line up; the gang's bubble of a slot opens at the last of the N STARTs of that slot and closes at the
+    first END among them, with the earliest predicted end. Bubbles are matched by slot, not by sequence number: each
+    hook numbers only the bubbles it signals, and two ranks whose profiles differ (each profiles its own) number the
+    same bubble differently.
+
+    Each stream's bubble is its newest START until that START's END, the single-GPU runtime's rule
+    (``FillRuntime._drain_signals``): a START supersedes the stream's open bubble (its END was lost), and an END of
+    another number is stale. Once the gang's bubble has closed, every stream needs a new START before the next one
+    opens, so a stream whose END was lost cannot join its stale bubble to the others' next one. A stream that never
+    signals keeps the gate shut. With ``size`` 1 it is the single-GPU rule exactly.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"GangGate needs a gang of at least one GPU, got {size!r}")
+        self.size = size
+        self._open: list[tuple[int, int, int, int] | None] = [None] * size  # stream -> (slot, seq, start, end)
+        self.shared: SharedBubble | None = None  # the gang's bubble while it is open
+
+    def start(self, stream: int, slot: int, seq: int, start_ns: int, predicted_end_ns: int) -> SharedBubble | None:
+        """A BUBBLE_START on ``stream``; the gang's bubble if this START opens it (the last of the N), else None. A
+        START on a stream of the open gang's bubble supersedes that bubble (``shared`` is None then, or the new
+        one)."""
+        self._open[stream] = (slot, seq, start_ns, predicted_end_ns)
+        self.shared = None
+        opened = self._open
+        if any(b is None or b[0] != slot for b in opened):
+            return None
+        own = opened[0]
+        assert own is not None
+        self.shared = SharedBubble(slot, own[1], max(b[2] for b in opened if b is not None),
+                                   min(b[3] for b in opened if b is not None))
+        return self.shared
+
+    def end(self, stream: int, seq: int) -> SharedBubble | None:
+        """A BUBBLE_END of bubble ``seq`` on ``stream``; the gang's bubble if this END closes it (the first of the
+        N), else None (a stale END, or one of a bubble the gang's was not open in)."""
+        mine = self._open[stream]
+        if mine is None or mine[1] != seq:
+            return None
+        shared = self.shared
+        if shared is None:
+            self._open[stream] = None
+            return None
+        self.shared = None
+        self._open = [None] * self.size  # every stream's bubble was part of it: spent
+        return shared

@@ -17,13 +17,16 @@ from .records import JobRecord
 @dataclass(frozen=True)
 class Launch:
     """Start ``job``'s process on ``device`` (pinned to ``core``); ``isolated``: give it the isolation's
-    client environment. Report back with ``AgentCore.launched`` or ``AgentCore.launch_failed``."""
+    client environment. Report back with ``AgentCore.launched`` or ``AgentCore.launch_failed``. A gang's member
+    (``job.gang``): one of N launches of one decision, each with every GPU's fill socket of the gang (``sockets``, its
+    own first); the shell gives the N processes one rendezvous port."""
 
     job: JobRecord
     device: str
     core: int | None
     socket_path: Path
     isolated: bool
+    sockets: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)

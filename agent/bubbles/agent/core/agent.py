@@ -17,13 +17,19 @@ feed the training's one slowdown guard, whose share and pause go to every armed 
 closed: a fill job starts only while the chosen mode works (or the user
 allowed running unisolated); jobs whose isolation was lost are stopped and resubmitted (a new record, at
 most ``MAX_ISOLATION_RESUBMISSIONS`` times).
+
+A gang job (``FillJobSpec.gpus`` N > 1, an SDK job) is N records, one per GPU of one stage (``records.Gang``): placed
+on N GPUs of one stage together (``_place_gang``), launched once all N GPUs are free (``_admit_gang``), armed together
+once all N have finished their init (``JobControl._apply_gang_mode``), and stopped together, with the reason of the
+member that stopped first (``JobControl._stop_gang``): a watchdog's kill, a failure or an early exit of one process
+ends them all, since the others' collectives would wait for it.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +58,7 @@ from .ending import Ending, HookFacts
 from .jobs import JobControl
 from .membership import TRAINING_RECHECK_S, TrainingMembership, may_ask
 from .planning import PLAN_FACTOR, slot_predictions, start_lag, start_lag_s, within_factor
-from .records import MODE_SETTLE_ITERATIONS, UNISOLATED, ExecutorState, JobRecord, OpenBubble
+from .records import MODE_SETTLE_ITERATIONS, UNISOLATED, ExecutorState, Gang, JobRecord, OpenBubble
 from .reporting import Snapshot, snapshot_of, status_of, summary_of
 from .timers import Timer, TimerKind
 
@@ -101,13 +107,17 @@ class AgentCore(JobControl):
         return self._timers.due_jobs(now_ns)
 
     # -- inputs ------------------------------------------------------------------------------------------
-    def submit(self, spec: FillJobSpec, on: GpuKey | None = None) -> JobRecord:
+    def submit(self, spec: FillJobSpec, on: GpuKey | Sequence[GpuKey] | None = None) -> JobRecord:
         """Queue a fill job (SUBMITTED) on the GPU with the fewest jobs (of its stage, for one that names a stage)
         until the candidates have profiled, when it is placed for good (``_place``), or on GPU ``on`` where it was
-        placed already (cluster mode: the operator's assignment); ValueError if it cannot be queued (a duplicate name,
-        no GPU of such a stage, a GPU job without a memory limit)."""
+        placed already (cluster mode: the operator's assignment; a gang's N GPUs, by gang rank); ValueError if it
+        cannot be queued (a duplicate name, no GPU of such a stage, a GPU job without a memory limit, a gang that is
+        not an SDK job or whose GPUs are not N of one stage). A gang's record returned is its leader's (gang rank 0).
+        """
         if any(j.name == spec.name and j.state is not FillState.STOPPED for j in self.jobs):
             raise ValueError(f"a fill job named {spec.name!r} is already running; names must be unique")
+        if spec.gpus > 1 or (on is not None and not isinstance(on, GpuKey)):
+            return self._submit_gang(spec, None if on is None else tuple([on] if isinstance(on, GpuKey) else on))
         if on is not None and not self.serves(on):
             raise ValueError(f"fill job {spec.name!r} was placed on {on}, which this agent does not serve (no hook of "
                              "that rank has written its card here)")
@@ -132,6 +142,52 @@ class AgentCore(JobControl):
         if self.serving:
             self._admit(ex)
         return job
+
+    def _submit_gang(self, spec: FillJobSpec, on: tuple[GpuKey, ...] | None) -> JobRecord:
+        """``submit`` for a gang: its leader queued like a single job until placed (``_place_gang``), or all N
+        members queued on ``on``, where the operator placed them."""
+        if not spec.iterative:
+            raise ValueError(f"fill job {spec.name!r} asks for {spec.gpus} GPUs (gpus: {spec.gpus}), but only an SDK "
+                             "job (entry: module:Class of an IterativeFillJob) runs as a gang: its processes step "
+                             "together on the bubbles their GPUs share, which the SDK's runtime gates; run a plain "
+                             "command or an imperative job with gpus: 1")
+        if on is not None:
+            if len(on) != spec.gpus or len(set(on)) != len(on) or len({k.stage for k in on}) != 1:
+                raise ValueError(f"fill job {spec.name!r} asks for {spec.gpus} GPUs of one stage (gpus: {spec.gpus}) "
+                                 f"but was placed on {', '.join(map(str, on))}: a gang needs {spec.gpus} distinct "
+                                 "ranks of one stage")
+            missing = [k for k in on if not self.serves(k)]
+            if missing:
+                raise ValueError(f"fill job {spec.name!r} was placed on {missing[0]}, which this agent does not serve "
+                                 "(no hook of that rank has written its card here)")
+        candidates = [self.executor(k) for k in on] if on is not None else self._candidates(spec)
+        if not candidates:
+            raise ValueError(f"fill job {spec.name!r}: the agent serves no GPU " + (
+                f"of stage {spec.stage}" if spec.stage is not None else "yet") + " (no hook of training "
+                f"{self.config.training!r} has written its card there); submit it once the training runs")
+        if any(control.cuda_device_index(e.device) is not None for e in candidates) and spec.memory_bytes <= 0:
+            raise ValueError(f"fill job {spec.name!r} would run on GPUs but declares no memory limit; a GPU fill job "
+                             "must set 'memory', a hard limit per process (e.g. memory: 2Gi)")
+        gang = Gang(next(self._ids), spec.gpus)
+        keys = on if on is not None else (min(candidates, key=lambda e: (len(e.queue) + (e.active is not None),
+                                                                          e.key)).key,)
+        for rank, key in enumerate(keys):
+            job = JobRecord(next(self._ids), spec, key, placed=on is not None, gang=gang, gang_rank=rank)
+            gang.members.append(job)
+            self._add_job(job)
+            self.executor(key).queue.append(job)
+        lead = gang.members[0]
+        self._event(lead.key, lead.name, "submitted", f"queued: a gang of {spec.gpus} GPUs"
+                    + (f" on {self._gpus_of(gang)}" if on is not None else ""))
+        if self.serving:
+            for key in keys:
+                self._admit(self.executor(key))
+        return lead
+
+    @staticmethod
+    def _gpus_of(gang: Gang) -> str:
+        """The GPUs of a placed gang, for a person: "stage 0 ranks 0, 1"."""
+        return f"stage {gang.members[0].stage} ranks {', '.join(str(m.rank) for m in gang.members)}"
 
     def _candidates(self, spec: FillJobSpec) -> list[ExecutorState]:
         """The GPUs a job may run on: its stage's, or every one for a job that names none."""
@@ -220,16 +276,17 @@ class AgentCore(JobControl):
 
     def cancel(self, name: str, reason: str) -> bool:
         """Stop the fill job ``name`` (queued or running) with ``reason``; False if no such job is live."""
-        for job in self.jobs:
-            if job.name == name and job.state is not FillState.STOPPED:
-                ex = self.executor(job.key)
-                if job in ex.queue:
-                    ex.queue.remove(job)
-                self._stop_job(job, reason)
-                if ex.active is None:
-                    self._admit(ex)
-                return True
-        return False
+        live = [j for j in self.jobs if j.name == name and j.state is not FillState.STOPPED]
+        for job in live:  # a gang's members all (each leaves its queue; stopping one stops the others)
+            ex = self.executor(job.key)
+            if job in ex.queue:
+                ex.queue.remove(job)
+            self._stop_job(job, reason)
+        for job in live:
+            ex = self.executor(job.key)
+            if ex.active is None:
+                self._admit(ex)
+        return bool(live)
 
     def set_guard_limits(self, budget: float | None, max_share: float | None, source: str,
                          tail_risk: float | None = None) -> bool:
@@ -349,7 +406,12 @@ class AgentCore(JobControl):
         if not job.launched:
             return
         if job.state is not FillState.STOPPED:
-            if job.finished or code == 0:
+            if job.gang is not None and not job.finished and code == 0:
+                # Without "finished" and unasked: gone before its gang (its channel closed, say); the others would
+                # wait for it in their collectives.
+                self._set_state(job, FillState.STOPPED, "failed: its process exited (code 0) before the gang had "
+                                "finished")
+            elif job.finished or code == 0:
                 self._set_state(job, FillState.STOPPED, "finished")
             else:
                 detail = f": {job.last_error}" if job.last_error else ""
@@ -635,11 +697,15 @@ class AgentCore(JobControl):
         while ex.active is None and ex.queue and ex.cycle is not None:
             job = ex.queue[0]
             if job.state is FillState.SUBMITTED and not job.placed:
-                if not self._place(job):
+                if not (self._place_gang(job) if job.gang is not None else self._place(job)):
                     return  # the other GPUs' profiles are due: placed when they come (on_datagram)
                 if job.key != ex.key:
                     self._admit(self.executor(job.key))
                     continue
+            if job.gang is not None and job.state is FillState.SUBMITTED:
+                if not self._admit_gang(job.gang):
+                    return  # its other GPUs are busy or not profiled: launched when the last is free
+                continue
             job = ex.queue.popleft()
             if job.state is not FillState.SUBMITTED:
                 continue
@@ -700,12 +766,107 @@ class AgentCore(JobControl):
         return True
 
     def _place_waiting(self) -> None:
-        """Place the queued jobs not placed yet, where the time to wait for profiles has run out."""
+        """Place the queued jobs not placed yet, where the time to wait for profiles has run out; launch a gang
+        whose GPUs have all come free."""
         for ex in list(self.executors):
             if ex.cycle is not None and ex.active is None and ex.queue:
                 head = ex.queue[0]
-                if not head.placed:
+                if not head.placed or head.gang is not None:
                     self._admit(ex)
+
+    def _place_gang(self, job: JobRecord) -> bool:
+        """Put a gang's leader and its N-1 other members on N GPUs of one stage: of the stages with N profiled GPUs
+        (its own, for one that names a stage), the N GPUs whose shared bubble time (``_shared_bubble_s``) is the
+        most, free GPUs before busy ones; False while profiles are due (as ``_place``). A gang no stage holds is
+        rejected (STOPPED, said), True then."""
+        gang = job.gang
+        assert gang is not None
+        candidates = self._candidates(job.spec)
+        profiled = [e for e in candidates if e.cycle is not None]
+        if not profiled:
+            return False
+        first = min(e.profiled_ns for e in profiled if e.profiled_ns is not None)
+        if len(profiled) < len(candidates) and self.clock() - first < PLACE_WAIT_NS:
+            return False
+
+        def others(e: ExecutorState) -> int:
+            return len([j for j in e.queue if j is not job]) + (e.active is not None)
+
+        by_stage: dict[int, list[ExecutorState]] = {}
+        for e in profiled:
+            by_stage.setdefault(e.stage, []).append(e)
+        choices = []
+        for stage, exs in by_stage.items():
+            if len(exs) < gang.size:
+                continue
+            chosen = sorted(sorted(exs, key=lambda e: (others(e), -(e.cycle.bubble_s if e.cycle else 0.0),
+                                                       e.key))[:gang.size], key=lambda e: e.key)
+            shared = _shared_bubble_s(chosen)
+            free = all(others(e) == 0 for e in chosen)
+            choices.append(((free, shared, -sum(others(e) for e in chosen), -stage), chosen, shared))
+        if not choices:
+            counts = {k: len(v) for k, v in sorted(by_stage.items())}
+            served = ", ".join(f"stage {k}: {n}" for k, n in counts.items()) or "none"
+            where = f"stage {job.spec.stage}" if job.spec.stage is not None else "any stage"
+            reason = (f"rejected: it asks for {gang.size} GPUs of one stage (gpus: {gang.size}), but {where} has fewer "
+                      f"profiled GPUs here ({served}); lower gpus to a stage's ranks on this node, or name a stage "
+                      "that has them")
+            log.error("fill job %r %s", job.name, reason)
+            self.rejected_jobs += 1
+            job.placed = True
+            self._stop_job(job, reason)
+            return True
+        _, chosen, shared = max(choices, key=lambda c: c[0])
+        job.placed = True
+        if chosen[0].key != job.key:
+            self.executor(job.key).queue.remove(job)
+            chosen[0].queue.append(job)
+            job.key = chosen[0].key
+        for rank, e in enumerate(chosen[1:], start=1):
+            member = JobRecord(next(self._ids), job.spec, e.key, placed=True, gang=gang, gang_rank=rank,
+                               resubmission=job.resubmission)
+            gang.members.append(member)
+            self._add_job(member)
+            e.queue.append(member)
+        iteration_s = chosen[0].cycle.iteration_s if chosen[0].cycle else 0.0
+        message = (f"on {self._gpus_of(gang)}, the most bubble time the {gang.size} share: {shared * 1e3:.1f} ms of "
+                   f"{iteration_s * 1e3:.1f} ms per iteration")
+        log.info("fill job %r placed %s", job.name, message)
+        self._event(job.key, job.name, "placed", message)
+        return True
+
+    def _admit_gang(self, gang: Gang) -> bool:
+        """Launch a gang's N members at once, when each is first in its GPU's queue and every one of its GPUs is free
+        and profiled; False while not. True once launched, or rejected (a member's plan or socket; the others stop
+        with it)."""
+        members = gang.members
+        exs = [self.executor(m.key) for m in members]
+        if len(members) < gang.size or any(e.active is not None or e.cycle is None or not e.queue or e.queue[0] is not m
+                                           for m, e in zip(members, exs, strict=True)):
+            return False
+        for e in exs:
+            e.queue.popleft()
+        for m, e in zip(members, exs, strict=True):
+            if m.state is not FillState.SUBMITTED:
+                return True
+            nodes = m.spec.plan_nodes()
+            m.planned_with_step = nodes is not None
+            if nodes is None:
+                nodes = (FillNode(1e-9, m.spec.memory_bytes),)
+            if not self._plan(e, m, nodes, steps=None if m.planned_with_step else 1):
+                return True
+            problem = paths.socket_path_problem(self._fill_socket(m))
+            if problem is not None:
+                log.error("%s: fill job %r not started: %s", e.key, m.name, problem)
+                self._set_state(m, FillState.STOPPED, f"not started: {problem}")
+                return True
+        isolated = self.isolation_raw.state == IsolationState.READY
+        for m, e in zip(members, exs, strict=True):
+            e.active = m
+        for m, e in zip(members, exs, strict=True):
+            self._actions.append(Launch(m, e.device, e.core, self._fill_socket(m), isolated=isolated,
+                                        sockets=self._gang_sockets(m)))
+        return True
 
     def _context_bytes(self, ex: ExecutorState) -> int:
         """What a fill process on ``ex`` takes beside its allocator's cap: its CUDA context, on a GPU outside MPS."""
@@ -866,6 +1027,11 @@ class AgentCore(JobControl):
             entry.update(namespace=ex.key.namespace, rank=ex.rank, key=str(ex.key))
         for entry, job in zip(out["jobs"], self.jobs, strict=True):
             entry.update(rank=job.rank, key=str(job.key))
+            if job.gang is not None:
+                # One progress for the gang: its processes step together.
+                entry["gang"] = {"rank": job.gang_rank, "size": job.gang.size,
+                                 "gpus": [str(k) for k in job.gang.keys], "steps": job.gang.steps,
+                                 "flops": job.gang.flops}
         out["namespace"] = self.config.namespace
         out["guard"]["rank"] = self.guard_key.rank if self.guard_key is not None else None
         return out
@@ -873,6 +1039,17 @@ class AgentCore(JobControl):
     def summary(self) -> str:
         """What was harvested, per GPU, in a few lines for a person (``reporting.summary_of``)."""
         return summary_of(self)
+
+
+def _shared_bubble_s(exs: Sequence[ExecutorState]) -> float:
+    """The bubble time per iteration that GPUs of one stage share: slot by slot, the shortest of their bubbles (their
+    schedules line up), or the least of their totals where their profiles list different slots."""
+    cycles = [e.cycle for e in exs if e.cycle is not None]
+    if not cycles:
+        return 0.0
+    if len({len(c.slots) for c in cycles}) != 1:
+        return min(c.bubble_s for c in cycles)
+    return sum(min(slots) for slots in zip(*([s.duration_s for s in c.slots] for c in cycles), strict=True))
 
 
 def _reversed(key: GpuKey) -> tuple[int, int]:

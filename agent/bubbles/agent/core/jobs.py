@@ -20,7 +20,7 @@ from ..ledger import HarvestLedger
 from .actions import Action, Release, Send, Signal
 from .config import CoreConfig
 from .ending import Ending, TrainingEnd
-from .records import BubbleRecord, EventRecord, ExecutorState, JobRecord, StepRecord
+from .records import BubbleRecord, EventRecord, ExecutorState, Gang, JobRecord, StepRecord
 from .reporting import MetricsSink, NullSink
 from .timers import TimerKind, Timers
 
@@ -158,7 +158,22 @@ class JobControl:
             ex = self.executor(job.key)
             if ex.active is job and not job.launched:
                 ex.active = None
+            if job.gang is not None:
+                self._stop_gang(job, job.reason)
 
+    def _stop_gang(self, job: JobRecord, reason: str) -> None:
+        """A gang's member stopped: so do the others (their collectives would wait for it forever), with its reason;
+        a failure names the member it came from. Queued members leave their queues."""
+        assert job.gang is not None
+        if reason.startswith(("failed", "killed")):
+            reason = f"{reason} (gang rank {job.gang_rank}: stage {job.stage} rank {job.rank})"
+        for peer in job.gang.members:
+            if peer is job or peer.state is FillState.STOPPED:
+                continue
+            queue = self.executor(peer.key).queue
+            if peer in queue:
+                queue.remove(peer)
+            self._stop_job(peer, reason)
     def _add_job(self, job: JobRecord) -> None:
         """Keep ``job``'s record, and let go of the oldest finished ones beyond MAX_STOPPED_JOBS: an agent on a cluster
         node serves hundreds of fill jobs a day for weeks (their totals stay in the ledgers)."""
@@ -185,6 +200,14 @@ class JobControl:
         job.launched = False
         self._actions.append(Release(job, self._fill_socket(job)))
 
+    def _gang_sockets(self, job: JobRecord) -> tuple[Path, ...]:
+        """A gang member's fill sockets: one per GPU of the gang, its own GPU's first (``arm.sockets``); its own alone
+        for a single-GPU job. The gang's leader binds them all; the hook of each GPU signals the one in its fills/."""
+        own = self._fill_socket(job)
+        if job.gang is None:
+            return (own,)
+        return (own, *(self._fill_socket(m) for m in job.gang.members if m is not job))
+
     def _fill_socket(self, job: JobRecord) -> Path:
         """Where ``job`` binds its socket: in its GPU's ``fills/`` (``paths.fill_socket``; a pre-v4 card's stage
         directory has one too)."""
@@ -200,11 +223,12 @@ class JobControl:
 
     def _apply_mode(self, ex: ExecutorState, job: JobRecord) -> None:
         """Arm, re-arm or disarm the active job for the executor's mode and the guard's pause."""
+        if job.gang is not None:
+            self._apply_gang_mode(job.gang)
+            return
         if not job.launched or job.state not in (FillState.PAUSED, FillState.RUNNING) or job.verification == "pending":
             return
-        want: FillMode | None = None if ex.mode is FillMode.OFF else ex.mode
-        if self.fill_paused and want is FillMode.HARVEST:
-            want = None
+        want = self._wanted_mode(ex)
         if not job.iterative:
             if want is FillMode.NAIVE:
                 self._signal(job, signal.SIGCONT)
@@ -224,6 +248,35 @@ class JobControl:
         job.armed = want
         job.in_step = None
 
+    def _wanted_mode(self, ex: ExecutorState) -> FillMode | None:
+        """The mode an active job of ``ex`` is armed in now: the executor's, unless the guard paused harvesting."""
+        want: FillMode | None = None if ex.mode is FillMode.OFF else ex.mode
+        if self.fill_paused and want is FillMode.HARVEST:
+            want = None
+        return want
+
+    def _apply_gang_mode(self, gang: Gang) -> None:
+        """Arm a gang's members together or not at all: only once every member has finished its init (and had its
+        isolation verified), and only in a mode all its GPUs are in. A member armed alone would start steps whose
+        collectives wait for peers that are not stepping."""
+        members = gang.members
+        ready = len(members) == gang.size and all(
+            m.launched and m.state in (FillState.PAUSED, FillState.RUNNING) and m.verification != "pending"
+            for m in members)
+        wants = {self._wanted_mode(self.executor(m.key)) for m in members}
+        want = wants.pop() if ready and len(wants) == 1 else None
+        for m in members:
+            if not m.launched or m.state not in (FillState.PAUSED, FillState.RUNNING) or want is m.armed:
+                continue
+            if want is None:
+                self._send(m, "disarm")
+            else:
+                self._send_limits(m)
+                sockets = [str(p) for p in self._gang_sockets(m)]
+                self._send(m, "arm", mode=want.label, share=self.share, socket=sockets[0], sockets=sockets)
+            m.armed = want
+            m.in_step = None
+
     def _hold(self, ex: ExecutorState) -> None:
         """Fail closed: queued jobs stay SUBMITTED and say what they wait for."""
         for job in ex.queue:
@@ -236,6 +289,9 @@ class JobControl:
             job.reason += " (the operator restarts it in a new Pod)"
             return
         count = job.resubmission + 1
+        if job.gang is not None and count <= MAX_ISOLATION_RESUBMISSIONS:
+            self._resubmit_gang(job.gang, count)
+            return
         if count > MAX_ISOLATION_RESUBMISSIONS:
             job.reason += f" (not resubmitted: already restarted {MAX_ISOLATION_RESUBMISSIONS} times after " \
                           "isolation losses)"
@@ -250,6 +306,21 @@ class JobControl:
         log.warning("%s: fill job %r resubmitted after isolation loss (%d/%d)", job.key, job.name, count,
                     MAX_ISOLATION_RESUBMISSIONS)
         self._event(job.key, job.name, "resubmit", again.reason)
+
+    def _resubmit_gang(self, gang: Gang, count: int) -> None:
+        """Queue a gang again as a new one on the same GPUs, at the head of each of their queues."""
+        again = Gang(next(self._ids), gang.size)
+        for old in gang.members:
+            member = JobRecord(next(self._ids), old.spec, old.key, resubmission=count, placed=True, gang=again,
+                               gang_rank=old.gang_rank)
+            member.reason = f"resubmitted after isolation loss ({count}/{MAX_ISOLATION_RESUBMISSIONS})"
+            again.members.append(member)
+            self._add_job(member)
+            self.executor(member.key).queue.appendleft(member)
+        lead = again.members[0]
+        log.warning("%s: gang fill job %r resubmitted after isolation loss (%d/%d)", lead.key, lead.name, count,
+                    MAX_ISOLATION_RESUBMISSIONS)
+        self._event(lead.key, lead.name, "resubmit", lead.reason)
 
     def _stop_job(self, job: JobRecord, reason: str, sig: int | None = None) -> None:
         """STOPPED with ``reason``; ask the process to stop (or signal it) if it runs."""

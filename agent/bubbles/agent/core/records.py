@@ -50,6 +50,8 @@ class JobRecord:
     resubmission: int = 0  # how often this spec was resubmitted after losing isolation
     verification: str = ""  # "" (none asked), "pending" (a VerifyIsolation out), "verified"
     stop_deadline: bool = False  # asked to stop, with a SIGKILL timed STOP_GRACE_S later
+    gang: Gang | None = None  # a gang job's records (one per GPU), this among them; None: a single-GPU job
+    gang_rank: int = 0  # its place in the gang: its process's $BUBBLES_GANG_RANK
     plan: PlanWatch = field(init=False)  # what it is planned to run per iteration, and how that compares
 
     def __post_init__(self) -> None:
@@ -83,6 +85,30 @@ class JobRecord:
                          ran_steps_per_iteration=chk.ran if chk is not None else None,
                          plan_ratio=chk.ratio if chk is not None else None,
                          plan_reason=chk.reason if chk is not None else "", plan_basis=basis)
+
+
+@dataclass(eq=False)
+class Gang:
+    """A gang job (``FillJobSpec.gpus`` N > 1): N records of one spec, one per GPU of one stage, each with its own
+    process; placed, launched, armed and stopped together (``AgentCore``). Its processes step together (the leader
+    tells the others each step: ``bubbles.training.sdk.gang``), so its steps are the fewest any of them ran, and its
+    FLOPs all of theirs."""
+
+    id: int
+    size: int
+    members: list[JobRecord] = field(default_factory=list)  # by gang rank; all N once placed
+
+    @property
+    def keys(self) -> tuple[GpuKey, ...]:
+        return tuple(m.key for m in self.members)
+
+    @property
+    def steps(self) -> int:
+        return min((m.steps for m in self.members), default=0)
+
+    @property
+    def flops(self) -> float:
+        return sum(m.flops for m in self.members)
 
 
 @dataclass(frozen=True)

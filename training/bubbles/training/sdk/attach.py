@@ -23,6 +23,9 @@ def attach_to_agent(device: str, timeout_s: float = 30.0) -> tuple[socket.socket
     except ValueError:
         raise ValueError(f"${control.ATTEMPT_ENV} must be an integer (the operator sets it)") from None
     hello: dict[str, Any] = {"uid": uid, "attempt": attempt, "pid": os.getpid(), "protocol": control.VERSION}
+    gang_rank = os.environ.get(control.GANG_RANK_ENV)
+    if gang_rank is not None:  # a gang's process (checked by gang_settings before): which of its GPUs' it is
+        hello["gang_rank"] = int(gang_rank)
     seen = gpu_uuid(device)
     if seen is not None:
         hello["gpu"] = seen

@@ -3,6 +3,10 @@
 Exit status: 0 when the job finished or was stopped, 2 for a bad command line or setting, 3 when a fill Pod's process
 could not attach to (or was refused by) the node's agent; a job's own exception propagates (non-zero) once the agent
 has been told what failed and where.
+
+A gang (``$BUBBLES_GANG_SIZE`` N > 1): the agent starts each of its N processes with its ``$BUBBLES_GANG_RANK``; in a
+fill Pod the one process the Pod runs has no rank, and starts the N itself, one per GPU
+(``bubbles.training.sdk.gang.run_gang``), exiting with the first failure.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from bubbles.training.sdk.attach import attach_to_agent, exec_attached
 from bubbles.training.sdk.checkpoint import CheckpointStore
 from bubbles.training.sdk.device import apply_process_limits, check_create_left_cuda_alone, cuda_contexts
 from bubbles.training.sdk.env import FillSettings
+from bubbles.training.sdk.gang import GangSettings, gang_settings, gang_size, run_gang
 from bubbles.training.sdk.jobs import ImperativeFillJob, IterativeFillJob, load_entry
 from bubbles.training.sdk.runtime import FillRuntime, FillStopped
 
@@ -49,6 +54,16 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["--exec"]:
         return exec_attached(args[1:])
     ns = _parser().parse_args(args)
+    try:
+        if os.environ.get(control.GANG_RANK_ENV) is None and os.environ.get(control.UID_ENV) \
+                and not os.environ.get(control.CONTROL_FD_ENV) and os.environ.get(control.GANG_SIZE_ENV):
+            size = gang_size(os.environ[control.GANG_SIZE_ENV])
+            if size > 1:  # a fill Pod's process of a gang: it starts one process per GPU, each of which attaches
+                return run_gang(args, size)
+        gang = gang_settings()
+    except ValueError as exc:
+        print(f"bubbles.sdk: {exc}", file=sys.stderr)
+        return 2
     core = os.environ.get(control.CORE_ENV)
     if core:
         # Before torch starts its threads: they inherit the affinity.
@@ -79,9 +94,11 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         return _run_imperative(cls(**kwargs), settings)
     name = os.environ.get(control.JOB_ENV, "fill")
     socket_path = os.environ.get(control.SOCKET_ENV)
+    sockets: list[str] = []
     if attached is not None:
         ctrl, welcome = attached
         name, socket_path = welcome["job"], welcome["socket"]
+        sockets = list(welcome.get("sockets") or ())
     elif not fd_text:
         print(f"bubbles.sdk: neither ${control.CONTROL_FD_ENV} (set by a local agent that starts this process) nor "
               f"${control.UID_ENV} (set by the operator in a fill Pod, to attach to the node's agent) is set",
@@ -89,7 +106,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         return 2
     else:
         ctrl = socket.socket(fileno=int(fd_text))
-    return _run_iterative(cls, kwargs, ctrl, name, socket_path, settings)
+    return _run_iterative(cls, kwargs, ctrl, name, socket_path, settings, sockets, gang)
 
 
 def _run_imperative(job: ImperativeFillJob, settings: FillSettings) -> int:
@@ -104,7 +121,7 @@ def _run_imperative(job: ImperativeFillJob, settings: FillSettings) -> int:
 
 
 def _run_iterative(cls: type, kwargs: dict[str, Any], ctrl: socket.socket, name: str, socket_path: str | None,
-                   settings: FillSettings) -> int:
+                   settings: FillSettings, sockets: list[str] | None = None, gang: GangSettings | None = None) -> int:
     """Create the job (restoring its checkpoint), report CREATED, serve the agent until stopped, then save the
     checkpoint; a job's exception is reported to the agent and raised again."""
     step_text = os.environ.get(control.STEP_S_ENV)
@@ -115,7 +132,8 @@ def _run_iterative(cls: type, kwargs: dict[str, Any], ctrl: socket.socket, name:
                           step_s=float(step_text) if step_text else None,
                           max_steps=int(max_steps_text) if max_steps_text else None,
                           device=settings.device, memory_bytes=settings.memory_bytes,
-                          spin_ns=settings.spin_ns, fill_wait=settings.fill_wait, own_tail_risk=settings.tail_risk)
+                          spin_ns=settings.spin_ns, fill_wait=settings.fill_wait, own_tail_risk=settings.tail_risk,
+                          sockets=sockets, gang=gang)
     # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
     signal.signal(signal.SIGTERM, _raise_stop)
     state = CheckpointStore.from_environment()

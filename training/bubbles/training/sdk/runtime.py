@@ -5,6 +5,12 @@ socketpair in ``$BUBBLES_CONTROL_FD`` (protocol: ``bubbles.core.control``). Whil
 binds ``fills/fill-<job>.sock`` in the stage directory (the ``fills/`` folder beside the training's hook socket), so
 the training's hook sends each BUBBLE_START/BUBBLE_END straight to it (one hop), and unlinks it when disarmed. The
 gates that decide which step fits are ``bubbles.training.gating``'s; this module feeds them and runs what they allow.
+
+A gang (a fill job over N GPUs of one stage, one process each; ``bubbles.training.sdk.gang``): its leader binds a fill
+socket on every GPU of the gang (``arm``'s ``sockets``) and gates on the bubbles they share
+(``bubbles.training.gating.GangGate``), telling the other processes, its followers, each step it takes; a follower
+binds no fill socket and runs the steps it is told. A single-GPU job runs the same code as before gangs, with one
+attribute test more per drain and per step.
 """
 
 from __future__ import annotations
@@ -21,8 +27,19 @@ from typing import Any
 from bubbles.core import control, wire
 from bubbles.core.api import DEFAULT_TAIL_RISK, FillMode
 from bubbles.core.control import cuda_device_index
-from bubbles.training.gating import StartPredictor, StepGates, TailRisk
+from bubbles.training.gating import GangGate, StartPredictor, StepGates, TailRisk
 from bubbles.training.sdk.device import DEFAULT_FILL_WAIT, DeviceSync, apply_process_limits, device_sync_for
+from bubbles.training.sdk.gang import (
+    FLAG_NAIVE,
+    FLAG_TAIL,
+    PASS_END,
+    STEP,
+    GangBroken,
+    GangSettings,
+    decode_command,
+    encode_command,
+    follower_address,
+)
 from bubbles.training.sdk.jobs import IterativeFillJob, StepResult
 from bubbles.training.sdk.profiling import check_step_sizes, profile_sizes, profile_step_time
 
@@ -57,11 +74,29 @@ class FillRuntime:
                  socket_path: str | None, step_s: float | None, max_steps: int | None = None,
                  device: str = "cpu", memory_bytes: int | None = None,
                  device_sync: DeviceSync | None = None, spin_ns: int = 0, fill_wait: str = DEFAULT_FILL_WAIT,
-                 own_tail_risk: float = DEFAULT_TAIL_RISK) -> None:
+                 own_tail_risk: float = DEFAULT_TAIL_RISK, sockets: Sequence[str] | None = None,
+                 gang: GangSettings | None = None) -> None:
         self.job = job
         self.ctrl = control_sock
         self.name = name
         self.socket_path = socket_path
+        # A gang's fill sockets, one per GPU, its own GPU's first (``arm.sockets``; the welcome's, attached); empty
+        # until an arm names them: then only ``socket_path``, its own GPU's.
+        self.sockets: list[str] = list(sockets or ())
+        self.gang = gang
+        self._gang_gate: GangGate | None = None  # the leader's, while armed in harvest mode for a gang
+        self._sigs: list[socket.socket] = []  # the leader's bound fill sockets, one per GPU of the gang
+        self._bound_paths: list[str] = []
+        # The leader's line to its followers, and a follower's to its leader (bubbles.training.sdk.gang).
+        self._to_followers: socket.socket | None = None
+        self._from_leader: socket.socket | None = None
+        if gang is not None and gang.size > 1:
+            if gang.leader:
+                self._to_followers = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            else:
+                self._from_leader = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._from_leader.bind(follower_address(gang.port, gang.rank))
+                self._from_leader.setblocking(False)
         self.step_s = step_s
         self.given_step_s = step_s  # the spec's step time, if any: a floor for the gates
         self.max_steps = max_steps
@@ -108,6 +143,7 @@ class FillRuntime:
         self._fallback: list[tuple[int | None, float]] = []
         self._starved = 0
         self.relaxed = False
+        self._follow_seq: int | None = None  # a follower: the bubble of the leader's pass under way
 
     # -- what the fill process tells the agent --------------------------------------------------
     def report_created(self) -> None:
@@ -202,8 +238,17 @@ class FillRuntime:
             self.share = float(cmd.get("share", self.share))
             if cmd.get("socket"):
                 self.socket_path = cmd["socket"]
+            if cmd.get("sockets"):
+                self.sockets = list(cmd["sockets"])
+                self.socket_path = self.sockets[0]
             self.disarm()
             self.mode = control.parse_mode(cmd["mode"], "arm.mode")
+            if self._from_leader is not None:
+                # A follower binds no fill socket: it runs the steps its leader tells it (``_follow``).
+                if self.mode is FillMode.NAIVE:
+                    self._emit("state", state="RUNNING")
+                    self._flush()
+                return
             if self.mode is FillMode.HARVEST:
                 self._bind()
             else:
@@ -236,6 +281,9 @@ class FillRuntime:
             self._emit("error", message="armed in harvest mode without a socket path")
             self._flush()
             return
+        if len(self.sockets) > 1:
+            self._bind_gang()
+            return
         path = self.socket_path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -246,9 +294,36 @@ class FillRuntime:
         self._bound_path = path
         self._bubble = None
 
+    def _bind_gang(self) -> None:
+        """The leader of a gang: a fill socket on every GPU of the gang, read as one stream each by the gang gate.
+        ``_sig`` is the first (its own GPU's), the one the poll loop's single-GPU paths know."""
+        for path in self.sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                s.bind(path)
+            except OSError:
+                s.close()
+                self.disarm()
+                raise
+            s.setblocking(False)
+            self._sigs.append(s)
+            self._bound_paths.append(path)
+        self._sig = self._sigs[0]
+        self._gang_gate = GangGate(len(self._sigs))
+        self._bubble = None
+
     def disarm(self) -> None:
         """Stop listening for bubbles: close the signal socket and unlink its path; the mode is OFF until the
         next ``arm``."""
+        if self._sigs:
+            for s in self._sigs:
+                s.close()
+            for path in self._bound_paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            self._sigs, self._bound_paths, self._sig, self._gang_gate = [], [], None, None
         if self._sig is not None:
             self._sig.close()
             self._sig = None
@@ -262,6 +337,9 @@ class FillRuntime:
     def _drain_signals(self, fresh: bool = False) -> None:
         """Read every pending bubble signal; the newest START opens a bubble, its END closes it. ``fresh``: the
         socket was just found readable (not read after a step), so an END's lag is the signal's own."""
+        if self._gang_gate is not None:
+            self._drain_gang(self._gang_gate, fresh)
+            return
         sig = self._sig
         while sig is not None:
             try:
@@ -287,6 +365,41 @@ class FillRuntime:
                     self.tail.end_lag(time.monotonic_ns() - t1)
             if self._bubble is not None and self._bubble.seq == seq:
                 self._bubble.ended = True
+
+    def _drain_gang(self, gate: GangGate, fresh: bool) -> None:
+        """The leader's ``_drain_signals``: every pending signal of every GPU of the gang into the gang gate; the
+        gang's bubble is open from the last START of a slot to the first END (``GangGate``)."""
+        for stream, sig in enumerate(self._sigs):
+            while True:
+                try:
+                    data = sig.recv(wire.MAX_DATAGRAM_BYTES + 1)
+                except BlockingIOError:
+                    break
+                fast = wire.decode_signal(data)
+                if fast is None:
+                    continue
+                kind, slot, seq, t1, t2 = fast
+                if kind == wire.Kind.BUBBLE_START:
+                    had = gate.shared
+                    opened = gate.start(stream, slot, seq, t1, t2)
+                    if opened is not None:
+                        self._bubble = self._started = _Bubble(opened.seq, opened.start_ns, opened.predicted_end_ns,
+                                                               slot)
+                        if self.spin_ns:
+                            self.predictor.started(slot, opened.start_ns)
+                    elif had is not None:  # a START superseded the gang's open bubble (an END was lost)
+                        self._bubble = self._started = None
+                    continue
+                closed = gate.end(stream, seq)
+                started = self._started
+                if closed is None or started is None:
+                    continue
+                self._started = None
+                self.tail.ended(started.slot, t1 - started.start_ns)
+                if fresh:
+                    self.tail.end_lag(time.monotonic_ns() - t1)
+                if self._bubble is started:
+                    started.ended = True
 
     def _open_bubble(self) -> bool:
         return self._bubble is not None and not self._bubble.ended
@@ -321,7 +434,7 @@ class FillRuntime:
 
     # -- stepping --------------------------------------------------------------------------------
     def _run_step(self, bubble_seq: int, signal_ns: int, announce: bool, start: int | None = None,
-                  size: int | None = None, tail: bool = False) -> float:
+                  size: int | None = None, tail: bool = False, mode: FillMode | None = None) -> float:
         """Run one step and wait for its device work, report it; return its duration in seconds.
 
         ``start`` is when the gate decided to run it (reported as the step's start, so the record
@@ -330,8 +443,13 @@ class FillRuntime:
         agent's overrun (step end - bubble end) measures how long fill work outlived the bubble.
         ``sync_ns`` is the part of the step spent waiting for queued device work. ``size``: the step's size
         for a job with ``step_sizes`` (None: ``step()`` without one). ``tail``: not allowed by the bubble's predicted
-        end on ``TailRisk``'s word (the record says ``gate: tail``).
+        end on ``TailRisk``'s word (the record says ``gate: tail``). ``mode``: the mode it runs in, where that is not
+        the runtime's own (a gang follower's step, in its leader's mode). A gang's leader tells its followers first.
         """
+        if self._to_followers is not None:
+            naive = self.mode is FillMode.NAIVE
+            self._command_followers(STEP, bubble_seq, signal_ns, size, (FLAG_TAIL if tail else 0)
+                                    | (FLAG_NAIVE if naive else 0))
         if start is None:
             start = time.monotonic_ns()
         if announce:
@@ -350,10 +468,54 @@ class FillRuntime:
         self.steps += 1
         self._emit("step", start_ns=start, end_ns=end, flops=flops, samples=samples,
                    bubble_seq=bubble_seq, signal_ns=signal_ns,
-                   mode=(FillMode.HARVEST if self.mode is FillMode.OFF else self.mode).label,
+                   mode=(mode or (FillMode.HARVEST if self.mode is FillMode.OFF else self.mode)).label,
                    sync_ns=end - sync_start, **({} if size is None else {"size": size}),
                    **({"gate": "tail"} if tail else {}))
         return (end - start) / 1e9
+
+    def _command_followers(self, kind: int, bubble_seq: int, signal_ns: int, size: int | None, flags: int) -> None:
+        """Tell every follower of the gang to run this step too (or that the pass is over); GangBroken if one is gone:
+        the gang's collectives cannot complete without it."""
+        sock, gang = self._to_followers, self.gang
+        assert sock is not None and gang is not None
+        data = encode_command(kind, bubble_seq, signal_ns, size, flags)
+        for rank in range(1, gang.size):
+            try:
+                sock.sendto(data, follower_address(gang.port, rank))
+            except OSError as exc:
+                raise GangBroken(f"gang rank {rank} is gone ({exc.strerror or exc}): a gang steps with all of its "
+                                 "processes or not at all") from None
+
+    def _follow(self) -> None:
+        """A follower: run every step the leader commands, in the leader's mode and bubble, whatever this process's
+        own arm (the leader is inside the step's collective already); report them as the leader's pass ends."""
+        sock = self._from_leader
+        assert sock is not None
+        while True:
+            try:
+                data = sock.recv(64)
+            except BlockingIOError:
+                return
+            cmd = decode_command(data)
+            if cmd is None:
+                continue
+            kind, flags, seq, signal_ns, size = cmd
+            if kind == PASS_END:
+                self._emit("state", state="PAUSED")
+                self._flush()
+                self._follow_seq = None
+                continue
+            naive = bool(flags & FLAG_NAIVE)
+            first = not naive and self._follow_seq != seq
+            if first:
+                self._follow_seq = seq
+                self._emit("state", state="RUNNING")
+            self._run_step(seq, signal_ns, announce=first, size=size, tail=bool(flags & FLAG_TAIL),
+                           mode=FillMode.NAIVE if naive else FillMode.HARVEST)
+            self.tail_steps += bool(flags & FLAG_TAIL)
+            if naive and len(self._out) >= _NAIVE_FLUSH_STEPS:
+                self._flush()
+            self._check_finished()
 
     def _synchronize(self) -> None:
         if self.device_sync is None:  # steps run only after init, which sets it
@@ -414,6 +576,8 @@ class FillRuntime:
         if not ran:
             self._starving(b, gates)
         else:
+            if self._to_followers is not None:
+                self._command_followers(PASS_END, b.seq, b.start_ns, None, 0)
             self._emit("state", state="PAUSED")
             first = gates.first_steps_s()
             # The agent plans, and accounts bubbles too short to use, with the smallest step's time: tell it
@@ -460,6 +624,8 @@ class FillRuntime:
                 self._flush()
                 last_flush = now
             self._poll_control()
+        if self._to_followers is not None:
+            self._command_followers(PASS_END, -1, 0, None, FLAG_NAIVE)
         self._flush()
 
     def serve(self) -> None:
@@ -470,19 +636,27 @@ class FillRuntime:
         ctrl_fd = self.ctrl.fileno()
         poller.register(ctrl_fd, select.POLLIN)
         registered: socket.socket | None = None
-        registered_fd = -1
+        registered_fds: list[int] = []
+        if self._from_leader is not None:
+            poller.register(self._from_leader.fileno(), select.POLLIN)
         try:
+            while self._from_leader is not None:  # a gang's follower: steps come from its leader, not from bubbles
+                ready = poller.poll(-1)
+                if any(fd == ctrl_fd for fd, _ in ready):
+                    self._poll_control()
+                self._follow()
             while True:
                 if self.mode is FillMode.NAIVE:
                     self._naive_loop()
                     continue
                 if self._sig is not registered:
-                    if registered is not None:
+                    for fd in registered_fds:
                         with contextlib.suppress(KeyError):
-                            poller.unregister(registered_fd)  # by number: disarm may have closed the socket
-                    if self._sig is not None:
-                        registered_fd = self._sig.fileno()
-                        poller.register(registered_fd, select.POLLIN)
+                            poller.unregister(fd)  # by number: disarm may have closed the socket
+                    # A gang's leader listens on every GPU of the gang (``_sigs``, ``_sig`` the first of them).
+                    registered_fds = [s.fileno() for s in self._sigs or ([self._sig] if self._sig else [])]
+                    for fd in registered_fds:
+                        poller.register(fd, select.POLLIN)
                     registered = self._sig
                 if self.mode is FillMode.HARVEST and self._open_bubble():
                     # A bubble that opened while the last pass ran (its final step outlived its own bubble
@@ -506,3 +680,6 @@ class FillRuntime:
             self.disarm()
             with contextlib.suppress(FillStopped):
                 self._flush()
+            for sock in (self._from_leader, self._to_followers):
+                if sock is not None:
+                    sock.close()
