@@ -122,3 +122,37 @@ def test_one_guard_fed_by_stage_0_rank_0_its_share_sent_to_every_gpus_job() -> N
     core.set_guard_limits(None, 0.5, "a test")  # the training's one share, to the fill job on every GPU
     shares = [a for a in core.take_actions() if isinstance(a, Send) and a.type == "share"]
     assert sorted(a.job.key for a in shares) == sorted(BUBBLE_MS) and {a.fields["share"] for a in shares} == {0.5}
+
+
+def test_a_job_waiting_behind_another_moves_to_a_gpu_of_its_stage_that_profiles_later() -> None:
+    """Rank 1 of stage 0 profiles after both of the stage's jobs were placed (its card came late, and its hook greets a
+    new listener only at its next iteration): the job queued behind the other on rank 0 moves to it and launches,
+    rather than wait for rank 0 while rank 1 idles."""
+    core, _, _ = make_core(executors=2)
+    first, second = core.submit(job_spec("first", stage=0)), core.submit(job_spec("second", stage=0))
+    core.on_datagram(gpu(0, 0), wire.encode_profile(0, cycle(0, slots=((0.005, 1 << 30),))))
+    assert [a.job.name for a in core.take_actions() if isinstance(a, Launch)] == ["first"]
+    assert first.key == second.key == gpu(0, 0)  # only rank 0 exists yet: the second waits behind the first
+    key = gpu(0, 1)
+    core.add_executor(key, paths.gpu_dir(Path("/run/x"), key), "cpu", why="discovered from its card")
+    assert not [a for a in core.take_actions() if isinstance(a, Launch)]  # not profiled: nothing moves yet
+    core.on_datagram(key, wire.encode_profile(0, cycle(0, slots=((0.008, 1 << 30),))))
+    assert [(a.job.name, a.job.key) for a in core.take_actions() if isinstance(a, Launch)] == [("second", key)]
+    moved = [e for e in core.events if e["kind"] == "placed" and e["job"] == "second"]
+    assert any("moved from _local/t/stage-0/rank-0, where it waited behind another job" in e["message"]
+               for e in moved), moved
+
+
+def test_a_job_of_another_stage_or_placed_by_the_operator_does_not_move() -> None:
+    core, _, _ = make_core(executors=2)
+    a, b = core.submit(job_spec("a", stage=1)), core.submit(job_spec("b", stage=1))
+    assigned = core.submit(job_spec("assigned"), on=gpu(0, 0))
+    behind = core.submit(job_spec("behind"), on=gpu(0, 0))
+    for stage in (0, 1):
+        core.on_datagram(gpu(stage, 0), wire.encode_profile(stage, cycle(stage, slots=((0.005, 1 << 30),))))
+    core.take_actions()
+    key = gpu(0, 1)  # a second GPU of stage 0 only
+    core.add_executor(key, paths.gpu_dir(Path("/run/x"), key), "cpu")
+    core.on_datagram(key, wire.encode_profile(0, cycle(0, slots=((0.008, 1 << 30),))))
+    assert not [x for x in core.take_actions() if isinstance(x, Launch)]
+    assert (a.key, b.key, assigned.key, behind.key) == (gpu(1, 0), gpu(1, 0), gpu(0, 0), gpu(0, 0))

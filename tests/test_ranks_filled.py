@@ -1,8 +1,15 @@
-"""Every rank of a stage filled, beside a real agent: a DeepSpeed pipeline of 2 stages x 2 data-parallel replicas (4
-processes, ``tests/fixtures/trainings/ranks_pipeline.py``) and a local agent with a spin fill job per GPU, each
-naming only its stage. The agent serves rank 0 of each stage from the start and finds rank 1 from its hook's card;
-it puts each stage's two jobs on its two ranks. Every GPU gets fill steps, and the losses stay bit-identical.
-(Model-parallel ranks are filled by ``bubbles demo --tp 2``: tests/test_demo.py.)"""
+"""Every rank of a stage filled, beside a real agent: DeepSpeed pipelines of 2 stages x 2 ranks (4 processes,
+``tests/fixtures/trainings/ranks_pipeline.py``) and a local agent that serves rank 0 of each stage from the start and
+finds rank 1 from its hook's card.
+
+- 2 data-parallel replicas, a spin fill job per GPU, each naming only its stage: the agent puts each stage's two jobs
+  on its two ranks, and every GPU gets fill steps.
+- 2 model-parallel ranks, a gang job (``gpus: 2``, the GangInference example: a matmul and a gloo all-reduce between
+  its two processes per step) on stage 1 and a spin job on each GPU of stage 0: the gang's two processes step
+  together in the bubbles both of stage 1's ranks share.
+
+The losses stay bit-identical with and without the hook and the fill work, on every rank. (``bubbles demo --tp 2``
+fills model-parallel ranks with single-GPU jobs: tests/test_demo.py.)"""
 
 from __future__ import annotations
 
@@ -28,19 +35,33 @@ FREE_BYTES = 1 << 30
 TIMEOUT_S = 180
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    work = tmp_path_factory.mktemp("ranks-filled")
+def spin(name: str, stage: int) -> dict[str, Any]:
+    return {"name": name, "interface": "iterative", "entry": "bubbles.fill_examples.spin:SpinJob",
+            "args": {"step_us": 300}, "memory": "1Mi", "step_time": "0.5ms", "stage": stage}
+
+
+GANG = {"name": "gang-s1", "interface": "iterative", "entry": "bubbles.fill_examples.gang_inference:GangInference",
+        "args": {"batch": 4, "width": 64}, "memory": "1Mi", "stage": 1, "gpus": 2}
+LAYOUTS = {
+    "data-parallel": (("--mp", "1", "--dp", "2"),
+                      [spin(f"spin-s{k}-{r}", k) for k in range(STAGES) for r in range(RANKS)]),
+    "model-parallel": (("--mp", "2", "--dp", "1"), [spin("spin-s0-0", 0), spin("spin-s0-1", 0), GANG]),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    layout = str(request.param)
+    flags, job_specs = LAYOUTS[layout]
+    work = tmp_path_factory.mktemp(layout)
     run_dir = Path(tempfile.mkdtemp(prefix="bbrf-", dir="/tmp"))  # short: Unix socket paths are 107 bytes at most
     out, stats, ready, start = work / "out", work / "agent-stats.json", work / "agent.ready", work / "start"
     specs = []
-    for k in range(STAGES):
-        for r in range(RANKS):
-            spec = {"name": f"spin-s{k}-{r}", "interface": "iterative", "entry": "bubbles.fill_examples.spin:SpinJob",
-                    "args": {"step_us": 300}, "memory": "1Mi", "step_time": "0.5ms", "stage": k}
-            path = work / f"{spec['name']}.json"
-            path.write_text(json.dumps(spec))
-            specs.append(path)
+    for spec in job_specs:
+        path = work / f"{spec['name']}.json"
+        path.write_text(json.dumps(spec))
+        specs.append(path)
+    processes = sum(int(spec.get("gpus", 1)) for spec in job_specs)
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", "dp",
@@ -56,11 +77,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         training = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(STAGES * RANKS),
              "--master_port", str(free_port()), str(TRAININGS / "ranks_pipeline.py"), "--out", str(out),
-             "--stages", str(STAGES), "--mp", "1", "--dp", str(RANKS), "--steps", str(STEPS),
+             "--stages", str(STAGES), *flags, "--steps", str(STEPS),
              "--warmup-iterations", str(WARMUP), "--profile-iterations", str(PROFILE), "--run-dir", str(run_dir),
              "--training", "dp", "--free-bytes", str(FREE_BYTES), "--start-file", str(start)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        outcome = wait_for_fill_jobs(port, len(specs), agent, 120)
+        outcome = wait_for_fill_jobs(port, processes, agent, 120)
         start.touch()
         text, _ = training.communicate(timeout=TIMEOUT_S)
     finally:
@@ -71,20 +92,32 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         subprocess.run(["rm", "-rf", str(run_dir)], check=False, timeout=60)
     assert training.returncode == 0, text[-6000:]
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
-    yield {"records": records, "stats": json.loads(stats.read_text()), "ready": outcome,
+    yield {"layout": layout, "records": records, "stats": json.loads(stats.read_text()), "ready": outcome,
            "agent_log": tail(agent_log, 40)}
 
 
-def test_every_data_parallel_rank_gets_fill_steps_from_a_job_of_its_own(run: dict[str, Any]) -> None:
+def test_every_rank_gets_fill_steps_from_a_job_or_gang_member_of_its_own(run: dict[str, Any]) -> None:
     stats = run["stats"]
     steps: dict[tuple[int, int], int] = {(k, r): 0 for k in range(STAGES) for r in range(RANKS)}
     for st in stats["steps"]:
         steps[(st["stage"], st["rank"])] += 1
-    jobs = {j["name"]: (j["stage"], j["rank"], j["state"], j.get("reason")) for j in stats["jobs"]}
-    message = f"fill steps by (stage, rank) {steps}; jobs {jobs}; ready: {run['ready']}\n{run['agent_log']}"
+    jobs = [(j["name"], j["stage"], j["rank"], j["state"], j.get("reason"), j.get("gang")) for j in stats["jobs"]]
+    message = (f"{run['layout']}: fill steps by (stage, rank) {steps}; jobs {jobs}; ready: {run['ready']}\n"
+               f"{run['agent_log']}")
     assert all(n > 0 for n in steps.values()), message
-    placed = sorted((stage, rank) for stage, rank, _state, _reason in jobs.values())
-    assert placed == sorted(steps), message  # one job per GPU: each stage's two went to its two ranks
+    placed = sorted((stage, rank) for _name, stage, rank, *_ in jobs)
+    assert placed == sorted(steps), message  # one job (or gang member) per GPU: each stage's two ranks, one each
+
+
+@pytest.mark.parametrize("run", ["model-parallel"], indirect=True)  # the gang runs beside that training
+def test_a_gangs_processes_step_together_on_both_ranks_of_its_stage(run: dict[str, Any]) -> None:
+    members = [j for j in run["stats"]["jobs"] if j["name"] == GANG["name"] or j.get("gang")]
+    assert sorted((j["stage"], j["rank"]) for j in members) == [(1, 0), (1, 1)], members
+    gang = members[0]["gang"]
+    assert gang["size"] == 2 and gang["gpus"] == ["_local/dp/stage-1/rank-0", "_local/dp/stage-1/rank-1"], gang
+    assert gang["steps"] > 0, members  # the fewest either process ran: both stepped
+    per_rank = [sum(1 for st in run["stats"]["steps"] if (st["stage"], st["rank"]) == (1, r)) for r in (0, 1)]
+    assert abs(per_rank[0] - per_rank[1]) <= 2, per_rank  # together: a step of one is a step of the other
 
 
 def test_the_losses_are_bit_identical_on_every_rank_beside_the_fill_jobs(run: dict[str, Any]) -> None:

@@ -316,4 +316,4 @@ def test_the_readmes_agent_example_fills_a_script_of_its_own(tmp_path: Path, sho
     (job,) = report["jobs"]
     assert job["name"] == "image-classification" and job["stage"] == 1, (job, out[-3000:])
     assert job["steps"] > 0, out[-3000:]
-    assert "placed on stage 1, the most bubble time" in out and "training 'default' ended" in out, out[-3000:]
+    assert "placed on stage 1 rank 0, the most bubble time" in out and "training 'default' ended" in out, out[-3000:]

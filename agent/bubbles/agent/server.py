@@ -69,7 +69,10 @@ log = logging.getLogger("bubbles.agent")
 _STOP_WAIT_S = 2.0
 _VERDICT_TTL_S = 1.0  # how long an answer of _from_training other than "the lock's holder" stands
 _MAX_VERDICTS = 256  # senders remembered per GPU
-DISCOVER_INTERVAL_S = 1.0  # local mode: how often the training's cards are read for ranks not served yet
+# Local mode: how often the training's directories are looked at for ranks not served yet (a glob of a few
+# directories; only a new one's card is read). Short: a hook that profiles in a few fast iterations and then
+# blocks (a start barrier, an evaluation) greets a listener only at its next iteration, so one bound late waits.
+DISCOVER_INTERVAL_S = 0.1
 _CREDENTIALS_SPACE = socket.CMSG_SPACE(struct.calcsize("3i"))  # struct ucred: pid, uid, gid
 
 
@@ -82,6 +85,14 @@ def recv_with_pid(sock: socket.socket, bufsize: int) -> tuple[bytes, int | None]
             pid = struct.unpack_from("i", payload)[0]
             return data, pid if pid > 0 else None
     return data, None
+
+
+def _served_by_name(directory: Path) -> tuple[int, int] | None:
+    """(stage, rank) a GPU directory's names say (``stage-<k>/rank-<r>``), or None where they are not such names."""
+    stage, rank = directory.parent.name, directory.name
+    if stage.startswith("stage-") and rank.startswith("rank-") and stage[6:].isdigit() and rank[5:].isdigit():
+        return int(stage[6:]), int(rank[5:])
+    return None
 
 
 def process_alive(pid: int) -> bool | None:
@@ -283,6 +294,10 @@ class Agent:
     def _discover(self) -> list[GpuKey]:
         added: list[GpuKey] = []
         for path in sorted(self.training_dir.glob(f"stage-*/rank-*/{paths.HOOK_CARD_NAME}")):
+            served = _served_by_name(path.parent)
+            if served is not None and self.core.serves(paths.GpuKey(self.config.namespace, self.config.training,
+                                                                   *served)):
+                continue  # served already: its card is not read again
             try:
                 card = read_card(path)
                 if card.key.training_key != (self.config.namespace, self.config.training) or \

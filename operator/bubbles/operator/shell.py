@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -558,9 +558,19 @@ class Operator:
         # round that writes nothing else for it.
         jobs = [(k, j) for k, j in sorted(d.fill_jobs.items(), key=lambda kj: kj[0])
                 if j.writes or j.cancel_on is not None]
+        async def caught(step: Awaitable[None]) -> BaseException | None:
+            # Each concurrent step ends normally, its exception returned as a value: kopf, on the operator's stop,
+            # re-raises the exception of any task it finds done (gather's own tasks included), which made a step that
+            # stopped on LeadershipLost during a SIGTERM end the operator with a traceback and exit code 1.
+            try:
+                await step
+            except Exception as exc:
+                return exc
+            return None
+
         try:
-            results = await asyncio.gather(*(fill_job(k, j) for k, j in jobs),
-                                           *(training(k, s) for k, s in d.training_status.items()),
+            results = await asyncio.gather(*(caught(fill_job(k, j)) for k, j in jobs),
+                                           *(caught(training(k, s)) for k, s in d.training_status.items()),
                                            return_exceptions=True)
             lost = [r for r in results if isinstance(r, LeadershipLost)]
             errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, LeadershipLost)]

@@ -135,7 +135,7 @@ class AgentCore(JobControl):
             raise ValueError(f"fill job {spec.name!r} would run on {ex.device} but declares no memory limit; "
                              "a GPU fill job must set 'memory', a hard limit (e.g. memory: 2Gi), so that it "
                              "cannot take the training's memory")
-        job = JobRecord(next(self._ids), spec, ex.key, placed=on is not None)
+        job = JobRecord(next(self._ids), spec, ex.key, placed=on is not None, assigned=on is not None)
         self._add_job(job)
         ex.queue.append(job)
         self._event(ex.key, job.name, "submitted", "queued")
@@ -172,7 +172,8 @@ class AgentCore(JobControl):
         keys = on if on is not None else (min(candidates, key=lambda e: (len(e.queue) + (e.active is not None),
                                                                           e.key)).key,)
         for rank, key in enumerate(keys):
-            job = JobRecord(next(self._ids), spec, key, placed=on is not None, gang=gang, gang_rank=rank)
+            job = JobRecord(next(self._ids), spec, key, placed=on is not None, assigned=on is not None, gang=gang,
+                            gang_rank=rank)
             gang.members.append(job)
             self._add_job(job)
             self.executor(key).queue.append(job)
@@ -694,6 +695,8 @@ class AgentCore(JobControl):
         if not self.isolation_status.usable:
             self._hold(ex)
             return
+        if ex.active is None and not ex.queue and ex.cycle is not None:
+            self._take_waiting(ex)
         while ex.active is None and ex.queue and ex.cycle is not None:
             job = ex.queue[0]
             if job.state is FillState.SUBMITTED and not job.placed:
@@ -724,6 +727,27 @@ class AgentCore(JobControl):
             ex.active = job
             self._actions.append(Launch(job, ex.device, ex.core, self._fill_socket(job),
                                         isolated=self.isolation_raw.state == IsolationState.READY))
+
+    def _take_waiting(self, ex: ExecutorState) -> None:
+        """``ex`` is idle, profiled and has nothing queued: take the longest-waiting job that queues behind another
+        on a GPU it may run on (its stage's, or any for a job that names none). A GPU found or profiled after a job was
+        placed (a rank whose card came late, whose hook had no iteration to greet the agent's new socket in) would
+        otherwise idle while the job waits behind another on its stage's first GPU. Neither a job the operator
+        placed (its Pod attached on that GPU) nor a gang's member (placed with the others) moves."""
+        waiting = [j for e in self.executors if e is not ex for i, j in enumerate(e.queue)
+                   if (e.active is not None or i > 0) and j.state is FillState.SUBMITTED
+                   and not j.assigned and j.gang is None and (j.spec.stage is None or j.spec.stage == ex.stage)]
+        if not waiting:
+            return
+        job = min(waiting, key=lambda j: j.id)
+        self.executor(job.key).queue.remove(job)
+        was, job.key = job.key, ex.key
+        ex.queue.append(job)
+        assert ex.cycle is not None
+        message = (f"moved from {was}, where it waited behind another job, to stage {ex.stage} rank {ex.rank}: idle, "
+                   f"{ex.cycle.bubble_s * 1e3:.1f} ms of bubbles per iteration")
+        log.info("fill job %r %s", job.name, message)
+        self._event(ex.key, job.name, "placed", message)
 
     def _place(self, job: JobRecord) -> bool:
         """Put a job on one of its candidate GPUs (its stage's, or every one for a job that names none): the GPU with

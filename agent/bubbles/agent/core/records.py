@@ -42,6 +42,7 @@ class JobRecord:
     step_s: float | None = None
     planned_with_step: bool = False
     placed: bool = False  # a job that names no stage: moved to the GPU with the most bubble time (AgentCore._place)
+    assigned: bool = False  # placed by the operator (cluster mode): it stays on its GPU, where its Pod attached
     finished: bool = False
     last_error: str = ""
     job_totals: dict[str, list[float]] = field(default_factory=dict)  # mode label -> [steps, flops]
