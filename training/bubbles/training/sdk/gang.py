@@ -108,6 +108,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CREDENTIALS_BYTES = struct.calcsize("3i")  # struct ucred: pid, uid, gid
+
+
+def sender_uid(ancdata: Sequence[tuple[int, int, bytes]]) -> int | None:
+    """The sending process's UID from a datagram's SCM_CREDENTIALS (the socket has SO_PASSCRED), or None."""
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= CREDENTIALS_BYTES:
+            return int(struct.unpack("3i", payload[:CREDENTIALS_BYTES])[1])
+    return None
+
+
 def follower_address(port: int, rank: int) -> bytes:
     """Where follower ``rank`` of the gang meeting at ``port`` reads the leader's commands: an abstract Unix socket
     (no file to leave behind; the gang's processes share a network namespace, a Pod's or the node's)."""

@@ -30,6 +30,7 @@ from bubbles.core.control import cuda_device_index
 from bubbles.training.gating import GangGate, StartPredictor, StepGates, TailRisk
 from bubbles.training.sdk.device import DEFAULT_FILL_WAIT, DeviceSync, apply_process_limits, device_sync_for
 from bubbles.training.sdk.gang import (
+    CREDENTIALS_BYTES,
     FLAG_NAIVE,
     FLAG_TAIL,
     PASS_END,
@@ -39,6 +40,7 @@ from bubbles.training.sdk.gang import (
     decode_command,
     encode_command,
     follower_address,
+    sender_uid,
 )
 from bubbles.training.sdk.jobs import IterativeFillJob, StepResult
 from bubbles.training.sdk.profiling import check_step_sizes, profile_sizes, profile_step_time
@@ -95,8 +97,12 @@ class FillRuntime:
                 self._to_followers = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             else:
                 self._from_leader = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                # An abstract socket has no file permissions: the kernel names each sender (SO_PASSCRED), and only
+                # a process of this user (the leader, started beside this one) is obeyed.
+                self._from_leader.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
                 self._from_leader.bind(follower_address(gang.port, gang.rank))
                 self._from_leader.setblocking(False)
+        self.foreign_commands = 0  # a follower: datagrams from another user's process on the leader's line, dropped
         self.step_s = step_s
         self.given_step_s = step_s  # the spec's step time, if any: a floor for the gates
         self.max_steps = max_steps
@@ -493,9 +499,15 @@ class FillRuntime:
         assert sock is not None
         while True:
             try:
-                data = sock.recv(64)
+                data, ancdata, _flags, _addr = sock.recvmsg(64, socket.CMSG_SPACE(CREDENTIALS_BYTES))
             except BlockingIOError:
                 return
+            if sender_uid(ancdata) != os.getuid():
+                self.foreign_commands += 1
+                if self.foreign_commands == 1:
+                    self._emit("error", message="a process of another user sent a step command on the gang's "
+                                                "leader line; dropped (this and any more)")
+                continue
             cmd = decode_command(data)
             if cmd is None:
                 continue
