@@ -90,7 +90,8 @@ def parse_agent(args: list[str]) -> argparse.Namespace:
                                                "grpc": {"token": True}},
                                     {"operator": {"replicas": 3, "watchNamespaces": ["ml", "research"],
                                                   "fillPodTolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                                                          "effect": "NoExecute"}]}}])
+                                                                          "effect": "NoExecute"}],
+                                                  "fillRuntimeClassName": "nvidia"}}])
 def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str, Any], tmp_path: Path) -> None:
     from bubbles.agent.config import load_settings
 
@@ -116,6 +117,7 @@ def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str
     assert str(op.agent_port) == settings.cluster.listen.rsplit(":", 1)[1]
     assert op.fill_cuda_context_mib == settings.config.cuda_context_mib == 512  # one value for both sides
     assert json.loads(op.fill_pod_tolerations) == values.get("operator", {}).get("fillPodTolerations", [])
+    assert op.fill_runtime_class == (values.get("operator", {}).get("fillRuntimeClassName") or None)
 
 
 def test_mps_gives_the_agent_and_the_fill_pods_one_shm_directory_and_the_pipe_directory_without_host_ipc() -> None:
@@ -184,6 +186,7 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"operator": {"fillPodStartTimeoutSeconds": 90000}}, "/operator/fillPodStartTimeoutSeconds"),
     ({"operator": {"fillPodTolerations": [{"key": "a", "operator": "Maybe"}]}}, "/operator/fillPodTolerations/0"),
     ({"operator": {"fillPodTolerations": [{"key": "a", "effects": "NoExecute"}]}}, "/operator/fillPodTolerations/0"),
+    ({"operator": {"fillRuntimeClassName": "NVIDIA"}}, "/operator/fillRuntimeClassName"),
     ({"agent": {"mps": {"shmSize": "1Gi"}}}, "shmSize"),  # gone: the Pods share agent.mps.shmDir
     ({"agent": {"mps": {"shmDir": "/"}}}, "/agent/mps/shmDir"),
     ({"agent": {"mps": {"shmDir": "dev/shm"}}}, "/agent/mps/shmDir"),

@@ -47,7 +47,7 @@ def command_job() -> dict[str, Any]:
 
 def fill_pods() -> dict[str, dict[str, Any]]:
     """The Pods the operator makes, in each of its shapes: plain, with a claim and a checkpoint, on MPS, with the
-    training Pod's and the chart's tolerations."""
+    training Pod's and the chart's tolerations, with a RuntimeClass."""
     settings = FillPodSettings(run_as_user=1000, run_as_group=1000)
     mps = FillPodSettings(run_as_user=1000, run_as_group=1000, mps_pipe_dir="/tmp/nvidia-mps",
                           tolerations=({"key": "spot", "operator": "Exists"},))
@@ -58,6 +58,7 @@ def fill_pods() -> dict[str, dict[str, Any]]:
                    settings),
         "mps+tolerations": ([fill_job("mps")], replace(stage(), gpu_uuid="GPU-1", tolerations=(GPU,)), mps),
         "command": ([command_job()], stage(), settings),
+        "runtime class": ([fill_job("rc", runtimeClassName="nvidia")], stage(), settings),
     }
     out = {}
     for name, (jobs, st, s) in cases.items():
@@ -127,7 +128,7 @@ def test_a_pod_current_kubernetes_refuses_is_refused_here_too() -> None:
 # access issue replaces them).
 EXPECTED_LEVELS = {"fill Pod (plain)": "privileged", "fill Pod (claims)": "privileged",
                    "fill Pod (mps+tolerations)": "privileged", "fill Pod (command)": "privileged",
-                   "examples/cluster/training-pod.yaml": "privileged"}
+                   "fill Pod (runtime class)": "privileged", "examples/cluster/training-pod.yaml": "privileged"}
 
 
 def test_the_pod_security_level_of_every_pod_the_project_ships_or_makes() -> None:

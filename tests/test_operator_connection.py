@@ -95,6 +95,8 @@ def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Pat
         (["--fill-pod-tolerations", "nvidia.com/gpu"], "--fill-pod-tolerations must be a JSON list of tolerations"),
         (["--fill-pod-tolerations", '{"key": "a"}'], "--fill-pod-tolerations must be a JSON list of tolerations"),
         (["--fill-pod-tolerations", '[{"key": "a", "operator": "Maybe"}]'], "operator must be Exists or Equal"),
+        (["--fill-runtime-class", "Nvidia"], "--fill-runtime-class: the fill Pods' RuntimeClass 'Nvidia' is not a "
+                                             "RuntimeClass name"),
         (["--agent-timeout", "-1"], "--agent-timeout must be > 0 seconds"),
         (["--fill-cuda-context-mib", "-1"], "--fill-cuda-context-mib must be whole MiB from 0 to 16384"),
         (["--fill-pod-start-timeout", "0"], "--fill-pod-start-timeout must be > 0 and at most 86400 seconds"),

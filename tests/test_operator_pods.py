@@ -32,6 +32,19 @@ from bubbles.operator.decide import (
 )
 
 
+def test_a_fill_pod_runs_with_its_jobs_runtime_class_else_the_charts_else_the_nodes_default() -> None:
+    """Where the NVIDIA container runtime is installed beside the node's default one (GPU Operator with CDI, k3s), the
+    fill Pod names its RuntimeClass, as the training Pod does: the FillJob's spec.runtimeClassName, else the chart's
+    operator.fillRuntimeClassName; neither: none, the node's default runtime."""
+    (pod,) = step([fill_job()], [stage()]).create_pods
+    assert "runtimeClassName" not in pod["spec"]
+    charts = FillPodSettings(runtime_class="nvidia")
+    (pod,) = step([fill_job()], [stage()], fill_pods=charts).create_pods
+    assert pod["spec"]["runtimeClassName"] == "nvidia"
+    (pod,) = step([fill_job(runtimeClassName="nvidia-cdi")], [stage()], fill_pods=charts).create_pods
+    assert pod["spec"]["runtimeClassName"] == "nvidia-cdi"
+
+
 def test_fill_pods_mount_only_the_attach_and_their_gpus_fill_directories_and_run_as_the_agents_user() -> None:
     (pod,) = step([fill_job()], [stage(1, rank=3)]).create_pods
     assert pod["spec"]["volumes"] == [
@@ -288,6 +301,9 @@ def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     ({"mps_pipe_dir": "/" + "d" * 120}, "over the 107-byte limit of a Unix socket path"),
     ({"mps_pipe_dir": "/tmp/nvidia-mps", "mps_thread_percentage": 0}, "whole number from 1 to 100, got 0"),
     ({"mps_thread_percentage": 101}, "whole number from 1 to 100, got 101"),
+    ({"runtime_class": "NVIDIA"}, "is not a RuntimeClass name"),
+    ({"runtime_class": "nvidia/cdi"}, "is not a RuntimeClass name"),
+    ({"runtime_class": "n" * 254}, "is not a RuntimeClass name"),
 ])
 def test_fill_pod_settings_refuse_what_no_node_has(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

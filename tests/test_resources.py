@@ -125,6 +125,8 @@ GOOD: dict[str, Any] = {"image": "img:1", "entry": "m:C", "profile": {"memory": 
         ({"trainingSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}},
          "spec.trainingSelector.matchExpressions[0].operator must be one of In, NotIn, Exists, DoesNotExist"),
         ({"colour": "blue"}, "spec.colour is not a known field"),
+        ({"runtimeClassName": "Nvidia"}, "spec.runtimeClassName 'Nvidia' is not valid"),
+        ({"runtimeClassName": "n" * 254}, "spec.runtimeClassName"),
         ({"command": []}, "spec.command must have at least 1 item"),
         ({"resources": {"requests": {"cpu": "lots"}}}, "spec.resources.requests.cpu must be CPU cores or millicores"),
         ({"resources": {"requests": {"gpu": 1}}}, "spec.resources.requests.gpu is not a known field"),

@@ -29,6 +29,11 @@ def add_fill_pod_arguments(fill: Any) -> None:
                       help="the node directory the agents' Pods mount at /dev/shm (the MPS server's shared state): "
                            "fill Pods on MPS mount it there too (default /dev/shm/bubbles-mps; the chart passes "
                            "agent.mps.shmDir; needs --fill-mps-pipe-dir)")
+    fill.add_argument("--fill-runtime-class", default=None, metavar="NAME",
+                      help="the RuntimeClass fill Pods run with unless their FillJob names one "
+                           "(spec.runtimeClassName), e.g. nvidia where the NVIDIA container runtime is not the node's "
+                           "default (the chart passes operator.fillRuntimeClassName). Default: the node's default "
+                           "runtime")
     fill.add_argument("--fill-pod-tolerations", default="[]", metavar="JSON",
                       help="tolerations every fill Pod gets, a JSON list as in a Pod's spec.tolerations (the chart "
                            "passes operator.fillPodTolerations); each fill Pod also gets its training Pod's "
@@ -59,7 +64,7 @@ def fill_pod_settings(args: argparse.Namespace) -> Any:
                                DEFAULT_FILL_THREAD_PERCENTAGE if args.fill_mps_thread_percentage is None
                                else args.fill_mps_thread_percentage,
                                DEFAULT_SHM_DIR if args.fill_mps_shm_dir is None else args.fill_mps_shm_dir,
-                               tuple(tolerations))
+                               tuple(tolerations), args.fill_runtime_class or None)
     except ValueError as exc:
-        return f"--node-run-dir/--fill-uid/--fill-gid/--fill-mps-*/--fill-pod-tolerations: {exc}"
+        return f"--node-run-dir/--fill-uid/--fill-gid/--fill-mps-*/--fill-pod-tolerations/--fill-runtime-class: {exc}"
 

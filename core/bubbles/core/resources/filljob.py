@@ -116,6 +116,9 @@ FILL_JOB_SPEC: tuple[Field, ...] = (
           "share. Every process takes each step (work.steps counts the gang's steps; profile is one process's). "
           "More than any stage has on a node keeps the job queued, saying so", default=1, minimum=1,
           maximum=MAX_GPUS),
+    Field("runtimeClassName", "string", "the RuntimeClass the job's Pod runs with (e.g. nvidia, where the NVIDIA "
+          "container runtime is not the node's default one); left out: the chart's operator.fillRuntimeClassName, else "
+          "the node's default runtime", max_length=253, pattern=DNS_NAME_PATTERN),
     Field("checkpoint", "object", "where the job keeps its state to resume after a preemption", fields=(
         Field("path", "string", "the directory inside the fill job's Pod where the SDK keeps the job's state "
               "(checkpoint() on stop, restore() at start)", required=True, max_length=1024, pattern=r"^/"),
@@ -254,6 +257,7 @@ class FillJobResource:
     volumes: tuple[dict[str, Any], ...] = ()  # spec.volumes, checked (names and paths apart from the runtime's)
     init_s: float = 0.0  # spec.profile.initTime: placement to first step, as the user expects it
     stage: int | None = None  # spec.stage: the one stage whose GPUs it may use (None: any)
+    runtime_class: str | None = None  # spec.runtimeClassName: its Pod's RuntimeClass (None: the chart's, or none)
 
     @property
     def gpus(self) -> int:
@@ -358,6 +362,7 @@ class FillJobResource:
             labels=dict(meta.get("labels") or {}), pod_resources=pod_resources, env=env,
             image_pull_secrets=tuple(str(p["name"]) for p in s.get("imagePullSecrets") or ()), volumes=volumes,
             init_s=init_s, stage=int(s["stage"]) if s.get("stage") is not None else None,
+            runtime_class=s.get("runtimeClassName") or None,
         )
 
 

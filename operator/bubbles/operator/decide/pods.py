@@ -250,6 +250,9 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
             "automountServiceAccountToken": False,
             **({"securityContext": security} if security else {}),
             **({"imagePullSecrets": [{"name": n} for n in job.image_pull_secrets]} if job.image_pull_secrets else {}),
+            # The job's own RuntimeClass, else the chart's: the kubelet runs the Pod with that handler (the NVIDIA
+            # container runtime where it is not the node's default).
+            **({"runtimeClassName": rc} if (rc := job.runtime_class or settings.runtime_class) else {}),
             "containers": [container],
             "volumes": volumes,
         },

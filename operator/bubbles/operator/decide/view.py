@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import posixpath
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -17,6 +18,7 @@ from bubbles.core.cycle import BubbleCycle
 from bubbles.core.identity import GpuKey
 from bubbles.core.paths import MOUNTED_RUN_DIR
 from bubbles.core.resources import JobProgress
+from bubbles.core.resources.schema import DNS_NAME_PATTERN
 
 # Where the fill Pod finds the node agent's sockets (a hostPath shared with the training's Pods).
 RUN_DIR = str(MOUNTED_RUN_DIR)
@@ -119,10 +121,18 @@ class FillPodSettings:
     mps_shm_dir: str = mps_client.DEFAULT_SHM_DIR
     # Tolerations every fill Pod gets beside its training Pod's (the chart's operator.fillPodTolerations).
     tolerations: tuple[Mapping[str, Any], ...] = ()
+    # The RuntimeClass every fill Pod runs with unless its FillJob names one (the chart's
+    # operator.fillRuntimeClassName): where the NVIDIA container runtime is beside the node's default one (GPU Operator
+    # with CDI, k3s).
+    runtime_class: str | None = None
 
     def __post_init__(self) -> None:
         for i, t in enumerate(self.tolerations):
             check_toleration(t, f"fill Pod toleration {i}")
+        if self.runtime_class is not None and (len(self.runtime_class) > 253
+                                               or not re.match(DNS_NAME_PATTERN, self.runtime_class)):
+            raise ValueError(f"the fill Pods' RuntimeClass {self.runtime_class!r} is not a RuntimeClass name "
+                             "(lower-case letters, digits, '-' and '.', at most 253), e.g. nvidia")
         if not self.node_run_dir.startswith("/"):
             raise ValueError(f"the node's run directory must be an absolute path, got {self.node_run_dir!r}")
         for what, v in (("user", self.run_as_user), ("group", self.run_as_group)):
