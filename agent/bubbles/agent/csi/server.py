@@ -28,11 +28,11 @@ from google.protobuf import wrappers_pb2
 
 from bubbles.core import versions
 
+from . import socket_problem
 from .pb.csi.v1 import csi_pb2 as csi
 from .pb.csi.v1 import csi_pb2_grpc as csi_grpc
 from .pb.pluginregistration.v1 import api_pb2 as reg
 from .pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from . import socket_problem
 from .plugin import CsiNodePlugin
 from .publish import DRIVER_NAME, PublishRequest, Refused
 
