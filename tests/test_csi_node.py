@@ -7,6 +7,7 @@ root (mount(2)); skipped, saying so, without it. No kubelet is started here: tha
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -16,12 +17,13 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from bubbles.agent.csi import csi_socket, registration_socket
-from bubbles.agent.csi.mounts import KernelMounter
+from bubbles.agent.csi.mounts import KernelMounter, Mounter
 from bubbles.agent.csi.pb.csi.v1 import csi_pb2 as csi
 from bubbles.agent.csi.pb.csi.v1 import csi_pb2_grpc as csi_grpc
 from bubbles.agent.csi.pb.pluginregistration.v1 import api_pb2 as reg
@@ -51,7 +53,8 @@ def _can_mount() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_can_mount() is not None, reason=str(_can_mount()))
+_MOUNT_PROBLEM = _can_mount()
+needs_mount = pytest.mark.skipif(_MOUNT_PROBLEM is not None, reason=str(_MOUNT_PROBLEM))
 
 
 @dataclass
@@ -74,11 +77,17 @@ class Node:
 
 @pytest.fixture
 def node() -> Iterator[Node]:
+    with _node(None) as n:
+        yield n
+
+
+@contextlib.contextmanager
+def _node(mounter: Mounter | None) -> Iterator[Node]:
     # Under /tmp, not pytest's tmp_path: a Unix socket's path is at most 107 bytes.
     root = Path(tempfile.mkdtemp(prefix="bcsi-", dir="/tmp"))
     kubelet, run = root / "kubelet", root / "run"
     (kubelet / "pods").mkdir(parents=True)
-    plugin = CsiNodePlugin("node-a", run, kubelet)
+    plugin = CsiNodePlugin("node-a", run, kubelet, mounter)
     plugin.start()
     server = serve(plugin, csi_socket(kubelet), registration_socket(kubelet))
     channel = grpc.insecure_channel(f"unix://{csi_socket(kubelet)}")
@@ -87,10 +96,11 @@ def node() -> Iterator[Node]:
     finally:
         channel.close()
         server.stop(0)
-        m = KernelMounter()
-        for mount in sorted(root.rglob("mount"), reverse=True):  # whatever a failed test left mounted
-            with contextlib.suppress(OSError):
-                m.unmount(str(mount))
+        if mounter is None:
+            m = KernelMounter()
+            for mount in sorted(root.rglob("mount"), reverse=True):  # whatever a failed test left mounted
+                with contextlib.suppress(OSError):
+                    m.unmount(str(mount))
         shutil.rmtree(root)
 
 
@@ -119,6 +129,7 @@ def kubelet_publish(kubelet: Path, uid: str = UID, volume: str = "bubbles", role
     return csi.NodePublishVolumeRequest(**fields)  # type: ignore[arg-type]
 
 
+@needs_mount
 def test_identity_and_node_info_answer_as_a_node_plugin(node: Node) -> None:
     info = node.identity.GetPluginInfo(csi.GetPluginInfoRequest(), timeout=10)
     assert (info.name, info.vendor_version) == ("csi.bubbles.dev", versions.release())
@@ -132,6 +143,7 @@ def test_identity_and_node_info_answer_as_a_node_plugin(node: Node) -> None:
     assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
 
 
+@needs_mount
 def test_publish_bind_mounts_the_pods_own_directory_and_unpublish_removes_it(node: Node) -> None:
     request = kubelet_publish(node.kubelet)
     target = Path(request.target_path)
@@ -168,6 +180,7 @@ def test_publish_bind_mounts_the_pods_own_directory_and_unpublish_removes_it(nod
                                                                  target_path="/nowhere/mount"), timeout=10)
 
 
+@needs_mount
 def test_an_agent_that_lost_its_state_still_undoes_the_kubelets_mount(node: Node) -> None:
     request = kubelet_publish(node.kubelet)
     node.node.NodePublishVolume(request, timeout=10)
@@ -181,6 +194,7 @@ def test_an_agent_that_lost_its_state_still_undoes_the_kubelets_mount(node: Node
     assert not Path(request.target_path).exists()
 
 
+@needs_mount
 @pytest.mark.parametrize(("change", "code", "needle"), [
     ({"target_path": "/tmp/bcsi-outside/mount"}, grpc.StatusCode.INVALID_ARGUMENT,
      "is not in the kubelet's directory of Pod"),
@@ -191,7 +205,7 @@ def test_an_agent_that_lost_its_state_still_undoes_the_kubelets_mount(node: Node
     ({"volume_capability": csi.VolumeCapability(block=csi.VolumeCapability.BlockVolume())},
      grpc.StatusCode.INVALID_ARGUMENT, "mount volume_capability"),
 ])
-def test_a_refused_publish_mounts_nothing_and_says_what_to_set(node: Node, change: dict[str, object],
+def test_a_refused_publish_mounts_nothing_and_says_what_to_set(node: Node, change: dict[str, Any],
                                                                code: grpc.StatusCode, needle: str) -> None:
     request = kubelet_publish(node.kubelet, **change)
     with pytest.raises(grpc.RpcError) as err:
@@ -204,6 +218,7 @@ def test_a_refused_publish_mounts_nothing_and_says_what_to_set(node: Node, chang
     assert list((node.run / "pods").iterdir()) == []
 
 
+@needs_mount
 def test_registration_tells_the_kubelet_where_the_csi_socket_is(node: Node) -> None:
     path = registration_socket(node.kubelet)
     assert stat.S_ISSOCK(path.lstat().st_mode) and stat.S_IMODE(path.lstat().st_mode) == 0o600
@@ -223,6 +238,7 @@ def test_registration_tells_the_kubelet_where_the_csi_socket_is(node: Node) -> N
     assert not path.exists() and not csi_socket(node.kubelet).exists()  # the kubelet then unregisters the plugin
 
 
+@needs_mount
 def test_a_socket_left_by_an_earlier_agent_is_replaced_and_anything_else_refused(node: Node) -> None:
     node.server.stop(0)
     sock = csi_socket(node.kubelet)
@@ -241,3 +257,29 @@ def test_a_socket_left_by_an_earlier_agent_is_replaced_and_anything_else_refused
         serve(node.plugin, sock, None)
     with pytest.raises(OSError, match="give a shorter --kubelet-dir"):
         serve(node.plugin, node.root / ("x" * 100) / "csi.sock", None)
+
+
+class RefusingKernel:
+    """A kernel that refuses every mount, as in a container without CAP_SYS_ADMIN."""
+
+    def bind(self, source: str, target: str) -> None:
+        raise OSError(errno.EPERM, f"cannot bind-mount {source} at {target}: Operation not permitted (the agent "
+                      "needs CAP_SYS_ADMIN: run it privileged)")
+
+    def unmount(self, target: str) -> None:
+        raise AssertionError("nothing was mounted")
+
+    def is_mounted(self, target: str) -> bool:
+        return False
+
+
+def test_a_mount_the_kernel_refuses_is_internal_and_leaves_nothing_behind() -> None:
+    with _node(RefusingKernel()) as node:
+        request = kubelet_publish(node.kubelet)
+        with pytest.raises(grpc.RpcError) as err:
+            node.node.NodePublishVolume(request, timeout=10)
+        assert err.value.code() is grpc.StatusCode.INTERNAL
+        assert "needs CAP_SYS_ADMIN: run it privileged" in (err.value.details() or "")
+        assert not Path(request.target_path).exists()
+        assert list((node.run / "pods").iterdir()) == []
+        assert node.plugin.published() == ()

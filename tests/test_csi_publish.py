@@ -168,6 +168,8 @@ def test_unpublish_of_an_unknown_volume_is_ok_and_cleans_only_a_kubelet_target()
     # Outside the kubelet's Pods, or another volume's target: left alone.
     assert plan_unpublish(book, "csi-gone", "/etc", kubelet_pods_dir=PODS).target is None
     assert plan_unpublish(book, "csi-gone", target(), kubelet_pods_dir=PODS).target is None
+    # A known volume is undone at its target even if the kubelet's directory moved since (--kubelet-dir changed).
+    assert plan_unpublish(book, "csi-1f2e", target(), kubelet_pods_dir="/elsewhere").target == target()
     # A known volume asked at another target: not about it.
     plan = plan_unpublish(book, "csi-1f2e", target(volume="other"), kubelet_pods_dir=PODS)
     assert plan.volume is None and plan.pod_dir is None

@@ -11,6 +11,9 @@ spec file, an invalid spec,
 ``--executors 0``, a bad ``--devices`` entry, an ``--mps-control`` that is not an executable) exits 2
 with a message saying what to fix.
 
+``--cluster --csi`` also serves the CSI node plugin ``csi.bubbles.dev`` and registers it with the kubelet
+(``bubbles.agent.csi``; issue 36, step 1: nothing uses it yet).
+
 Isolation (``--isolation contexts|mps|none``, docs/gpu.md) fails closed: while the chosen mode does
 not work, fill jobs wait and the status says why, unless ``--allow-unisolated`` is given.
 """

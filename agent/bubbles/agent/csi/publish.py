@@ -255,8 +255,11 @@ def plan_unpublish(book: Mapping[str, PodVolume], volume_id: str, target_path: s
     volume = book.get(volume_id)
     if volume is not None and volume.target_path != target_path:
         volume = None  # published elsewhere: this call is not about it
-    held = any(v.target_path == target_path for v in book.values() if v is not volume)
-    target = target_path if not held and pod_of_target(target_path, kubelet_pods_dir) is not None else None
+    if volume is not None:
+        target: str | None = target_path  # checked when it was published
+    else:
+        held = any(v.target_path == target_path for v in book.values())
+        target = target_path if not held and pod_of_target(target_path, kubelet_pods_dir) is not None else None
     last = volume is not None and not any(v.uid == volume.uid for k, v in book.items() if k != volume_id)
     return Unpublish(volume, target, volume.directory if volume is not None and last else None)
 
