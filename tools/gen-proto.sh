@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# Regenerate the node agent API's Python stubs from proto/ (grpcio-tools, pinned in constraints.txt).
-# Usage: tools/gen-proto.sh [OUTPUT_ROOT]   (default: core/, where the stubs are committed)
-# tests/test_agentapi.py runs this into a temporary directory and fails when the committed stubs differ.
+# Regenerate the Python stubs from proto/ (grpcio-tools, pinned in constraints.txt).
+# Usage: tools/gen-proto.sh [OUTPUT_ROOT]
+#   default: each set where it is committed: the node agent API's under core/, the CSI node plugin's and the kubelet
+#   plugin registration's under agent/ (only the agent serves them; the operator's image does without).
+#   OUTPUT_ROOT: both sets under that one directory (tests/test_agentapi.py and tests/test_csi_proto.py generate into a
+#   temporary directory and fail when the committed stubs differ).
+# proto/csi/ and proto/pluginregistration/ keep the paths of their upstream packages; protoc's VIRTUAL=DIR include maps
+# them into bubbles.agent.csi.pb, so the generated modules import one another by that name and no top-level
+# `csi` or `pluginregistration` module is made. The path changes nothing on the wire (package csi.v1 and
+# pluginregistration, as the kubelet calls them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-core}"
-"${PYTHON:-python3}" -m grpc_tools.protoc -Iproto --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
+core_out="${1:-core}"
+agent_out="${1:-agent}"
+protoc() { "${PYTHON:-python3}" -m grpc_tools.protoc "$@"; }
+protoc -Iproto --python_out="$core_out" --pyi_out="$core_out" --grpc_python_out="$core_out" \
   proto/bubbles/core/agentapi/v1alpha1/agent.proto
+protoc -Ibubbles/agent/csi/pb=proto \
+  --python_out="$agent_out" --pyi_out="$agent_out" --grpc_python_out="$agent_out" \
+  bubbles/agent/csi/pb/csi/v1/csi.proto bubbles/agent/csi/pb/pluginregistration/v1/api.proto

@@ -11,6 +11,9 @@ spec file, an invalid spec,
 ``--executors 0``, a bad ``--devices`` entry, an ``--mps-control`` that is not an executable) exits 2
 with a message saying what to fix.
 
+``--cluster --csi`` also serves the CSI node plugin ``csi.bubbles.dev`` and registers it with the kubelet
+(``bubbles.agent.csi``; issue 36, step 1: nothing uses it yet).
+
 Isolation (``--isolation contexts|mps|none``, docs/gpu.md) fails closed: while the chosen mode does
 not work, fill jobs wait and the status says why, unless ``--allow-unisolated`` is given.
 """
@@ -100,6 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="a bearer token the operator must send (the fallback without client certificates)")
     cl.add_argument("--gpus", default=None, metavar="LIST",
                     help="GPU-<uuid>=cuda:N entries, comma-separated, where NVML is not available (default: NVML)")
+    cl.add_argument("--csi", action="store_const", const=True, default=None,
+                    help="step 1 of issue 36: serves the CSI node plugin csi.bubbles.dev (each Pod's inline volume "
+                         "is <run-dir>/pods/<pod uid>/, bind-mounted) and registers it with the kubelet; the chart "
+                         "does not use it yet (default off; docs/agent.md)")
+    cl.add_argument("--kubelet-dir", type=Path, default=None, metavar="DIR",
+                    help="with --csi: the kubelet's --root-dir, mounted at the same path (default /var/lib/kubelet): "
+                         "the CSI socket in plugins/csi.bubbles.dev/, the registration socket in plugins_registry/, "
+                         "and every volume's target under pods/")
     gpu = parser.add_argument_group("devices and isolation (see docs/gpu.md)")
     gpu.add_argument("--devices", default=None, metavar="LIST",
                      help="comma-separated cpu or cuda:N, one per executor (executor k gets entry k %% len); "
@@ -225,10 +236,28 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
         except OSError as exc:
             node.stop()
             return _fail(f"cannot serve metrics on {template.metrics_addr}:{template.metrics_port}: {exc}")
+    csi_server = None
+    if cluster.csi is not None:
+        from .csi import csi_socket, registration_socket
+        from .csi.plugin import CsiNodePlugin
+        from .csi.server import serve as serve_csi
+
+        kubelet_dir = cluster.csi.kubelet_dir
+        # Not yet read by the node agent: the next step of issue 36 asks csi_plugin.published() whose directory is
+        # whose.
+        csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, kubelet_dir)
+        try:
+            csi_plugin.start()
+            csi_server = serve_csi(csi_plugin, csi_socket(kubelet_dir), registration_socket(kubelet_dir))
+        except OSError as exc:
+            node.stop()
+            return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
     try:
         server = serve(node, cluster.listen, security, health_address=cluster.health_listen,
                        watch_condition=node.changed)
     except (SecurityError, OSError) as exc:
+        if csi_server is not None:
+            csi_server.stop()
         node.stop()
         return _fail(str(exc))
     stop = threading.Event()
@@ -237,6 +266,8 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     log.info("node %s: serving the operator on %s (port %d); %d GPU(s) known", cluster.node, cluster.listen,
              server.port, len(gpus))
     stop.wait()
+    if csi_server is not None:
+        csi_server.stop()  # its registration socket removed: the kubelet unregisters the plugin
     server.stop()
     node.stop()
     return 0

@@ -27,6 +27,7 @@ from bubbles.core.api import (
 from bubbles.core.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
 
 from .core import CoreConfig
+from .csi import DEFAULT_KUBELET_DIR, csi_socket, registration_socket, socket_problem
 from .guard import GuardConfig
 from .isolation import IsolationConfig
 from .launcher import assign_device, parse_devices
@@ -125,6 +126,28 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class CsiSettings:
+    """``--csi`` (issue 36, step 1): serve the CSI node plugin ``csi.bubbles.dev`` and register it with the kubelet
+    (``bubbles.agent.csi``). Its sockets and the Pods' targets are under the kubelet's directory (its --root-dir)."""
+
+    kubelet_dir: Path = DEFAULT_KUBELET_DIR
+
+    def __post_init__(self) -> None:
+        d = self.kubelet_dir
+        if not paths.is_plain_absolute(str(d)):
+            raise ConfigError(f"--kubelet-dir must be an absolute path written plainly (the kubelet's --root-dir, "
+                              f"default {DEFAULT_KUBELET_DIR}), got {str(d)!r}")
+        if not d.is_dir():
+            what = "is not a directory" if d.exists() else "does not exist"
+            raise ConfigError(f"--kubelet-dir {d} {what}: give the kubelet's --root-dir (default "
+                              f"{DEFAULT_KUBELET_DIR}), mounted into the agent's container at the same path")
+        for sock in (csi_socket(d), registration_socket(d)):
+            problem = socket_problem(sock)
+            if problem is not None:
+                raise ConfigError(problem)
+
+
+@dataclass(frozen=True)
 class ClusterSettings:
     """``--cluster``: serve every training on this node and the operator's gRPC calls (``bubbles.agent.cluster``)."""
 
@@ -136,6 +159,7 @@ class ClusterSettings:
     client_ca: Path | None = None
     token_file: Path | None = None
     gpus: tuple[tuple[str, str], ...] = ()  # (GPU UUID, "cuda:N") given by --gpus; NVML is asked when empty
+    csi: CsiSettings | None = None  # --csi: the CSI node plugin (issue 36, step 1); off by default
 
     def __post_init__(self) -> None:
         if not self.node:
@@ -247,6 +271,7 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "mps_check_interval": _as_float, "mps_daemon": _as_str,
     "cluster": _as_bool, "node": _as_str, "listen": _as_str, "health_listen": _as_str, "tls_cert": _as_path,
     "tls_key": _as_path, "client_ca": _as_path, "token_file": _as_path, "gpus": lambda v: parse_gpus(_as_str(v)),
+    "csi": _as_bool, "kubelet_dir": _as_path,
 }
 LEGACY_ENV = {"run_dir": "BUBBLES_RUN_DIR", "training": "BUBBLES_TRAINING"}
 
@@ -337,13 +362,19 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         if v.get("fill_job"):
             raise ConfigError("--fill-job is for local mode; in a cluster the operator assigns fill jobs (FillJob "
                               "resources)")
+        csi = None
+        if v.get("csi", False):
+            csi = CsiSettings(kubelet_dir=v.get("kubelet_dir", DEFAULT_KUBELET_DIR))
+        elif v.get("kubelet_dir") is not None:
+            raise ConfigError("--kubelet-dir only applies with --csi (where the CSI node plugin finds the kubelet)")
         cluster = ClusterSettings(node=v.get("node", ""), listen=v.get("listen", "0.0.0.0:7070"),
                                   health_listen=v.get("health_listen"), tls_cert=v.get("tls_cert"),
                                   tls_key=v.get("tls_key"), client_ca=v.get("client_ca"),
-                                  token_file=v.get("token_file"), gpus=v.get("gpus", ()))
+                                  token_file=v.get("token_file"), gpus=v.get("gpus", ()), csi=csi)
     else:
-        extra = sorted(k for k in ("node", "listen", "health_listen", "tls_cert", "tls_key", "client_ca",
-                                   "token_file", "gpus") if v.get(k) is not None)
+        extra = sorted([k for k in ("node", "listen", "health_listen", "tls_cert", "tls_key", "client_ca",
+                                    "token_file", "gpus", "kubelet_dir") if v.get(k) is not None]
+                       + (["csi"] if v.get("csi", False) else []))
         if extra:
             raise ConfigError(f"{', '.join(_flag(k) for k in extra)} only apply with --cluster")
     return AgentSettings(config, fill_jobs=tuple(v.get("fill_job", ())), stats=v.get("stats"),

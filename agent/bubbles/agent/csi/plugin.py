@@ -1,0 +1,157 @@
+"""The CSI node plugin's shell: carries out what ``publish.plan_publish``/``plan_unpublish`` decide (directories,
+bind mounts, the state file) and keeps the book of published volumes for the rest of the agent (``published()``).
+
+One lock serializes publishes and unpublishes: the kubelet sends a few per Pod start and stop, never a stream. The book
+is written to ``<run_dir>/pods/csi-volumes.json`` after each change, so an agent restarted (a new DaemonSet Pod)
+knows which Pod owns which directory and unpublishes what it published before. A state file it cannot read is set
+aside (``.unreadable``) with a warning and the agent starts with an empty book: the kubelet's unpublish still undoes
+each mount (a target in the kubelet's Pods is cleaned whether the book knows it or not); only those Pods' directories
+are left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from bubbles.core.paths import make_private_dir
+
+from .mounts import KernelMounter, Mounter
+from .publish import (
+    PODS_DIR_NAME,
+    STATE_FILE_NAME,
+    PodVolume,
+    PublishRequest,
+    book_from_json,
+    book_to_json,
+    plan_publish,
+    plan_unpublish,
+)
+
+log = logging.getLogger("bubbles.agent.csi")
+
+# The Pod's directory is writable by every user: the kubelet does not tell the plugin which UID the Pod runs as, and
+# none need be shared with the agent. Only that Pod reaches it (its own mount; <run_dir>/pods/ itself is 0700).
+POD_DIR_MODE = 0o777
+TARGET_DIR_MODE = 0o750  # as the kubelet makes its volume directories
+
+
+class CsiNodePlugin:
+    """Publishes ``csi.bubbles.dev`` volumes on this node: ``<run_dir>/pods/<pod uid>/`` bind-mounted at each target
+    the kubelet names under ``<kubelet_dir>/pods/``. ``publish``/``unpublish`` raise ``publish.Refused`` (the gRPC
+    status and what to change) or OSError (the kernel refused: the kubelet retries)."""
+
+    def __init__(self, node_id: str, run_dir: Path, kubelet_dir: Path, mounter: Mounter | None = None) -> None:
+        self.node_id = node_id
+        self.run_dir = run_dir
+        self.kubelet_dir = kubelet_dir
+        self.mounter: Mounter = mounter if mounter is not None else KernelMounter()
+        self._lock = threading.Lock()
+        self._book: dict[str, PodVolume] = {}
+
+    @property
+    def pods_dir(self) -> Path:
+        return self.run_dir / PODS_DIR_NAME
+
+    @property
+    def kubelet_pods_dir(self) -> Path:
+        return self.kubelet_dir / "pods"
+
+    @property
+    def state_file(self) -> Path:
+        return self.pods_dir / STATE_FILE_NAME
+
+    def start(self) -> None:
+        """Create ``<run_dir>/pods/`` and read the book an earlier agent left."""
+        make_private_dir(self.pods_dir)
+        try:
+            text = self.state_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return
+        try:
+            book = book_from_json(text)
+        except ValueError as exc:
+            aside = self.state_file.with_name(STATE_FILE_NAME + ".unreadable")
+            os.replace(self.state_file, aside)
+            log.warning("CSI state file %s %s; set aside as %s, starting with no published volume (the kubelet's "
+                        "unpublishes still undo their mounts)", self.state_file, exc, aside)
+            return
+        with self._lock:
+            self._book = book
+        log.info("CSI: %d published volume(s) known from %s", len(book), self.state_file)
+
+    def published(self) -> tuple[PodVolume, ...]:
+        """The volumes published on this node, by Pod: which Pod (namespace, name, uid, role) owns which directory."""
+        with self._lock:
+            return tuple(sorted(self._book.values(), key=lambda v: (v.namespace, v.pod, v.volume_id)))
+
+    def publish(self, request: PublishRequest) -> PodVolume:
+        """Mount the Pod's directory at the request's target (again, if a retry finds the mount gone)."""
+        with self._lock:
+            plan = plan_publish(self._book, request, run_dir=str(self.run_dir),
+                                kubelet_pods_dir=str(self.kubelet_pods_dir))
+            volume = plan.volume
+            directory, target = Path(volume.directory), Path(volume.target_path)
+            made_dir = not directory.exists()
+            make_private_dir(self.pods_dir)
+            directory.mkdir(mode=POD_DIR_MODE, exist_ok=True)
+            os.chmod(directory, POD_DIR_MODE)
+            made_target = not target.exists()
+            target.mkdir(mode=TARGET_DIR_MODE, parents=True, exist_ok=True)
+            if not self.mounter.is_mounted(str(target)):
+                try:
+                    self.mounter.bind(str(directory), str(target))
+                except OSError:
+                    if made_target:
+                        with contextlib.suppress(OSError):
+                            target.rmdir()
+                    if made_dir and not any(v.uid == volume.uid for v in self._book.values()):
+                        with contextlib.suppress(OSError):
+                            directory.rmdir()
+                    raise
+            if not plan.already:
+                self._book[volume.volume_id] = volume
+                self._save()
+                log.info("CSI: published %s for Pod %s/%s (%s, role %s) at %s", volume.directory, volume.namespace,
+                         volume.pod, volume.uid, volume.role, volume.target_path)
+            return volume
+
+    def unpublish(self, volume_id: str, target_path: str) -> None:
+        """Undo the mount at the target, remove that directory, forget the volume, and remove its Pod's directory
+        with the Pod's last volume. OK for a volume not published there (CSI wants it idempotent)."""
+        with self._lock:
+            plan = plan_unpublish(self._book, volume_id, target_path, kubelet_pods_dir=str(self.kubelet_pods_dir))
+            if plan.target is not None:
+                if self.mounter.is_mounted(plan.target):
+                    self.mounter.unmount(plan.target)
+                try:
+                    os.rmdir(plan.target)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # not empty: not a directory this plugin made; the kubelet removes its own
+                    log.warning("CSI: left %s in place after unpublishing %s: %s", plan.target, volume_id, exc)
+            if plan.volume is None:
+                return
+            del self._book[volume_id]
+            self._save()
+            if plan.pod_dir is not None:
+                shutil.rmtree(plan.pod_dir, ignore_errors=True)
+            log.info("CSI: unpublished %s of Pod %s/%s from %s", volume_id, plan.volume.namespace, plan.volume.pod,
+                     target_path)
+
+    def _save(self) -> None:
+        """Write the book over the state file (a new file renamed over it: a crash leaves the old one or the new)."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{STATE_FILE_NAME}.", dir=self.pods_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(book_to_json(self._book))
+            os.replace(tmp, self.state_file)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
