@@ -124,7 +124,7 @@ def test_bubbles_agent_cluster_csi_serves_registers_and_cleans_up_on_sigterm(tmp
         assert info.endpoint == str(csi_socket(kubelet))
         with grpc.insecure_channel(f"unix://{info.endpoint}") as channel:
             assert csi_grpc.NodeStub(channel).NodeGetInfo(csi.NodeGetInfoRequest(), timeout=10).node_id == "node-x"
-        assert (short_dir / "run" / "pods").is_dir()
+        assert (short_dir / "run" / "_pods").is_dir()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert not registration_socket(kubelet).exists() and not csi_socket(kubelet).exists()

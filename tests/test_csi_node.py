@@ -148,12 +148,12 @@ def test_publish_bind_mounts_the_pods_own_directory_and_unpublish_removes_it(nod
     request = kubelet_publish(node.kubelet)
     target = Path(request.target_path)
     node.node.NodePublishVolume(request, timeout=10)
-    pod_dir = node.run / "pods" / UID
+    pod_dir = node.run / "_pods" / UID
     assert KernelMounter().is_mounted(str(target))
     (target / "hook.json").write_text("{}")  # as the Pod writes through its mount
     assert (pod_dir / "hook.json").read_text() == "{}"
     assert stat.S_IMODE(pod_dir.stat().st_mode) == 0o777  # whatever UID the Pod runs as
-    assert stat.S_IMODE((node.run / "pods").stat().st_mode) == 0o700  # and no one else on the node
+    assert stat.S_IMODE((node.run / "_pods").stat().st_mode) == 0o700  # and no one else on the node
     expected = PodVolume(request.volume_id, str(target), "ml", "train-0", UID, Role.TRAINING, "default", str(pod_dir))
     assert node.plugin.published() == (expected,)
 
@@ -162,7 +162,7 @@ def test_publish_bind_mounts_the_pods_own_directory_and_unpublish_removes_it(nod
     assert sum(line.split(" ")[4] == str(target) for line in mounts if line) == 1
 
     # A restarted agent knows what it published (the state file), and unpublishes it.
-    state = json.loads((node.run / "pods" / "csi-volumes.json").read_text())
+    state = json.loads((node.run / "_pods" / "csi-volumes.json").read_text())
     assert [v["uid"] for v in state["volumes"]] == [UID]
     restarted = CsiNodePlugin("node-a", node.run, node.kubelet)
     restarted.start()
@@ -184,11 +184,11 @@ def test_publish_bind_mounts_the_pods_own_directory_and_unpublish_removes_it(nod
 def test_an_agent_that_lost_its_state_still_undoes_the_kubelets_mount(node: Node) -> None:
     request = kubelet_publish(node.kubelet)
     node.node.NodePublishVolume(request, timeout=10)
-    (node.run / "pods" / "csi-volumes.json").write_text("{not json")
+    (node.run / "_pods" / "csi-volumes.json").write_text("{not json")
     amnesiac = CsiNodePlugin("node-a", node.run, node.kubelet)
     amnesiac.start()
     assert amnesiac.published() == ()
-    assert (node.run / "pods" / "csi-volumes.json.unreadable").exists()
+    assert (node.run / "_pods" / "csi-volumes.json.unreadable").exists()
     amnesiac.unpublish(request.volume_id, request.target_path)
     assert not KernelMounter().is_mounted(request.target_path)
     assert not Path(request.target_path).exists()
@@ -215,7 +215,7 @@ def test_a_refused_publish_mounts_nothing_and_says_what_to_set(node: Node, chang
     assert not Path(request.target_path).exists()
     assert not Path("/tmp/bcsi-outside").exists()
     assert node.plugin.published() == ()
-    assert list((node.run / "pods").iterdir()) == []
+    assert list((node.run / "_pods").iterdir()) == []
 
 
 @needs_mount
@@ -281,5 +281,5 @@ def test_a_mount_the_kernel_refuses_is_internal_and_leaves_nothing_behind() -> N
         assert err.value.code() is grpc.StatusCode.INTERNAL
         assert "needs CAP_SYS_ADMIN: run it privileged" in (err.value.details() or "")
         assert not Path(request.target_path).exists()
-        assert list((node.run / "pods").iterdir()) == []
+        assert list((node.run / "_pods").iterdir()) == []
         assert node.plugin.published() == ()

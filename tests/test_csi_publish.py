@@ -57,14 +57,14 @@ def test_a_training_pods_volume_is_its_own_directory() -> None:
     plan = plan_publish({}, request(), run_dir=RUN, kubelet_pods_dir=PODS)
     assert not plan.already
     assert plan.volume == PodVolume("csi-1f2e", target(), "ml", "train-0", UID, Role.TRAINING, "default",
-                                    f"{RUN}/pods/{UID}")
+                                    f"{RUN}/_pods/{UID}")
 
 
 def test_a_static_pods_uid_and_a_fill_role_are_taken() -> None:
     uid = "6f1d3e0c2b9a8f7e6d5c4b3a29180716"  # a static Pod's uid: a hash of its manifest
     plan = plan_publish({}, request(uid=uid, volume_context=context(uid, role="fill")), run_dir=RUN,
                         kubelet_pods_dir=PODS + "/")
-    assert (plan.volume.role, plan.volume.directory) == (Role.FILL, f"{RUN}/pods/{uid}")
+    assert (plan.volume.role, plan.volume.directory) == (Role.FILL, f"{RUN}/_pods/{uid}")
 
 
 def _without(key: str) -> dict[str, str]:
@@ -154,7 +154,7 @@ def test_unpublish_undoes_the_mount_and_the_directory_goes_with_the_pods_last_vo
     assert (plan.volume, plan.target, plan.pod_dir) == (first, target(), None)  # the Pod's other volume still uses it
     del book["csi-1f2e"]
     plan = plan_unpublish(book, "csi-2", target(volume="second"), kubelet_pods_dir=PODS)
-    assert plan.pod_dir == f"{RUN}/pods/{UID}"
+    assert plan.pod_dir == f"{RUN}/_pods/{UID}"
 
 
 def test_unpublish_of_an_unknown_volume_is_ok_and_cleans_only_a_kubelet_target() -> None:

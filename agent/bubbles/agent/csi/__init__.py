@@ -1,5 +1,5 @@
 """The agent as a CSI node plugin (issue 36, step 1): ``csi.bubbles.dev`` inline ephemeral volumes, one directory per
-Pod (``<run_dir>/pods/<pod uid>/``), named by the kubelet rather than by the Pod, so no hostPath and no shared UID.
+Pod (``<run_dir>/_pods/<pod uid>/``), named by the kubelet rather than by the Pod, so no hostPath and no shared UID.
 
 Modules: ``publish`` (pure: what a publish or unpublish means, refusals with what to set), ``plugin`` (the shell:
 directories, bind mounts, the state file, ``published()``), ``mounts`` (mount(2) by ctypes), ``server`` (the CSI

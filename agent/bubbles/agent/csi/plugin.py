@@ -2,7 +2,7 @@
 bind mounts, the state file) and keeps the book of published volumes for the rest of the agent (``published()``).
 
 One lock serializes publishes and unpublishes: the kubelet sends a few per Pod start and stop, never a stream. The book
-is written to ``<run_dir>/pods/csi-volumes.json`` after each change, so an agent restarted (a new DaemonSet Pod)
+is written to ``<run_dir>/_pods/csi-volumes.json`` after each change, so an agent restarted (a new DaemonSet Pod)
 knows which Pod owns which directory and unpublishes what it published before. A state file it cannot read is set
 aside (``.unreadable``) with a warning and the agent starts with an empty book: the kubelet's unpublish still undoes
 each mount (a target in the kubelet's Pods is cleaned whether the book knows it or not); only those Pods' directories
@@ -36,13 +36,13 @@ from .publish import (
 log = logging.getLogger("bubbles.agent.csi")
 
 # The Pod's directory is writable by every user: the kubelet does not tell the plugin which UID the Pod runs as, and
-# none need be shared with the agent. Only that Pod reaches it (its own mount; <run_dir>/pods/ itself is 0700).
+# none need be shared with the agent. Only that Pod reaches it (its own mount; <run_dir>/_pods/ itself is 0700).
 POD_DIR_MODE = 0o777
 TARGET_DIR_MODE = 0o750  # as the kubelet makes its volume directories
 
 
 class CsiNodePlugin:
-    """Publishes ``csi.bubbles.dev`` volumes on this node: ``<run_dir>/pods/<pod uid>/`` bind-mounted at each target
+    """Publishes ``csi.bubbles.dev`` volumes on this node: ``<run_dir>/_pods/<pod uid>/`` bind-mounted at each target
     the kubelet names under ``<kubelet_dir>/pods/``. ``publish``/``unpublish`` raise ``publish.Refused`` (the gRPC
     status and what to change) or OSError (the kernel refused: the kubelet retries)."""
 
@@ -67,7 +67,7 @@ class CsiNodePlugin:
         return self.pods_dir / STATE_FILE_NAME
 
     def start(self) -> None:
-        """Create ``<run_dir>/pods/`` and read the book an earlier agent left."""
+        """Create ``<run_dir>/_pods/`` and read the book an earlier agent left."""
         make_private_dir(self.pods_dir)
         try:
             text = self.state_file.read_text(encoding="utf-8")

@@ -3,7 +3,7 @@
 The kubelet publishes an inline ephemeral volume (a Pod's ``volumes: [{csi: {driver: csi.bubbles.dev,
 volumeAttributes: {role: training}}}]``) when the Pod starts on the node and unpublishes it when the Pod is torn down.
 With the CSIDriver object's ``podInfoOnMount: true`` it names the Pod in ``volume_context``; that, not anything the
-Pod says of itself, is how the agent knows whose directory it is. Each Pod gets ``<run_dir>/pods/<pod uid>/``,
+Pod says of itself, is how the agent knows whose directory it is. Each Pod gets ``<run_dir>/_pods/<pod uid>/``,
 bind-mounted at the volume's target (the shell, ``bubbles.agent.csi.plugin``, does the mkdir and the mount).
 
 Nothing here touches the file system, a socket or a clock: ``plan_publish`` and ``plan_unpublish`` take the book of
@@ -36,8 +36,8 @@ EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
 KUBELET_KEY_PREFIX = "csi.storage.k8s.io/"  # the kubelet's own keys: whatever newer kubelets add is let through
 ROLE_KEY = "role"  # the one attribute a Pod sets (volumeAttributes)
 
-# <run_dir>/pods/<pod uid>/ per published Pod, and the book of published volumes beside them (a uid has no '.').
-PODS_DIR_NAME = "pods"
+# <run_dir>/_pods/<pod uid>/ per published Pod, and the book of published volumes beside them (a uid has no '.').
+PODS_DIR_NAME = "_pods"  # an underscore: no namespace can be named so (the node layout has one per namespace)
 STATE_FILE_NAME = "csi-volumes.json"
 STATE_VERSION = 1
 
@@ -100,7 +100,7 @@ class PodVolume:
     uid: str
     role: Role
     service_account: str
-    directory: str  # <run_dir>/pods/<uid>
+    directory: str  # <run_dir>/_pods/<uid>
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "role": self.role.value}
