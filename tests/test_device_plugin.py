@@ -62,7 +62,8 @@ def test_a_gpu_nvml_stops_answering_for_keeps_its_resource_with_unhealthy_slots(
 
 @pytest.mark.parametrize(("strategy", "answer"), [
     (GpuStrategy.CDI, ContainerAllocation(cdi_devices=(f"nvidia.com/gpu={B}",))),
-    (GpuStrategy.CDI_ANNOTATIONS, ContainerAllocation(annotations={"cdi.k8s.io/bubbles.dev_gpu-1": f"nvidia.com/gpu={B}"})),
+    (GpuStrategy.CDI_ANNOTATIONS,
+     ContainerAllocation(annotations={"cdi.k8s.io/bubbles.dev_gpu-1": f"nvidia.com/gpu={B}"})),
     (GpuStrategy.VOLUME_MOUNTS, ContainerAllocation(
         envs={"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"},
         mounts=(Mount(f"/var/run/nvidia-container-devices/{B}", "/dev/null"),))),

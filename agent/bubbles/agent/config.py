@@ -164,7 +164,7 @@ class ClusterSettings:
 @dataclass(frozen=True)
 class DevicePluginSettings:
     """``--device-plugin``: serve the kubelet each GPU of the node as an extended resource of fill slots
-    (``bubbles.agent.deviceplugin``). Step 1 of issue 36: the operator's fill Pods do not request these resources yet."""
+    (``bubbles.agent.deviceplugin``). Step 1 of issue 36: the operator's fill Pods do not request these yet."""
 
     strategy: GpuStrategy = GpuStrategy.CDI
     fill_slots: int = DEFAULT_FILL_SLOTS

@@ -87,17 +87,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                                       get_preferred_allocation_available=o.get_preferred_allocation_available)
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
-        sent: tuple[tuple[str, str], ...] | None = None
+        sent: list[tuple[tuple[str, str], ...] | None] = [None]  # what this stream last sent (read by the wait)
         changed = self.plugins.changed
         while context.is_active() and not self.closed.is_set():
             with changed:
-                changed.wait_for(lambda: self.closed.is_set() or self.plugins.devices(self.resource) != sent,
+                changed.wait_for(lambda: self.closed.is_set() or self.plugins.devices(self.resource) != sent[0],
                                  timeout=STREAM_POLL_S)
                 devices = self.plugins.devices(self.resource)
             if self.closed.is_set():
                 return
-            if devices != sent:
-                sent = devices
+            if devices != sent[0]:
+                sent[0] = devices
                 yield pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=h) for i, h in devices])
 
     def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
