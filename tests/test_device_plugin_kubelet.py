@@ -29,7 +29,7 @@ from bubbles.agent.gpus import read_gpus
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
-FAST = {"health_interval_s": 0.05, "check_interval_s": 0.05}
+FAST_S = 0.05  # the plugin looks at the GPUs and the kubelet this often here
 
 
 def wait_for(what: str, predicate: Callable[[], object], deadline_s: float = 10.0) -> None:
@@ -164,7 +164,7 @@ def kubelet(plugin_dir: Path) -> Iterator[StandInKubelet]:
 @contextlib.contextmanager
 def serving(plugin_dir: Path, nvml: StandInNvml, strategy: GpuStrategy = GpuStrategy.CDI,
             fill_slots: int = 4) -> Iterator[DevicePlugins]:
-    plugins = DevicePlugins(PluginConfig(strategy, fill_slots, plugin_dir, **FAST), lambda: read_gpus(nvml))
+    plugins = DevicePlugins(PluginConfig(strategy, fill_slots, plugin_dir, FAST_S, FAST_S), lambda: read_gpus(nvml))
     plugins.start()
     try:
         yield plugins
@@ -272,3 +272,33 @@ def test_nvml_failing_means_no_resource_said_once_until_it_answers(plugin_dir: P
         nvml.fail = False
         wait_for("GPU 0 registered", lambda: kubelet.latest("bubbles.dev/gpu-0") == _slots(A, 4))
         assert any("the GPUs can be read again" in r.getMessage() for r in caplog.records)
+
+
+def test_the_agents_flags_serve_the_gpus_given_by_gpus_to_the_kubelet(plugin_dir: Path,
+                                                                     kubelet: StandInKubelet) -> None:
+    from bubbles.agent.cli import start_device_plugin
+    from bubbles.agent.config import load_settings
+
+    for name in ("tls.crt", "tls.key", "token"):
+        (plugin_dir / name).write_text("x" * 32)
+    settings = load_settings({"run_dir": plugin_dir / "run", "cluster": True, "node": "n",
+                              "tls_cert": plugin_dir / "tls.crt", "tls_key": plugin_dir / "tls.key",
+                              "token_file": plugin_dir / "token", "gpus": f"{B}=cuda:3", "device_plugin": True,
+                              "gpu_strategy": "volume-mounts", "fill_slots": 2, "device_plugin_dir": plugin_dir}, {})
+    assert settings.cluster is not None
+    plugins = start_device_plugin(settings.cluster)
+    try:
+        wait_for("GPU 3's slots", lambda: kubelet.latest("bubbles.dev/gpu-3") == _slots(B, 2))
+        mounts = kubelet.allocate("bubbles.dev/gpu-3", f"{B}::1").container_responses[0].mounts
+        assert [m.container_path for m in mounts] == [f"/var/run/nvidia-container-devices/{B}"]
+    finally:
+        plugins.stop()
+
+
+def test_a_socket_path_too_long_is_refused_at_start_saying_what_to_do(plugin_dir: Path) -> None:
+    deep = plugin_dir / ("d" * 100)
+    config = PluginConfig(directory=deep, health_interval_s=FAST_S, check_interval_s=FAST_S)
+    plugins = DevicePlugins(config, lambda: {A: "cuda:0"})
+    with pytest.raises(OSError, match="give a shorter --device-plugin-dir"):
+        plugins.start()
+    assert plugins.endpoints == {}

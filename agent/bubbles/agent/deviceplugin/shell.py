@@ -186,8 +186,12 @@ class DevicePlugins:
     def start(self) -> None:
         """Read the GPUs, serve and register each resource, then keep them so on a thread. OSError when the
         directory or a socket cannot be made (the message says which)."""
-        self.config.directory.mkdir(parents=True, exist_ok=True)
-        self.step()
+        try:
+            self.config.directory.mkdir(parents=True, exist_ok=True)
+            self.step()
+        except OSError:
+            self.stop()  # the servers that did start, and their sockets
+            raise
         self._thread = threading.Thread(target=self._loop, name="bubbles-device-plugin", daemon=True)
         self._thread.start()
 
