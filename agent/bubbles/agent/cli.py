@@ -26,10 +26,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bubbles.core.api import FillMode, IsolationMode
 
 from .config import AgentConfig, ClusterSettings
+from .deviceplugin.decide import GpuStrategy
+
+if TYPE_CHECKING:
+    from .deviceplugin.shell import DevicePlugins
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +116,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="with --csi: the kubelet's --root-dir, mounted at the same path (default /var/lib/kubelet): "
                          "the CSI socket in plugins/csi.bubbles.dev/, the registration socket in plugins_registry/, "
                          "and every volume's target under pods/")
+    dp = parser.add_argument_group("device plugin (with --cluster; issue 36, step 1: the operator's fill Pods do not "
+                                   "request these resources yet; docs/agent.md)")
+    dp.add_argument("--device-plugin", action="store_const", const=True, default=None,
+                    help="serve the kubelet a device plugin: each GPU of the node as the extended resource "
+                         "bubbles.dev/gpu-<index>, with --fill-slots devices (default off)")
+    dp.add_argument("--gpu-strategy", choices=[s.value for s in GpuStrategy], default=None,
+                    help="how the kubelet hands a fill Pod its GPU: cdi (default; CDI devices, Kubernetes 1.28+ with "
+                         "a CDI runtime), cdi-annotations, volume-mounts or envvar (NVIDIA's runtime)")
+    dp.add_argument("--fill-slots", type=int, default=None, metavar="K",
+                    help="how many fill Pods may share one GPU at once: the devices of its resource (default 4)")
+    dp.add_argument("--device-plugin-dir", type=Path, default=None, metavar="DIR",
+                    help="the kubelet's device-plugins directory (default /var/lib/kubelet/device-plugins)")
     gpu = parser.add_argument_group("devices and isolation (see docs/gpu.md)")
     gpu.add_argument("--devices", default=None, metavar="LIST",
                      help="comma-separated cpu or cuda:N, one per executor (executor k gets entry k %% len); "
@@ -260,6 +277,14 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
             csi_server.stop()
         node.stop()
         return _fail(str(exc))
+    plugins = None
+    if cluster.device_plugin is not None:
+        try:
+            plugins = start_device_plugin(cluster)
+        except OSError as exc:
+            server.stop(0)
+            node.stop()
+            return _fail(str(exc))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -268,6 +293,24 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     stop.wait()
     if csi_server is not None:
         csi_server.stop()  # its registration socket removed: the kubelet unregisters the plugin
+    if plugins is not None:
+        plugins.stop()
     server.stop()
     node.stop()
     return 0
+
+
+def start_device_plugin(cluster: ClusterSettings) -> DevicePlugins:
+    """``--device-plugin``: the GPUs' resources served and registered with the kubelet; OSError if a socket cannot
+    be bound. GPUs given by ``--gpus`` are fixed and always healthy (nothing to ask); else NVML, asked again for
+    health."""
+    from .deviceplugin.shell import DevicePlugins, PluginConfig
+    from .gpus import read_gpus
+
+    dp = cluster.device_plugin
+    assert dp is not None
+    fixed = dict(cluster.gpus)
+    plugins = DevicePlugins(PluginConfig(dp.strategy, dp.fill_slots, dp.directory),
+                            (lambda: fixed) if fixed else read_gpus)
+    plugins.start()
+    return plugins

@@ -28,6 +28,7 @@ from bubbles.core.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
 
 from .core import CoreConfig
 from .csi import DEFAULT_KUBELET_DIR, csi_socket, registration_socket, socket_problem
+from .deviceplugin.decide import DEFAULT_FILL_SLOTS, GpuStrategy, check_fill_slots
 from .guard import GuardConfig
 from .isolation import IsolationConfig
 from .launcher import assign_device, parse_devices
@@ -160,6 +161,7 @@ class ClusterSettings:
     token_file: Path | None = None
     gpus: tuple[tuple[str, str], ...] = ()  # (GPU UUID, "cuda:N") given by --gpus; NVML is asked when empty
     csi: CsiSettings | None = None  # --csi: the CSI node plugin (issue 36, step 1); off by default
+    device_plugin: DevicePluginSettings | None = None  # --device-plugin
 
     def __post_init__(self) -> None:
         if not self.node:
@@ -181,6 +183,45 @@ class ClusterSettings:
                         ("--token-file", self.token_file)):
             if f is not None and not f.is_file():
                 raise ConfigError(f"{flag} {f} does not exist or is not a file")
+
+
+@dataclass(frozen=True)
+class DevicePluginSettings:
+    """``--device-plugin``: serve the kubelet each GPU of the node as an extended resource of fill slots
+    (``bubbles.agent.deviceplugin``). Step 1 of issue 36: the operator's fill Pods do not request these yet."""
+
+    strategy: GpuStrategy = GpuStrategy.CDI
+    fill_slots: int = DEFAULT_FILL_SLOTS
+    directory: Path = Path("/var/lib/kubelet/device-plugins")
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "strategy", GpuStrategy.parse(self.strategy, "--gpu-strategy"))
+            check_fill_slots(self.fill_slots, "--fill-slots")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not self.directory.is_absolute():
+            raise ConfigError(f"--device-plugin-dir must be an absolute path (the kubelet's device-plugins directory, "
+                              f"/var/lib/kubelet/device-plugins unless its --root-dir moved it), got {self.directory}")
+
+
+DEVICE_PLUGIN_KEYS = ("gpu_strategy", "fill_slots", "device_plugin_dir")
+
+
+def device_plugin_settings(v: Mapping[str, Any]) -> DevicePluginSettings | None:
+    """The device plugin's settings from the merged keys, None when it is off; ConfigError for a setting without
+    ``--device-plugin`` or ``--device-plugin`` without ``--cluster``."""
+    if not v.get("device_plugin", False):
+        extra = [_flag(k) for k in DEVICE_PLUGIN_KEYS if v.get(k) is not None]
+        if extra:
+            raise ConfigError(f"{', '.join(extra)} only apply with --device-plugin")
+        return None
+    if not v.get("cluster", False):
+        raise ConfigError("--device-plugin only applies with --cluster (the node's agent, as a DaemonSet, serves the "
+                          "kubelet its GPUs)")
+    return DevicePluginSettings(strategy=v.get("gpu_strategy", GpuStrategy.CDI),
+                                fill_slots=v.get("fill_slots", DEFAULT_FILL_SLOTS),
+                                directory=v.get("device_plugin_dir", Path("/var/lib/kubelet/device-plugins")))
 
 
 def parse_gpus(text: str) -> tuple[tuple[str, str], ...]:
@@ -272,6 +313,7 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "cluster": _as_bool, "node": _as_str, "listen": _as_str, "health_listen": _as_str, "tls_cert": _as_path,
     "tls_key": _as_path, "client_ca": _as_path, "token_file": _as_path, "gpus": lambda v: parse_gpus(_as_str(v)),
     "csi": _as_bool, "kubelet_dir": _as_path,
+    "device_plugin": _as_bool, "gpu_strategy": _as_str, "fill_slots": _as_int, "device_plugin_dir": _as_path,
 }
 LEGACY_ENV = {"run_dir": "BUBBLES_RUN_DIR", "training": "BUBBLES_TRAINING"}
 
@@ -354,6 +396,7 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         exit_when_done=v.get("exit_when_done", False),
         start_timeout_s=v.get("start_timeout"),
     )
+    device_plugin = device_plugin_settings(v)
     cluster = None
     if v.get("cluster", False):
         if config.exit_when_done:
@@ -370,7 +413,8 @@ def load_settings(flags: Mapping[str, Any], environ: Mapping[str, str] | None = 
         cluster = ClusterSettings(node=v.get("node", ""), listen=v.get("listen", "0.0.0.0:7070"),
                                   health_listen=v.get("health_listen"), tls_cert=v.get("tls_cert"),
                                   tls_key=v.get("tls_key"), client_ca=v.get("client_ca"),
-                                  token_file=v.get("token_file"), gpus=v.get("gpus", ()), csi=csi)
+                                  token_file=v.get("token_file"), gpus=v.get("gpus", ()), csi=csi,
+                                  device_plugin=device_plugin)
     else:
         extra = sorted([k for k in ("node", "listen", "health_listen", "tls_cert", "tls_key", "client_ca",
                                     "token_file", "gpus", "kubelet_dir") if v.get(k) is not None]

@@ -12,20 +12,22 @@ from typing import Any
 log = logging.getLogger("bubbles.agent")
 
 
-def discover_gpus(nvml: Any = None) -> dict[str, str]:
-    """{UUID: "cuda:N"} from NVML; {} (logged) where NVML cannot be loaded or initialized. ``nvml``: the
-    ``pynvml`` module or a stand-in with its interface (tests)."""
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be loaded or initialized on this machine (no bindings, no driver, no device); the text says why."""
+
+
+def read_gpus(nvml: Any = None) -> dict[str, str]:
+    """{UUID: "cuda:N"} from NVML; NvmlUnavailable where it cannot be loaded or initialized, NVML's own error where a
+    device cannot be read. For callers that ask again and say a failure once (the device plugin's health checks)."""
     if nvml is None:
         try:
             import pynvml as nvml  # type: ignore[no-redef]
         except ImportError:
-            log.info("NVML (nvidia-ml-py) is not installed: GPUs come from --gpus only")
-            return {}
+            raise NvmlUnavailable("NVML (nvidia-ml-py) is not installed") from None
     try:
         nvml.nvmlInit()
     except Exception as exc:  # NVMLError: no driver, no device
-        log.info("NVML is not usable here (%s): GPUs come from --gpus only", exc)
-        return {}
+        raise NvmlUnavailable(f"NVML is not usable here ({exc})") from None
     try:
         out = {}
         for i in range(int(nvml.nvmlDeviceGetCount())):
@@ -37,3 +39,13 @@ def discover_gpus(nvml: Any = None) -> dict[str, str]:
             nvml.nvmlShutdown()
         except Exception:
             log.debug("nvmlShutdown failed", exc_info=True)
+
+
+def discover_gpus(nvml: Any = None) -> dict[str, str]:
+    """{UUID: "cuda:N"} from NVML; {} (logged) where NVML cannot be loaded or initialized. ``nvml``: the
+    ``pynvml`` module or a stand-in with its interface (tests)."""
+    try:
+        return read_gpus(nvml)
+    except NvmlUnavailable as exc:
+        log.info("%s: GPUs come from --gpus only", exc)
+        return {}
