@@ -196,12 +196,121 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"agent": {"isolation": "mps", "mps": {"shmDir": "/mps"}}}, "at least two levels deep"),
     ({"agent": {"isolation": "mps", "mps": {"shmDir": "/tmp/nvidia-mps/shm"}}}, "apart from agent.mps.pipeDir"),
     ({"agent": {"isolation": "mps", "runDir": "/run/b", "mps": {"shmDir": "/run/b"}}}, "apart from agent.runDir"),
+    ({"agent": {"csi": {"enabled": "yes"}}}, "/agent/csi/enabled"),
+    ({"agent": {"csi": {"enable": True}}}, "enable"),
+    ({"agent": {"csi": {"kubeletDir": "var/lib/kubelet"}}}, "/agent/csi/kubeletDir"),
+    ({"agent": {"csi": {"kubeletDir": "/var/lib/kubelet/"}}}, "/agent/csi/kubeletDir"),
+    ({"agent": {"csi": {"kubeletDir": "/var/lib/../kubelet"}}}, "/agent/csi/kubeletDir"),
+    ({"agent": {"csi": {"kubeletDir": "/var//lib/kubelet"}}}, "/agent/csi/kubeletDir"),
+    ({"agent": {"csi": {"kubeletDir": "/" + "k" * 65}}}, "/agent/csi/kubeletDir"),  # the sockets would not fit
 ])
 def test_contradictory_or_malformed_values_are_refused_with_what_to_change(values: dict[str, Any],
                                                                           message: str) -> None:
     with pytest.raises(helm.HelmError) as info:
         render(values)
     assert message in str(info.value)
+
+
+CSI_KUBELET_DIR = "/var/lib/k0s/kubelet"
+CSI_CAPS = (1 << 21) | (1 << 1)  # CAP_SYS_ADMIN, CAP_DAC_OVERRIDE
+
+
+def test_csi_is_off_by_default_and_on_makes_the_driver_and_a_privileged_plugin_as_the_agents_uid(
+        tmp_path: Path) -> None:
+    """agent.csi.enabled (issue 36, step 2a): the CSIDriver object the plugin needs, and an agent container that
+    can be a CSI node plugin: privileged (Bidirectional propagation needs it), the kubelet's directory at the same
+    path with Bidirectional propagation, and its process dropped to agent.runAsUser by setpriv (the files it makes
+    in the run directory stay the trainings' UID's). Its flags are accepted by the agent's own parser and checks."""
+    from bubbles.agent.config import load_settings
+
+    off = render()
+    assert not [d for d in off if d["kind"] == "CSIDriver"]
+    plain = container(off, "DaemonSet")
+    assert "command" not in plain and not [a for a in plain["args"] if a.startswith(("--csi", "--kubelet-dir"))]
+    assert "kubelet-dir" not in {m["name"] for m in plain["volumeMounts"]}
+
+    docs = render({"agent": {"csi": {"enabled": True, "kubeletDir": CSI_KUBELET_DIR}}})
+    driver = one(docs, "CSIDriver")
+    assert (driver["apiVersion"], driver["metadata"]["name"]) == ("storage.k8s.io/v1", "csi.bubbles.dev")
+    assert "namespace" not in driver["metadata"]  # cluster-scoped
+    assert driver["spec"] == {"attachRequired": False, "podInfoOnMount": True, "volumeLifecycleModes": ["Ephemeral"],
+                              "fsGroupPolicy": "None"}
+    spec = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert c["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsNonRoot": False,
+                                    "readOnlyRootFilesystem": True}
+    assert {"name": "kubelet-dir", "mountPath": CSI_KUBELET_DIR, "mountPropagation": "Bidirectional"} \
+        in c["volumeMounts"]
+    assert {"name": "kubelet-dir", "hostPath": {"path": CSI_KUBELET_DIR, "type": "Directory"}} in spec["volumes"]
+    assert spec["initContainers"][0]["name"] == "own-dirs"  # the run directory is still given to the agent's UID
+    # setpriv to the agent's UID, then the image's own entrypoint.
+    entrypoint = next(line for line in (ROOT / "images" / "agent" / "Dockerfile").read_text().splitlines()
+                      if line.startswith("ENTRYPOINT"))
+    assert c["command"][0] == "setpriv" and c["command"][-2:] == ["--", *json.loads(entrypoint.split(" ", 1)[1])]
+    assert {"--reuid=1000", "--regid=1000", "--clear-groups", "--no-new-privs"} <= set(c["command"])
+    # The flags, as the agent parses and checks them (the kubelet's directory must exist: here, a local one).
+    args = []
+    for a in c["args"]:
+        if "=/etc/bubbles/" in a:
+            flag, path = a.split("=", 1)
+            (tmp_path / Path(path).name).write_text("x")
+            a = f"{flag}={tmp_path / Path(path).name}"
+        args.append(a.replace(f"={CSI_KUBELET_DIR}", f"={tmp_path}"))
+    assert "--csi" in args
+    settings = load_settings(vars(parse_agent(args)) | {"node": "node-1"}, environ={})
+    assert settings.cluster is not None and settings.cluster.csi is not None
+    assert settings.cluster.csi.kubelet_dir == tmp_path
+    # agent.runAsUser=0: root throughout, no setpriv.
+    root = container(render({"agent": {"csi": {"enabled": True}, "runAsUser": 0, "runAsGroup": 0}}), "DaemonSet")
+    assert "command" not in root and root["securityContext"]["privileged"] is True
+    assert "--kubelet-dir=/var/lib/kubelet" in root["args"]
+
+
+@pytest.mark.skipif(not shutil.which("setpriv") or os.geteuid() != 0, reason="needs root and util-linux's setpriv")
+def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_kubelets_directory(
+        tmp_path: Path) -> None:
+    """The chart's setpriv command, run here as the privileged container starts it (as root): the process is
+    agent.runAsUser with no supplementary groups and CAP_SYS_ADMIN and CAP_DAC_OVERRIDE only (effective, ambient:
+    they survive the exec of the agent's Python); it makes a target in a root-owned 0750 directory (the kubelet's),
+    bind-mounts a directory there and undoes it, and what it creates in the run directory is the agent's UID's."""
+    c = container(render({"agent": {"csi": {"enabled": True}}}), "DaemonSet")
+    wrapper = c["command"][:-1]
+    pods = tmp_path / "kubelet" / "pods" / "uid-1"
+    pods.mkdir(parents=True)
+    for d in (pods, pods.parent, pods.parent.parent):
+        d.chmod(0o750)
+    run = tmp_path / "run"
+    (run / "_pods" / "uid-1").mkdir(parents=True)
+    for d in (run, run / "_pods", run / "_pods" / "uid-1"):
+        os.chown(d, 1000, 1000)
+    target = pods / "mount"
+    script = (
+        "import ctypes, json, os, sys\n"
+        "run, target = sys.argv[1], sys.argv[2]\n"
+        "caps = {k: int(v, 16) for k, v in (l.split(':') for l in open('/proc/self/status') if l.startswith('Cap'))}\n"
+        "open(os.path.join(run, 'made'), 'w').close()\n"
+        "os.mkdir(target)\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "rc = libc.mount(os.path.join(run, '_pods', 'uid-1').encode(), target.encode(), None, 0x1000, None)\n"
+        "mounted = any(l.split(' ')[4] == target for l in open('/proc/self/mountinfo'))\n"
+        "unmounted = libc.umount2(target.encode(), 8)\n"
+        "os.rmdir(target)\n"
+        "print(json.dumps([os.getuid(), os.getgid(), os.getgroups(), caps, rc, mounted, unmounted]))\n")
+    try:
+        r = subprocess.run([*wrapper, sys.executable, "-I", "-c", script, str(run), str(target)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        uid, gid, groups, caps, rc, mounted, unmounted = json.loads(r.stdout)
+    finally:
+        if any(line.split(" ")[4] == str(target) for line in Path("/proc/self/mountinfo").read_text().splitlines()):
+            subprocess.run(["umount", "-l", str(target)], check=False)
+    assert (uid, gid, groups) == (1000, 1000, [])
+    assert {k: v for k, v in caps.items() if k != "CapInh"} == {
+        "CapPrm": CSI_CAPS, "CapEff": CSI_CAPS, "CapBnd": CSI_CAPS, "CapAmb": CSI_CAPS}, caps
+    assert (rc, mounted, unmounted) == (0, True, 0)
+    st = (run / "made").stat()
+    assert (st.st_uid, st.st_gid) == (1000, 1000)
+    assert not target.exists()
 
 
 def secret_files(docs: list[dict[str, Any]], suffix: str, d: Path) -> dict[str, Path]:

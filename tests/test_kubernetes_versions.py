@@ -72,7 +72,7 @@ def chart_documents() -> list[dict[str, Any]]:
 
     docs = []
     for values in ({}, {"agent": {"isolation": "mps"}, "grpc": {"token": True}},
-                   {"operator": {"replicas": 2, "fillPodTolerations": [GPU]}}):
+                   {"operator": {"replicas": 2, "fillPodTolerations": [GPU]}}, {"agent": {"csi": {"enabled": True}}}):
         docs += render(values)
     return docs
 

@@ -94,6 +94,12 @@ class RealNode:
                 # Not a skip: the machine can run the tier, an earlier run's leftovers are in the way.
                 raise RuntimeError(f"could not take down the node left in {state} (tools/node-from-debian.sh down; "
                                    f"then remove {state}):\n{tail(left.stderr)}")
+        try:
+            cls.share_kubelet_dir(state)
+        except ClusterUnavailable:
+            _run([str(TOOL), "down"], timeout=300, env=env)
+            os.close(lock)
+            raise
         result = _run([str(TOOL), "up"], timeout=2400, env=env)
         if result.returncode != 0:
             _run([str(TOOL), "down"], timeout=300, env=env)
@@ -102,6 +108,19 @@ class RealNode:
         node = cls(state, Path(result.stdout.strip().splitlines()[-1]), time.monotonic() - t0)
         node.lock = lock
         return node
+
+    @staticmethod
+    def share_kubelet_dir(state: Path) -> None:
+        """Make the kubelet's --root-dir (``<state>/kubelet``) a shared mount, as systemd makes every mount on a
+        real node: containerd refuses a ``mountPropagation: Bidirectional`` volume (the agent's, with CSI) on a
+        private one, and this machine's / is private. A bind mount of the directory on itself, made before the
+        kubelet starts; tools/node-from-debian.sh down unmounts it with everything else under ``state``."""
+        kubelet = state / "kubelet"
+        kubelet.mkdir(parents=True, exist_ok=True)
+        for args in (["--bind", str(kubelet), str(kubelet)], ["--make-rshared", str(kubelet)]):
+            r = _run(["mount", *args], timeout=30)
+            if r.returncode != 0:
+                raise ClusterUnavailable(f"mount {' '.join(args)} failed: {r.stderr.strip()}")
 
     def down(self) -> subprocess.CompletedProcess[str]:
         try:
