@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cl.add_argument("--csi", action="store_const", const=True, default=None,
                     help="step 1 of issue 36: serves the CSI node plugin csi.bubbles.dev (each Pod's inline volume "
                          "is <run-dir>/_pods/<pod uid>/, bind-mounted) and registers it with the kubelet; the chart "
-                         "does not use it yet (default off; docs/agent.md)")
+                         "passes it with agent.csi.enabled (default off; docs/agent.md)")
     cl.add_argument("--kubelet-dir", type=Path, default=None, metavar="DIR",
                     help="with --csi: the kubelet's --root-dir, mounted at the same path (default /var/lib/kubelet): "
                          "the CSI socket in plugins/csi.bubbles.dev/, the registration socket in plugins_registry/, "
