@@ -30,7 +30,7 @@ pytestmark = pytest.mark.deepspeed
 
 TRAININGS = Path(__file__).resolve().parent / "fixtures" / "trainings"
 STAGES, RANKS = 2, 2
-WARMUP, PROFILE, STEPS = 1, 2, 60  # 57 iterations after the fill jobs are ready
+WARMUP, PROFILE, STEPS = 1, 2, 120  # 117 iterations (about 8 s) after the fill jobs are ready
 FREE_BYTES = 1 << 30
 TIMEOUT_S = 180
 
@@ -40,8 +40,10 @@ def spin(name: str, stage: int) -> dict[str, Any]:
             "args": {"step_us": 300}, "memory": "1Mi", "step_time": "0.5ms", "stage": stage}
 
 
+# A small step (a 2 x 16 shard and a gloo all-reduce): on 2 busy cores a 4 x 64 step measured 5.5 ms in its init, which
+# only one bubble in ten the two ranks share fits (the gang is gated on the shorter of each pair).
 GANG = {"name": "gang-s1", "interface": "iterative", "entry": "bubbles.fill_examples.gang_inference:GangInference",
-        "args": {"batch": 4, "width": 64}, "memory": "1Mi", "stage": 1, "gpus": 2}
+        "args": {"batch": 2, "width": 16}, "memory": "1Mi", "stage": 1, "gpus": 2}
 LAYOUTS = {
     "data-parallel": (("--mp", "1", "--dp", "2"),
                       [spin(f"spin-s{k}-{r}", k) for k in range(STAGES) for r in range(RANKS)]),
@@ -64,8 +66,11 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     processes = sum(int(spec.get("gpus", 1)) for spec in job_specs)
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A budget the shared 2-core VM can keep: what is tested is that every rank is filled, not the guard (whose 1%
+    # default withholds fill work here, on noise and on the fill processes' share of the cores).
     cmd = [sys.executable, "-m", "bubbles.cli", "agent", "--run-dir", str(run_dir), "--training", "dp",
-           "--executors", str(STAGES), "--stats", str(stats), "--ready-file", str(ready), "--metrics-port", str(port)]
+           "--executors", str(STAGES), "--stats", str(stats), "--ready-file", str(ready), "--metrics-port", str(port),
+           "--slowdown-budget", "0.5"]
     for path in specs:
         cmd += ["--fill-job", str(path)]
     agent_log = work / "agent.log"
