@@ -676,25 +676,20 @@ class NodeAgent:
     def _gang_gpu_for(self, tr: _Training | None, msg: AssignmentMessage, seen_gpu: str | None, rank: int,
                       taken: Mapping[int, tuple[socket.socket, int, GpuKey]]) -> GpuKey:
         """The GPU of gang rank ``rank``'s process: of the assignment's GPUs, the one whose card names the GPU it sees,
-        else the ``rank``-th; AttachRefused where one has no hook here, or another rank's process runs on it."""
-        keys = msg.gpu_keys
-        missing = [k for k in keys if tr is None or k not in tr.cards]
-        if missing:
-            raise AttachRefused(f"{missing[0]} (stage {missing[0].stage} rank {missing[0].rank} of training "
-                                f"{msg.training}) has no hook on this node (no card): is the training Pod running "
-                                "with the bubbles hook, and does the stage have that rank here?")
-        assert tr is not None
-        key = next((k for k in keys if seen_gpu and tr.cards[k].gpu_uuid == seen_gpu), keys[rank])
+        else the ``rank``-th (``_gpu_for``); AttachRefused where one has no hook here, or another rank's process runs
+        on it."""
+        key = self._gpu_for(tr, msg, seen_gpu, otherwise=rank)
         other = next((r for r, (_, _, k) in taken.items() if k == key), None)
         if other is not None:
             raise AttachRefused(f"gang rank {rank}'s process runs on {key}, where gang rank {other}'s does already: "
                                 "each process of a gang needs a GPU of its own (CUDA_VISIBLE_DEVICES)")
         return key
 
-    def _gpu_for(self, tr: _Training | None, msg: AssignmentMessage, seen_gpu: str | None) -> GpuKey:
+    def _gpu_for(self, tr: _Training | None, msg: AssignmentMessage, seen_gpu: str | None,
+                 otherwise: int = 0) -> GpuKey:
         """The GPU an attaching process of ``msg`` runs on: of the GPUs the assignment names (``msg.gpu_keys``), the
-        one whose card names the GPU the process sees, else the first (one process per fill job). AttachRefused,
-        naming the GPU, where one of them has no hook here."""
+        one whose card names the GPU the process sees, else the ``otherwise``-th (the first: one process per fill
+        job). AttachRefused, naming the GPU, where one of them has no hook here."""
         keys = msg.gpu_keys
         missing = [k for k in keys if tr is None or k not in tr.cards]
         if missing:
@@ -702,7 +697,7 @@ class NodeAgent:
                                 f"{msg.training}) has no hook on this node (no card): is the training Pod running "
                                 "with the bubbles hook, and does the stage have that rank here?")
         assert tr is not None
-        return next((k for k in keys if seen_gpu and tr.cards[k].gpu_uuid == seen_gpu), keys[0])
+        return next((k for k in keys if seen_gpu and tr.cards[k].gpu_uuid == seen_gpu), keys[otherwise])
 
 
 def _read_line(conn: socket.socket) -> bytes:

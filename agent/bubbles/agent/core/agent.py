@@ -749,18 +749,27 @@ class AgentCore(JobControl):
         log.info("fill job %r %s", job.name, message)
         self._event(ex.key, job.name, "placed", message)
 
+    def _ready_candidates(self, job: JobRecord) -> list[ExecutorState] | None:
+        """``job``'s candidate GPUs that have profiled, or None while the others' profiles are still due (every
+        candidate profiled, or PLACE_WAIT_NS since the first profile): what ``_place`` and ``_place_gang`` choose
+        among."""
+        candidates = self._candidates(job.spec)
+        profiled = [e for e in candidates if e.cycle is not None]
+        if not profiled:
+            return None
+        first = min(e.profiled_ns for e in profiled if e.profiled_ns is not None)
+        if len(profiled) < len(candidates) and self.clock() - first < PLACE_WAIT_NS:
+            return None
+        return profiled
+
     def _place(self, job: JobRecord) -> bool:
         """Put a job on one of its candidate GPUs (its stage's, or every one for a job that names none): the GPU with
         the most bubble time per iteration not taken by other jobs (a GPU that runs or queues one has none free; then
         the fewest jobs there, then the lowest key, break ties); False while other candidates' profiles are still due
         (every candidate profiled, or PLACE_WAIT_NS since the first profile). A newcomer's spec need not know which
         GPU waits."""
-        candidates = self._candidates(job.spec)
-        profiled = [e for e in candidates if e.cycle is not None]
-        if not profiled:
-            return False
-        first = min(e.profiled_ns for e in profiled if e.profiled_ns is not None)
-        if len(profiled) < len(candidates) and self.clock() - first < PLACE_WAIT_NS:
+        profiled = self._ready_candidates(job)
+        if profiled is None:
             return False
 
         def others(e: ExecutorState) -> int:
@@ -777,7 +786,7 @@ class AgentCore(JobControl):
             old.queue.remove(job)
             best.queue.append(job)
             job.key = best.key
-        if len(candidates) == 1:
+        if len(self._candidates(job.spec)) == 1:
             return True  # nothing to choose: said as "queued" already
         assert best.cycle is not None
         message = (f"on stage {best.stage} rank {best.rank}, the most bubble time free: "
@@ -805,12 +814,8 @@ class AgentCore(JobControl):
         rejected (STOPPED, said), True then."""
         gang = job.gang
         assert gang is not None
-        candidates = self._candidates(job.spec)
-        profiled = [e for e in candidates if e.cycle is not None]
-        if not profiled:
-            return False
-        first = min(e.profiled_ns for e in profiled if e.profiled_ns is not None)
-        if len(profiled) < len(candidates) and self.clock() - first < PLACE_WAIT_NS:
+        profiled = self._ready_candidates(job)
+        if profiled is None:
             return False
 
         def others(e: ExecutorState) -> int:
