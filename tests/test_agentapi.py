@@ -97,6 +97,22 @@ def test_a_bad_report_is_refused_with_the_field() -> None:
         agentapi.report_from_pb(pb.NodeReport(node="n", stages=[pb.StageReport(training="t", stage=-1)]))
 
 
+def test_a_stages_gpu_resource_crosses_the_wire_and_a_bad_one_is_refused() -> None:
+    """The device plugin's resource for a GPU, which the operator writes into fill Pods' limits: kept as sent, absent
+    from an older agent, refused when it is not an extended resource's name."""
+    def resource(name: str) -> str:
+        report = pb.NodeReport(node="n", stages=[pb.StageReport(training="t", gpu_resource=name)])
+        return agentapi.report_from_pb(report).stages[0].gpu_resource
+
+    assert resource("bubbles.dev/gpu-3") == "bubbles.dev/gpu-3" and resource("") == ""
+    wire = agentapi.stage_to_pb(StageReport("ns", "t", "p", 0, "cuda:0", gpu_resource="bubbles.dev/gpu-1"))
+    assert agentapi.report_from_pb(pb.NodeReport(node="n", stages=[wire])).stages[0].gpu_resource == "bubbles.dev/gpu-1"
+    for bad in ("gpu-0", "bubbles.dev/", "Bubbles.dev/gpu-0", "bubbles.dev/gpu 0", "bubbles.dev/" + "x" * 64,
+                "a/b/c"):
+        with pytest.raises(agentapi.ApiError, match="gpu_resource"):
+            resource(bad)
+
+
 def test_a_stages_training_membership_is_one_of_its_words_and_bounded() -> None:
     """What the operator writes into a PipelineTraining's condition comes from the agent: only the two answers it
     knows are kept (a newer agent's other word reads as unknown), a message cut to a bound."""

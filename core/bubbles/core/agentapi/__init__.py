@@ -9,6 +9,7 @@ packages that their extras install, and nothing else from bubbles but the core.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,7 @@ def stage_to_pb(s: StageReport) -> pb.StageReport:
                          cycle_json=json.dumps(s.cycle) if s.cycle is not None else "",
                          hook_reporting=s.hook_reporting, bubble_s=s.bubble_s, filled_s=s.filled_s,
                          gpu_uuid=s.gpu_uuid or "", training_membership=s.training_membership, rank=s.rank,
-                         ranks=s.ranks)
+                         ranks=s.ranks, gpu_resource=s.gpu_resource)
     if s.iteration_s is not None:
         msg.iteration_s = s.iteration_s
     if s.baseline_iteration_s is not None:
@@ -161,10 +162,20 @@ def stage_from_pb(m: pb.StageReport) -> StageReport:
     return StageReport(m.namespace, m.training, m.pod, m.stage, m.device, cycle, m.hook_reporting,
                        m.iteration_s if m.HasField("iteration_s") else None,
                        m.baseline_iteration_s if m.HasField("baseline_iteration_s") else None,
-                       m.bubble_s, m.filled_s, m.gpu_uuid or None, _membership(m.training_membership), m.rank, ranks)
+                       m.bubble_s, m.filled_s, m.gpu_uuid or None, _membership(m.training_membership), m.rank, ranks,
+                       _gpu_resource(m))
 
 
 MAX_MEMBERSHIP_CHARS = 2048
+# An extended resource's name: a DNS-subdomain prefix, '/', and a name of at most 63 characters.
+_RESOURCE_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def _gpu_resource(m: pb.StageReport) -> str:
+    if m.gpu_resource and not _RESOURCE_RE.match(m.gpu_resource):
+        raise ApiError(f"stage {m.stage} of {m.training!r}: gpu_resource {m.gpu_resource[:100]!r} is not an extended "
+                       "resource name (prefix/name, as bubbles.dev/gpu-0)")
+    return m.gpu_resource
 
 
 def _membership(text: str) -> str:

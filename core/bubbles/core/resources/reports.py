@@ -40,6 +40,10 @@ class StageReport:
     training_membership: str = ""
     rank: int = 0  # its index among the stage's ranks (0 from agents that predate ranks)
     ranks: int = 1  # how many ranks the stage has, on every node together
+    # The extended resource through which a fill Pod asks the kubelet for this GPU ("bubbles.dev/gpu-<index>", served by
+    # the node agent's device plugin), or "" where the agent serves none (no device plugin, a CPU training, an agent
+    # before it): the operator then reaches the GPU as its --fill-gpu-access says.
+    gpu_resource: str = ""
 
     @property
     def key(self) -> GpuKey:

@@ -18,7 +18,7 @@ class WatchRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("namespace", "training", "pod", "stage", "device", "cycle_json", "hook_reporting", "iteration_s", "baseline_iteration_s", "bubble_s", "filled_s", "gpu_uuid", "training_membership", "rank", "ranks")
+    __slots__ = ("namespace", "training", "pod", "stage", "device", "cycle_json", "hook_reporting", "iteration_s", "baseline_iteration_s", "bubble_s", "filled_s", "gpu_uuid", "training_membership", "rank", "ranks", "gpu_resource")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class StageReport(_message.Message):
     TRAINING_MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    GPU_RESOURCE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     training: str
     pod: str
@@ -49,7 +50,8 @@ class StageReport(_message.Message):
     training_membership: str
     rank: int
     ranks: int
-    def __init__(self, namespace: _Optional[str] = ..., training: _Optional[str] = ..., pod: _Optional[str] = ..., stage: _Optional[int] = ..., device: _Optional[str] = ..., cycle_json: _Optional[str] = ..., hook_reporting: _Optional[bool] = ..., iteration_s: _Optional[float] = ..., baseline_iteration_s: _Optional[float] = ..., bubble_s: _Optional[float] = ..., filled_s: _Optional[float] = ..., gpu_uuid: _Optional[str] = ..., training_membership: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ...) -> None: ...
+    gpu_resource: str
+    def __init__(self, namespace: _Optional[str] = ..., training: _Optional[str] = ..., pod: _Optional[str] = ..., stage: _Optional[int] = ..., device: _Optional[str] = ..., cycle_json: _Optional[str] = ..., hook_reporting: _Optional[bool] = ..., iteration_s: _Optional[float] = ..., baseline_iteration_s: _Optional[float] = ..., bubble_s: _Optional[float] = ..., filled_s: _Optional[float] = ..., gpu_uuid: _Optional[str] = ..., training_membership: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ..., gpu_resource: _Optional[str] = ...) -> None: ...
 
 class JobProgress(_message.Message):
     __slots__ = ("uid", "state", "steps_done", "flops", "reason", "kills", "attempt")
