@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bubbles.core.identity import check_namespace
+from bubbles.core.nodeaccess import CSI_DRIVER, ROLE_KEY, Role
 from bubbles.core.paths import is_plain_absolute
 
-DRIVER_NAME = "csi.bubbles.dev"
+DRIVER_NAME = CSI_DRIVER
 
 # What the kubelet adds to volume_context when the CSIDriver object says podInfoOnMount: true (kubelet 1.20 and later;
 # "ephemeral" since 1.16, "true" for an inline volume in a Pod's spec, "false" for a PersistentVolume).
@@ -34,7 +35,6 @@ POD_UID_KEY = "csi.storage.k8s.io/pod.uid"
 SERVICE_ACCOUNT_KEY = "csi.storage.k8s.io/serviceAccount.name"
 EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
 KUBELET_KEY_PREFIX = "csi.storage.k8s.io/"  # the kubelet's own keys: whatever newer kubelets add is let through
-ROLE_KEY = "role"  # the one attribute a Pod sets (volumeAttributes)
 
 # <run_dir>/_pods/<pod uid>/ per published Pod, and the book of published volumes beside them (a uid has no '.').
 PODS_DIR_NAME = "_pods"  # an underscore: no namespace can be named so (the node layout has one per namespace)
@@ -48,13 +48,6 @@ POD_INFO_HINT = f"set podInfoOnMount: true in the CSIDriver {DRIVER_NAME} (the c
 _POD_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 _POD_UID_RE = re.compile(r"^[0-9a-f]([0-9a-f-]{0,62}[0-9a-f])?$")
 _SERVICE_ACCOUNT_RE = _POD_NAME_RE
-
-
-class Role(enum.StrEnum):
-    """Which kind of Pod a volume serves: a training's Pod or a fill Pod (the operator sets ``role: fill``)."""
-
-    TRAINING = "training"
-    FILL = "fill"
 
 
 class Status(enum.Enum):

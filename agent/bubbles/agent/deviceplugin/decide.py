@@ -17,8 +17,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from bubbles.core import nodeaccess
+
 API_VERSION = "v1beta1"  # the RegisterRequest's version: the only device plugin API the kubelet has
-RESOURCE_DOMAIN = "bubbles.dev"
+RESOURCE_DOMAIN = nodeaccess.RESOURCE_DOMAIN
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 DEFAULT_FILL_SLOTS = 4
@@ -97,8 +99,8 @@ def track_gpus(known: Iterable[NodeGpu], seen: Mapping[str, str] | None) -> tupl
 
 
 def resource_name(index: int) -> str:
-    """The extended resource that is GPU ``index`` of this node."""
-    return f"{RESOURCE_DOMAIN}/gpu-{index}"
+    """The extended resource that is GPU ``index`` of this node (``nodeaccess.resource_name``)."""
+    return nodeaccess.resource_name(index)
 
 
 def slot_id(uuid: str, slot: int) -> str:
