@@ -2,10 +2,11 @@
 # Regenerate the Python stubs from proto/ (grpcio-tools, pinned in constraints.txt).
 # Usage: tools/gen-proto.sh [OUTPUT_ROOT]
 #   default: each set where it is committed: the node agent API's under core/; the CSI node plugin's, the kubelet
-#   plugin registration's and the kubelet device plugin API's under agent/ (only the agent serves them; the
-#   operator's image does without).
-#   OUTPUT_ROOT: every set under that one directory (tests/test_agentapi.py, tests/test_csi_proto.py and
-#   tests/test_device_plugin_proto.py generate into a temporary directory and fail when the committed stubs differ).
+#   plugin registration's, the kubelet device plugin API's and the kubelet PodResources API's under agent/ (only the
+#   agent serves or calls them; the operator's image does without).
+#   OUTPUT_ROOT: every set under that one directory (tests/test_agentapi.py, tests/test_csi_proto.py,
+#   tests/test_device_plugin_proto.py and tests/test_podresources.py generate into a temporary directory and fail
+#   when the committed stubs differ).
 # proto/csi/ and proto/pluginregistration/ keep the paths of their upstream packages; protoc's VIRTUAL=DIR include maps
 # them into bubbles.agent.csi.pb, so the generated modules import one another by that name and no top-level
 # `csi` or `pluginregistration` module is made. The path changes nothing on the wire (package csi.v1 and
@@ -25,3 +26,8 @@ protoc -Ibubbles/agent/csi/pb=proto \
 protoc -Ibubbles/agent/deviceplugin/pb=proto \
   --python_out="$agent_out" --pyi_out="$agent_out" --grpc_python_out="$agent_out" \
   bubbles/agent/deviceplugin/pb/deviceplugin/v1beta1/api.proto
+# proto/podresources/ likewise keeps its upstream path, mapped into bubbles.agent.podresources.pb (package v1 on the
+# wire, as the kubelet serves it).
+protoc -Ibubbles/agent/podresources/pb=proto \
+  --python_out="$agent_out" --pyi_out="$agent_out" --grpc_python_out="$agent_out" \
+  bubbles/agent/podresources/pb/podresources/v1/api.proto
