@@ -117,7 +117,8 @@ def test_preferred_allocation_keeps_the_required_slots_then_the_lowest() -> None
     assert preferred_allocation(slots, [f"{A}::10"], 2) == (f"{A}::10", f"{A}::0")
     assert preferred_allocation(slots, [], 3) == (f"{A}::0", f"{A}::1", f"{A}::2")
     assert preferred_allocation(slots[:1], [], 3) == (f"{A}::10",)
-    assert not decide.OPTIONS.get_preferred_allocation_available and not decide.OPTIONS.pre_start_required
+    assert not decide.OPTIONS.get_preferred_allocation_available
+    assert decide.OPTIONS.pre_start_required  # the guard: tests/test_device_plugin_guard.py
 
 
 def _files(tmp_path: Path) -> dict[str, Any]:
@@ -135,6 +136,7 @@ def test_the_device_plugin_is_off_by_default_and_set_from_every_source(tmp_path:
     assert on is not None and on.device_plugin is not None
     assert (on.device_plugin.strategy, on.device_plugin.fill_slots, on.device_plugin.directory) == (
         GpuStrategy.CDI, 4, Path("/var/lib/kubelet/device-plugins"))
+    assert on.device_plugin.pod_resources_socket == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     f = tmp_path / "agent.yaml"
     f.write_text("device_plugin: true\ngpu_strategy: volume-mounts\nfill_slots: 2\n")
     env = {"BUBBLES_AGENT_FILL_SLOTS": "8", "BUBBLES_AGENT_DEVICE_PLUGIN_DIR": str(tmp_path)}
@@ -142,6 +144,11 @@ def test_the_device_plugin_is_off_by_default_and_set_from_every_source(tmp_path:
     assert got is not None and got.device_plugin is not None
     assert (got.device_plugin.strategy, got.device_plugin.fill_slots, got.device_plugin.directory) == (
         GpuStrategy.VOLUME_MOUNTS, 8, tmp_path)
+    # Beside the device-plugins directory unless given: both are under the kubelet's --root-dir.
+    assert got.device_plugin.pod_resources_socket == tmp_path.parent / "pod-resources" / "kubelet.sock"
+    given = load_settings({**base, "pod_resources_socket": Path("/k/pod-resources/kubelet.sock")}, env, f).cluster
+    assert given is not None and given.device_plugin is not None
+    assert given.device_plugin.pod_resources_socket == Path("/k/pod-resources/kubelet.sock")
 
 
 @pytest.mark.parametrize(("flags", "env", "needle"), [
@@ -155,6 +162,15 @@ def test_the_device_plugin_is_off_by_default_and_set_from_every_source(tmp_path:
     ({"device_plugin": True, "fill_slots": 65}, {}, "--fill-slots must be a whole number from 1 to 64"),
     ({"device_plugin": True}, {"BUBBLES_AGENT_FILL_SLOTS": "four"}, "--fill-slots from $BUBBLES_AGENT_FILL_SLOTS"),
     ({"device_plugin": True, "device_plugin_dir": Path("plugins")}, {}, "--device-plugin-dir must be an absolute"),
+    ({"pod_resources_socket": Path("/k/kubelet.sock")}, {}, "--pod-resources-socket only apply with --device-plugin"),
+    ({"device_plugin": True, "pod_resources_socket": Path("kubelet.sock")}, {},
+     "--pod-resources-socket must be an absolute path written plainly (the kubelet's <root-dir>/pod-resources/"),
+    ({"device_plugin": True}, {"BUBBLES_AGENT_POD_RESOURCES_SOCKET": "/k/../kubelet.sock"},
+     "--pod-resources-socket must be an absolute path written plainly"),
+    ({"device_plugin": True, "pod_resources_socket": Path("/" + "p" * 110)}, {},
+     "longer than the 107 a Unix socket allows: mount the kubelet's pod-resources directory at a shorter path"),
+    ({"device_plugin": True, "pod_resources_socket": Path("/tmp")}, {},
+     "--pod-resources-socket /tmp is a directory: give the socket in it (/tmp/kubelet.sock)"),
     ({}, {"BUBBLES_AGENT_DEVICE_PLUGIN": "perhaps"}, "--device-plugin from $BUBBLES_AGENT_DEVICE_PLUGIN: expected"),
 ])
 def test_bad_device_plugin_settings_say_what_to_fix(tmp_path: Path, flags: dict[str, Any], env: dict[str, str],
@@ -168,6 +184,7 @@ def test_bad_device_plugin_settings_say_what_to_fix(tmp_path: Path, flags: dict[
     (["--gpu-strategy", "nvlink"], "argument --gpu-strategy: invalid choice: 'nvlink'"),
     (["--fill-slots", "3"], "--fill-slots only apply with --device-plugin"),
     (["--device-plugin"], "--device-plugin only applies with --cluster"),
+    (["--pod-resources-socket", "/k/kubelet.sock"], "--pod-resources-socket only apply with --device-plugin"),
 ])
 def test_the_cli_refuses_bad_device_plugin_flags_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                              args: list[str], needle: str) -> None:

@@ -1,9 +1,12 @@
 """The device plugin's gRPC shell against a stand-in kubelet: real gRPC servers on real Unix sockets, both ways.
 
-The stand-in is the part of a kubelet's device manager the plugin meets: a ``Registration`` server on a temporary
-``kubelet.sock`` that, on each ``Register``, dials the plugin's endpoint back, asks its options and keeps its
-``ListAndWatch`` stream, as the kubelet does; and on a restart removes its socket and every plugin's before it serves
-again. This machine has no GPU: the GPUs come from a stand-in NVML behind the interface ``bubbles.agent.gpus`` calls.
+The stand-in is the part of a kubelet the plugin meets: a ``Registration`` server on a temporary ``kubelet.sock``
+that, on each ``Register``, dials the plugin's endpoint back, asks its options and keeps its ``ListAndWatch`` stream, as
+the kubelet does; and on a restart removes its socket and every plugin's before it serves again. Its PodResources API
+(``pod-resources/kubelet.sock`` beside the device-plugins directory, tests/helpers/podresources.py) lists the devices
+it gave each container; starting a container, it calls ``Allocate``, records the devices, then ``PreStartContainer``
+where the plugin asked for it, as the kubelet's device manager does. This machine has no GPU: the GPUs come from a
+stand-in NVML behind the interface ``bubbles.agent.gpus`` calls.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.podresources import StandInPodResources
 
 from bubbles.agent.deviceplugin.decide import GpuStrategy
+from bubbles.agent.deviceplugin.guard import ONLY_FILL_PODS, FillPodGpus
 from bubbles.agent.deviceplugin.pb.deviceplugin.v1beta1 import api_pb2 as pb
 from bubbles.agent.deviceplugin.pb.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from bubbles.agent.deviceplugin.shell import DevicePlugins, PluginConfig
+from bubbles.agent.deviceplugin.shell import DevicePlugins, PluginConfig, PodResourcesGuard, PreStartCheck
 from bubbles.agent.gpus import read_gpus
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -73,6 +78,7 @@ class StandInKubelet(pb_grpc.RegistrationServicer):
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.pod_resources = StandInPodResources(directory.parent / "pod-resources" / "kubelet.sock")
         self.lock = threading.Lock()
         self.registrations: list[pb.RegisterRequest] = []
         self.options: dict[str, pb.DevicePluginOptions] = {}
@@ -89,6 +95,8 @@ class StandInKubelet(pb_grpc.RegistrationServicer):
         pb_grpc.add_RegistrationServicer_to_server(self, self.server)
         self.server.add_insecure_port(f"unix:{self.socket}")
         self.server.start()
+        if self.pod_resources.server is None:
+            self.pod_resources.start()
 
     def restart(self) -> None:
         """As a kubelet starting again: its socket and every plugin's removed, then a new kubelet.sock."""
@@ -100,6 +108,7 @@ class StandInKubelet(pb_grpc.RegistrationServicer):
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop(0).wait()
+        self.pod_resources.stop()
         with self.lock:
             channels = list(self.channels.values())
             self.channels.clear()
@@ -144,13 +153,31 @@ class StandInKubelet(pb_grpc.RegistrationServicer):
         request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=list(device_ids))])
         return pb_grpc.DevicePluginStub(channel).Allocate(request, timeout=5)
 
+    def start_container(self, namespace: str, pod: str, devices: dict[str, list[str]],
+                        container: str = "main") -> None:
+        """As the kubelet starts a container holding ``devices`` ({resource: device IDs}): ``Allocate`` each
+        resource (at admission), record what the container holds (what PodResources lists from then on), then
+        ``PreStartContainer`` for each resource whose plugin asked for it. grpc.RpcError where a plugin refuses:
+        the container does not start."""
+        for resource, ids in devices.items():
+            self.allocate(resource, *ids)
+        self.pod_resources.hold(namespace, pod, container, devices)
+        for resource, ids in devices.items():
+            with self.lock:
+                channel, options = self.channels[resource], self.options[resource]
+            if options.pre_start_required:
+                pb_grpc.DevicePluginStub(channel).PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids),
+                                                                    timeout=30)
+
 
 @pytest.fixture
 def plugin_dir() -> Iterator[Path]:
+    """The kubelet's device-plugins directory, in a root of its own (the PodResources socket goes beside it)."""
     # Short: a Unix socket's path must fit in 108 bytes, which pytest's tmp_path may not.
-    d = Path(tempfile.mkdtemp(prefix="bubbles-dp-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    root = Path(tempfile.mkdtemp(prefix="bubbles-dp-", dir="/tmp"))
+    (root / "device-plugins").mkdir()
+    yield root / "device-plugins"
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -161,10 +188,20 @@ def kubelet(plugin_dir: Path) -> Iterator[StandInKubelet]:
     k.stop()
 
 
+def pod_resources_socket(plugin_dir: Path) -> Path:
+    return plugin_dir.parent / "pod-resources" / "kubelet.sock"
+
+
+def guard_of(plugin_dir: Path, *assigned: FillPodGpus) -> PodResourcesGuard:
+    """The agent's check, asking the stand-in kubelet, with ``assigned`` as the node agent's fill Pods."""
+    return PodResourcesGuard(pod_resources_socket(plugin_dir), lambda: assigned)
+
+
 @contextlib.contextmanager
 def serving(plugin_dir: Path, nvml: StandInNvml, strategy: GpuStrategy = GpuStrategy.CDI,
-            fill_slots: int = 4) -> Iterator[DevicePlugins]:
-    plugins = DevicePlugins(PluginConfig(strategy, fill_slots, plugin_dir, FAST_S, FAST_S), lambda: read_gpus(nvml))
+            fill_slots: int = 4, pre_start: PreStartCheck | None = None) -> Iterator[DevicePlugins]:
+    plugins = DevicePlugins(PluginConfig(strategy, fill_slots, plugin_dir, FAST_S, FAST_S), lambda: read_gpus(nvml),
+                            pre_start or guard_of(plugin_dir))
     plugins.start()
     try:
         yield plugins
@@ -192,9 +229,9 @@ def test_each_gpu_registers_its_resource_and_the_kubelet_gets_its_slots_and_its_
                  and kubelet.latest("bubbles.dev/gpu-1"))
         got = sorted((r.version, r.endpoint, r.resource_name, r.options.pre_start_required,
                       r.options.get_preferred_allocation_available) for r in kubelet.registrations)
-        assert got == [("v1beta1", "bubbles-gpu-0.sock", "bubbles.dev/gpu-0", False, False),
-                       ("v1beta1", "bubbles-gpu-1.sock", "bubbles.dev/gpu-1", False, False)]
-        assert kubelet.options["bubbles.dev/gpu-1"] == pb.DevicePluginOptions()
+        assert got == [("v1beta1", "bubbles-gpu-0.sock", "bubbles.dev/gpu-0", True, False),
+                       ("v1beta1", "bubbles-gpu-1.sock", "bubbles.dev/gpu-1", True, False)]
+        assert kubelet.options["bubbles.dev/gpu-1"] == pb.DevicePluginOptions(pre_start_required=True)
         assert kubelet.latest("bubbles.dev/gpu-0") == _slots(A, 3)
         assert kubelet.latest("bubbles.dev/gpu-1") == _slots(B, 3)
         answer = kubelet.allocate("bubbles.dev/gpu-1", f"{B}::2")
@@ -286,19 +323,127 @@ def test_the_agents_flags_serve_the_gpus_given_by_gpus_to_the_kubelet(plugin_dir
                               "token_file": plugin_dir / "token", "gpus": f"{B}=cuda:3", "device_plugin": True,
                               "gpu_strategy": "volume-mounts", "fill_slots": 2, "device_plugin_dir": plugin_dir}, {})
     assert settings.cluster is not None
-    plugins = start_device_plugin(settings.cluster)
+    # The PodResources socket: the default, beside --device-plugin-dir, where the stand-in kubelet serves it.
+    plugins = start_device_plugin(settings.cluster, lambda: (FillPodGpus("ml", "fj-a0", "a", "ml/llama", (B,)),))
     try:
         wait_for("GPU 3's slots", lambda: kubelet.latest("bubbles.dev/gpu-3") == _slots(B, 2))
         mounts = kubelet.allocate("bubbles.dev/gpu-3", f"{B}::1").container_responses[0].mounts
         assert [m.container_path for m in mounts] == [f"/var/run/nvidia-container-devices/{B}"]
+        kubelet.start_container("ml", "fj-a0", {"bubbles.dev/gpu-3": [f"{B}::0"]})
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.start_container("ml", "squatter", {"bubbles.dev/gpu-3": [f"{B}::1"]})
+        assert ONLY_FILL_PODS in (err.value.details() or "")
     finally:
         plugins.stop()
+
+
+def test_the_agent_refuses_to_start_the_device_plugin_without_the_pod_resources_mount(plugin_dir: Path) -> None:
+    from bubbles.agent.cli import start_device_plugin
+    from bubbles.agent.config import load_settings
+
+    for name in ("tls.crt", "tls.key", "token"):
+        (plugin_dir / name).write_text("x" * 32)
+    unmounted = plugin_dir.parent / "elsewhere" / "kubelet.sock"
+    settings = load_settings({"run_dir": plugin_dir / "run", "cluster": True, "node": "n",
+                              "tls_cert": plugin_dir / "tls.crt", "tls_key": plugin_dir / "tls.key",
+                              "token_file": plugin_dir / "token", "gpus": f"{B}=cuda:3", "device_plugin": True,
+                              "device_plugin_dir": plugin_dir, "pod_resources_socket": unmounted}, {})
+    assert settings.cluster is not None
+    with pytest.raises(OSError, match=f"its directory {unmounted.parent} does not exist in the agent's container"):
+        start_device_plugin(settings.cluster, lambda: ())
+    assert not list(plugin_dir.glob("bubbles-gpu-*.sock"))  # nothing served
 
 
 def test_a_socket_path_too_long_is_refused_at_start_saying_what_to_do(plugin_dir: Path) -> None:
     deep = plugin_dir / ("d" * 100)
     config = PluginConfig(directory=deep, health_interval_s=FAST_S, check_interval_s=FAST_S)
-    plugins = DevicePlugins(config, lambda: {A: "cuda:0"})
+    plugins = DevicePlugins(config, lambda: {A: "cuda:0"}, guard_of(plugin_dir))
     with pytest.raises(OSError, match="give a shorter --device-plugin-dir"):
         plugins.start()
     assert plugins.endpoints == {}
+
+
+# -- PreStartContainer: only the fill Pods assigned a GPU start on it ----------------------------------------------
+FILL_A = FillPodGpus("ml", "fj-infer-a0", "infer", "ml/llama", (A,))
+
+
+def test_only_the_fill_pod_assigned_a_gpu_starts_on_it(plugin_dir: Path, kubelet: StandInKubelet) -> None:
+    with serving(plugin_dir, StandInNvml([A, B]), pre_start=guard_of(plugin_dir, FILL_A)):
+        wait_for("both lists", lambda: kubelet.latest("bubbles.dev/gpu-0") and kubelet.latest("bubbles.dev/gpu-1"))
+        kubelet.start_container("ml", "fj-infer-a0", {"bubbles.dev/gpu-0": [f"{A}::0"]})
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.start_container("alice", "notebook", {"bubbles.dev/gpu-0": [f"{A}::1"]})
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert err.value.details() == ("bubbles device plugin: Pod alice/notebook requests a bubbles.dev/gpu-* "
+                                       "resource but is not a fill Pod the bubbles operator assigned to this node: "
+                                       "only FillJobs' Pods may request bubbles.dev/gpu-*: create a FillJob")
+        with pytest.raises(grpc.RpcError) as err:  # its own Pod, another container, on another training's GPU
+            kubelet.start_container("ml", "fj-infer-a0", {"bubbles.dev/gpu-1": [f"{B}::0"]}, container="side")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert (f"fill Pod ml/fj-infer-a0 (FillJob infer) is assigned GPU(s) {A} of training ml/llama; it requests "
+                f"bubbles.dev/gpu-1 (GPU {B}) of another training") in (err.value.details() or "")
+        assert kubelet.pod_resources.calls == 3  # asked at each start: nothing cached
+
+
+def test_no_pod_resources_api_refuses_every_container_saying_where_it_looked(plugin_dir: Path,
+                                                                             kubelet: StandInKubelet) -> None:
+    with serving(plugin_dir, StandInNvml([A]), pre_start=guard_of(plugin_dir, FILL_A)):
+        wait_for("GPU 0's list", lambda: kubelet.latest("bubbles.dev/gpu-0"))
+        kubelet.pod_resources.stop()  # its socket removed, as when the directory is not mounted
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.start_container("ml", "fj-infer-a0", {"bubbles.dev/gpu-0": [f"{A}::0"]})
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        socket = pod_resources_socket(plugin_dir)
+        assert (f"cannot tell which Pod holds bubbles.dev/gpu-0: the kubelet's PodResources API at {socket} did not "
+                f"answer ({socket} does not exist); the container is refused") in (err.value.details() or "")
+        assert "mounts the kubelet's pod-resources directory at that path (--pod-resources-socket)" in (
+            err.value.details() or "")
+        kubelet.pod_resources.start()  # back: the same Pod starts at the kubelet's next try
+        kubelet.start_container("ml", "fj-infer-a0", {"bubbles.dev/gpu-0": [f"{A}::0"]}, container="again")
+
+
+def test_a_check_that_fails_refuses_the_container(plugin_dir: Path, kubelet: StandInKubelet,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    def broken(*_: object) -> None:
+        raise KeyError("a bug")
+
+    with serving(plugin_dir, StandInNvml([A]), pre_start=broken):
+        wait_for("GPU 0's list", lambda: kubelet.latest("bubbles.dev/gpu-0"))
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.start_container("ml", "fj-infer-a0", {"bubbles.dev/gpu-0": [f"{A}::0"]})
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "the check of the container's Pod failed ('a bug'); the container is refused" in (
+            err.value.details() or "")
+    assert any("the PreStartContainer check failed" in r.getMessage() for r in caplog.records)
+
+
+def test_the_node_agents_assignments_decide_who_starts(plugin_dir: Path, kubelet: StandInKubelet) -> None:
+    """The wiring as the agent runs it: the node agent's book (real cards, real assignments) behind the guard."""
+    from helpers.agent_cluster import NODE, assignment, write_card
+
+    from bubbles.agent.cluster import ClusterConfig, NodeAgent
+    from bubbles.agent.config import AgentConfig
+    from bubbles.agent.isolation import IsolationConfig
+    from bubbles.core.api import IsolationMode
+
+    template = AgentConfig(run_dir=plugin_dir.parent / "run", training="placeholder",
+                           isolation=IsolationConfig(mode=IsolationMode.NONE))
+    node = NodeAgent(ClusterConfig(NODE, template, scan_interval_s=60.0))
+    try:
+        write_card(node.run_dir, rank=0, ranks=2, gpu_uuid=A)
+        write_card(node.run_dir, rank=1, ranks=2, gpu_uuid=B)
+        node.scan()
+        guard = PodResourcesGuard(pod_resources_socket(plugin_dir), node.fill_pod_gpus)
+        with serving(plugin_dir, StandInNvml([A, B]), pre_start=guard):
+            wait_for("both lists", lambda: kubelet.latest("bubbles.dev/gpu-0") and kubelet.latest("bubbles.dev/gpu-1"))
+            with pytest.raises(grpc.RpcError) as err:  # created before its assignment came: refused, tried again
+                kubelet.start_container("ml", "fj-fj-a0", {"bubbles.dev/gpu-1": [f"{B}::0"]})
+            assert ONLY_FILL_PODS in (err.value.details() or "")
+            node.assign(assignment(ranks=(1,)))
+            kubelet.start_container("ml", "fj-fj-a0", {"bubbles.dev/gpu-1": [f"{B}::0"]}, container="again")
+            node.cancel("uid-1", "the FillJob was deleted")
+            with pytest.raises(grpc.RpcError) as err:
+                kubelet.start_container("ml", "fj-fj-a0", {"bubbles.dev/gpu-1": [f"{B}::1"]}, container="restart")
+            assert "was cancelled (the FillJob was deleted)" in (err.value.details() or "")
+    finally:
+        node.stop()

@@ -12,7 +12,9 @@ spec file, an invalid spec,
 with a message saying what to fix.
 
 ``--cluster --csi`` also serves the CSI node plugin ``csi.bubbles.dev`` and registers it with the kubelet
-(``bubbles.agent.csi``; issue 36, step 1: nothing uses it yet).
+(``bubbles.agent.csi``; issue 36, step 1: nothing uses it yet). ``--cluster --device-plugin`` serves each GPU as an
+extended resource (``bubbles.agent.deviceplugin``), and lets a container holding one start only if the kubelet's
+PodResources API (``--pod-resources-socket``) says its Pod is a fill Pod assigned that GPU.
 
 Isolation (``--isolation contexts|mps|none``, docs/gpu.md) fails closed: while the chosen mode does
 not work, fill jobs wait and the status says why, unless ``--allow-unisolated`` is given.
@@ -34,6 +36,9 @@ from .config import AgentConfig, ClusterSettings
 from .deviceplugin.decide import GpuStrategy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from .deviceplugin.guard import FillPodGpus
     from .deviceplugin.shell import DevicePlugins
 
 
@@ -120,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "request these resources yet; docs/agent.md)")
     dp.add_argument("--device-plugin", action="store_const", const=True, default=None,
                     help="serve the kubelet a device plugin: each GPU of the node as the extended resource "
-                         "bubbles.dev/gpu-<index>, with --fill-slots devices (default off)")
+                         "bubbles.dev/gpu-<index>, with --fill-slots devices; a container holding one starts only "
+                         "if its Pod is a fill Pod assigned that GPU (asked of --pod-resources-socket) (default off)")
     dp.add_argument("--gpu-strategy", choices=[s.value for s in GpuStrategy], default=None,
                     help="how the kubelet hands a fill Pod its GPU: cdi (default; CDI devices, Kubernetes 1.28+ with "
                          "a CDI runtime), cdi-annotations, volume-mounts or envvar (NVIDIA's runtime)")
@@ -128,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="how many fill Pods may share one GPU at once: the devices of its resource (default 4)")
     dp.add_argument("--device-plugin-dir", type=Path, default=None, metavar="DIR",
                     help="the kubelet's device-plugins directory (default /var/lib/kubelet/device-plugins)")
+    dp.add_argument("--pod-resources-socket", type=Path, default=None, metavar="PATH",
+                    help="the kubelet's PodResources API, asked before each container holding a GPU's slots starts "
+                         "which Pod it is (default: pod-resources/kubelet.sock beside --device-plugin-dir, "
+                         "/var/lib/kubelet/pod-resources/kubelet.sock); its directory mounted from the host")
     gpu = parser.add_argument_group("devices and isolation (see docs/gpu.md)")
     gpu.add_argument("--devices", default=None, metavar="LIST",
                      help="comma-separated cpu or cuda:N, one per executor (executor k gets entry k %% len); "
@@ -280,8 +290,10 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     plugins = None
     if cluster.device_plugin is not None:
         try:
-            plugins = start_device_plugin(cluster)
+            plugins = start_device_plugin(cluster, node.fill_pod_gpus)
         except OSError as exc:
+            if csi_server is not None:
+                csi_server.stop()
             server.stop(0)
             node.stop()
             return _fail(str(exc))
@@ -300,17 +312,26 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     return 0
 
 
-def start_device_plugin(cluster: ClusterSettings) -> DevicePlugins:
-    """``--device-plugin``: the GPUs' resources served and registered with the kubelet; OSError if a socket cannot
-    be bound. GPUs given by ``--gpus`` are fixed and always healthy (nothing to ask); else NVML, asked again for
-    health."""
-    from .deviceplugin.shell import DevicePlugins, PluginConfig
+def start_device_plugin(cluster: ClusterSettings, assigned: Callable[[], Sequence[FillPodGpus]]) -> DevicePlugins:
+    """``--device-plugin``: the GPUs' resources served and registered with the kubelet, a container holding one let
+    start only if its Pod is one of the fill Pods ``assigned`` on that GPU (the node agent's ``fill_pod_gpus``);
+    OSError if a socket cannot be bound or the PodResources socket's directory is not mounted. GPUs given by
+    ``--gpus`` are fixed and always healthy (nothing to ask); else NVML, asked again for health."""
+    from . import podresources
+    from .deviceplugin.shell import DevicePlugins, PluginConfig, PodResourcesGuard
     from .gpus import read_gpus
 
     dp = cluster.device_plugin
-    assert dp is not None
+    assert dp is not None and dp.pod_resources_socket is not None
+    if (problem := podresources.mount_problem(dp.pod_resources_socket)) is not None:
+        raise OSError(problem)
+    if not dp.pod_resources_socket.is_socket():
+        logging.getLogger("bubbles.agent").warning(
+            "device plugin: the kubelet's PodResources socket %s is not there yet: every container holding a GPU's "
+            "slots is refused until it is", dp.pod_resources_socket)
     fixed = dict(cluster.gpus)
     plugins = DevicePlugins(PluginConfig(dp.strategy, dp.fill_slots, dp.directory),
-                            (lambda: fixed) if fixed else read_gpus)
+                            (lambda: fixed) if fixed else read_gpus,
+                            PodResourcesGuard(dp.pod_resources_socket, assigned))
     plugins.start()
     return plugins

@@ -48,6 +48,7 @@ from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
 from bubbles.core.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
+from .deviceplugin.guard import FillPodGpus
 from .launcher import FillProcess, Launcher, LaunchRequest
 from .metrics import NodeMetrics
 from .node import GANG_ATTACH_S, AssignedJob, AttachRefused, Decision, NodeBook
@@ -420,6 +421,28 @@ class NodeAgent:
             log.info("cancel: %s/%s (%s)", have.message.namespace, have.message.name, have.cancelled)
             self._bump()
         return have is not None
+
+    def fill_pod_gpus(self) -> tuple[FillPodGpus, ...]:
+        """Every fill Pod assigned to this node (cancelled ones with their reason) and the GPUs of its assignment,
+        for the device plugin's PreStartContainer check (``deviceplugin.guard``). A GPU is the one its card names now
+        (the training's hook writes where it runs); without a card, a one-GPU job's ``gpu_uuid``; a GPU known by
+        neither is left out."""
+        out = []
+        with self.lock:
+            for have in self.book.jobs.values():
+                msg = have.message
+                tr = self.trainings.get(training_of(msg))
+                uuids = []
+                for key in msg.gpu_keys:
+                    card = tr.cards.get(key) if tr is not None else None
+                    uuid = card.gpu_uuid if card is not None else None
+                    if not uuid and len(msg.ranks) == 1:
+                        uuid = msg.gpu_uuid
+                    if uuid:
+                        uuids.append(uuid)
+                out.append(FillPodGpus(msg.namespace, msg.fill_pod, msg.name,
+                                       "/".join(training_of(msg)), tuple(uuids), have.cancelled))
+        return tuple(out)
 
     def _stop_run(self, have: AssignedJob, reason: str) -> None:
         tr = self.trainings.get(training_of(have.message))

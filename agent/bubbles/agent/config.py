@@ -26,6 +26,7 @@ from bubbles.core.api import (
 )
 from bubbles.core.mps_client import DEFAULT_FILL_THREAD_PERCENTAGE
 
+from . import podresources
 from .core import CoreConfig
 from .csi import DEFAULT_KUBELET_DIR, csi_socket, registration_socket, socket_problem
 from .deviceplugin.decide import DEFAULT_FILL_SLOTS, GpuStrategy, check_fill_slots
@@ -193,6 +194,9 @@ class DevicePluginSettings:
     strategy: GpuStrategy = GpuStrategy.CDI
     fill_slots: int = DEFAULT_FILL_SLOTS
     directory: Path = Path("/var/lib/kubelet/device-plugins")
+    # The kubelet's PodResources API, asked in PreStartContainer whose Pod a container is; None: the one beside
+    # ``directory`` (<root-dir>/pod-resources/kubelet.sock).
+    pod_resources_socket: Path | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -203,9 +207,14 @@ class DevicePluginSettings:
         if not self.directory.is_absolute():
             raise ConfigError(f"--device-plugin-dir must be an absolute path (the kubelet's device-plugins directory, "
                               f"/var/lib/kubelet/device-plugins unless its --root-dir moved it), got {self.directory}")
+        if self.pod_resources_socket is None:
+            object.__setattr__(self, "pod_resources_socket", podresources.socket_beside(self.directory))
+        assert self.pod_resources_socket is not None
+        if (problem := podresources.socket_problem(self.pod_resources_socket)) is not None:
+            raise ConfigError(problem)
 
 
-DEVICE_PLUGIN_KEYS = ("gpu_strategy", "fill_slots", "device_plugin_dir")
+DEVICE_PLUGIN_KEYS = ("gpu_strategy", "fill_slots", "device_plugin_dir", "pod_resources_socket")
 
 
 def device_plugin_settings(v: Mapping[str, Any]) -> DevicePluginSettings | None:
@@ -221,7 +230,8 @@ def device_plugin_settings(v: Mapping[str, Any]) -> DevicePluginSettings | None:
                           "kubelet its GPUs)")
     return DevicePluginSettings(strategy=v.get("gpu_strategy", GpuStrategy.CDI),
                                 fill_slots=v.get("fill_slots", DEFAULT_FILL_SLOTS),
-                                directory=v.get("device_plugin_dir", Path("/var/lib/kubelet/device-plugins")))
+                                directory=v.get("device_plugin_dir", Path("/var/lib/kubelet/device-plugins")),
+                                pod_resources_socket=v.get("pod_resources_socket"))
 
 
 def parse_gpus(text: str) -> tuple[tuple[str, str], ...]:
@@ -314,6 +324,7 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "tls_key": _as_path, "client_ca": _as_path, "token_file": _as_path, "gpus": lambda v: parse_gpus(_as_str(v)),
     "csi": _as_bool, "kubelet_dir": _as_path,
     "device_plugin": _as_bool, "gpu_strategy": _as_str, "fill_slots": _as_int, "device_plugin_dir": _as_path,
+    "pod_resources_socket": _as_path,
 }
 LEGACY_ENV = {"run_dir": "BUBBLES_RUN_DIR", "training": "BUBBLES_TRAINING"}
 

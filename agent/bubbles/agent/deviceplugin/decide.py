@@ -138,10 +138,11 @@ def plan_resources(gpus: Iterable[NodeGpu], fill_slots: int) -> dict[str, Advert
 
 @dataclass(frozen=True)
 class Options:
-    """DevicePluginOptions: no PreStartContainer (nothing to prepare on a GPU that is already the training's), no
-    GetPreferredAllocation (the slots of a resource are interchangeable)."""
+    """DevicePluginOptions: PreStartContainer, where the plugin checks that the container's Pod is a fill Pod assigned
+    that GPU (``guard``: ``Allocate`` is not told the Pod); no GetPreferredAllocation (the slots of a resource are
+    interchangeable)."""
 
-    pre_start_required: bool = False
+    pre_start_required: bool = True
     get_preferred_allocation_available: bool = False
 
 

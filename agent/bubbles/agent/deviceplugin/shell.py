@@ -12,6 +12,9 @@ Every decision comes from ``decide``; this module serves, registers and watches:
   healthy). A GPU NVML no longer answers for makes its slots unhealthy and every ``ListAndWatch`` stream of its
   resource sends the new list; a GPU that appears gets its own server. NVML failing from the start: no resource is
   advertised, said once, and read again each interval.
+- **Who may start**: ``PreStartContainer`` asks the injected check (``PreStartCheck``; in the agent a
+  ``PodResourcesGuard``: the kubelet's PodResources API and the node agent's assignments, decided by ``guard``) and
+  answers its refusal as the call's error, which fails that container's start.
 
 ``DevicePlugins.start`` raises OSError when a socket cannot be bound; the loop it starts logs what goes wrong after
 that and carries on until ``stop``, which ends every stream and removes the sockets.
@@ -24,17 +27,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from bubbles.agent.podresources import ContainerDevices
+from bubbles.agent.podresources.client import PodResourcesUnavailable, list_devices
 from bubbles.core.paths import MAX_SOCKET_PATH_BYTES
 
-from . import decide
+from . import decide, guard
 from .decide import Advertised, AllocationRefused, GpuStrategy, NodeGpu
+from .guard import FillPodGpus, Refusal
 from .pb.deviceplugin.v1beta1 import api_pb2 as pb
 from .pb.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 
@@ -46,6 +52,8 @@ REGISTER_TIMEOUT_S = 5.0
 STREAM_POLL_S = 0.5  # how often a ListAndWatch stream looks whether the kubelet has gone
 
 GpuReader = Callable[[], Mapping[str, str]]  # {UUID: "cuda:N"} now; raises when the GPUs cannot be read
+# (the resources served, the resource called, the container's device IDs) -> None to let it start, else why not
+PreStartCheck = Callable[[Mapping[str, Advertised], str, Sequence[str]], Refusal | None]
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,18 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
 
     def PreStartContainer(self, request: pb.PreStartContainerRequest,
                           context: grpc.ServicerContext) -> pb.PreStartContainerResponse:
+        devices = list(request.devices_ids)
+        try:
+            refusal = self.plugins.pre_start(self.plugins.served(), self.resource, devices)
+        except Exception as exc:  # a bug in the check must not let a Pod through: refused, and said
+            log.exception("%s: the PreStartContainer check failed", self.resource)
+            refusal = Refusal("INTERNAL", f"bubbles device plugin: the check of the container's Pod failed ({exc}); "
+                                          "the container is refused (see the agent's log)")
+        if refusal is not None:
+            log.warning("%s: PreStartContainer for %s refused: %s", self.resource, ", ".join(devices),
+                        refusal.message)
+            context.abort(getattr(grpc.StatusCode, refusal.code), refusal.message)
+        log.info("%s: PreStartContainer for %s: the container may start", self.resource, ", ".join(devices))
         return pb.PreStartContainerResponse()
 
 
@@ -151,11 +171,14 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
 
 
 class DevicePlugins:
-    """Every resource of the node: its server, its registration, its GPU's health; see the module documentation."""
+    """Every resource of the node: its server, its registration, its GPU's health; see the module documentation.
+    ``pre_start``: whether a container holding slots may start."""
 
-    def __init__(self, config: PluginConfig, read_gpus: GpuReader, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: PluginConfig, read_gpus: GpuReader, pre_start: PreStartCheck,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.read_gpus = read_gpus
+        self.pre_start = pre_start
         self.clock = clock
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
@@ -315,3 +338,23 @@ class DevicePlugins:
         if key not in self._said:
             self._said.add(key)
             log.warning("%s", message)
+
+
+class PodResourcesGuard:
+    """The agent's ``PreStartCheck``: asks the kubelet's PodResources API on ``socket`` who holds the devices (each
+    call: nothing is cached that a Pod could slip through), and ``assigned`` which fill Pods the node agent holds
+    assignments for; ``guard.check_pre_start`` decides. A kubelet that cannot be asked: refused (``guard.unreachable``).
+    ``list_devices`` is the PodResources client (a stand-in in tests)."""
+
+    def __init__(self, socket: Path, assigned: Callable[[], Sequence[FillPodGpus]],
+                 list_devices: Callable[[Path], Sequence[ContainerDevices]] = list_devices) -> None:
+        self.socket = socket
+        self.assigned = assigned
+        self.list_devices = list_devices
+
+    def __call__(self, served: Mapping[str, Advertised], resource: str, device_ids: Sequence[str]) -> Refusal | None:
+        try:
+            listing = self.list_devices(self.socket)
+        except PodResourcesUnavailable as exc:
+            return guard.unreachable(self.socket, str(exc), resource)
+        return guard.check_pre_start(served, resource, device_ids, listing, self.assigned())
