@@ -344,7 +344,7 @@ class PodResourcesGuard:
     """The agent's ``PreStartCheck``: asks the kubelet's PodResources API on ``socket`` who holds the devices (each
     call: nothing is cached that a Pod could slip through), and ``assigned`` which fill Pods the node agent holds
     assignments for; ``guard.check_pre_start`` decides. A kubelet that cannot be asked: refused (``guard.unreachable``).
-    ``list_devices`` is the PodResources client (a stand-in in tests)."""
+    ``list_devices``: the PodResources client."""
 
     def __init__(self, socket: Path, assigned: Callable[[], Sequence[FillPodGpus]],
                  list_devices: Callable[[Path], Sequence[ContainerDevices]] = list_devices) -> None:
