@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 from helpers.agent import TRAINING, Hook, cycle, short_tmp, wait_for
 from helpers.agent_cluster import ENTRY, NAMESPACE, NODE, assignment, write_card
+from helpers.sdk import BusyJob, Channel
 
 from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
@@ -43,6 +47,8 @@ from bubbles.core import control, paths, wire
 from bubbles.core.api import IsolationMode
 from bubbles.core.identity import GpuKey
 from bubbles.core.resources import JobProgress
+from bubbles.training.sdk.attach import attach
+from bubbles.training.sdk.runtime import FillRuntime
 
 __all__ = ["short_tmp"]
 
@@ -70,7 +76,7 @@ def _can_mount() -> str | None:
 
 
 _PROBLEM = _can_mount()
-pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))
+needs_root = pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))
 
 
 @dataclass
@@ -161,6 +167,7 @@ def _hello_as(user: int, socket_path: Path, **hello: object) -> control.ControlM
 
 
 # -- the publish is the fill Pod's alone -------------------------------------------------------------------------
+@needs_root
 def test_a_fill_volume_is_published_only_for_the_assigned_fill_pod_and_carries_its_attach_socket(node: Node) -> None:
     with pytest.raises(Refused) as refused:
         node.publish()
@@ -188,6 +195,7 @@ def test_a_fill_volume_is_published_only_for_the_assigned_fill_pod_and_carries_i
         node.publish()  # a cancelled assignment admits no volume
 
 
+@needs_root
 def test_an_agent_started_again_listens_again_on_the_fill_pods_it_published(node: Node) -> None:
     node.agent.assign(assignment())
     node.publish()
@@ -202,6 +210,7 @@ def test_an_agent_started_again_listens_again_on_the_fill_pods_it_published(node
 
 
 # -- who may attach through it ------------------------------------------------------------------------------------
+@needs_root
 def test_a_process_of_the_pod_naming_another_job_or_speaking_v4_is_refused_with_the_reason(node: Node) -> None:
     write_card(node.agent.run_dir)
     node.agent.scan()
@@ -269,6 +278,7 @@ def _fill_names(run_dir: Path, key: GpuKey) -> list[str]:
     return sorted(p.name for p in paths.fills_dir(run_dir, key).iterdir())
 
 
+@needs_root
 def test_a_fill_pod_of_another_uid_steps_in_the_bubbles_a_hook_of_a_third_uid_sends_through_the_passed_socket(
         node: Node) -> None:
     run_dir = node.agent.run_dir
@@ -323,6 +333,7 @@ def _job(node: Node, uid: str) -> JobProgress | None:
     return next((j for j in node.agent.report().jobs if j.uid == uid), None)
 
 
+@needs_root
 def test_a_gang_in_one_fill_pod_gets_every_gpus_socket_passed_to_its_leader_and_steps(node: Node) -> None:
     run_dir = node.agent.run_dir
     keys = [GpuKey(NAMESPACE, TRAINING, 0, r) for r in (0, 1)]
@@ -367,3 +378,117 @@ def test_a_gang_in_one_fill_pod_gets_every_gpus_socket_passed_to_its_leader_and_
             s.touch()
         for child in (*gang, *hooks):
             with_timeout_kill(child)
+
+
+# -- the protocol's new parts, fed what they must refuse ----------------------------------------------------------
+def test_a_welcome_says_how_many_sockets_it_passes_and_a_wrong_count_is_refused() -> None:
+    one = control.parse_reply(control.encode("welcome", job="j", socket="/r/a.sock", stage=0, protocol=5, fds=1))
+    assert control.passed_sockets(one) == ["/r/a.sock"]
+    gang = control.parse_reply(control.encode("welcome", job="j", socket="/r/a.sock", stage=0, protocol=5, fds=2,
+                                              sockets=["/r/a.sock", "/r/b.sock"]))
+    assert control.passed_sockets(gang) == ["/r/a.sock", "/r/b.sock"]
+    follower = control.parse_reply(control.encode("welcome", job="j", socket="/r/b.sock", stage=0, protocol=5, fds=0,
+                                                  sockets=["/r/b.sock", "/r/a.sock"]))
+    assert control.passed_sockets(follower) == []  # binds none, listens on none
+    plain = control.parse_reply(control.encode("welcome", job="j", socket="/r/a.sock", stage=0, protocol=4))
+    assert control.passed_sockets(plain) is None  # the hostPath layout: the process binds its own
+    for bad, match in ((2, "must be 0 or the number of sockets the welcome lists \\(1\\)"), (-1, "must be 0 or"),
+                       ("1", "fds must be int"), (True, "fds must be int")):
+        with pytest.raises(control.ControlError, match=match):
+            control.parse_reply(control.encode("welcome", job="j", socket="/r/a.sock", stage=0, fds=bad))
+
+
+def _agent_passing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fds: int, passes: list[socket.socket]) -> None:
+    """An agent at the attach socket that welcomes saying ``fds`` and passing ``passes``."""
+    monkeypatch.setenv(paths.RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(control.UID_ENV, "uid-1")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    paths.make_private_dir(paths.attach_dir(tmp_path))
+    server.bind(str(paths.attach_socket(tmp_path)))
+    server.listen(1)
+
+    def agent() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            line = control.encode("welcome", job="j-a0", socket="/r/f.sock", stage=0, protocol=5, fds=fds)
+            socket.send_fds(conn, [line], [s.fileno() for s in passes]) if passes else conn.sendall(line)
+            conn.recv(1)
+        server.close()
+
+    threading.Thread(target=agent, daemon=True).start()
+
+
+def test_the_sdk_takes_the_passed_socket_and_refuses_a_welcome_whose_count_is_wrong(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dgram.bind(str(tmp_path / "f.parked"))
+    _agent_passing(tmp_path, monkeypatch, 1, [dgram])
+    attached = attach("cpu", timeout_s=10)
+    assert attached.passed is not None and list(attached.passed) == ["/r/f.sock"]
+    socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"x", str(tmp_path / "f.parked"))
+    wait_for(lambda: _recv(attached.passed["/r/f.sock"]) == b"x", what="the datagram on the passed socket")
+    attached.close()
+    tmp = tmp_path / "second"
+    tmp.mkdir()
+    _agent_passing(tmp, monkeypatch, 1, [])
+    with pytest.raises(ValueError, match="said it passed 1 fill socket\\(s\\) with its welcome, but 0 came"):
+        attach("cpu", timeout_s=10)
+    stream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    third = tmp_path / "third"
+    third.mkdir()
+    _agent_passing(third, monkeypatch, 1, [stream])
+    with pytest.raises(ValueError, match="not a Unix datagram socket"):
+        attach("cpu", timeout_s=10)
+    dgram.close()
+    stream.close()
+
+
+def _recv(sock: socket.socket) -> bytes | None:
+    try:
+        return sock.recv(64)
+    except BlockingIOError:
+        return None
+
+
+def test_the_runtime_listens_on_the_passed_socket_drops_what_came_before_the_arm_and_binds_nothing(
+        tmp_path: Path) -> None:
+    parked, path = tmp_path / "fill-busy.sock.parked", str(tmp_path / "fill-busy.sock")
+    passed = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    passed.bind(str(parked))
+    passed.setblocking(False)
+    hook = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours, theirs = socket.socketpair()
+    rt = FillRuntime(BusyJob(step_ms=0.2), theirs, name="busy", socket_path=path, step_s=0.001,
+                     passed={path: passed})
+    thread = threading.Thread(target=rt.serve, daemon=True)
+    thread.start()
+    ch = Channel(ours)
+    try:
+        start = time.monotonic_ns()
+        hook.sendto(wire.encode_bubble_start(0, 0, 1, start, start + 10**10), str(parked))  # before the arm: stale
+        ch.send("init")
+        ch.wait("state", state="PAUSED")
+        ch.send("arm", mode="harvest", socket=path)
+        wait_for(lambda: rt.stale_dropped == 1, what="the stale START dropped at the arm")
+        assert not Path(path).exists()  # the runtime bound nothing: the name is the agent's to link
+        for seq in (2, 3):
+            start = time.monotonic_ns()
+            hook.sendto(wire.encode_bubble_start(0, 0, seq, start, start + 30_000_000), str(parked))
+            time.sleep(0.03)
+            hook.sendto(wire.encode_bubble_end(0, 0, seq, time.monotonic_ns()), str(parked))
+        ch.wait_count(1, "step", bubble_seq=2)
+        assert ch.count("step", bubble_seq=1) == 0  # the stale bubble ran no step
+        ch.send("disarm")
+        ch.send("arm", mode="harvest", socket="/elsewhere/fill-busy.sock")
+        error = ch.wait("error")
+        assert "armed on fill socket(s) /elsewhere/fill-busy.sock, which the agent did not pass" in error["message"]
+        assert passed.fileno() >= 0  # a disarm leaves the passed socket open for the next arm
+        ch.send("stop")
+        thread.join(10)
+        assert not thread.is_alive()
+        assert passed.fileno() == -1  # closed when the runtime ends
+    finally:
+        ours.close()
+        hook.close()
+        thread.join(5)
