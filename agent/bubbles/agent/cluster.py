@@ -20,6 +20,11 @@ What it does, as thin shells around pure code:
   they are welcomed (each with its GPU's fill socket and the gang's ``sockets``) and the job queued once all N are in.
   Until then each waits for its welcome; a gang still short ``node.GANG_ATTACH_S`` after its first process came is
   given up: the ones that came are refused with the reason, which the assignment's report carries.
+- **Serves fill Pods' own attach sockets** where the node runs the CSI driver (``bubbles.agent.csi``, issue 36): a
+  ``role: fill`` volume is published only for the fill Pod of a live assignment (``admit_fill_volume``), and its
+  directory gets the Pod's own ``_attach/attach.sock`` (any UID of the Pod may connect; only that Pod mounts it). A
+  process that connects there is that Pod's: its hello must name the Pod's fill job, and speak control v5, because the
+  agent binds its fill sockets itself and passes them with the welcome (``bubbles.agent.fillsockets``).
 - **Reports** every GPU (one ``StageReport`` per rank) and every assigned job (``report()``, served over gRPC by
   ``bubbles.agent.rpc``).
 """
