@@ -156,7 +156,7 @@ def test_arm_carries_a_gangs_sockets_its_own_first() -> None:
     cmd = control.parse_command(control.encode("arm", mode="harvest", socket="/r/a.sock",
                                                sockets=["/r/a.sock", "/r/b.sock"]))
     assert cmd["sockets"] == ["/r/a.sock", "/r/b.sock"]
-    assert control.VERSION == 4
+    assert control.VERSION >= 4  # gangs came with v4
 
 
 @pytest.mark.parametrize(("sockets", "match"), [

@@ -12,9 +12,10 @@ spec file, an invalid spec,
 with a message saying what to fix.
 
 ``--cluster --csi`` also serves the CSI node plugin ``csi.bubbles.dev`` and registers it with the kubelet
-(``bubbles.agent.csi``; issue 36, step 1: nothing uses it yet). ``--cluster --device-plugin`` serves each GPU as an
-extended resource (``bubbles.agent.deviceplugin``), and lets a container holding one start only if the kubelet's
-PodResources API (``--pod-resources-socket``) says its Pod is a fill Pod assigned that GPU.
+(``bubbles.agent.csi``; issue 36): a fill Pod's volume is published only for the operator's assigned fill Pods, and
+carries the Pod's own attach socket. ``--cluster --device-plugin`` serves each GPU as an extended resource
+(``bubbles.agent.deviceplugin``), and lets a container holding one start only if the kubelet's PodResources API
+(``--pod-resources-socket``) says its Pod is a fill Pod assigned that GPU.
 
 Isolation (``--isolation contexts|mps|none``, docs/gpu.md) fails closed: while the chosen mode does
 not work, fill jobs wait and the status says why, unless ``--allow-unisolated`` is given.
@@ -270,9 +271,9 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
         from .csi.server import serve as serve_csi
 
         kubelet_dir = cluster.csi.kubelet_dir
-        # Not yet read by the node agent: the next step of issue 36 asks csi_plugin.published() whose directory is
-        # whose.
-        csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, kubelet_dir)
+        # The node agent admits fill volumes (only its assigned fill Pods') and serves each fill Pod's own attach
+        # socket in its directory; start() hands it the fill volumes an earlier agent published.
+        csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, kubelet_dir, fill_pods=node)
         try:
             csi_plugin.start()
             csi_server = serve_csi(csi_plugin, csi_socket(kubelet_dir), registration_socket(kubelet_dir))

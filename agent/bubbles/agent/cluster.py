@@ -20,6 +20,11 @@ What it does, as thin shells around pure code:
   they are welcomed (each with its GPU's fill socket and the gang's ``sockets``) and the job queued once all N are in.
   Until then each waits for its welcome; a gang still short ``node.GANG_ATTACH_S`` after its first process came is
   given up: the ones that came are refused with the reason, which the assignment's report carries.
+- **Serves fill Pods' own attach sockets** where the node runs the CSI driver (``bubbles.agent.csi``, issue 36): a
+  ``role: fill`` volume is published only for the fill Pod of a live assignment (``admit_fill_volume``), and its
+  directory gets the Pod's own ``_attach/attach.sock`` (any UID of the Pod may connect; only that Pod mounts it). A
+  process that connects there is that Pod's: its hello must name the Pod's fill job, and speak control v5, because the
+  agent binds its fill sockets itself and passes them with the welcome (``bubbles.agent.fillsockets``).
 - **Reports** every GPU (one ``StageReport`` per rank) and every assigned job (``report()``, served over gRPC by
   ``bubbles.agent.rpc``).
 """
@@ -32,11 +37,13 @@ import logging
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bubbles.core import card as cards
@@ -45,10 +52,13 @@ from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, known_membership
 from bubbles.core.card import Card, card_is_stale, read_cards
 from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
+from bubbles.core.nodeaccess import CSI_DRIVER
 from bubbles.core.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
+from .csi.publish import PodVolume
 from .deviceplugin.guard import FillPodGpus
+from .fillsockets import PassedFillSockets
 from .launcher import FillProcess, Launcher, LaunchRequest
 from .metrics import NodeMetrics
 from .node import GANG_ATTACH_S, AssignedJob, AttachRefused, Decision, NodeBook
@@ -65,12 +75,20 @@ class AttachedProcess(FillProcess):
     """A fill Pod's process, admitted over the attach socket: signalled through a pidfd (the agent sees its PID:
     hostPID), its exit seen on that pidfd. Its exit code is not the agent's to collect (not a child): -1."""
 
-    def __init__(self, pid: int, conn: socket.socket, speaks_control: bool) -> None:
+    def __init__(self, pid: int, conn: socket.socket, speaks_control: bool,
+                 fill_sockets: PassedFillSockets | None = None) -> None:
         self.pid = pid
         self.exit_fd = os.pidfd_open(pid)
         self.conn = conn
         self.control = conn if speaks_control else None
+        # Attached through its Pod's own socket (control v5): the fill sockets the agent bound and passed to it, whose
+        # names the agent links at each arm and unlinks at each disarm; None: the process binds its own.
+        self.fill_sockets = fill_sockets
         conn.setblocking(False)
+
+    def before_command(self, type_: str, fields: dict[str, Any]) -> None:
+        if self.fill_sockets is not None:
+            self.fill_sockets.apply(type_, fields)
 
     def send_signal(self, sig: int) -> None:
         if self.exit_fd >= 0:
@@ -90,6 +108,8 @@ class AttachedProcess(FillProcess):
 
     def close(self) -> None:
         self.conn.close()
+        if self.fill_sockets is not None:
+            self.fill_sockets.remove()  # no stale name in the training's fills/, armed or not
         if self.exit_fd >= 0:
             os.close(self.exit_fd)
             self.exit_fd = -1
@@ -207,6 +227,12 @@ class NodeAgent:
         self._cardless_since: dict[TrainingKey, int] = {}  # training -> when its last card went
         # A gang's processes attached so far, waiting for their welcome: uid -> gang rank -> (connection, pid, GPU).
         self._gangs: dict[str, dict[int, tuple[socket.socket, int, GpuKey]]] = {}
+        self._gang_via_pod: dict[tuple[str, int], bool] = {}  # (uid, gang rank): came through its Pod's own socket
+        # Fill Pods' own attach sockets (their CSI volumes'), by Pod uid; the accept loop is woken when they change.
+        self._pod_attach: dict[str, _PodAttach] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self.metrics = NodeMetrics(self._registries, self._assignment_counts)
         self.metrics_port: int | None = None
 
@@ -241,7 +267,7 @@ class NodeAgent:
         listener.bind(str(path))
         os.chmod(path, 0o600)  # node-local, and only this user's processes (the fill Pods run as it)
         listener.listen(64)
-        listener.settimeout(0.5)
+        listener.setblocking(False)
         self._listener = listener
         self.scan()
         for target, name in ((self._accept_loop, "bubbles-attach"), (self._scan_loop, "bubbles-scan")):
@@ -252,12 +278,17 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake()
         for t in self._threads:
             t.join(5.0)
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
                 paths.attach_socket(self.run_dir).unlink()
+        with self.lock:
+            pods, self._pod_attach = list(self._pod_attach.values()), {}
+        for pod in pods:  # an agent started again binds them anew (CsiNodePlugin.start)
+            pod.close()
         with self.lock:
             trainings = list(self.trainings.values())
         for tr in trainings:
@@ -508,29 +539,113 @@ class NodeAgent:
                            attempt=attempt)
 
     # -- attaching fill processes --------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"w")
+
     def _accept_loop(self) -> None:
+        """Accept on the node's attach socket and on every fill Pod's own; each connection is welcomed on a thread of
+        its own. Ends when the agent stops; a listener closed under it (its Pod's volume unpublished) is skipped."""
         assert self._listener is not None
         while not self._stop.is_set():
+            with self.lock:
+                listening: dict[socket.socket, PodVolume | None] = {self._listener: None}
+                listening.update((p.listener, p.volume) for p in self._pod_attach.values())
             try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
+                ready, _, _ = select.select([s for s in listening if s.fileno() >= 0] + [self._wake_r], [], [], 0.5)
+            except (OSError, ValueError):  # a listener closed between the snapshot and the call: take another
                 continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                raise
-            threading.Thread(target=self._welcome, args=(conn,), name="bubbles-hello", daemon=True).start()
+            for sock in ready:
+                if sock is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                    continue
+                try:
+                    conn, _ = sock.accept()
+                except OSError:  # taken by nobody else: closed meanwhile (EBADF), or the peer gave up
+                    continue
+                conn.setblocking(True)
+                threading.Thread(target=self._welcome, args=(conn, listening[sock]), name="bubbles-hello",
+                                 daemon=True).start()
 
-    def _welcome(self, conn: socket.socket) -> None:
+    def _welcome(self, conn: socket.socket, pod: PodVolume | None = None) -> None:
         """Read one hello, admit or refuse; never raises (a bad client costs one connection)."""
         try:
-            self.attach(conn)
+            self.attach(conn, pod)
         except Exception:
             log.exception("attaching a fill process failed")
             conn.close()
 
-    def attach(self, conn: socket.socket) -> AssignedJob | None:
-        """Admit the process on ``conn`` (it is then the job's control channel) or refuse it with the reason."""
+    # -- fill Pods' own attach sockets (their CSI volumes: bubbles.agent.csi.plugin.FillPods) ----------------------
+    def admit_fill_volume(self, volume: PodVolume) -> str | None:
+        """Why ``volume``'s Pod may not have a ``role: fill`` volume: it is not the fill Pod of a live assignment here
+        (the operator assigns before it creates the Pod; the kubelet retries a refused publish). None: it may."""
+        with self.lock:
+            if self.book.fill_pod_job(volume.namespace, volume.pod) is not None:
+                return None
+        return (f"Pod {volume.namespace}/{volume.pod} is not a fill Pod the operator assigned to this node (none of "
+                "its live assignments names it): only the operator's fill Pods may use role fill; a training's Pod "
+                "sets role: training")
+
+    def fill_volume_published(self, volume: PodVolume) -> None:
+        """Listen on the Pod's own attach socket, ``<its directory>/_attach/attach.sock`` (at ``_attach/attach.sock``
+        in its volume: where the SDK looks), reachable by the Pod's processes whatever their UID (only that Pod mounts
+        the directory). Idempotent; OSError where it cannot be bound."""
+        with self.lock:
+            have = self._pod_attach.get(volume.uid)
+            if have is not None:
+                have.volume_ids.add(volume.volume_id)
+                return
+            self._pod_attach[volume.uid] = _PodAttach.bind(volume)
+        log.info("fill Pod %s/%s: its attach socket is %s", volume.namespace, volume.pod,
+                 self._pod_attach[volume.uid].path)
+        self._wake()
+
+    def fill_volume_unpublished(self, volume: PodVolume) -> None:
+        """The Pod's volume goes: with its last one, its attach socket is closed and removed (a process attached
+        through it keeps its connection: it ends with the Pod)."""
+        with self.lock:
+            have = self._pod_attach.get(volume.uid)
+            if have is None:
+                return
+            have.volume_ids.discard(volume.volume_id)
+            if have.volume_ids:
+                return
+            del self._pod_attach[volume.uid]
+        have.close()
+        self._wake()
+
+    def pod_attach_socket(self, pod_uid: str) -> Path | None:
+        """Where the fill Pod ``pod_uid``'s own attach socket listens (node path), or None."""
+        with self.lock:
+            have = self._pod_attach.get(pod_uid)
+            return have.path if have is not None else None
+
+    def _pod_problem(self, pod: PodVolume, uid: str) -> str | None:
+        """Why a process that connected on ``pod``'s own attach socket, saying it is fill job ``uid``, is not that
+        Pod's process to admit; None where it is."""
+        owner = self.book.fill_pod_job(pod.namespace, pod.pod)
+        if owner is None:
+            return (f"Pod {pod.namespace}/{pod.pod} is not the fill Pod of any live assignment on this node "
+                    "(cancelled, or replaced by a new attempt): its attach socket admits no process")
+        if owner.uid != uid:
+            return (f"this process of Pod {pod.namespace}/{pod.pod} says it is fill job uid {uid}, but the Pod runs "
+                    f"fill job {owner.message.name} (uid {owner.uid}): a fill Pod's attach socket admits its own fill "
+                    f"job's processes only (check ${control.UID_ENV} in the Pod's spec)")
+        return None
+
+    def _fill_socket(self, tr: _Training, key: GpuKey, job: str) -> Path:
+        """Where ``job``'s fill socket on GPU ``key`` is: in the GPU's ``fills/`` where the training's agent serves it
+        (as the agent's ``arm`` names it)."""
+        with tr.agent.lock:
+            directory = tr.agent.core.executor(key).directory
+        return directory / paths.FILLS_DIR_NAME / paths.fill_socket(self.run_dir, key, job).name
+
+    def attach(self, conn: socket.socket, pod: PodVolume | None = None) -> AssignedJob | None:
+        """Admit the process on ``conn`` (it is then the job's control channel) or refuse it with the reason.
+        ``pod``: it connected on that fill Pod's own attach socket, so it is that Pod's (the kubelet named the Pod
+        when it published the volume): its hello must name the Pod's fill job, and the agent binds its fill sockets
+        and passes them with the welcome (control v5)."""
         conn.settimeout(HELLO_TIMEOUT_S)
         try:
             line = _read_line(conn)
@@ -541,18 +656,29 @@ class NodeAgent:
             self.metrics.refused.inc()
             return None
         uid, attempt = hello["uid"], hello["attempt"]
-        if control.peer_version(hello) < control.MIN_VERSION:
-            _refuse(conn, versions.needs_newer(f"fill job {uid}'s SDK", "control", control.peer_version(hello),
-                                               control.MIN_VERSION, "bubbles in the fill job's image"))
+        needed = control.MIN_VERSION if pod is None else control.FD_VERSION
+        if control.peer_version(hello) < needed:
+            why = versions.needs_newer(f"fill job {uid}'s SDK", "control", control.peer_version(hello), needed,
+                                       "bubbles in the fill job's image")
+            if pod is not None:
+                why += (f" (Pod {pod.namespace}/{pod.pod} attaches through its own {CSI_DRIVER} volume, where the "
+                        "agent binds its fill sockets and passes them to it)")
+            _refuse(conn, why)
             self.metrics.refused.inc()
             return None
         if hello.unknown:
             log.info("fill job %s: its hello carries field(s) %s this agent does not know (a newer SDK): ignored",
                      uid, ", ".join(hello.unknown))
         with self.lock:
+            if pod is not None and (problem := self._pod_problem(pod, uid)) is not None:
+                _refuse(conn, problem)
+                self.metrics.refused.inc()
+                log.warning("refused a fill process (pid %d) of Pod %s/%s: %s", pid, pod.namespace, pod.pod, problem)
+                return None
             have = self.book.jobs.get(uid)
             if have is not None and have.gang_size > 1:
-                return self._attach_gang(conn, hello, pid)
+                return self._attach_gang(conn, hello, pid, pod)
+            fills: PassedFillSockets | None = None
             try:
                 if have is not None and have.cancelled is None and have.message.attempt != attempt:
                     raise AttachRefused(f"this Pod runs attempt {attempt} of fill job {have.message.name}, but "
@@ -572,13 +698,20 @@ class NodeAgent:
                         f"v{cards.RANKS_VERSION} the hook signals fill jobs in {card.directory(self.run_dir)}/"
                         f"{paths.FILLS_DIR_NAME}, not in {paths.gpu_relpath(key)}/{paths.FILLS_DIR_NAME}, the "
                         f"directory a fill Pod placed on {key} mounts)")
-                sock = paths.fill_socket(self.run_dir, key, have.job_name)
+                sock = self._fill_socket(tr, key, have.job_name)
                 # The welcome goes first, on the blocking socket: the agent's commands (init) follow it on the
                 # same stream once the job is launched, from the non-blocking socket AttachedProcess makes of it.
-                conn.sendall(control.encode("welcome", job=have.job_name, socket=str(sock), stage=msg.stage,
-                                            protocol=control.VERSION))
-                proc = AttachedProcess(pid, conn, speaks_control=msg.spec.iterative)
+                welcome = control.encode("welcome", job=have.job_name, socket=str(sock), stage=msg.stage,
+                                         protocol=control.VERSION)
+                if pod is None:
+                    conn.sendall(welcome)
+                else:  # a plain command listens on no socket: it is paused and resumed from outside
+                    fills = PassedFillSockets([sock]) if msg.spec.iterative else None
+                    _send_welcome(conn, have.job_name, sock, msg.stage, [sock], fills)
+                proc = AttachedProcess(pid, conn, speaks_control=msg.spec.iterative, fill_sockets=fills)
             except (AttachRefused, OSError) as exc:
+                if fills is not None:
+                    fills.remove()
                 if have is not None and have.attached_pid == pid:
                     self.book.detached(uid)
                 _refuse(conn, str(exc))
@@ -599,9 +732,12 @@ class NodeAgent:
         return have
 
 
-    def _attach_gang(self, conn: socket.socket, hello: control.ControlMessage, pid: int) -> AssignedJob | None:
+    def _attach_gang(self, conn: socket.socket, hello: control.ControlMessage, pid: int,
+                     pod: PodVolume | None = None) -> AssignedJob | None:
         """``attach`` for one process of a gang job (under the node's lock): admitted and parked until all N are
-        in, then all welcomed and the job queued; or refused, the reason said."""
+        in, then all welcomed and the job queued; or refused, the reason said. Through the Pod's own socket
+        (``pod``), the leader (gang rank 0, which listens for the gang) is passed every GPU's fill socket, the
+        followers none."""
         uid, attempt, rank = hello["uid"], hello["attempt"], hello.get("gang_rank")
         have = self.book.jobs[uid]
         msg = have.message
@@ -634,26 +770,39 @@ class NodeAgent:
             self.metrics.refused.inc()
             log.warning("refused gang rank %d of fill job %s (pid %d): %s", rank, msg.name, pid, exc)
             return None
+        if uid not in self._gangs:  # a gang's first: what an earlier, stopped one of it left goes
+            self._gang_via_pod = {k: v for k, v in self._gang_via_pod.items() if k[0] != uid}
         waiting = self._gangs.setdefault(uid, {})
         waiting[rank] = (conn, pid, key)
+        self._gang_via_pod[(uid, rank)] = pod is not None
         log.info("fill job %s/%s: gang rank %d attached (pid %d) on %s; %d of %d in", msg.namespace, msg.name, rank,
                  pid, key, len(waiting), have.gang_size)
         if len(waiting) < have.gang_size:
             self._bump()
             return have
         del self._gangs[uid]
+        via_pod = {r: self._gang_via_pod.pop((uid, r), False) for r in range(have.gang_size)}
         keys = [waiting[r][2] for r in range(have.gang_size)]
         procs: list[AttachedProcess] = []
+        fills: PassedFillSockets | None = None
         try:
             for r in range(have.gang_size):
                 conn_r, pid_r, key_r = waiting[r]
-                own = paths.fill_socket(self.run_dir, key_r, have.job_name)
-                sockets = [str(own), *(str(paths.fill_socket(self.run_dir, k, have.job_name)) for k in keys
-                                       if k != key_r)]
-                conn_r.sendall(control.encode("welcome", job=have.job_name, socket=str(own), stage=msg.stage,
-                                              protocol=control.VERSION, sockets=sockets))
-                procs.append(AttachedProcess(pid_r, conn_r, speaks_control=True))
+                own = self._fill_socket(tr, key_r, have.job_name)
+                socks = [own, *(self._fill_socket(tr, k, have.job_name) for k in keys if k != key_r)]
+                sockets = [str(p) for p in socks]
+                fills = None
+                if not via_pod[r]:
+                    conn_r.sendall(control.encode("welcome", job=have.job_name, socket=str(own), stage=msg.stage,
+                                                  protocol=control.VERSION, sockets=sockets))
+                else:  # the leader listens on the gang's every GPU; a follower on none
+                    fills = PassedFillSockets(socks) if r == 0 else None
+                    _send_welcome(conn_r, have.job_name, own, msg.stage, socks, fills)
+                procs.append(AttachedProcess(pid_r, conn_r, speaks_control=True, fill_sockets=fills))
+                fills = None
         except OSError as exc:
+            if fills is not None:
+                fills.remove()
             for proc in procs:
                 proc.close()
             for conn_r, _, _ in waiting.values():
@@ -689,7 +838,8 @@ class NodeAgent:
                 why = (f"only {len(waiting)} of the {have.gang_size} processes of its gang attached within "
                        f"{GANG_ATTACH_S:g} s (gang ranks {', '.join(map(str, missing))} did not: see Pod "
                        f"{have.message.fill_pod}'s log)")
-                for conn, _, _ in waiting.values():
+                for r, (conn, _, _) in waiting.items():
+                    self._gang_via_pod.pop((have.uid, r), None)
                     _refuse(conn, why)
                 self.failures[have.uid] = f"not admitted: {why}"
                 log.error("fill job %s/%s %s", have.message.namespace, have.message.name, self.failures[have.uid])
@@ -721,6 +871,76 @@ class NodeAgent:
                                 "with the bubbles hook, and does the stage have that rank here?")
         assert tr is not None
         return next((k for k in keys if seen_gpu and tr.cards[k].gpu_uuid == seen_gpu), keys[otherwise])
+
+
+@dataclass
+class _PodAttach:
+    """A fill Pod's own attach socket, listening in its CSI volume's directory for as long as a volume of it is
+    published (``volume_ids``)."""
+
+    volume: PodVolume
+    listener: socket.socket
+    path: Path
+    volume_ids: set[str]
+
+    @classmethod
+    def bind(cls, volume: PodVolume) -> _PodAttach:
+        """Listen at ``<volume.directory>/_attach/attach.sock``. The ``_attach`` directory is in the Pod's reach (its
+        volume is writable by it): a link or file planted there is replaced, and the socket is bound through the
+        directory's descriptor, so nothing the Pod renames meanwhile sends the bind elsewhere. OSError saying what."""
+        directory = Path(volume.directory) / paths.ATTACH_DIR_NAME
+        path = directory / paths.ATTACH_SOCKET_NAME
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                directory.unlink()
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=POD_ATTACH_DIR_MODE)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.chmod(fd, POD_ATTACH_DIR_MODE)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(paths.ATTACH_SOCKET_NAME, dir_fd=fd)  # an earlier agent's
+            listener.bind(f"/proc/self/fd/{fd}/{paths.ATTACH_SOCKET_NAME}")
+            os.chmod(paths.ATTACH_SOCKET_NAME, POD_ATTACH_SOCKET_MODE, dir_fd=fd, follow_symlinks=False)
+            listener.listen(16)
+            listener.setblocking(False)
+        except OSError as exc:
+            listener.close()
+            raise OSError(exc.errno, f"cannot listen on fill Pod {volume.namespace}/{volume.pod}'s attach socket "
+                                     f"{path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+        return cls(volume, listener, path, {volume.volume_id})
+
+    def close(self) -> None:
+        self.listener.close()
+        with contextlib.suppress(OSError):
+            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                os.unlink(paths.ATTACH_SOCKET_NAME, dir_fd=fd)
+            finally:
+                os.close(fd)
+
+
+# The Pod's processes reach the socket whatever their UID: only that Pod mounts the directory.
+POD_ATTACH_DIR_MODE = 0o755
+POD_ATTACH_SOCKET_MODE = 0o666
+
+
+def _send_welcome(conn: socket.socket, job: str, own: Path, stage: int, sockets: list[Path],
+                  fills: PassedFillSockets | None) -> None:
+    """The v5 welcome to a process attached through its Pod's socket: ``fills``' sockets passed with the line itself
+    (SCM_RIGHTS, in its first sendmsg: they arrive with its first byte), ``fds`` saying how many (0: bind nothing)."""
+    fds = fills.fds() if fills is not None else []
+    extra: dict[str, Any] = {"sockets": [str(p) for p in sockets]} if len(sockets) > 1 else {}
+    line = control.encode("welcome", job=job, socket=str(own), stage=stage, protocol=control.VERSION, fds=len(fds),
+                          **extra)
+    sent = socket.send_fds(conn, [line], fds) if fds else conn.send(line)
+    if sent < len(line):
+        conn.sendall(line[sent:])
+    if fills is not None:
+        fills.release()  # the process holds them now
 
 
 def _read_line(conn: socket.socket) -> bytes:

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bubbles.core import control
 from bubbles.core.api import FillInterface, FillJobSpec
@@ -61,6 +62,11 @@ class FillProcess(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the descriptors (after the process has exited)."""
+
+    def before_command(self, type_: str, fields: dict[str, Any]) -> None:  # noqa: B027 - a default, not abstract
+        """The agent is about to send ``type_`` (a ``bubbles.core.control`` command) to this process. Nothing here; a
+        process whose fill sockets the agent holds (``bubbles.agent.cluster.AttachedProcess``, control v5) makes their
+        paths appear before an ``arm`` and go before a ``disarm``. Never raises."""
 
 class Launcher(ABC):
     @abstractmethod

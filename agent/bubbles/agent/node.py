@@ -22,7 +22,6 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bubbles.core import control
 from bubbles.core.agentapi import AssignmentMessage
 
 # How long a gang's first process waits for the others to attach: under the SDK's own wait for its welcome (30 s, from
@@ -151,8 +150,8 @@ class NodeBook:
         name, size = have.message.name, have.gang_size
         if gang_rank is None:
             raise AttachRefused(f"fill job {name} is a gang of {size} GPUs, but its process says no gang rank: the SDK "
-                                f"in the fill job's image predates gang jobs (control v{control.VERSION}); upgrade "
-                                "bubbles in the image, whose process starts one process per GPU")
+                                "in the fill job's image predates gang jobs (control v4); upgrade bubbles in the "
+                                "image, whose process starts one process per GPU")
         if not 0 <= gang_rank < size:
             raise AttachRefused(f"fill job {name} is a gang of {size} GPUs (gang ranks 0 to {size - 1}), but a process "
                                 f"says gang rank {gang_rank}")
@@ -170,6 +169,13 @@ class NodeBook:
         if len(have.gang_pids) == size:
             have.attached_pid = have.gang_pids[0]
         return have
+
+    def fill_pod_job(self, namespace: str, pod: str) -> AssignedJob | None:
+        """The live (not cancelled) assignment whose fill Pod is ``namespace``/``pod``, or None: what a fill Pod's CSI
+        volume is admitted for, and whose process its own attach socket serves. The FillJob's namespace is its Pod's
+        (an operator before namespaces named none: ``_local``, which no Pod's namespace is)."""
+        return next((have for have in self.jobs.values() if have.cancelled is None
+                     and have.message.fill_pod == pod and have.message.namespace == namespace), None)
 
     def gangs_overdue(self, now_ns: int, wait_s: float = GANG_ATTACH_S) -> list[AssignedJob]:
         """Gangs whose first process attached more than ``wait_s`` ago and that are still short of processes: given

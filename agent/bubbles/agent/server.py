@@ -511,6 +511,7 @@ class Agent:
         if isinstance(action, Send):
             channel = self._channels.get(action.job)
             if channel is not None and channel.proc.control is not None:
+                channel.proc.before_command(action.type, action.fields)  # control v5: the agent's fill socket names
                 channel.out += control.encode(action.type, **action.fields)
                 self._flush(action.job, channel)
         elif isinstance(action, Signal):

@@ -19,7 +19,19 @@ gang with the process's own GPU's first (``socket`` stays, the first, for runtim
 process's ``gang_rank`` and ``welcome`` the gang's ``sockets``. A runtime before v4 armed for a gang would listen on its
 own GPU only, and so start steps whose collectives wait for peers still inside the training's compute: the steps would
 outlive their bubbles until the watchdog killed them. The agent therefore refuses a gang process whose ``hello`` says
-no ``gang_rank`` (only v4 SDKs send one), with a reason naming the upgrade.
+no ``gang_rank`` (only v4 SDKs send one), with a reason naming the upgrade. v5 adds fill sockets passed as file
+descriptors (issue 36: fill Pods without hostPath and of any UID). A process that attaches through its Pod's own
+attach socket (the CSI volume's ``_attach/attach.sock``) binds nothing: the agent binds its fill socket(s) in the
+training's GPU directory (the path(s) of ``welcome``'s ``socket``/``sockets``, which the fill Pod does not mount) and
+passes them with the ``welcome`` line itself (SCM_RIGHTS, in one sendmsg), saying how many in ``welcome``'s ``fds``: as
+many as the sockets listed (``sockets``, else the one ``socket``), or 0 to a gang's follower, which listens on none. A
+``welcome`` that carries ``fds`` (even 0) tells the process not to bind: an ``arm`` then names which of the passed
+sockets to listen on (by their paths), and the agent makes each path appear in the training's ``fills/`` (a link to
+the socket it bound) before it sends an ``arm`` in harvest mode, and removes it before it sends ``disarm`` or
+``stop``, as the process bound and unlinked it itself before. Datagrams queued on a passed socket when an ``arm``
+comes are from before it, and the process drops them. A process below v5 attaching through a Pod's own socket is
+refused (``FD_VERSION``), naming the upgrade; over the node-wide attach socket (the hostPath layout) and over a
+locally started process's socketpair nothing changed, and v2 to v4 peers work there as before.
 
 The fill process inherits its end of the socketpair; its number is in ``$BUBBLES_CONTROL_FD``.
 
@@ -27,7 +39,9 @@ In a cluster the agent does not start fill processes: the operator creates each 
 *attaches*. It connects to the agent's node-local attach socket (``bubbles.core.paths.attach_socket``), sends one
 ``hello`` line (its FillJob's uid and attempt, and the GPU it sees), and reads one reply: ``welcome`` (the job's
 name and datagram socket on this node; the connection is then its control channel, as above) or ``refused``
-(why). ``parse_hello``/``parse_reply`` are their parsers.
+(why). ``parse_hello``/``parse_reply`` are their parsers. Where the node runs the CSI driver, the attach socket is the
+fill Pod's own (``<its volume>/_attach/attach.sock``, the same relative place) and the welcome passes the sockets
+(v5, above).
 """
 
 from __future__ import annotations
@@ -71,8 +85,9 @@ MAX_GANG = 16  # processes (GPUs) of one gang the channel carries: more than a n
 # Pod's too); raising one's own score needs no privilege, and children inherit it.
 FILL_OOM_SCORE_ADJ = 1000
 MAX_LINE_BYTES = 64 * 1024
-VERSION = 4
+VERSION = 5
 MIN_VERSION = 2  # the oldest peer either side works with: from v2 on unknown fields are tolerated
+FD_VERSION = 5  # the oldest SDK that takes its fill sockets as passed descriptors (a Pod's own attach socket)
 UNVERSIONED = 2  # what a peer that sends no version speaks
 
 # The fill modes a fill process is armed in, as the channel writes them (FillMode labels; OFF is disarm).
@@ -133,7 +148,10 @@ HELLO: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "welcome": {"job": ((str,), True), "socket": ((str,), True), "stage": ((int,), True),
-                "protocol": ((int,), False), "sockets": ((list,), False)},
+                "protocol": ((int,), False), "sockets": ((list,), False),
+                # fds (v5): the fill sockets passed with this line (SCM_RIGHTS), in the order of sockets (else the
+                # one socket); present, even 0: the process binds none
+                "fds": ((int,), False)},
     "refused": {"reason": ((str,), True)},
 }
 
@@ -233,7 +251,20 @@ def parse_reply(line: bytes | str) -> ControlMessage:
     _check_version(msg)
     if "sockets" in msg.fields:
         check_sockets(msg["sockets"], "welcome.sockets", msg["socket"])
+    if "fds" in msg.fields:
+        listed = len(msg.get("sockets") or [msg["socket"]])
+        if msg["fds"] not in (0, listed):
+            raise ControlError(f"welcome.fds must be 0 or the number of sockets the welcome lists ({listed}), got "
+                               f"{msg['fds']!r}")
     return msg
+
+
+def passed_sockets(msg: ControlMessage) -> list[str] | None:
+    """The paths of the fill sockets a v5 ``welcome`` passed as descriptors, in the order they came (``fds`` of the
+    sockets listed; [] to a gang's follower); None where the welcome passed none and the process binds its own."""
+    if msg.type != "welcome" or "fds" not in msg.fields:
+        return None
+    return list(msg.get("sockets") or [msg["socket"]])[: msg["fds"]]
 
 
 def check_sockets(sockets: list[Any], what: str, first: str | None = None) -> list[str]:

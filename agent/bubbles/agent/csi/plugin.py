@@ -7,6 +7,12 @@ knows which Pod owns which directory and unpublishes what it published before. A
 aside (``.unreadable``) with a warning and the agent starts with an empty book: the kubelet's unpublish still undoes
 each mount (a target in the kubelet's Pods is cleaned whether the book knows it or not); only those Pods' directories
 are left behind.
+
+A ``role: fill`` volume is the operator's fill Pods' alone: ``FillPods`` (injected; the node agent,
+``bubbles.agent.cluster.NodeAgent``) says whether the Pod the kubelet names is the fill Pod of a live assignment, and
+serves the Pod's own attach socket in its directory from the publish (``published``) to the unpublish
+(``unpublished``); ``start`` hands it the fill volumes an earlier agent published. A training's volume is not asked
+about.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Protocol
 
+from bubbles.core.nodeaccess import Role
 from bubbles.core.paths import make_private_dir
 
 from .mounts import KernelMounter, Mounter
@@ -27,6 +35,8 @@ from .publish import (
     STATE_FILE_NAME,
     PodVolume,
     PublishRequest,
+    Refused,
+    Status,
     book_from_json,
     book_to_json,
     plan_publish,
@@ -41,16 +51,32 @@ POD_DIR_MODE = 0o777
 TARGET_DIR_MODE = 0o750  # as the kubelet makes its volume directories
 
 
+class FillPods(Protocol):
+    """What the plugin asks of the node agent about fill Pods' volumes (``role: fill``)."""
+
+    def admit_fill_volume(self, volume: PodVolume) -> str | None:
+        """Why ``volume``'s Pod may not have a fill volume (not an assigned fill Pod), with what to do; None: it may."""
+
+    def fill_volume_published(self, volume: PodVolume) -> None:
+        """``volume`` is mounted for its Pod (again, on a retry or after the agent restarted): serve the Pod."""
+
+    def fill_volume_unpublished(self, volume: PodVolume) -> None:
+        """``volume`` is about to be unmounted: stop serving the Pod there."""
+
+
 class CsiNodePlugin:
     """Publishes ``csi.bubbles.dev`` volumes on this node: ``<run_dir>/_pods/<pod uid>/`` bind-mounted at each target
     the kubelet names under ``<kubelet_dir>/pods/``. ``publish``/``unpublish`` raise ``publish.Refused`` (the gRPC
     status and what to change) or OSError (the kernel refused: the kubelet retries)."""
 
-    def __init__(self, node_id: str, run_dir: Path, kubelet_dir: Path, mounter: Mounter | None = None) -> None:
+    def __init__(self, node_id: str, run_dir: Path, kubelet_dir: Path, mounter: Mounter | None = None,
+                 fill_pods: FillPods | None = None) -> None:
         self.node_id = node_id
         self.run_dir = run_dir
         self.kubelet_dir = kubelet_dir
         self.mounter: Mounter = mounter if mounter is not None else KernelMounter()
+        # None: no node agent serves fill Pods here (the plugin alone, as in its own tests): fill volumes are refused.
+        self.fill_pods = fill_pods
         self._lock = threading.Lock()
         self._book: dict[str, PodVolume] = {}
 
@@ -84,6 +110,13 @@ class CsiNodePlugin:
         with self._lock:
             self._book = book
         log.info("CSI: %d published volume(s) known from %s", len(book), self.state_file)
+        for volume in self.published():
+            if volume.role is Role.FILL and self.fill_pods is not None:
+                try:
+                    self.fill_pods.fill_volume_published(volume)
+                except OSError as exc:  # its Pod cannot attach; the rest of the node is served
+                    log.error("CSI: cannot serve fill Pod %s/%s again in %s: %s", volume.namespace, volume.pod,
+                              volume.directory, exc)
 
     def published(self) -> tuple[PodVolume, ...]:
         """The volumes published on this node, by Pod: which Pod (namespace, name, uid, role) owns which directory."""
@@ -96,6 +129,8 @@ class CsiNodePlugin:
             plan = plan_publish(self._book, request, run_dir=str(self.run_dir),
                                 kubelet_pods_dir=str(self.kubelet_pods_dir))
             volume = plan.volume
+            if volume.role is Role.FILL:
+                self._admit_fill(volume)
             directory, target = Path(volume.directory), Path(volume.target_path)
             made_dir = not directory.exists()
             make_private_dir(self.pods_dir)
@@ -119,13 +154,27 @@ class CsiNodePlugin:
                 self._save()
                 log.info("CSI: published %s for Pod %s/%s (%s, role %s) at %s", volume.directory, volume.namespace,
                          volume.pod, volume.uid, volume.role, volume.target_path)
+            if volume.role is Role.FILL and self.fill_pods is not None:
+                # After the mount and the book (an OSError here fails the publish: the kubelet retries, and the retry
+                # finds the volume published and serves it again).
+                self.fill_pods.fill_volume_published(volume)
             return volume
+
+    def _admit_fill(self, volume: PodVolume) -> None:
+        """Refused (FAILED_PRECONDITION: the kubelet retries, so an assignment that comes a moment after its Pod is
+        in time) unless the node agent says ``volume``'s Pod is an assigned fill Pod."""
+        why = ("no node agent serves fill Pods here (the agent runs --csi without --cluster)" if self.fill_pods is None
+               else self.fill_pods.admit_fill_volume(volume))
+        if why is not None:
+            raise Refused(Status.FAILED_PRECONDITION, why)
 
     def unpublish(self, volume_id: str, target_path: str) -> None:
         """Undo the mount at the target, remove that directory, forget the volume, and remove its Pod's directory
         with the Pod's last volume. OK for a volume not published there (CSI wants it idempotent)."""
         with self._lock:
             plan = plan_unpublish(self._book, volume_id, target_path, kubelet_pods_dir=str(self.kubelet_pods_dir))
+            if plan.volume is not None and plan.volume.role is Role.FILL and self.fill_pods is not None:
+                self.fill_pods.fill_volume_unpublished(plan.volume)
             if plan.target is not None:
                 if self.mounter.is_mounted(plan.target):
                     self.mounter.unmount(plan.target)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bubbles.core import control
-from bubbles.training.sdk.attach import attach_to_agent, exec_attached
+from bubbles.training.sdk.attach import Attached, attach, exec_attached
 from bubbles.training.sdk.checkpoint import CheckpointStore
 from bubbles.training.sdk.device import apply_process_limits, check_create_left_cuda_alone, cuda_contexts
 from bubbles.training.sdk.env import FillSettings
@@ -82,11 +82,11 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bubbles.sdk: {exc}", file=sys.stderr)
         return 2
-    attached: tuple[socket.socket, control.ControlMessage] | None = None
+    attached: Attached | None = None
     if not fd_text and os.environ.get(control.UID_ENV):
         # In a fill Pod: the process attaches to the node's agent, which admits it or says why not.
         try:
-            attached = attach_to_agent(settings.device)
+            attached = attach(settings.device)
         except (OSError, ValueError) as exc:
             print(f"bubbles.sdk: {exc}", file=sys.stderr)
             return 3
@@ -95,8 +95,9 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
     name = os.environ.get(control.JOB_ENV, "fill")
     socket_path = os.environ.get(control.SOCKET_ENV)
     sockets: list[str] = []
+    passed: dict[str, socket.socket] | None = None
     if attached is not None:
-        ctrl, welcome = attached
+        ctrl, welcome, passed = attached.sock, attached.welcome, attached.passed
         name, socket_path = welcome["job"], welcome["socket"]
         sockets = list(welcome.get("sockets") or ())
     elif not fd_text:
@@ -106,7 +107,7 @@ def run_fill_process(argv: Sequence[str] | None = None) -> int:
         return 2
     else:
         ctrl = socket.socket(fileno=int(fd_text))
-    return _run_iterative(cls, kwargs, ctrl, name, socket_path, settings, sockets, gang)
+    return _run_iterative(cls, kwargs, ctrl, name, socket_path, settings, sockets, gang, passed)
 
 
 def _run_imperative(job: ImperativeFillJob, settings: FillSettings) -> int:
@@ -121,7 +122,8 @@ def _run_imperative(job: ImperativeFillJob, settings: FillSettings) -> int:
 
 
 def _run_iterative(cls: type, kwargs: dict[str, Any], ctrl: socket.socket, name: str, socket_path: str | None,
-                   settings: FillSettings, sockets: list[str] | None = None, gang: GangSettings | None = None) -> int:
+                   settings: FillSettings, sockets: list[str] | None = None, gang: GangSettings | None = None,
+                   passed: dict[str, socket.socket] | None = None) -> int:
     """Create the job (restoring its checkpoint), report CREATED, serve the agent until stopped, then save the
     checkpoint; a job's exception is reported to the agent and raised again."""
     step_text = os.environ.get(control.STEP_S_ENV)
@@ -133,7 +135,7 @@ def _run_iterative(cls: type, kwargs: dict[str, Any], ctrl: socket.socket, name:
                           max_steps=int(max_steps_text) if max_steps_text else None,
                           device=settings.device, memory_bytes=settings.memory_bytes,
                           spin_ns=settings.spin_ns, fill_wait=settings.fill_wait, own_tail_risk=settings.tail_risk,
-                          sockets=sockets, gang=gang)
+                          sockets=sockets, gang=gang, passed=passed)
     # SIGTERM from the agent ends the job cleanly (the socket is unlinked in serve's finally).
     signal.signal(signal.SIGTERM, _raise_stop)
     state = CheckpointStore.from_environment()

@@ -11,6 +11,13 @@ socket on every GPU of the gang (``arm``'s ``sockets``) and gates on the bubbles
 (``bubbles.training.gating.GangGate``), telling the other processes, its followers, each step it takes; a follower
 binds no fill socket and runs the steps it is told. A single-GPU job runs the same code as before gangs, with one
 attribute test more per drain and per step.
+
+A fill Pod's process that attached through its Pod's own attach socket (control v5) binds nothing: the agent bound its
+fill socket(s) in the training's directory, which the Pod does not mount, and passed them with its welcome
+(``passed``, by path). An ``arm`` in harvest mode then listens on the passed socket(s) the arm names, first dropping
+what is queued there (datagrams from before the arm: the agent links the path into ``fills/`` just before it sends the
+arm, and a process that bound at the arm heard nothing earlier either); a disarm stops listening and leaves the
+sockets open for the next arm (the agent takes their paths away). They are closed when the runtime ends.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import select
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bubbles.core import control, wire
@@ -77,7 +84,7 @@ class FillRuntime:
                  device: str = "cpu", memory_bytes: int | None = None,
                  device_sync: DeviceSync | None = None, spin_ns: int = 0, fill_wait: str = DEFAULT_FILL_WAIT,
                  own_tail_risk: float = DEFAULT_TAIL_RISK, sockets: Sequence[str] | None = None,
-                 gang: GangSettings | None = None) -> None:
+                 gang: GangSettings | None = None, passed: Mapping[str, socket.socket] | None = None) -> None:
         self.job = job
         self.ctrl = control_sock
         self.name = name
@@ -86,6 +93,9 @@ class FillRuntime:
         # until an arm names them: then only ``socket_path``, its own GPU's.
         self.sockets: list[str] = list(sockets or ())
         self.gang = gang
+        # The fill sockets the agent bound and passed (control v5), by path; None: this runtime binds its own.
+        self.passed: dict[str, socket.socket] | None = dict(passed) if passed is not None else None
+        self.stale_dropped = 0  # datagrams found queued on a passed socket at an arm, dropped
         self._gang_gate: GangGate | None = None  # the leader's, while armed in harvest mode for a gang
         self._sigs: list[socket.socket] = []  # the leader's bound fill sockets, one per GPU of the gang
         self._bound_paths: list[str] = []
@@ -287,6 +297,9 @@ class FillRuntime:
             self._emit("error", message="armed in harvest mode without a socket path")
             self._flush()
             return
+        if self.passed is not None:
+            self._listen_passed()
+            return
         if len(self.sockets) > 1:
             self._bind_gang()
             return
@@ -320,9 +333,40 @@ class FillRuntime:
         self._gang_gate = GangGate(len(self._sigs))
         self._bubble = None
 
+    def _listen_passed(self) -> None:
+        """Harvest on the passed sockets the arm names (``sockets``, else ``socket_path``), what is queued on them
+        dropped; armed with none, and the agent told, where the arm names a socket it did not pass."""
+        assert self.passed is not None and self.socket_path is not None
+        names = self.sockets if len(self.sockets) > 1 else [self.socket_path]
+        missing = [n for n in names if n not in self.passed]
+        if missing:
+            self._emit("error", message=f"armed on fill socket(s) {', '.join(missing)}, which the agent did not pass "
+                                        f"with its welcome (it passed {', '.join(self.passed) or 'none'}): not "
+                                        "listening for bubbles")
+            self._flush()
+            return
+        socks = [self.passed[n] for n in names]
+        for sig in socks:
+            while True:
+                try:
+                    sig.recv(wire.MAX_DATAGRAM_BYTES + 1)
+                except BlockingIOError:
+                    break
+                self.stale_dropped += 1
+        if len(socks) > 1:
+            self._sigs = socks
+            self._gang_gate = GangGate(len(socks))
+        self._sig = socks[0]
+        self._bubble = None
+
     def disarm(self) -> None:
-        """Stop listening for bubbles: close the signal socket and unlink its path; the mode is OFF until the
-        next ``arm``."""
+        """Stop listening for bubbles: close the signal socket and unlink its path (a passed socket stays open,
+        its path the agent's); the mode is OFF until the next ``arm``."""
+        if self.passed is not None:
+            self._sigs, self._sig, self._gang_gate = [], None, None
+            self.mode = FillMode.OFF
+            self._bubble = None
+            return
         if self._sigs:
             for s in self._sigs:
                 s.close()
@@ -692,6 +736,6 @@ class FillRuntime:
             self.disarm()
             with contextlib.suppress(FillStopped):
                 self._flush()
-            for sock in (self._from_leader, self._to_followers):
+            for sock in (self._from_leader, self._to_followers, *(self.passed or {}).values()):
                 if sock is not None:
                     sock.close()
