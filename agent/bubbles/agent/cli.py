@@ -13,9 +13,10 @@ with a message saying what to fix.
 
 ``--cluster --csi`` also serves the CSI node plugin ``csi.bubbles.dev`` and registers it with the kubelet
 (``bubbles.agent.csi``; issue 36): a fill Pod's volume is published only for the operator's assigned fill Pods, and
-carries the Pod's own attach socket. ``--cluster --device-plugin`` serves each GPU as an extended resource
-(``bubbles.agent.deviceplugin``), and lets a container holding one start only if the kubelet's PodResources API
-(``--pod-resources-socket``) says its Pod is a fill Pod assigned that GPU.
+carries the Pod's own attach socket; with ``--isolation mps`` every Pod's volume also carries the MPS pipe directory
+and the agent's /dev/shm (at ``mps/pipe``, ``mps/shm``). ``--cluster --device-plugin`` serves each GPU as an
+extended resource (``bubbles.agent.deviceplugin``), and lets a container holding one start only if the kubelet's
+PodResources API (``--pod-resources-socket``) says its Pod is a fill Pod assigned that GPU.
 
 Isolation (``--isolation contexts|mps|none``, docs/gpu.md) fails closed: while the chosen mode does
 not work, fill jobs wait and the status says why, unless ``--allow-unisolated`` is given.
@@ -39,6 +40,7 @@ from .deviceplugin.decide import GpuStrategy
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from .csi.publish import MpsDirs
     from .deviceplugin.guard import FillPodGpus
     from .deviceplugin.shell import DevicePlugins
 
@@ -273,7 +275,12 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
         kubelet_dir = cluster.csi.kubelet_dir
         # The node agent admits fill volumes (only its assigned fill Pods') and serves each fill Pod's own attach
         # socket in its directory; start() hands it the fill volumes an earlier agent published.
-        csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, kubelet_dir, fill_pods=node)
+        try:
+            csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, kubelet_dir, fill_pods=node,
+                                       mps=csi_mps_dirs(template))
+        except ValueError as exc:
+            node.stop()
+            return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
         try:
             csi_plugin.start()
             csi_server = serve_csi(csi_plugin, csi_socket(kubelet_dir), registration_socket(kubelet_dir))
@@ -311,6 +318,21 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     server.stop()
     node.stop()
     return 0
+
+
+def csi_mps_dirs(template: AgentConfig) -> MpsDirs | None:
+    """The MPS directories every Pod's ``csi.bubbles.dev`` volume carries (at ``mps/pipe`` and ``mps/shm``) where the
+    agent runs MPS: its pipe directory, found as the MPS isolation finds it, and its own /dev/shm (where the chart
+    mounts ``agent.mps.shmDir``, the node directory the MPS server shares with its clients); None without MPS."""
+    from bubbles.core.mps_client import DEFAULT_PIPE_DIR, PIPE_ENV, SHM_MOUNT
+
+    from .csi.publish import MpsDirs
+
+    iso = template.isolation
+    if iso.mode is not IsolationMode.MPS:
+        return None
+    pipe_dir = iso.mps_pipe_dir or Path(os.environ.get(PIPE_ENV) or DEFAULT_PIPE_DIR)
+    return MpsDirs(str(pipe_dir), SHM_MOUNT)
 
 
 def start_device_plugin(cluster: ClusterSettings, assigned: Callable[[], Sequence[FillPodGpus]]) -> DevicePlugins:

@@ -2,10 +2,11 @@
 Pod (``<run_dir>/_pods/<pod uid>/``), named by the kubelet rather than by the Pod, so no hostPath and no shared UID.
 
 Modules: ``publish`` (pure: what a publish or unpublish means, refusals with what to set), ``plugin`` (the shell:
-directories, bind mounts, the state file, ``published()``), ``mounts`` (mount(2) by ctypes), ``server`` (the CSI
-Identity and Node services and the kubelet's plugin registration, on Unix sockets), ``pb`` (stubs generated from
-``proto/csi/`` and ``proto/pluginregistration/`` by tools/gen-proto.sh). This module itself imports no gRPC: the
-configuration checks its paths with it.
+directories, bind mounts, the state file, ``published()``), ``podfs`` (inside a Pod's directory without following
+its links: the MPS directories' mounts, removal only once nothing is mounted below), ``mounts`` (mount(2) by ctypes),
+``server`` (the CSI Identity and Node services and the kubelet's plugin registration, on Unix sockets), ``pb`` (stubs
+generated from ``proto/csi/`` and ``proto/pluginregistration/`` by tools/gen-proto.sh). This module itself imports
+no gRPC: the configuration checks its paths with it.
 """
 
 from __future__ import annotations

@@ -15,15 +15,18 @@ from typing import Protocol
 
 MS_BIND = 0x1000  # <sys/mount.h>
 MS_REC = 0x4000
+MNT_DETACH = 0x2
 UMOUNT_NOFOLLOW = 0x8  # never unmount through a link planted at the target
 
 
 class Mounter(Protocol):
     """What the plugin needs of the kernel (a fake could stand in; the tests use the real one, as root)."""
 
-    def bind(self, source: str, target: str) -> None: ...
+    def bind(self, source: str, target: str, recursive: bool = False) -> None: ...
     def unmount(self, target: str) -> None: ...
+    def detach(self, target: str) -> None: ...
     def is_mounted(self, target: str) -> bool: ...
+    def mounts_below(self, path: str) -> list[str]: ...
 
 
 class KernelMounter:
@@ -35,9 +38,11 @@ class KernelMounter:
                                      ctypes.c_void_p]
         self._libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
-    def bind(self, source: str, target: str) -> None:
-        # Not MS_REC: what is mounted below the source (nothing, normally) stays out of the Pod.
-        if self._libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None) != 0:
+    def bind(self, source: str, target: str, recursive: bool = False) -> None:
+        """Bind ``source`` at ``target``; ``recursive`` (MS_REC): with what is mounted below ``source`` (a Pod's
+        directory with the MPS directories in it), else without it."""
+        flags = MS_BIND | (MS_REC if recursive else 0)
+        if self._libc.mount(os.fsencode(source), os.fsencode(target), None, flags, None) != 0:
             err = ctypes.get_errno()
             hint = " (the agent needs CAP_SYS_ADMIN: run it privileged)" if err == errno.EPERM else ""
             raise OSError(err, f"cannot bind-mount {source} at {target}: {os.strerror(err)}{hint}")
@@ -46,6 +51,23 @@ class KernelMounter:
         if self._libc.umount2(os.fsencode(target), UMOUNT_NOFOLLOW) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot unmount {target}: {os.strerror(err)}")
+
+    def detach(self, target: str) -> None:
+        """Detach the mount at ``target`` and what is mounted below it (MNT_DETACH: gone from the tree at once, freed
+        once unused). Follows a link at ``target``: meant for ``/proc/self/fd/<fd>`` of a directory opened without
+        following links, which names that directory and nothing else."""
+        if self._libc.umount2(os.fsencode(target), MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot detach the mount at {target}: {os.strerror(err)}")
+
+    def mounts_below(self, path: str) -> list[str]:
+        """The mount points strictly below ``path`` as /proc/self/mountinfo lists them, deepest first (``path`` is
+        resolved: give one with nothing a Pod can write above its last component)."""
+        root = os.path.realpath(path).rstrip("/") + "/"
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            points = {p for p in (_unescape(line.split(" ")[4]) for line in f if line.count(" ") >= 5)
+                      if p.startswith(root)}
+        return sorted(points, key=lambda p: (-p.count("/"), p))
 
     def is_mounted(self, target: str) -> bool:
         """Whether something is mounted at ``target`` (a bind mount of a directory of the same file system too, which

@@ -6,6 +6,12 @@ With the CSIDriver object's ``podInfoOnMount: true`` it names the Pod in ``volum
 Pod says of itself, is how the agent knows whose directory it is. Each Pod gets ``<run_dir>/_pods/<pod uid>/``,
 bind-mounted at the volume's target (the shell, ``bubbles.agent.csi.plugin``, does the mkdir and the mount).
 
+Where the agent runs MPS (``--isolation mps``), the Pod's directory also carries the node's MPS server: ``plan_publish``
+adds the agent's MPS pipe and shared-memory directories as bind mounts at ``mps/pipe`` and ``mps/shm`` in it
+(``nodeaccess.POD_MPS_PIPE_SUBDIR``, ``POD_MPS_SHM_SUBDIR``; ``SubMount``), for a training's volume and a fill Pod's
+alike: a Pod sets ``CUDA_MPS_PIPE_DIRECTORY=/run/bubbles/mps/pipe`` and mounts the same volume at /dev/shm with
+``subPath: mps/shm``.
+
 Nothing here touches the file system, a socket or a clock: ``plan_publish`` and ``plan_unpublish`` take the book of
 published volumes and a request and say what to do, or raise ``Refused`` with the gRPC status to answer (by name, so
 this module imports no gRPC) and a message that says what to change in the Pod spec or the CSIDriver.
@@ -22,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bubbles.core.identity import check_namespace
-from bubbles.core.nodeaccess import CSI_DRIVER, ROLE_KEY, Role
+from bubbles.core.nodeaccess import CSI_DRIVER, POD_MPS_PIPE_SUBDIR, POD_MPS_SHM_SUBDIR, ROLE_KEY, Role
 from bubbles.core.paths import is_plain_absolute
 
 DRIVER_NAME = CSI_DRIVER
@@ -107,12 +113,63 @@ class PodVolume:
 
 
 @dataclass(frozen=True)
+class MpsDirs:
+    """The node's MPS server as the agent sees it: the pipe directory (``--mps-pipe-dir``: the control daemon's
+    socket, the servers' pipes) and the shared-memory directory (the agent's /dev/shm, where the chart mounts
+    ``agent.mps.shmDir``). Check them with ``mps_dirs_problem``."""
+
+    pipe_dir: str
+    shm_dir: str
+
+
+@dataclass(frozen=True)
+class SubMount:
+    """A directory of the agent's bind-mounted inside a Pod's directory: ``source`` at ``<pod dir>/<subdir>``."""
+
+    source: str
+    subdir: str  # relative, '/'-separated, no '.' or '..' parts
+
+
+def mps_submounts(mps: MpsDirs | None) -> tuple[SubMount, ...]:
+    """What each Pod's directory carries of the node's MPS server: nothing without MPS (None)."""
+    if mps is None:
+        return ()
+    return (SubMount(mps.pipe_dir, POD_MPS_PIPE_SUBDIR), SubMount(mps.shm_dir, POD_MPS_SHM_SUBDIR))
+
+
+def _contains(outer: str, inner: str) -> bool:
+    """Whether plain absolute path ``inner`` is ``outer`` or below it."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def mps_dirs_problem(mps: MpsDirs, run_dir: str) -> str | None:
+    """Why ``mps`` cannot be bind-mounted into Pods' directories under ``run_dir``, with what to do; None: it can.
+    Each must be a plain absolute path of its own, neither inside ``<run_dir>/_pods/`` (a Pod's directory inside
+    another's) nor above it (every Pod would see every other Pod's directory)."""
+    pods = posixpath.join(run_dir, PODS_DIR_NAME)
+    for flag, path in (("--mps-pipe-dir", mps.pipe_dir), ("the MPS shared-memory directory", mps.shm_dir)):
+        if not is_plain_absolute(path):
+            return (f"{flag} {path!r} must be an absolute path written without '.' or '..' parts or repeated or "
+                    "trailing slashes: give it so")
+        if _contains(path, pods) or _contains(pods, path):
+            return (f"{flag} {path} and the Pods' directories {pods} must not contain one another (each Pod's "
+                    f"directory carries {path}): give a directory outside --run-dir")
+    if _contains(mps.pipe_dir, mps.shm_dir) or _contains(mps.shm_dir, mps.pipe_dir):
+        return (f"--mps-pipe-dir {mps.pipe_dir} and the MPS shared-memory directory {mps.shm_dir} must not contain "
+                "one another (each is mounted in the Pods on its own): give the pipe directory a place of its own")
+    return None
+
+
+@dataclass(frozen=True)
 class Publish:
-    """What a publish asks for: mount ``volume.directory`` at ``volume.target_path``; ``already``: the same volume is
-    in the book at the same target (a retry: answer OK once the mount is there)."""
+    """What a publish asks for: mount ``volume.directory`` at ``volume.target_path``, carrying ``submounts`` (bind
+    mounts inside the directory, made first; the directory's mount at the target is then recursive, so that the
+    target carries them); ``already``: the same volume is in the book at the same target (a retry: answer OK once the
+    mounts are there)."""
 
     volume: PodVolume
     already: bool
+    submounts: tuple[SubMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,8 +247,9 @@ def pod_of_target(target_path: str, kubelet_pods_dir: str) -> str | None:
 
 
 def plan_publish(book: Mapping[str, PodVolume], request: PublishRequest, *, run_dir: str,
-                 kubelet_pods_dir: str) -> Publish:
-    """What NodePublishVolume ``request`` means given the volumes already published (``book``, by volume id).
+                 kubelet_pods_dir: str, mps: MpsDirs | None = None) -> Publish:
+    """What NodePublishVolume ``request`` means given the volumes already published (``book``, by volume id); where
+    the agent runs MPS (``mps``), the Pod's directory carries its directories (``mps_submounts``) whatever the role.
 
     Idempotent as CSI wants: the same volume at the same target is ``already`` published (OK again); the same volume
     id at another target, another volume at this target, or the same one for another Pod is ALREADY_EXISTS. Refused
@@ -218,7 +276,7 @@ def plan_publish(book: Mapping[str, PodVolume], request: PublishRequest, *, run_
     known = book.get(request.volume_id)
     if known is not None:
         if known == volume:
-            return Publish(volume, already=True)
+            return Publish(volume, already=True, submounts=mps_submounts(mps))
         if known.target_path != volume.target_path:
             raise Refused(Status.ALREADY_EXISTS, f"volume {volume.volume_id} is already published at "
                           f"{known.target_path}; {DRIVER_NAME} publishes a volume at one target only")
@@ -233,7 +291,7 @@ def plan_publish(book: Mapping[str, PodVolume], request: PublishRequest, *, run_
             raise _invalid(f"Pod {namespace}/{name} already has a {DRIVER_NAME} volume with {ROLE_KEY} {other.role}; "
                            f"a Pod is a training's or a fill Pod, not both: give its {DRIVER_NAME} volumes one "
                            f"{ROLE_KEY}")
-    return Publish(volume, already=False)
+    return Publish(volume, already=False, submounts=mps_submounts(mps))
 
 
 def plan_unpublish(book: Mapping[str, PodVolume], volume_id: str, target_path: str, *,
