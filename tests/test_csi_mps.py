@@ -13,12 +13,15 @@ import contextlib
 import errno
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests.helpers.pki import Pki
 
 from bubbles.agent.cli import csi_mps_dirs
 from bubbles.agent.config import AgentConfig
@@ -419,3 +422,18 @@ def test_the_plan_names_the_mps_directories_for_every_role_and_none_without_mps(
         again = plan_publish({"v": plan.volume}, request, run_dir="/run/bubbles", kubelet_pods_dir="/k/pods", mps=mps)
         assert again.already and again.submounts == plan.submounts
         assert plan_publish({}, request, run_dir="/run/bubbles", kubelet_pods_dir="/k/pods").submounts == ()
+
+
+def test_the_command_line_exits_2_when_the_mps_directories_cannot_be_carried(tmp_path: Path, node: Node) -> None:
+    pki = Pki.make(tmp_path / "pki")
+    run = node.run
+    r = subprocess.run(
+        [sys.executable, "-m", "bubbles.cli", "agent", "--cluster", "--node", "node-x", "--csi", "--kubelet-dir",
+         str(node.kubelet), "--run-dir", str(run), "--listen", "127.0.0.1:0", "--tls-cert",
+         str(pki.server.cert), "--tls-key", str(pki.server.key), "--client-ca", str(pki.ca.cert), "--isolation", "mps",
+         "--mps-daemon", "external", "--mps-pipe-dir", str(run / "_pods" / "mps")],
+        capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot serve the CSI node plugin (--csi): --mps-pipe-dir {run}/_pods/mps and the Pods' directories " \
+        f"{run}/_pods must not contain one another" in r.stderr
+    assert "give a directory outside --run-dir" in r.stderr
