@@ -142,7 +142,7 @@ def fill_pod_mounts(training: str, stage: int, node_run_dir: str, rank: int = 0,
     return out
 
 
-# The csi Pod's one volume: a name FillJob specs may not use (resources.RUNTIME_VOLUMES), and its attach socket is in it.
+# The csi Pod's one volume: a name FillJob specs may not use (resources.RUNTIME_VOLUMES); its attach socket is in it.
 CSI_VOLUME = "bubbles-attach"
 
 
