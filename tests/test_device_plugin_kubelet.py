@@ -214,9 +214,10 @@ def _slots(uuid: str, k: int, health: str = "Healthy") -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(("strategy", "expect"), [
-    (GpuStrategy.CDI, pb.ContainerAllocateResponse(cdi_devices=[pb.CDIDevice(name=f"nvidia.com/gpu={B}")])),
+    (GpuStrategy.CDI, pb.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "void"},
+                                                   cdi_devices=[pb.CDIDevice(name=f"nvidia.com/gpu={B}")])),
     (GpuStrategy.CDI_ANNOTATIONS, pb.ContainerAllocateResponse(
-        annotations={"cdi.k8s.io/bubbles.dev_gpu-1": f"nvidia.com/gpu={B}"})),
+        envs={"NVIDIA_VISIBLE_DEVICES": "void"}, annotations={"cdi.k8s.io/bubbles.dev_gpu-1": f"nvidia.com/gpu={B}"})),
     (GpuStrategy.VOLUME_MOUNTS, pb.ContainerAllocateResponse(
         envs={"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"},
         mounts=[pb.Mount(container_path=f"/var/run/nvidia-container-devices/{B}", host_path="/dev/null")])),

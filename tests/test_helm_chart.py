@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (the dev extra) renders the chart")
 
@@ -39,10 +40,10 @@ def test_the_chart_lints_clean_and_its_crds_are_the_generated_ones() -> None:
 def test_the_default_install_renders_what_a_cluster_needs_and_grants_exactly_the_operators_rules() -> None:
     docs = render()
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Deployment", "PriorityClass",
-                     "Role", "RoleBinding", "Secret", "Service", "ServiceAccount"]
+    assert kinds == ["CSIDriver", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Deployment",
+                     "PriorityClass", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount"]
     for d in docs:
-        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "PriorityClass"):
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "PriorityClass", "CSIDriver"):
             assert d["metadata"]["namespace"] == NS, d["metadata"]
     granted = {(g, r, v) for d in docs if d["kind"] in ("ClusterRole", "Role") for rule in d["rules"]
                for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
@@ -52,9 +53,16 @@ def test_the_default_install_renders_what_a_cluster_needs_and_grants_exactly_the
     agent = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
     assert agent["hostPID"] is True and "hostIPC" not in agent and agent["automountServiceAccountToken"] is False
     assert agent["securityContext"]["runAsNonRoot"] is True
-    c = agent["containers"][0]
+    # nodeAccess csi and the device plugin (the defaults): the agent is a CSI node plugin, privileged as they all are.
+    assert agent["containers"][0]["securityContext"]["privileged"] is True
+    # Neither: unprivileged, no capabilities, as before issue 36.
+    old = render({"nodeAccess": "hostPath", "agent": {"devicePlugin": {"enabled": False}},
+                  "operator": {"fillGpuAccess": "envvar"}})
+    assert not [d for d in old if d["kind"] == "CSIDriver"]
+    c = container(old, "DaemonSet")
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
+    assert "command" not in c
     terms = agent["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert [t["matchExpressions"][0]["key"] for t in terms] == ["nvidia.com/gpu.present",
                                                                  "feature.node.kubernetes.io/pci-10de.present"]
@@ -97,7 +105,7 @@ def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str
 
     docs = render(values)
     op = parse_operator(container(docs, "Deployment")["args"])
-    # The mounted files, here: the agent checks that they exist before it starts.
+    # The mounted files and the kubelet's directory, here: the agent checks that they exist before it starts.
     args = []
     for a in container(docs, "DaemonSet")["args"]:
         if "=/etc/bubbles/" in a:
@@ -105,7 +113,7 @@ def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str
             local = tmp_path / Path(path).name
             local.write_text("x")
             a = f"{flag}={local}"
-        args.append(a)
+        args.append(a.replace("=/var/lib/kubelet", f"={tmp_path}"))
     ag = parse_agent(args)
     settings = load_settings(vars(ag) | {"node": "node-1"}, environ={})
     assert settings.cluster is not None and settings.config.metrics
@@ -118,6 +126,14 @@ def test_every_flag_the_chart_passes_is_one_the_commands_accept(values: dict[str
     assert op.fill_cuda_context_mib == settings.config.cuda_context_mib == 512  # one value for both sides
     assert json.loads(op.fill_pod_tolerations) == values.get("operator", {}).get("fillPodTolerations", [])
     assert op.fill_runtime_class == (values.get("operator", {}).get("fillRuntimeClassName") or None)
+    # The fill Pods' settings, as the operator builds them from those flags; the agents serve what they ask for.
+    from bubbles.operator.fillpod_flags import fill_pod_settings
+
+    fill = fill_pod_settings(op)
+    assert not isinstance(fill, str), fill
+    assert (fill.node_access, fill.gpu_access) == ("csi", "devicePlugin")
+    assert settings.cluster.csi is not None and settings.cluster.device_plugin is not None
+    assert settings.cluster.device_plugin.directory == tmp_path / "device-plugins"
 
 
 def test_mps_gives_the_agent_and_the_fill_pods_one_shm_directory_and_the_pipe_directory_without_host_ipc() -> None:
@@ -203,6 +219,21 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"agent": {"csi": {"kubeletDir": "/var/lib/../kubelet"}}}, "/agent/csi/kubeletDir"),
     ({"agent": {"csi": {"kubeletDir": "/var//lib/kubelet"}}}, "/agent/csi/kubeletDir"),
     ({"agent": {"csi": {"kubeletDir": "/" + "k" * 65}}}, "/agent/csi/kubeletDir"),  # the sockets would not fit
+    ({"nodeAccess": "CSI"}, "/nodeAccess"),
+    ({"nodeAccess": "hostpath"}, "/nodeAccess"),
+    ({"operator": {"fillGpuAccess": "cdi"}}, "/operator/fillGpuAccess"),
+    ({"operator": {"fillRunAsUser": 0}}, "/operator/fillRunAsUser"),
+    ({"operator": {"fillRunAsUser": "nobody"}}, "/operator/fillRunAsUser"),
+    ({"agent": {"devicePlugin": {"strategy": "nvidia"}}}, "/agent/devicePlugin/strategy"),
+    ({"agent": {"devicePlugin": {"fillSlots": 0}}}, "/agent/devicePlugin/fillSlots"),
+    ({"agent": {"devicePlugin": {"fillSlots": 65}}}, "/agent/devicePlugin/fillSlots"),
+    ({"agent": {"devicePlugin": {"enabled": "yes"}}}, "/agent/devicePlugin/enabled"),
+    ({"agent": {"devicePlugin": {"slots": 2}}}, "slots"),
+    ({"agent": {"devicePlugin": {"enabled": False}}}, "Set agent.devicePlugin.enabled=true, or "
+                                                       "operator.fillGpuAccess=envvar"),
+    ({"nodeAccess": "hostPath", "operator": {"fillRunAsUser": 2000}}, "Leave operator.fillRunAsUser empty, or set "
+                                                                      "nodeAccess=csi"),
+    ({"agent": {"isolation": "mps"}, "operator": {"fillRunAsUser": 2000}}, "an MPS server serves one UID"),
 ])
 def test_contradictory_or_malformed_values_are_refused_with_what_to_change(values: dict[str, Any],
                                                                           message: str) -> None:
@@ -211,25 +242,110 @@ def test_contradictory_or_malformed_values_are_refused_with_what_to_change(value
     assert message in str(info.value)
 
 
+def test_node_access_gpu_access_and_the_fill_uid_reach_the_operator() -> None:
+    """nodeAccess, operator.fillGpuAccess and operator.fillRunAsUser become the operator's flags: csi gives fill
+    Pods a UID of their own (65532, or under MPS the agents', the trainings' UID, which one MPS server serves) and no
+    hostPath settings; hostPath gives them the agents' run directory and UID, as before."""
+    def op_args(values: dict[str, Any]) -> argparse.Namespace:
+        return parse_operator(container(render(values), "Deployment")["args"])
+
+    csi = op_args({})
+    assert (csi.node_access, csi.fill_gpu_access, csi.fill_run_as_user, csi.fill_uid) == (
+        "csi", "devicePlugin", 65532, None)
+    assert op_args({"operator": {"fillRunAsUser": 4000}}).fill_run_as_user == 4000
+    mps = op_args({"agent": {"isolation": "mps", "runAsUser": 1234, "runAsGroup": 1234}})
+    assert mps.fill_run_as_user == 1234 and mps.fill_mps_pipe_dir == "/tmp/nvidia-mps"
+    assert op_args({"agent": {"isolation": "mps", "runAsUser": 1234}, "operator": {"fillRunAsUser": 1234}}) \
+        .fill_run_as_user == 1234
+    host = op_args({"nodeAccess": "hostPath", "operator": {"fillGpuAccess": "envvar"}})
+    assert (host.node_access, host.fill_gpu_access, host.fill_run_as_user, host.fill_uid, host.fill_gid) == (
+        "hostPath", "envvar", None, 1000, 1000)
+
+
+def test_the_device_plugin_is_on_by_default_with_the_kubelets_directory_and_a_strategy_by_kubernetes_version(
+        tmp_path: Path) -> None:
+    """agent.devicePlugin: the agent serves bubbles.dev/gpu-<index> through <kubeletDir>/device-plugins (inside the
+    kubelet's directory the CSI plugin mounts already; mounted by itself where the CSI plugin is off, with
+    CAP_DAC_OVERRIDE kept by setpriv to make its sockets there), fillSlots devices each, in the strategy asked
+    for; auto is cdi from Kubernetes 1.29 (the kubelet passes CDI devices by default), else volume-mounts."""
+    from bubbles.agent.config import load_settings
+
+    c = container(render({"agent": {"devicePlugin": {"strategy": "cdi-annotations", "fillSlots": 7},
+                                    "csi": {"kubeletDir": CSI_KUBELET_DIR}}}), "DaemonSet")
+    assert {"--device-plugin", "--gpu-strategy=cdi-annotations", "--fill-slots=7",
+            f"--device-plugin-dir={CSI_KUBELET_DIR}/device-plugins"} <= set(c["args"])
+    assert "device-plugins" not in {m["name"] for m in c["volumeMounts"]}  # in the kubelet's directory, mounted
+    args = []
+    for a in c["args"]:
+        if "=/etc/bubbles/" in a:  # the mounted files, here: the agent checks that they exist
+            flag, path = a.split("=", 1)
+            (tmp_path / Path(path).name).write_text("x")
+            a = f"{flag}={tmp_path / Path(path).name}"
+        args.append(a.replace(f"={CSI_KUBELET_DIR}", f"={tmp_path}"))
+    dp = load_settings(vars(parse_agent(args)) | {"node": "n"}, environ={}).cluster.device_plugin  # type: ignore
+    assert dp is not None and (dp.strategy, dp.fill_slots, dp.directory) == (
+        "cdi-annotations", 7, tmp_path / "device-plugins")
+    # Without the CSI plugin: the device-plugins directory alone, and CAP_DAC_OVERRIDE alone kept.
+    docs = render({"nodeAccess": "hostPath"})
+    spec = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
+    assert {"name": "device-plugins", "hostPath": {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}} \
+        in spec["volumes"]
+    assert c["securityContext"] == {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"], "add": ["SETUID", "SETGID", "SETPCAP",
+                                                                              "DAC_OVERRIDE"]}}
+    assert "--ambient-caps=-all,+dac_override" in c["command"] and "--reuid=1000" in c["command"]
+    assert "privileged" not in c["securityContext"]
+    # Off: no flags, no mount.
+    off = container(render({"agent": {"devicePlugin": {"enabled": False}}, "operator": {"fillGpuAccess": "envvar"}}),
+                    "DaemonSet")
+    assert not [a for a in off["args"] if "device-plugin" in a or "gpu-strategy" in a]
+
+
+@pytest.mark.parametrize(("version", "strategy"), [("v1.28.9", "volume-mounts"), ("v1.29.0", "cdi"),
+                                                    ("v1.33.1-eks-1", "cdi"), ("v1.25.0", "volume-mounts")])
+def test_the_auto_strategy_follows_the_clusters_kubernetes_version(tmp_path: Path, version: str,
+                                                                   strategy: str) -> None:
+    """The chart's own helper, asked with the version a cluster reports (helm render has one version of its own)."""
+    chart = tmp_path / "bubbles"
+    shutil.copytree(ROOT / "helm" / "bubbles", chart)
+    (chart / "templates" / "zz-probe.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: probe}\ndata:\n"
+        "  strategy: {{ include \"bubbles.gpuStrategy\" (dict \"Values\" .Values \"Capabilities\" "
+        f"(dict \"KubeVersion\" (dict \"Version\" \"{version}\"))) }}}}\n")
+    out = helm.Chart.load(str(chart)).render({}, name="r", namespace="ns", is_install=True)
+    probe = yaml.safe_load(next(v for k, v in out.items() if k.endswith("zz-probe.yaml")))
+    assert probe["data"]["strategy"] == strategy
+    out = helm.Chart.load(str(chart)).render({"agent": {"devicePlugin": {"strategy": "envvar"}}}, name="r",
+                                             namespace="ns", is_install=True)
+    assert yaml.safe_load(next(v for k, v in out.items() if k.endswith("zz-probe.yaml")))["data"]["strategy"] == \
+        "envvar"
+
+
 CSI_KUBELET_DIR = "/var/lib/k0s/kubelet"
 CSI_CAPS = (1 << 21) | (1 << 1)  # CAP_SYS_ADMIN, CAP_DAC_OVERRIDE
 
 
-def test_csi_is_off_by_default_and_on_makes_the_driver_and_a_privileged_plugin_as_the_agents_uid(
+def test_csi_follows_node_access_and_on_makes_the_driver_and_a_privileged_plugin_as_the_agents_uid(
         tmp_path: Path) -> None:
-    """agent.csi.enabled (issue 36, step 2a): the CSIDriver object the plugin needs, and an agent container that
-    can be a CSI node plugin: privileged (Bidirectional propagation needs it), the kubelet's directory at the same
-    path with Bidirectional propagation, and its process dropped to agent.runAsUser by setpriv (the files it makes
-    in the run directory stay the trainings' UID's). Its flags are accepted by the agent's own parser and checks."""
+    """nodeAccess csi (or agent.csi.enabled under hostPath): the CSIDriver object the plugin needs, and an agent
+    container that can be a CSI node plugin: privileged (Bidirectional propagation needs it), the kubelet's directory
+    at the same path with Bidirectional propagation, and its process dropped to agent.runAsUser by setpriv (the files
+    it makes in the run directory stay the agent's UID's). Its flags are accepted by the agent's own parser and
+    checks."""
     from bubbles.agent.config import load_settings
 
-    off = render()
+    off = render({"nodeAccess": "hostPath", "agent": {"devicePlugin": {"enabled": False}},
+                  "operator": {"fillGpuAccess": "envvar"}})
     assert not [d for d in off if d["kind"] == "CSIDriver"]
     plain = container(off, "DaemonSet")
     assert "command" not in plain and not [a for a in plain["args"] if a.startswith(("--csi", "--kubelet-dir"))]
     assert "kubelet-dir" not in {m["name"] for m in plain["volumeMounts"]}
 
-    docs = render({"agent": {"csi": {"enabled": True, "kubeletDir": CSI_KUBELET_DIR}}})
+    assert one(render({"nodeAccess": "hostPath", "agent": {"csi": {"enabled": True}}}), "CSIDriver")
+    docs = render({"agent": {"csi": {"kubeletDir": CSI_KUBELET_DIR}}})  # nodeAccess csi turns it on
     driver = one(docs, "CSIDriver")
     assert (driver["apiVersion"], driver["metadata"]["name"]) == ("storage.k8s.io/v1", "csi.bubbles.dev")
     assert "namespace" not in driver["metadata"]  # cluster-scoped
@@ -311,6 +427,42 @@ def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_ku
     st = (run / "made").stat()
     assert (st.st_uid, st.st_gid) == (1000, 1000)
     assert not target.exists()
+
+
+@pytest.mark.skipif(not shutil.which("setpriv") or os.geteuid() != 0, reason="needs root and util-linux's setpriv")
+def test_the_device_plugin_agents_capabilities_suffice_to_make_its_socket_in_the_kubelets_directory(
+        tmp_path: Path) -> None:
+    """Without the CSI plugin the agent's container is not privileged: it starts as root with the capabilities its
+    securityContext adds (SETUID, SETGID, SETPCAP, DAC_OVERRIDE: emulated here by a bounding set and no_new_privs, as
+    the runtime sets them), and the chart's setpriv leaves it agent.runAsUser with CAP_DAC_OVERRIDE alone, which
+    binds a socket in a root-owned 0755 directory (the kubelet's device-plugins/)."""
+    c = container(render({"nodeAccess": "hostPath"}), "DaemonSet")
+    added = ",".join(f"+{cap.lower()}" for cap in c["securityContext"]["capabilities"]["add"])
+    runtime = ["setpriv", f"--bounding-set=-all,{added}", "--no-new-privs", "--"]
+    plugins = tmp_path / "device-plugins"
+    plugins.mkdir(mode=0o755)
+    script = (
+        "import json, os, socket, sys\n"
+        "caps = {k: int(v, 16) for k, v in (l.split(':') for l in open('/proc/self/status') if l.startswith('Cap'))}\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "s.bind(os.path.join(sys.argv[1], 'bubbles-gpu-0.sock'))\n"
+        "print(json.dumps([os.getuid(), os.getgid(), caps]))\n")
+    r = subprocess.run([*runtime, *c["command"][:-1], sys.executable, "-I", "-c", script, str(plugins)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    uid, gid, caps = json.loads(r.stdout)
+    assert (uid, gid) == (1000, 1000)
+    dac = 1 << 1  # CAP_DAC_OVERRIDE
+    assert {k: v for k, v in caps.items() if k != "CapInh"} == {"CapPrm": dac, "CapEff": dac, "CapBnd": dac,
+                                                                 "CapAmb": dac}, caps
+    st = (plugins / "bubbles-gpu-0.sock").stat()
+    assert st.st_uid == 1000
+    # Without DAC_OVERRIDE among the added capabilities the socket cannot be made: the capability is what it takes.
+    runtime = ["setpriv", "--bounding-set=-all,+setuid,+setgid,+setpcap", "--no-new-privs", "--"]
+    wrapper = [a.replace("+dac_override", "+setuid") for a in c["command"][:-1]]
+    r = subprocess.run([*runtime, *wrapper, sys.executable, "-I", "-c", script, str(tmp_path / "device-plugins")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r.stderr
 
 
 def secret_files(docs: list[dict[str, Any]], suffix: str, d: Path) -> dict[str, Path]:
@@ -409,7 +561,8 @@ def test_the_node_run_directory_is_at_run_bubbles_in_every_pod_and_the_operator_
     """The agent hands fill processes absolute socket paths: they must mean the same file in the agent's Pod as in
     the fill Pod (and the training's), so every Pod mounts agent.runDir at /run/bubbles. Found by the cluster tier:
     with the agent mounting it at agent.runDir, a fill Pod failed with FileNotFoundError binding its socket."""
-    docs = render({"agent": {"runDir": "/var/lib/bubbles/run", "runAsUser": 1000, "runAsGroup": 1000}})
+    docs = render({"nodeAccess": "hostPath",
+                   "agent": {"runDir": "/var/lib/bubbles/run", "runAsUser": 1000, "runAsGroup": 1000}})
     ds = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
     (run,) = [v for v in ds["volumes"] if v["name"] == "run"]
     assert run["hostPath"]["path"] == "/var/lib/bubbles/run"
@@ -495,8 +648,11 @@ def test_the_notes_say_which_image_the_example_fill_job_needs() -> None:
 
 
 def test_the_notes_say_what_a_training_pod_needs_and_the_agent_never_preempts_one() -> None:
-    text = notes({"agent": {"runDir": "/var/lib/bubbles"}})
-    assert "/var/lib/bubbles mounted at /run/bubbles" in text and "BUBBLES_TRAINING" in text  # where the hook looks
+    text = notes()
+    assert "{csi: {driver: csi.bubbles.dev, volumeAttributes: {role: training}}} mounted at /run/bubbles" in text
+    assert "BUBBLES_TRAINING" in text and "runAsUser" not in text  # where the hook looks; any UID
+    text = notes({"nodeAccess": "hostPath", "agent": {"runDir": "/var/lib/bubbles"}})
+    assert "/var/lib/bubbles mounted at /run/bubbles and runAsUser 1000" in text and "BUBBLES_TRAINING" in text
     assert "Before upgrading the chart, apply the new CRDs" in text and "mps-daemon" not in text
     mps = notes({"agent": {"isolation": "mps"}})
     assert "/dev/shm/bubbles-mps at /dev/shm" in mps and "mps-daemon Pods, which upgrades do not restart" in mps

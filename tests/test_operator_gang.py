@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import pytest
-from helpers.operator import MIB, cond, cycle, fill_job, stage, step, training
+from helpers.operator import HOST_PATH, MIB, cond, cycle, fill_job, stage, step, training
 
 from bubbles.core import control
 from bubbles.core.api import FillState, WorkloadKind
@@ -54,9 +54,21 @@ def test_a_two_gpu_job_is_placed_on_both_ranks_of_one_stage() -> None:
     assert other["status"]["phase"] == "Queued" and cond(other, "Placed")["reason"] == "AllBubblesBusy"
 
 
-def test_the_gangs_pod_mounts_every_gpus_fills_and_sees_every_gpu_in_rank_order() -> None:
+def test_the_gangs_pod_requests_every_gpu_and_sees_them_in_rank_order() -> None:
+    """csi and devicePlugin (the defaults): one volume, each GPU's resource, CUDA_VISIBLE_DEVICES in ranks' order."""
+    (pod,) = step([fill_job(gpus=2)], ranks(2)).create_pods
+    env = env_of(pod)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-00,GPU-01" and "NVIDIA_VISIBLE_DEVICES" not in env
+    assert env["BUBBLES_RANKS"] == "0,1" and env[control.GANG_SIZE_ENV] == "2" and env["BUBBLES_DEVICE"] == "cuda:0"
+    (c,) = pod["spec"]["containers"]
+    assert c["resources"] == {kind: {"bubbles.dev/gpu-0": "1", "bubbles.dev/gpu-1": "1"}
+                              for kind in ("requests", "limits")}
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["bubbles-attach"]  # no fills/ of the training's
+
+
+def test_the_gangs_hostpath_pod_mounts_every_gpus_fills_and_sees_every_gpu_in_rank_order() -> None:
     job = fill_job(gpus=2)
-    (pod,) = step([job], ranks(2)).create_pods
+    (pod,) = step([job], ranks(2), fill_pods=HOST_PATH).create_pods
     env = env_of(pod)
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-00,GPU-01"
     assert env["BUBBLES_RANKS"] == "0,1" and env[control.GANG_SIZE_ENV] == "2"
@@ -70,7 +82,7 @@ def test_the_gangs_pod_mounts_every_gpus_fills_and_sees_every_gpu_in_rank_order(
     assert [m[0] for m in fill_pod_mounts("ml/llama", 0, "/run/bubbles", ranks=(0, 1))] == \
         ["bubbles-attach", "bubbles-fills", "bubbles-fills-1"]
     # A single-GPU job's Pod is as before: no gang size.
-    (single,) = step([fill_job("one")], ranks(1)).create_pods
+    (single,) = step([fill_job("one")], ranks(1), fill_pods=HOST_PATH).create_pods
     assert control.GANG_SIZE_ENV not in env_of(single) and env_of(single)["NVIDIA_VISIBLE_DEVICES"] == "GPU-00"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from helpers.operator import MIB, cond, cycle, fill_job, stage, step, training
+from helpers.operator import HOST_PATH, MIB, cond, cycle, fill_job, stage, step, training
 
 from bubbles.core.agentapi import assignment_from_pb, assignment_to_pb
 from bubbles.core.identity import GpuKey
@@ -34,6 +34,12 @@ def test_two_ranks_of_one_stage_take_two_jobs_one_per_gpu() -> None:
     # What each agent is told and what each Pod gets: its own GPU.
     assert sorted(x.ranks for x in d.assign) == [(0,), (1,)]
     for pod in d.create_pods:
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        rank = env["BUBBLES_RANKS"]
+        assert env["CUDA_VISIBLE_DEVICES"] == f"GPU-{rank}" and "NVIDIA_VISIBLE_DEVICES" not in env
+        assert pod["spec"]["containers"][0]["resources"]["limits"] == {f"bubbles.dev/gpu-{rank}": "1"}
+    # The same with the hostPath layout: each Pod mounts its own GPU's fills/ and names its GPU by UUID.
+    for pod in step([fill_job("ha"), fill_job("hb")], tp2(), fill_pods=HOST_PATH).create_pods:
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         fills = next(v for v in pod["spec"]["volumes"] if v["name"] == "bubbles-fills")["hostPath"]["path"]
         assert fills == f"/run/bubbles/ml/llama/stage-0/rank-{env['BUBBLES_RANKS']}/fills"

@@ -273,7 +273,8 @@ async def test_one_pod_with_two_ranks_of_a_stage_takes_a_fill_job_on_each_gpu(
         cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
     _op, agents = operator
     agents.reports["node-a"] = NodeReport("node-a", tuple(
-        StageReport("ml", "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2)
+        StageReport("ml", "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2,
+                    gpu_resource=f"bubbles.dev/gpu-{r}")
         for r in (0, 1)))
     await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
     await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
@@ -284,8 +285,9 @@ async def test_one_pod_with_two_ranks_of_a_stage_takes_a_fill_job_on_each_gpu(
     ranks = sorted(cluster.get(FJ, "ml", n)["status"]["assignment"]["ranks"][0] for n in ("a", "b"))
     assert ranks == [0, 1] and sorted(a.ranks for a in agents.assigned) == [(0,), (1,)]
     pods = [await cluster.until(f"{n}'s Pod", lambda n=n: cluster.get(PODS, "ml", f"fj-{n}-a0")) for n in ("a", "b")]
-    assert sorted(next(v["hostPath"]["path"] for v in p["spec"]["volumes"] if v["name"] == "bubbles-fills")
-                  for p in pods) == [f"/run/bubbles/ml/llama/stage-0/rank-{r}/fills" for r in (0, 1)]
+    # Each Pod requests its own GPU's resource from the kubelet, as the agent reports it.
+    assert sorted(json.dumps(p["spec"]["containers"][0]["resources"]["limits"]) for p in pods) == [
+        json.dumps({f"bubbles.dev/gpu-{r}": "1"}) for r in (0, 1)]
     pt = await cluster.until("the training's GPUs both harvested", lambda: (
         p := cluster.get("bubbles.dev/v1alpha1/pipelinetrainings", "ml", "llama")) and
         (p.get("status") or {}).get("gpusHarvested") == 2 and p)
@@ -299,7 +301,7 @@ async def test_a_gang_is_placed_on_both_ranks_of_a_stage_and_requeued_whole_when
         cluster: Cluster, operator: tuple[OperatorThread, InMemoryAgents]) -> None:
     op, agents = operator
     both = tuple(StageReport("ml", "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r,
-                             ranks=2) for r in (0, 1))
+                             ranks=2, gpu_resource=f"bubbles.dev/gpu-{r}") for r in (0, 1))
     agents.reports["node-a"] = NodeReport("node-a", both)
     await cluster.post("/apis/bubbles.dev/v1alpha1/namespaces/ml/pipelinetrainings", TRAINING)
     await cluster.post("/api/v1/namespaces/ml/pods", training_pod())
@@ -310,7 +312,8 @@ async def test_a_gang_is_placed_on_both_ranks_of_a_stage_and_requeued_whole_when
     assert a["ranks"] == [0, 1] and a["gpuUUIDs"] == ["GPU-0", "GPU-1"]
     pod = await cluster.until("the gang's one Pod", lambda: cluster.get(PODS, "ml", "fj-gang-a0"))
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-0,GPU-1" and env["BUBBLES_GANG_SIZE"] == "2"
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-0,GPU-1" and env["BUBBLES_GANG_SIZE"] == "2"
+    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"bubbles.dev/gpu-0": "1", "bubbles.dev/gpu-1": "1"}
     assert [x.ranks for x in agents.assigned] == [(0, 1)]
     big = await cluster.until("the 3-GPU job refused a place", lambda: phase(cluster, "big") == "Queued" and (
         cluster.get(FJ, "ml", "big")["status"]))

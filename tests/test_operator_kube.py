@@ -496,7 +496,7 @@ def test_the_templated_pod_is_accepted_by_the_real_api_server(cluster: ApiServer
     path = tmp_path / "fj.yaml"
     path.write_text(fill_job("templated"))  # JSON is YAML
     assert main(["template", str(path), "--node", "node-a", "--stage", "0", "--training", "llama",
-                 "--gpu-uuid", "GPU-1", "--fill-uid", "1000", "--fill-gid", "1000",
+                 "--gpu-uuid", "GPU-1", "--gpu-resource", "bubbles.dev/gpu-1", "--fill-run-as-user", "1000",
                  "--training-pod-tolerations", json.dumps([{"key": "nvidia.com/gpu", "operator": "Exists"}])]) == 0
     printed = capsys.readouterr().out
     proc = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input_text=printed, check=False)
@@ -513,7 +513,8 @@ def test_two_ranks_of_one_pods_stage_take_a_fill_job_each_and_the_status_lists_b
     (nothing pruned) and kubectl's columns. A FillJob pinned to a stage the training does not have says so."""
     agents = InMemoryAgents()
     agents.reports["node-a"] = NodeReport("node-a", tuple(
-        StageReport(NS, "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2)
+        StageReport(NS, "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2,
+                    gpu_resource=f"bubbles.dev/gpu-{r}")
         for r in (0, 1)))
     bad = json.loads(fill_job("tp-nowhere"))
     bad["spec"]["stage"] = 9
@@ -565,7 +566,8 @@ def test_a_gang_is_placed_on_both_ranks_of_a_stage_and_the_crd_refuses_gpus_0(cl
     both GPUs harvested by it. The CRD refuses gpus: 0 before the operator sees it."""
     agents = InMemoryAgents()
     agents.reports["node-a"] = NodeReport("node-a", tuple(
-        StageReport(NS, "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2)
+        StageReport(NS, "llama", "llama-0", 0, f"cuda:{r}", CYCLE, True, gpu_uuid=f"GPU-{r}", rank=r, ranks=2,
+                    gpu_resource=f"bubbles.dev/gpu-{r}")
         for r in (0, 1)))
     zero = json.loads(fill_job("gang-zero"))
     zero["spec"]["gpus"] = 0
@@ -583,8 +585,11 @@ def test_a_gang_is_placed_on_both_ranks_of_a_stage_and_the_crd_refuses_gpus_0(cl
         assert [x.ranks for x in agents.assigned] == [(0, 1)]
         pod = until("the gang's Pod", lambda: get(cluster, "pod", "fj-gang-a0"))
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-        assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-0,GPU-1" and env["BUBBLES_RANKS"] == "0,1"
-        assert {v["name"] for v in pod["spec"]["volumes"]} >= {"bubbles-fills", "bubbles-fills-1"}
+        assert env["CUDA_VISIBLE_DEVICES"] == "GPU-0,GPU-1" and env["BUBBLES_RANKS"] == "0,1"
+        # Both GPUs' resources, as the real API server stores them; the Pod's one CSI volume.
+        assert pod["spec"]["containers"][0]["resources"]["limits"] == {"bubbles.dev/gpu-0": "1",
+                                                                       "bubbles.dev/gpu-1": "1"}
+        assert [v["csi"]["driver"] for v in pod["spec"]["volumes"]] == ["csi.bubbles.dev"]
         pt = until("the training's status counts both GPUs harvested", lambda: (
             p := get(cluster, "pt", "llama")) and p["status"].get("gpusHarvested") == 2 and p, 15)
         assert [g["fillJobs"] for g in pt["status"]["stages"][0]["gpus"]] == [1, 1]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from helpers.operator import (
+    HOST_PATH,
     MIB,
     NOW,
     cond,
@@ -52,7 +53,7 @@ def test_a_valid_job_is_placed_on_a_profiled_stage_with_its_pod_on_that_node() -
     (a,) = d.assign
     assert (a.uid, a.node, a.stage, a.fill_pod) == ("uid-fj", "node-a", 0, "fj-fj-a0")
     assert [e.reason for e in d.events] == ["Placed"]  # queued and placed in one round: one Event
-    d = step([fill_job("on-gpu")], [stage(1, pod="llama-1", gpu_uuid="GPU-1234")])
+    d = step([fill_job("on-gpu")], [stage(1, pod="llama-1", gpu_uuid="GPU-1234")], fill_pods=HOST_PATH)
     env = {e["name"]: e["value"] for e in d.create_pods[0]["spec"]["containers"][0]["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1234" and env["BUBBLES_DEVICE"] == "cuda:0"
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 from helpers.operator import (
+    CSI_VOLUMES,
+    HOST_PATH,
     MIB,
     NOW,
     RUN_VOLUMES,
@@ -22,14 +24,18 @@ from helpers.operator import (
     waiting_pod,
 )
 
-from bubbles.core import paths
+from bubbles.core import nodeaccess, paths
 from bubbles.core.api import FillState
+from bubbles.core.nodeaccess import GpuAccess, NodeAccess
 from bubbles.operator.decide import (
+    Assignment,
     FillPodSettings,
     JobProgress,
+    fill_pod,
     fill_pod_node,
     pod_not_starting,
 )
+from bubbles.operator.podsecurity import check
 
 
 def test_a_fill_pod_runs_with_its_jobs_runtime_class_else_the_charts_else_the_nodes_default() -> None:
@@ -45,8 +51,115 @@ def test_a_fill_pod_runs_with_its_jobs_runtime_class_else_the_charts_else_the_no
     assert pod["spec"]["runtimeClassName"] == "nvidia-cdi"
 
 
-def test_fill_pods_mount_only_the_attach_and_their_gpus_fill_directories_and_run_as_the_agents_user() -> None:
+def test_a_csi_fill_pod_has_one_volume_of_its_own_runs_as_no_one_in_particular_and_is_restricted() -> None:
+    """nodeAccess csi (the default): one CSI inline volume of the agents' driver, role fill, at /run/bubbles (its
+    attach socket is its own there; its fill sockets come as file descriptors: no fills/ of the training's); the Pod
+    runs as the operator's --fill-run-as-user, non-root, RuntimeDefault seccomp, no capabilities: Pod Security
+    restricted, whatever the agent's UID."""
     (pod,) = step([fill_job()], [stage(1, rank=3)]).create_pods
+    spec, (c,) = pod["spec"], pod["spec"]["containers"]
+    assert spec["volumes"] == [{"name": "bubbles-attach", "csi": {"driver": "csi.bubbles.dev",
+                                                                   "volumeAttributes": {"role": "fill"}}}]
+    assert spec["volumes"][0]["csi"]["driver"] == nodeaccess.CSI_DRIVER
+    assert c["volumeMounts"] == [{"name": "bubbles-attach", "mountPath": "/run/bubbles"}]
+    assert {"name": "BUBBLES_RUN_DIR", "value": "/run/bubbles"} in c["env"]
+    assert spec["securityContext"] == {"runAsUser": 65532, "runAsGroup": 65532, "runAsNonRoot": True,
+                                       "seccompProfile": {"type": "RuntimeDefault"}}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert check(pod).level == "restricted", check(pod).summary()
+    # The agent's UID is not the fill Pod's business any more: --fill-uid is for hostPath only.
+    settings = FillPodSettings(run_as_user=1000, run_as_group=1000, fill_run_as_user=4321)
+    (other,) = step([fill_job("other")], [stage()], fill_pods=settings).create_pods
+    assert other["spec"]["securityContext"]["runAsUser"] == other["spec"]["securityContext"]["runAsGroup"] == 4321
+    # A job with claims: their files are given to the Pod's group (fsGroup), as in hostPath mode.
+    (claimed,) = step([fill_job("claimed", volumes=[_volume()])], [stage()], fill_pods=settings).create_pods
+    assert claimed["spec"]["securityContext"]["fsGroup"] == 4321
+    assert claimed["spec"]["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    assert check(claimed).level == "restricted"
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"node_access": "hostpath"}, "--node-access must be one of csi, hostPath, got 'hostpath'"),
+    ({"gpu_access": "nvidia"}, "--fill-gpu-access must be one of devicePlugin, envvar, got 'nvidia'"),
+    ({"fill_run_as_user": 0}, "must be a whole number of 1 or more, got 0: Pod Security restricted refuses root"),
+    ({"fill_run_as_user": -3}, "got -3"),
+    ({"fill_run_as_user": True}, "got True"),
+])
+def test_node_and_gpu_access_settings_refuse_what_is_no_mode(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        FillPodSettings(**kwargs)
+    assert FillPodSettings(node_access="hostPath", gpu_access="envvar").node_access is NodeAccess.HOST_PATH  # by name
+
+
+def test_a_fill_pod_requests_its_gpu_from_the_kubelet_merged_with_its_own_resources() -> None:
+    """gpu_access devicePlugin (the default): the container requests its GPU's resource as the agent reports it,
+    requests and limits alike, beside the job's own CPU and memory; no NVIDIA_VISIBLE_DEVICES of the operator's
+    (the device plugin's answer sets what the runtime needs); CUDA_VISIBLE_DEVICES names the GPU by UUID."""
+    job = fill_job(resources={"requests": {"cpu": "500m"}, "limits": {"memory": "4Gi"}})
+    (pod,) = step([job], [stage(0, rank=2, gpu_uuid="GPU-abc", gpu_resource="bubbles.dev/gpu-5")]).create_pods
+    (c,) = pod["spec"]["containers"]
+    assert c["resources"] == {"requests": {"cpu": "500m", "bubbles.dev/gpu-5": "1"},
+                              "limits": {"memory": "4Gi", "bubbles.dev/gpu-5": "1"}}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert "NVIDIA_VISIBLE_DEVICES" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-abc" and env["BUBBLES_DEVICE"] == "cuda:0"
+    # envvar: today's way, the UUID in NVIDIA_VISIBLE_DEVICES, no resource requested.
+    envvar = FillPodSettings(gpu_access=GpuAccess.ENVVAR)
+    (pod,) = step([fill_job("env")], [stage(gpu_uuid="GPU-abc")], fill_pods=envvar).create_pods
+    (c,) = pod["spec"]["containers"]
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-abc"} in c["env"] and "resources" not in c
+    # A CPU training (no GPU UUID): no GPU at all, either way.
+    for settings in (FillPodSettings(), envvar):
+        (pod,) = step([fill_job("cpu")], [stage()], fill_pods=settings).create_pods
+        (c,) = pod["spec"]["containers"]
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in c["env"] and "resources" not in c
+
+
+def test_a_gpu_whose_agent_serves_no_device_plugin_gets_no_pod_and_its_jobs_say_what_to_do() -> None:
+    """A fill Pod without its GPU's resource would run without the GPU (or, under the NVIDIA runtime with an image's
+    NVIDIA_VISIBLE_DEVICES=all, with every GPU): none is made; the job waits saying to enable the agents' device
+    plugin or choose envvar. A GPU of the same training that has its resource still takes jobs."""
+    bare = stage(gpu_uuid="GPU-1", gpu_resource="")
+    job = fill_job()
+    d = step([job], [bare])
+    assert d.create_pods == [] and d.assign == [] and job["status"]["phase"] == "Queued"
+    said = cond(job, "Placed")
+    assert said["reason"] == "NoGpuResource"
+    for words in ("node-a reports no device-plugin resource for GPU GPU-1", "agent.devicePlugin.enabled",
+                  "operator.fillGpuAccess: envvar"):
+        assert words in said["message"], said["message"]
+    assert [(e.type, e.reason) for e in d.events] == [("Normal", "Queued"), ("Warning", "NoGpuResource")]
+    # Pinned to its stage, or a gang: the same words, not "not profiled".
+    pinned = fill_job("pinned", stage=0)
+    served = stage(1, pod="llama-1", gpu_uuid="GPU-2")
+    step([pinned], [bare, served])
+    assert pinned["status"]["phase"] == "Queued" and cond(pinned, "Placed")["reason"] == "NoGpuResource"
+    gang = fill_job("gang", gpus=2)
+    step([gang], [stage(0, rank=r, ranks=2, gpu_uuid=f"GPU-{r}", gpu_resource="") for r in (0, 1)])
+    assert cond(gang, "Placed")["reason"] == "NoGpuResource"
+    # The training's other GPU, served: a job goes there.
+    free = fill_job("free")
+    (pod,) = step([free], [bare, served]).create_pods
+    assert free["status"]["assignment"]["stage"] == 1 and pod["spec"]["containers"][0]["resources"]["limits"] == {
+        "bubbles.dev/gpu-0": "1"}
+    # envvar needs no resource: the same GPU takes the job.
+    later = fill_job("later")
+    step([later], [bare], fill_pods=FillPodSettings(gpu_access=GpuAccess.ENVVAR))
+    assert later["status"]["phase"] == "Placed"
+    # fill_pod itself refuses to make such a Pod (bubbles template, or a caller that did not ask placement).
+    from bubbles.core.resources import FillJobResource
+
+    fj = FillJobResource.from_object(fill_job("direct"))
+    a = Assignment(fj.uid, 1, "ml", fj.name, "ml/llama", 0, "node-a", "llama-0", "cuda:0", "fj-direct-a0", 0,
+                   "GPU-1", fj.job)
+    with pytest.raises(ValueError, match="enable the agent's device plugin"):
+        fill_pod(fj, a)
+    assert fill_pod(fj, replace(a, gpu_resources=("bubbles.dev/gpu-0",)))["spec"]["containers"][0]["resources"]
+
+
+def test_fill_pods_mount_only_the_attach_and_their_gpus_fill_directories_and_run_as_the_agents_user() -> None:
+    """nodeAccess hostPath: today's Pod, exactly."""
+    (pod,) = step([fill_job()], [stage(1, rank=3)], fill_pods=HOST_PATH).create_pods
     assert pod["spec"]["volumes"] == [
         {"name": "bubbles-attach", "hostPath": {"path": "/run/bubbles/_attach", "type": "Directory"}},
         {"name": "bubbles-fills", "hostPath": {"path": "/run/bubbles/ml/llama/stage-1/rank-3/fills",
@@ -55,7 +168,7 @@ def test_fill_pods_mount_only_the_attach_and_their_gpus_fill_directories_and_run
     assert env["BUBBLES_STAGE"] == "1" and env["BUBBLES_RANKS"] == "3"
     assert "securityContext" not in pod["spec"]
     # The chart's agent.runDir and agent.runAsUser: the sockets live there and are private to that user.
-    settings = FillPodSettings("/var/lib/bubbles/run", run_as_user=1000, run_as_group=2000)
+    settings = replace(HOST_PATH, node_run_dir="/var/lib/bubbles/run", run_as_user=1000, run_as_group=2000)
     (pod,) = step([fill_job("other")], [stage()], fill_pods=settings).create_pods
     assert [v["hostPath"]["path"] for v in pod["spec"]["volumes"]] == [
         "/var/lib/bubbles/run/_attach", "/var/lib/bubbles/run/ml/llama/stage-0/rank-0/fills"]
@@ -127,8 +240,7 @@ def test_a_fill_pod_mounts_the_jobs_own_volumes_beside_the_runtimes() -> None:
     assert volumes["config"] == {"name": "config", "configMap": {"name": "job-config"}}
     assert volumes["creds"] == {"name": "creds", "secret": {"secretName": "s3", "optional": True}}
     assert volumes["scratch"] == {"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}}
-    assert mounts["bubbles-fills"]["mountPath"] == "/run/bubbles/ml/llama/stage-0/rank-0/fills" and "hostPath" in \
-        volumes["bubbles-fills"]
+    assert mounts["bubbles-attach"]["mountPath"] == "/run/bubbles" and "csi" in volumes["bubbles-attach"]
     assert "checkpoint" not in volumes  # no claim: the path is in the job's answers volume
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["BUBBLES_CHECKPOINT"] == "/data/answers/state"
@@ -139,7 +251,7 @@ def test_every_fill_pod_is_pinned_by_affinity_for_the_scheduler_to_place_it() ->
     bound, and current API servers refuse it beside scheduling gates (Kueue's Pod integration adds them). Every fill
     Pod is pinned to the training's node by a required affinity, its NoSchedule taints tolerated as nodeName would;
     and the claims' files are given to the agent's group, the job's."""
-    settings = FillPodSettings(run_as_user=1000, run_as_group=2000)
+    settings = replace(HOST_PATH, run_as_user=1000, run_as_group=2000)
     (plain,) = step([fill_job("plain")], [stage()], fill_pods=settings).create_pods
     assert "nodeName" not in plain["spec"]
     assert fill_pod_node(plain["spec"]) == "node-a"
@@ -163,7 +275,7 @@ def test_paths_written_plainly_before_the_checks_stay_valid_and_a_pipe_dir_is_co
     job = fill_job(checkpoint={"path": "/ckpt/"})
     (pod,) = step([job], [stage()]).create_pods
     assert {"name": "BUBBLES_CHECKPOINT", "value": "/ckpt"} in pod["spec"]["containers"][0]["env"]
-    mps = FillPodSettings(mps_pipe_dir="/tmp/nvidia-mps/")
+    mps = replace(HOST_PATH, mps_pipe_dir="/tmp/nvidia-mps/")
     bad = fill_job("bad", volumes=[_volume(mountPath="/tmp/nvidia-mps")])
     step([bad], [stage(gpu_uuid="GPU-1")], fill_pods=mps)
     assert bad["status"]["phase"] == "Failed" and "lies in /tmp/nvidia-mps" in bad["status"]["message"]
@@ -175,7 +287,7 @@ def test_a_placed_job_is_not_failed_by_a_changed_mps_pipe_dir() -> None:
     job = fill_job(volumes=[_volume(mountPath="/srv/mps/data")])
     step([job], [stage(gpu_uuid="GPU-1")])
     assert job["status"]["phase"] == "Placed"
-    step([job], [stage(gpu_uuid="GPU-1")], fill_pods=FillPodSettings(mps_pipe_dir="/srv/mps"))
+    step([job], [stage(gpu_uuid="GPU-1")], fill_pods=replace(HOST_PATH, mps_pipe_dir="/srv/mps"))
     assert job["status"]["phase"] == "Placed"
 
 
@@ -218,8 +330,12 @@ def test_bad_volumes_fail_the_job_saying_which(volumes: list[dict[str, Any]], ch
 
 
 def test_a_volume_in_the_mps_pipe_directory_fails_the_job_on_an_mps_cluster_only() -> None:
-    """The pipe directory is the operator's setting (--fill-mps-pipe-dir), not the spec's: checked against it."""
-    mps = FillPodSettings(mps_pipe_dir="/tmp/nvidia-mps")
+    """The pipe directory is the operator's setting (--fill-mps-pipe-dir), not the spec's: checked against it where
+    the Pod mounts it at its node path (hostPath); a csi Pod finds it in its own volume under /run/bubbles."""
+    in_csi = fill_job("in-csi", volumes=[_volume(mountPath="/tmp/nvidia-mps/data")])
+    step([in_csi], [stage(gpu_uuid="GPU-1")], fill_pods=FillPodSettings(mps_pipe_dir="/tmp/nvidia-mps"))
+    assert in_csi["status"]["phase"] == "Placed"
+    mps = replace(HOST_PATH, mps_pipe_dir="/tmp/nvidia-mps")
     job = fill_job(volumes=[_volume(mountPath="/tmp/nvidia-mps/data")])
     d = step([job], [stage(gpu_uuid="GPU-1")], fill_pods=mps)
     assert job["status"]["phase"] == "Failed" and d.create_pods == []
@@ -248,7 +364,8 @@ def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     """The agents run --isolation mps: a fill Pod on a GPU gets what makes it a client of the node's MPS server (the
     pipe directory, the agent's /dev/shm directory at /dev/shm, the CUDA_MPS_* variables; no host IPC); on a CPU
     stage nothing of it."""
-    settings = FillPodSettings(mps_pipe_dir="/run/nvidia-mps", mps_thread_percentage=40, mps_shm_dir="/run/mps-shm")
+    settings = replace(HOST_PATH, mps_pipe_dir="/run/nvidia-mps", mps_thread_percentage=40,
+                       mps_shm_dir="/run/mps-shm")
     (pod,) = step([fill_job()], [stage(gpu_uuid="GPU-1234")], fill_pods=settings).create_pods
     spec, (container,) = pod["spec"], pod["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -276,9 +393,41 @@ def test_fill_pods_on_an_mps_node_join_its_server_and_others_do_not() -> None:
     cpu_env = {e["name"] for e in cpu_pod["spec"]["containers"][0]["env"]}
     assert "hostIPC" not in cpu_pod["spec"] and not any(n.startswith("CUDA_MPS_") for n in cpu_env)
     assert [v["name"] for v in cpu_pod["spec"]["volumes"]] == RUN_VOLUMES
-    (plain,) = step([fill_job("no-mps")], [stage(gpu_uuid="GPU-1234")]).create_pods  # agents on contexts
+    (plain,) = step([fill_job("no-mps")], [stage(gpu_uuid="GPU-1234")], fill_pods=HOST_PATH).create_pods  # contexts
     assert [v["name"] for v in plain["spec"]["volumes"]] == RUN_VOLUMES
     assert not any(e["name"].startswith("CUDA_MPS_") for e in plain["spec"]["containers"][0]["env"])
+
+
+def test_csi_fill_pods_on_an_mps_node_find_its_server_in_their_own_volume() -> None:
+    """nodeAccess csi under MPS: the agent bind-mounts the node's pipe and /dev/shm directories into the Pod's own
+    volume when it publishes it; the Pod points CUDA_MPS_PIPE_DIRECTORY there and mounts the shm part of the same
+    volume at /dev/shm (a subPath): no hostPath, no host IPC, still restricted. The other MPS variables as the agent
+    gives its own fill processes."""
+    settings = FillPodSettings(mps_pipe_dir="/run/nvidia-mps", mps_thread_percentage=40, mps_shm_dir="/run/mps-shm",
+                               fill_run_as_user=1000)
+    (pod,) = step([fill_job()], [stage(gpu_uuid="GPU-1234")], fill_pods=settings).create_pods
+    spec, (c,) = pod["spec"], pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    from bubbles.core.mps_client import fill_client_env
+
+    assert {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")} == fill_client_env(
+        PurePosixPath("/run/bubbles/mps/pipe"), 40, 0, 64 * MIB)
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == f"/run/bubbles/{nodeaccess.POD_MPS_PIPE_SUBDIR}"
+    assert c["volumeMounts"] == [{"name": "bubbles-attach", "mountPath": "/run/bubbles"},
+                                 {"name": "bubbles-attach", "mountPath": "/dev/shm",
+                                  "subPath": nodeaccess.POD_MPS_SHM_SUBDIR}]
+    assert [v["name"] for v in spec["volumes"]] == CSI_VOLUMES and "hostIPC" not in spec
+    assert spec["securityContext"]["runAsUser"] == 1000  # the trainings' UID: an MPS server serves one
+    assert check(pod).level == "restricted", check(pod).summary()
+    # A gang: the limit on each of its GPUs, as before.
+    (gang,) = step([fill_job("gang", gpus=2)], [stage(0, rank=r, ranks=2, gpu_uuid=f"GPU-{r}") for r in (0, 1)],
+                   fill_pods=settings).create_pods
+    genv = {e["name"]: e["value"] for e in gang["spec"]["containers"][0]["env"]}
+    assert genv["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64M,1=64M" and genv["CUDA_VISIBLE_DEVICES"] == "GPU-0,GPU-1"
+    # A CPU stage: nothing of MPS.
+    (cpu,) = step([fill_job("cpu")], [stage(1, pod="llama-1")], fill_pods=settings).create_pods
+    assert not any(e["name"].startswith("CUDA_MPS_") for e in cpu["spec"]["containers"][0]["env"])
+    assert len(cpu["spec"]["containers"][0]["volumeMounts"]) == 1
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
@@ -342,7 +491,7 @@ def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_of_every_attempt()
     assert {"name": "BUBBLES_CHECKPOINT", "value": "/state"} in c["env"]
     plain = fill_job("plain", checkpoint={"path": "/state"})  # no claim: nothing mounted, the path is the image's
     (pod,) = step([plain], [stage(1, pod="llama-1")]).create_pods
-    assert [v["name"] for v in pod["spec"]["volumes"]] == RUN_VOLUMES
+    assert [v["name"] for v in pod["spec"]["volumes"]] == CSI_VOLUMES
     bad = fill_job("bad", checkpoint={"path": "state", "claimName": "Not_A_Name"})
     step([bad], [stage(1, pod="llama-1")])
     assert bad["status"]["phase"] == "Failed" and "checkpoint" in cond(bad, "Admitted")["message"]

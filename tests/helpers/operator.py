@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from bubbles.core.cycle import BubbleCycle
+from bubbles.core.nodeaccess import GpuAccess, NodeAccess, resource_name
 from bubbles.operator.decide import (
     ClusterView,
     Decisions,
@@ -20,7 +21,11 @@ from bubbles.operator.decide import (
 NOW = dt.datetime(2026, 11, 23, 8, 0, tzinfo=dt.UTC)
 
 
-RUN_VOLUMES = ["bubbles-attach", "bubbles-fills"]  # a fill Pod's two directories of the node's run directory
+RUN_VOLUMES = ["bubbles-attach", "bubbles-fills"]  # a hostPath fill Pod's two directories of the node's run directory
+CSI_VOLUMES = ["bubbles-attach"]  # a csi fill Pod's one volume, its own directory on the node
+# Today's (before issue 36) fill Pods: the node's run directory by hostPath, as the agent's UID, the GPU by
+# NVIDIA_VISIBLE_DEVICES.
+HOST_PATH = FillPodSettings(node_access=NodeAccess.HOST_PATH, gpu_access=GpuAccess.ENVVAR)
 
 
 MIB = 2**20
@@ -35,8 +40,11 @@ def cycle(stage: int = 0, bubble_s: float = 0.010, free: int = 1024 * MIB, itera
 
 
 def stage(k: int = 0, pod: str = "llama-0", node: str = "node-a", rank: int = 0, **kw: Any) -> GpuView:
-    """Rank ``rank`` of stage ``k`` of ml/llama, one GPU (cuda:<rank> of its Pod)."""
+    """Rank ``rank`` of stage ``k`` of ml/llama, one GPU (cuda:<rank> of its Pod). One with a UUID is served by its
+    agent's device plugin (as the chart's default is) as resource_name(rank), unless ``gpu_resource`` says else."""
     fields: dict[str, Any] = {"hook_reporting": True, "ranks": rank + 1, "device": f"cuda:{rank}", **kw}
+    if fields.get("gpu_uuid") and "gpu_resource" not in fields:
+        fields["gpu_resource"] = resource_name(rank)
     if "cycle" not in fields:
         fields["cycle"] = cycle(k)
     return GpuView("ml/llama", k, pod, f"uid-{pod}", node, rank=rank, **fields)

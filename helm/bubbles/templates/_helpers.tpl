@@ -42,8 +42,46 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* Whether the agent serves the CSI node plugin: nodeAccess csi needs it; agent.csi.enabled asks for it anyway. */}}
+{{- define "bubbles.servesCSI" -}}
+{{- if or (eq .Values.nodeAccess "csi") .Values.agent.csi.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The device plugin's --gpu-strategy: auto is cdi where the kubelet passes CDI devices by default (1.29), else
+volume-mounts. */}}
+{{- define "bubbles.gpuStrategy" -}}
+{{- $s := .Values.agent.devicePlugin.strategy -}}
+{{- if eq $s "auto" -}}
+{{- if semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version -}}cdi{{- else -}}volume-mounts{{- end -}}
+{{- else -}}{{ $s }}{{- end -}}
+{{- end -}}
+
+{{/* The UID fill Pods run as with nodeAccess csi: operator.fillRunAsUser, else (MPS) the agents', else 65532. */}}
+{{- define "bubbles.fillRunAsUser" -}}
+{{- if not (kindIs "invalid" .Values.operator.fillRunAsUser) -}}{{ int .Values.operator.fillRunAsUser }}
+{{- else if eq .Values.agent.isolation "mps" -}}{{ int .Values.agent.runAsUser }}
+{{- else -}}65532{{- end -}}
+{{- end -}}
+
+{{/* Whether the agent's container starts as root and setpriv drops it to agent.runAsUser with the capabilities it
+needs: the CSI node plugin's mounts, the device plugin's sockets in the kubelet's directory. */}}
+{{- define "bubbles.dropsToAgentUser" -}}
+{{- if and (or (include "bubbles.servesCSI" .) .Values.agent.devicePlugin.enabled) (ne (int .Values.agent.runAsUser) 0) -}}true{{- end -}}
+{{- end -}}
+
 {{/* Contradictory values: fail with what to change. */}}
 {{- define "bubbles.validate" -}}
+{{- if and (eq .Values.operator.fillGpuAccess "devicePlugin") (not .Values.agent.devicePlugin.enabled) -}}
+{{- fail "operator.fillGpuAccess=devicePlugin with agent.devicePlugin.enabled=false: fill Pods request their GPU's resource (bubbles.dev/gpu-<index>) from the agents' device plugin, and no agent would serve it. Set agent.devicePlugin.enabled=true, or operator.fillGpuAccess=envvar." -}}
+{{- end -}}
+{{- if and (eq .Values.nodeAccess "hostPath") (not (kindIs "invalid" .Values.operator.fillRunAsUser)) -}}
+{{- fail "operator.fillRunAsUser applies with nodeAccess=csi; with nodeAccess=hostPath fill Pods run as agent.runAsUser (the node's sockets are private to it). Leave operator.fillRunAsUser empty, or set nodeAccess=csi." -}}
+{{- end -}}
+{{- if and (eq .Values.nodeAccess "csi") (eq .Values.agent.isolation "mps") (not (kindIs "invalid" .Values.operator.fillRunAsUser)) -}}
+{{- if ne (int .Values.operator.fillRunAsUser) (int .Values.agent.runAsUser) -}}
+{{- fail (printf "operator.fillRunAsUser=%d with agent.isolation=mps and agent.runAsUser=%d: an MPS server serves one UID, the trainings' (agent.runAsUser), and fill Pods of another UID would wait for it forever. Leave operator.fillRunAsUser empty (it then follows agent.runAsUser), or set the two alike." (int .Values.operator.fillRunAsUser) (int .Values.agent.runAsUser)) -}}
+{{- end -}}
+{{- end -}}
 {{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.leaderElection) -}}
 {{- fail (printf "operator.replicas is %d but operator.leaderElection is false: replicas would all act at once. Set operator.leaderElection=true, or operator.replicas=1." (int .Values.operator.replicas)) -}}
 {{- end -}}

@@ -405,7 +405,8 @@ class Operator:
                         tkey, sr.stage, pod_name, pod_uid, node, sr.device, cycle, agent_up=True,
                         hook_reporting=sr.hook_reporting, iteration_s=sr.iteration_s,
                         baseline_iteration_s=sr.baseline_iteration_s, bubble_s=sr.bubble_s, filled_s=sr.filled_s,
-                        gpu_uuid=sr.gpu_uuid, training_membership=sr.training_membership, tolerations=tolerations,
+                        gpu_uuid=sr.gpu_uuid, gpu_resource=sr.gpu_resource,
+                        training_membership=sr.training_membership, tolerations=tolerations,
                         rank=sr.rank, ranks=sr.ranks))
         self._cycles = cycles
         failed: dict[str, str] = {}

@@ -15,17 +15,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bubbles.core import paths
+from bubbles.core import nodeaccess, paths
 from bubbles.core.api import read_yaml
+from bubbles.core.nodeaccess import GpuAccess
 from bubbles.core.resources import DNS_NAME_PATTERN
 
 from .decide.view import check_toleration
 from .fillpod_flags import add_fill_pod_arguments, fill_pod_settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # a manifest not yet applied has no uid
+_RESOURCE = re.compile(re.escape(nodeaccess.RESOURCE_DOMAIN) + r"/gpu-(0|[1-9][0-9]{0,3})")
 
 # Chart value -> the operator flag the chart passes it as (helm/bubbles/templates/operator-deployment.yaml).
 CHART_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("nodeAccess",), "node_access"),
+    (("operator", "fillGpuAccess"), "fill_gpu_access"),
+    (("operator", "fillRunAsUser"), "fill_run_as_user"),
     (("agent", "runDir"), "node_run_dir"),
     (("agent", "runAsUser"), "fill_uid"),
     (("agent", "runAsGroup"), "fill_gid"),
@@ -52,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the stage's ranks a gang fills, comma-separated (e.g. 0,1), instead of --rank")
     parser.add_argument("--gpu-uuid", action="append", default=None, metavar="UUID",
                         help="that rank's GPU, as its node's agent reports it (a gang: once per rank, in order)")
+    parser.add_argument("--gpu-resource", action="append", default=None, metavar="NAME",
+                        help="that GPU's extended resource, as its node's agent reports it (bubbles.dev/gpu-<index>, "
+                             "its NVML index; a gang: once per rank, in order); needed with --gpu-uuid under "
+                             "--fill-gpu-access devicePlugin")
     parser.add_argument("--device", default="cuda:0", help="that rank's device (default cuda:0)")
     parser.add_argument("--training", default="training", metavar="NAME",
                         help="the PipelineTraining, in the FillJob's namespace (default: training)")
@@ -86,10 +95,17 @@ def apply_values(args: argparse.Namespace, values: Any) -> None:
     if not isinstance(values, dict):
         raise ValueError("is not a mapping of chart values (helm get values RELEASE --all -o yaml writes one)")
     pairs = list(CHART_FLAGS)
-    if _dig(values, ("agent", "isolation")) == "mps":
+    mps = _dig(values, ("agent", "isolation")) == "mps"
+    if mps:
         pairs += CHART_MPS_FLAGS
+    csi = (_dig(values, ("nodeAccess",)) or "csi") == "csi"
     for path, dest in pairs:
         value = _dig(values, path)
+        if dest == "fill_run_as_user" and (not csi or value in (None, "")):
+            # As the chart passes it: only in csi mode; unset, under MPS the agents' (the trainings') UID.
+            value = _dig(values, ("agent", "runAsUser")) if csi and mps else None
+        if dest in ("node_run_dir", "fill_uid", "fill_gid") and csi:
+            continue  # the chart passes the hostPath settings only in hostPath mode
         if value is None or getattr(args, dest) != _parser().get_default(dest):
             continue
         setattr(args, dest, json.dumps(value) if dest == "fill_pod_tolerations" else value)
@@ -98,9 +114,9 @@ def apply_values(args: argparse.Namespace, values: Any) -> None:
 def render(obj: Any, *, node: str, stage: int, device: str, training: str, training_pod: str,
            tolerations: tuple[dict[str, Any], ...], gpu_uuid: str | None, attempt: int,
            settings: Any, rank: int = 0, ranks: tuple[int, ...] | None = None,
-           gpu_uuids: tuple[str, ...] = ()) -> dict[str, Any]:
+           gpu_uuids: tuple[str, ...] = (), gpu_resources: tuple[str, ...] = ()) -> dict[str, Any]:
     """The Pod ``decide.fill_pod`` makes for the FillJob ``obj`` placed so (ValueError saying what is wrong with it):
-    on ``rank``, or a gang's ``ranks`` (as many as its spec.gpus) with their ``gpu_uuids``."""
+    on ``rank``, or a gang's ``ranks`` (as many as its spec.gpus) with their ``gpu_uuids`` and ``gpu_resources``."""
     from bubbles.core.resources import FillJobResource, ResourceError
 
     from .decide import Assignment, fill_pod, fill_pod_name
@@ -125,10 +141,20 @@ def render(obj: Any, *, node: str, stage: int, device: str, training: str, train
         raise ValueError(f"ranks {','.join(map(str, ranks))} name a rank twice: a gang runs on distinct GPUs")
     if gpu_uuids and len(gpu_uuids) != len(ranks):
         raise ValueError(f"{len(gpu_uuids)} --gpu-uuid for {len(ranks)} rank(s): give one per rank, in order")
+    if gpu_resources and len(gpu_resources) != len(ranks):
+        raise ValueError(f"{len(gpu_resources)} --gpu-resource for {len(ranks)} rank(s): give one per rank, in order")
+    if gpu_uuids and not gpu_resources and settings.gpu_access is GpuAccess.DEVICE_PLUGIN:
+        raise ValueError("fill Pods get their GPUs from the agents' device plugin (--fill-gpu-access devicePlugin): "
+                         "give each --gpu-uuid's --gpu-resource (bubbles.dev/gpu-<its index>), or --fill-gpu-access "
+                         "envvar")
+    for r in gpu_resources:
+        if not _RESOURCE.fullmatch(r):
+            raise ValueError(f"--gpu-resource {r!r} is not a GPU's resource as the agents' device plugin names it: "
+                             "bubbles.dev/gpu-<index>, e.g. bubbles.dev/gpu-0")
     a = Assignment(job.uid, job.generation, job.namespace, job.name, f"{job.namespace}/{training}", stage, node,
                    training_pod, device, fill_pod_name(job.name, attempt), attempt,
                    gpu_uuids[0] if gpu_uuids else gpu_uuid, job.job, tolerations=tolerations, ranks=ranks,
-                   gpu_uuids=gpu_uuids if len(ranks) > 1 else ())
+                   gpu_uuids=gpu_uuids if len(ranks) > 1 else (), gpu_resources=gpu_resources)
     return fill_pod(job, a, settings)
 
 
@@ -178,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         pod = render(obj, node=args.node, stage=args.stage, device=args.device, training=args.training,
                      training_pod=args.training_pod or f"{args.training}-{args.stage}", tolerations=tuple(tolerations),
                      gpu_uuid=None, attempt=args.attempt, settings=settings, ranks=ranks,
-                     gpu_uuids=tuple(args.gpu_uuid or ()))
+                     gpu_uuids=tuple(args.gpu_uuid or ()), gpu_resources=tuple(args.gpu_resource or ()))
     except (OSError, ValueError) as exc:
         return _fail(f"{args.filljob}: {exc}")
     import yaml

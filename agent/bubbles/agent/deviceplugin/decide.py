@@ -29,6 +29,12 @@ CDI_GPU_KIND = "nvidia.com/gpu"  # the CDI spec NVIDIA's toolkit generates (nvid
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"  # the CDI annotation form container runtimes read (container-device-interface)
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 DEVICE_MOUNTS_ROOT = "/var/run/nvidia-container-devices"  # the NVIDIA runtime's volume-mounts list, one file per GPU
+# What a CDI answer sets NVIDIA_VISIBLE_DEVICES to: no GPU through the NVIDIA runtime's own variable. CUDA base images
+# set NVIDIA_VISIBLE_DEVICES=all in their ENV; where the NVIDIA runtime still reads it (its legacy mode, the node's
+# default runtime beside CDI; its cdi mode turns "all" into every GPU's CDI device) the container would see every GPU
+# of the node, the trainings' among them, besides the one CDI injects. The kubelet's variables override the image's.
+# NVIDIA's own CDI specs (nvidia-ctk cdi generate) set the same in their containerEdits.
+NO_VISIBLE_DEVICES = "void"
 
 
 class GpuStrategy(enum.StrEnum):
@@ -175,14 +181,17 @@ class AllocationRefused(ValueError):
 
 
 def container_allocation(gpu: NodeGpu, strategy: GpuStrategy) -> ContainerAllocation:
-    """The GPU ``gpu`` for one container, in the form ``strategy`` names."""
+    """The GPU ``gpu`` for one container, in the form ``strategy`` names. The CDI forms also set
+    NVIDIA_VISIBLE_DEVICES to ``void`` (``NO_VISIBLE_DEVICES``: an image's ``all`` must not show the node's GPUs)."""
     if strategy is GpuStrategy.CDI:
-        return ContainerAllocation(cdi_devices=(f"{CDI_GPU_KIND}={gpu.uuid}",))
+        return ContainerAllocation(envs={VISIBLE_DEVICES: NO_VISIBLE_DEVICES},
+                                   cdi_devices=(f"{CDI_GPU_KIND}={gpu.uuid}",))
     if strategy is GpuStrategy.CDI_ANNOTATIONS:
         # One key per GPU: a container holds at most one allocation of a resource, and a gang's container holds
         # several resources (GPUs), whose keys must not collide. The name part is at most 63 characters.
         key = f"{CDI_ANNOTATION_PREFIX}{RESOURCE_DOMAIN}_gpu-{gpu.index}"
-        return ContainerAllocation(annotations={key: f"{CDI_GPU_KIND}={gpu.uuid}"})
+        return ContainerAllocation(envs={VISIBLE_DEVICES: NO_VISIBLE_DEVICES},
+                                   annotations={key: f"{CDI_GPU_KIND}={gpu.uuid}"})
     if strategy is GpuStrategy.VOLUME_MOUNTS:
         # The NVIDIA runtime reads the list from the file names under the root, which an unprivileged Pod cannot
         # forge by setting a variable (accept-nvidia-visible-devices-envvar-when-unprivileged = false).

@@ -220,10 +220,12 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
         # The agent does not know this run (just placed, or the agent restarted): tell it again. Idempotent on the
         # agent's side (uid, generation, attempt), so a lost or repeated call costs nothing.
         uuids = tuple(g.gpu_uuid for g in on if g.gpu_uuid)
+        resources = tuple(g.gpu_resource for g in on if g.gpu_resource)
         out.assign_job(st.key, st.uid, Assignment(
             job.uid, job.generation, job.namespace, job.name, gpu.training, gpu.stage, gpu.node, gpu.pod,
             gpu.device, str(a.pod or ""), st.restarts, gpu.gpu_uuid, job.job,
-            **limits(trainings.get(gpu.training)), ranks=a.ranks, gpu_uuids=uuids if len(uuids) == len(on) else ()))
+            **limits(trainings.get(gpu.training)), ranks=a.ranks, gpu_uuids=uuids if len(uuids) == len(on) else (),
+            gpu_resources=resources if len(resources) == len(on) else ()))
     done = prog.steps_done if prog is not None else st.steps_done
     flops = prog.flops if prog is not None else st.recovered_flops
     st.status.update(progress_fields(job, done, flops))

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bubbles.core.identity import GpuKey
+from bubbles.core.nodeaccess import GpuAccess
 from bubbles.core.resources import (
     FINALIZER,
     ConditionType,
@@ -100,8 +101,11 @@ def most_gpus(gpus: Mapping[GpuKey, GpuView], allowed: Sequence[str], stage: int
 def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[str, Seen],
           gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource],
           busy: Mapping[GpuKey, tuple[str, float]], now_s: float) -> None:
-    """Queued jobs onto free profiled GPUs: by priority tier, then by the scheduling policy."""
+    """Queued jobs onto free profiled GPUs: by priority tier, then by the scheduling policy. A GPU its fill Pod could
+    not be given (``lacks_resource``) is no place for a job: the jobs that could use only such GPUs say why."""
     usable = [g for g in gpus.values() if g.cycle is not None and g.agent_up]
+    no_resource = [g for g in usable if lacks_resource(view, g)]
+    usable = [g for g in usable if not lacks_resource(view, g)]
     # A job evicted this round is placed from the next: its eviction (Pod deleted, run cancelled, restarts counted) is
     # written first, whatever becomes of its next Pod (one the API server refuses writes nothing of its round).
     queued = [(obj, job, st) for obj, job, st in valid.values()
@@ -109,7 +113,11 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
     if not queued:
         return
     if not usable:
-        for _obj, _job, st in queued:
+        memo: dict[str, list[str]] = {}
+        for _obj, job, st in queued:
+            if lacking := _lacking(no_resource, _eligible(job, sorted(trainings), trainings, memo), job.stage):
+                _say_no_resource(st, lacking)
+                continue
             why = ("no PipelineTraining has reported its bubbles yet (is the hook attached, and the agent running on "
                    "its nodes?)")
             st.condition(ConditionType.PLACED, False, "NoProfiledTraining", why)
@@ -195,6 +203,9 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
             if not fits_somewhere(sched, req, groups):
                 if not any(len([e for e in grp.executors if classes[e].name in eligible]) >= job.gpus
                            for grp in groups):
+                    if lacking := _lacking(no_resource, allowed, job.stage):
+                        _say_no_resource(st, lacking)
+                        continue
                     which = f"stage {job.stage}" if job.stage is not None else "one stage"
                     why = (f"fewer than {job.gpus} GPUs of {which} of {', '.join(allowed)} in one Pod have reported "
                            "their bubbles yet (a gang runs on all of its GPUs at once)")
@@ -211,6 +222,9 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
                 continue
             requests[req.job_id] = (obj, job, st)
             gangs.setdefault(job.priority, []).append(req)
+            continue
+        if not eligible and (lacking := _lacking(no_resource, allowed, job.stage)):
+            _say_no_resource(st, lacking)
             continue
         if not eligible and job.stage is not None:
             why = (f"no GPU of stage {job.stage} of {', '.join(allowed)} has reported its bubbles yet (spec.stage "
@@ -262,6 +276,28 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
 
 
 
+def lacks_resource(view: ClusterView, gpu: GpuView) -> bool:
+    """Whether a fill Pod on ``gpu`` would run without it: fill Pods get their GPUs from the agents' device plugins
+    (FillPodSettings.gpu_access), and the GPU's agent reports no resource for it. A GPU whose UUID is not known gets
+    NVIDIA_VISIBLE_DEVICES=void (a CPU training's stage), with or without a resource."""
+    return view.fill_pods.gpu_access is GpuAccess.DEVICE_PLUGIN and bool(gpu.gpu_uuid) and not gpu.gpu_resource
+
+
+def _lacking(no_resource: Sequence[GpuView], allowed: Sequence[str], stage: int | None) -> list[GpuView]:
+    return [g for g in no_resource if g.training in allowed and (stage is None or g.stage == stage)]
+
+
+def _say_no_resource(st: FillJobStatus, lacking: Sequence[GpuView]) -> None:
+    g = sorted(lacking, key=lambda g: (g.node, g.training, g.stage, g.rank))[0]
+    more = f" (and {len(lacking) - 1} more GPU(s))" if len(lacking) > 1 else ""
+    why = (f"the bubbles agent on node {g.node} reports no device-plugin resource for GPU {g.gpu_uuid} "
+           f"({g.where}){more}, and fill Pods get their GPUs from the kubelet (the operator's --fill-gpu-access "
+           "devicePlugin): enable the agents' device plugin (the chart's agent.devicePlugin.enabled) or choose "
+           "operator.fillGpuAccess: envvar")
+    st.condition(ConditionType.PLACED, False, "NoGpuResource", why)
+    st.phase(FillJobPhase.QUEUED, f"waiting: {why}", event="NoGpuResource", warning=True)
+
+
 def _assign(out: Decisions, st: FillJobStatus, job: FillJobResource, on: Sequence[GpuView], end_s: float,
             settings: FillPodSettings, training: PipelineTrainingResource | None) -> None:
     """Place the job on the GPUs ``on`` (one; a gang's N of one stage in one Pod, by rank)."""
@@ -270,10 +306,12 @@ def _assign(out: Decisions, st: FillJobStatus, job: FillJobResource, on: Sequenc
     attempt = st.restarts
     pod = fill_pod_name(job.name, attempt)
     uuids = tuple(g.gpu_uuid for g in on if g.gpu_uuid)
+    resources = tuple(g.gpu_resource for g in on if g.gpu_resource)
     a = Assignment(job.uid, job.generation, job.namespace, job.name, gpu.training, gpu.stage, gpu.node,
                    gpu.pod, gpu.device, pod, attempt, gpu.gpu_uuid, job.job, **limits(training),
                    tolerations=gpu.tolerations, ranks=tuple(g.rank for g in on),
-                   gpu_uuids=uuids if len(uuids) == len(on) else ())
+                   gpu_uuids=uuids if len(uuids) == len(on) else (),
+                   gpu_resources=resources if len(resources) == len(on) else ())
     out.assign_job(st.key, st.uid, a)
     out.create_pod(st.key, st.uid, fill_pod(job, a, settings))
     if FINALIZER not in (st.meta.get("finalizers") or []):

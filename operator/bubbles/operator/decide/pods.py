@@ -11,7 +11,8 @@ from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from bubbles.core import control, mps_client, paths
+from bubbles.core import control, mps_client, nodeaccess, paths
+from bubbles.core.nodeaccess import GpuAccess, NodeAccess
 from bubbles.core.resources import API_VERSION, VOLUME_SOURCES, FillJobResource, ResourceError, inside
 
 from .view import RUN_DIR, Assignment, FillPodSettings
@@ -110,9 +111,10 @@ def fill_pod_node(spec: Mapping[str, Any]) -> str | None:
 
 def check_paths(job: FillJobResource, settings: FillPodSettings) -> None:
     """ResourceError if the job's own storage (its volumes, its checkpoint) would lie in the MPS pipe directory its
-    Pod mounts (the operator's --fill-mps-pipe-dir: a setting of the cluster's, unlike the paths the spec checks)."""
+    Pod mounts (the operator's --fill-mps-pipe-dir: a setting of the cluster's, unlike the paths the spec checks). In
+    csi mode the Pod finds the pipe directory in its own volume under RUN_DIR, which the spec keeps apart already."""
     pipe = settings.mps_pipe_dir  # written plainly (FillPodSettings)
-    if not pipe:
+    if not pipe or settings.node_access is NodeAccess.CSI:
         return
     for where, path in job.container_paths():
         if inside(path, pipe):
@@ -140,13 +142,39 @@ def fill_pod_mounts(training: str, stage: int, node_run_dir: str, rank: int = 0,
     return out
 
 
+# The csi Pod's one volume: a name FillJob specs may not use (resources.RUNTIME_VOLUMES); its attach socket is in it.
+CSI_VOLUME = "bubbles-attach"
+
+
+def fill_pod_gpu_error(a: Assignment, settings: FillPodSettings) -> str | None:
+    """Why the fill Pod of ``a`` cannot be made (it would run without its GPU), or None: the fill Pods get their GPUs
+    from the agent's device plugin, and the agent reports a GPU of the assignment without its resource."""
+    if settings.gpu_access is not GpuAccess.DEVICE_PLUGIN or not a.uuids or len(a.gpu_resources) == len(a.uuids):
+        return None
+    return (f"the node agent on {a.node} reports no device-plugin resource for the GPU(s) of {a.training} stage "
+            f"{a.stage} ranks {','.join(map(str, a.ranks))}, and fill Pods get their GPUs from the kubelet "
+            "(the operator's --fill-gpu-access devicePlugin): enable the agent's device plugin (the chart's "
+            "agent.devicePlugin.enabled) or choose operator.fillGpuAccess: envvar")
+
+
 def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | None = None) -> dict[str, Any]:
     """The fill job's Pod: on the training's node, on the GPU it was placed on, reaching the agent's node-local
-    sockets (directories of the node's run directory, under RUN_DIR, as the agent's UID: ``fill_pod_mounts``). A
-    gang's one Pod (``a.ranks``: N ranks) sees its N GPUs (cuda:0..N-1 in ranks' order), mounts each one's fill
-    sockets and is told the gang's size; the SDK starts one process per GPU, each told its gang rank."""
+    sockets at RUN_DIR. A gang's one Pod (``a.ranks``: N ranks) sees its N GPUs (cuda:0..N-1 in ranks' order) and is
+    told the gang's size; the SDK starts one process per GPU, each told its gang rank.
+
+    - ``settings.node_access`` csi: one CSI inline volume (role fill) at RUN_DIR, the Pod's own directory on the node
+      with its own attach socket (the agent passes the fill sockets as file descriptors); the Pod runs as
+      ``fill_run_as_user``, non-root, RuntimeDefault seccomp, no capabilities: Pod Security restricted. hostPath: the
+      node's ``_attach`` and its GPUs' ``fills/`` directories by hostPath, as the agent's UID (``fill_pod_mounts``).
+    - ``settings.gpu_access`` devicePlugin: the container requests each GPU's extended resource (the kubelet hands it
+      over as the agent's device plugin says); ValueError where a GPU's resource is unknown (``fill_pod_gpu_error``:
+      the Pod would run without it). envvar: NVIDIA_VISIBLE_DEVICES=<UUID>. Either way, a training whose GPU is not
+      known (a CPU training) gives NVIDIA_VISIBLE_DEVICES=void: no GPU at all."""
     settings = settings or FillPodSettings()
-    mounts = fill_pod_mounts(a.training, a.stage, settings.node_run_dir, ranks=a.ranks)
+    csi = settings.node_access is NodeAccess.CSI
+    if (gpu_error := fill_pod_gpu_error(a, settings)) is not None:
+        raise ValueError(gpu_error)
+    mounts = [] if csi else fill_pod_mounts(a.training, a.stage, settings.node_run_dir, ranks=a.ranks)
     env = [
         {"name": "BUBBLES_FILL_JOB", "value": job.name},
         {"name": "BUBBLES_FILL_JOB_UID", "value": job.uid},  # with the attempt: how the process attaches to the agent
@@ -162,7 +190,16 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
     if len(a.ranks) > 1:
         env.append({"name": control.GANG_SIZE_ENV, "value": str(len(a.ranks))})
     uuids = a.uuids
-    if uuids:
+    gpu_limits: dict[str, str] = {}
+    if uuids and settings.gpu_access is GpuAccess.DEVICE_PLUGIN:
+        # Each GPU's resource, one slot of it: the kubelet asks the agent's device plugin, which hands over that GPU in
+        # the form the node's runtime takes (and neutralizes an image's NVIDIA_VISIBLE_DEVICES=all where it must).
+        # CUDA_VISIBLE_DEVICES (UUIDs) orders them as the ranks are, whatever order the runtime gives them in, and
+        # shows nothing else: a GPU the kubelet did not give is not there to show.
+        gpu_limits = {r: "1" for r in a.gpu_resources}
+        env.append({"name": "CUDA_VISIBLE_DEVICES", "value": ",".join(uuids)})
+        env = [e if e["name"] != "BUBBLES_DEVICE" else {"name": "BUBBLES_DEVICE", "value": "cuda:0"} for e in env]
+    elif uuids:
         # The training's GPU(s), without asking the device plugin for any (they are the training's): the NVIDIA
         # container runtime exposes the GPUs this names to a Pod that requests none. Inside, they are the only GPUs, in
         # this order: cuda:0 (a gang's process i: cuda:i).
@@ -174,14 +211,16 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         # the trainings' among them). A GPU job here then fails at its start, closed.
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
     mps = settings.mps_pipe_dir if uuids else None
-    if mps:
+    # In csi mode the agent bind-mounts the node's MPS pipe directory into the Pod's own volume when it publishes it.
+    pipe_in_pod = posixpath.join(RUN_DIR, nodeaccess.POD_MPS_PIPE_SUBDIR) if csi else mps
+    if mps and pipe_in_pod:
         # The node's MPS server, as the agent's own fill processes join it: its pipe directory, the SM share, priority
         # below the training's, and the job's memory pinned on the one GPU the Pod sees (device 0). Variables the
         # CUDA driver reads when the process initializes CUDA: the Pod's environment has them from the start.
         # A job that declares no memory gets no pinned limit here: the node's agent refuses a GPU job without one,
         # with the reason, once its Pod attaches (raising here would stop every reconcile round).
         pinned_on = 0 if job.job.memory_bytes > 0 else None
-        mps_env = mps_client.fill_client_env(PurePosixPath(mps), settings.mps_thread_percentage, pinned_on,
+        mps_env = mps_client.fill_client_env(PurePosixPath(pipe_in_pod), settings.mps_thread_percentage, pinned_on,
                                              job.job.memory_bytes)
         if pinned_on is not None and len(uuids) > 1:  # a gang's processes: the limit on each of its GPUs
             mps_env[mps_client.PINNED_LIMIT_ENV] = ",".join(mps_client.pinned_limit(i, job.job.memory_bytes)
@@ -194,11 +233,17 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
     env += [dict(v) for v in job.env]  # spec.env: the job's own (names apart from the runtime's, checked)
     container: dict[str, Any] = {
         "name": "fill", "image": job.image, "env": env,
-        "volumeMounts": [{"name": name, "mountPath": in_pod} for name, _, in_pod in mounts],
+        "volumeMounts": ([{"name": CSI_VOLUME, "mountPath": RUN_DIR}] if csi else
+                         [{"name": name, "mountPath": in_pod} for name, _, in_pod in mounts]),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    if job.pod_resources:  # spec.resources: the Pod's own CPU and host memory (quotas count them)
-        container["resources"] = {kind: dict(v) for kind, v in job.pod_resources.items()}
+    # spec.resources: the Pod's own CPU and host memory (quotas count them); and its GPUs' resources, requested and
+    # limited alike (an extended resource is never overcommitted).
+    resources = {kind: dict(v) for kind, v in job.pod_resources.items()}
+    for kind in ("requests", "limits") if gpu_limits else ():
+        resources.setdefault(kind, {}).update(gpu_limits)
+    if resources:
+        container["resources"] = resources
     if job.job.command:
         # The SDK attaches the process to the node's agent, then execs the command (same PID: the agent's handle).
         container["command"] = ["python", "-m", "bubbles.sdk", "--exec", "--", *job.job.command]
@@ -206,18 +251,39 @@ def fill_pod(job: FillJobResource, a: Assignment, settings: FillPodSettings | No
         container["command"] = ["python", "-m", "bubbles.sdk", "--entry", str(job.job.entry)]
         if job.job.args:
             container["env"].append({"name": "BUBBLES_FILL_ARGS", "value": json.dumps(job.job.args)})
-    security: dict[str, Any] = {k: v for k, v in (("runAsUser", settings.run_as_user),
-                                                  ("runAsGroup", settings.run_as_group)) if v is not None}
     claims = bool(job.checkpoint_path and job.checkpoint_claim) or any(
         v.get("persistentVolumeClaim") for v in job.volumes)
-    if claims and settings.run_as_group is not None:
-        # The job runs as the agent's UID, not as whoever wrote its claims' files: the kubelet gives the claims' files
-        # to its group (once, where their root does not have it already) so that the job can write its results.
-        security.update(fsGroup=settings.run_as_group, fsGroupChangePolicy="OnRootMismatch")
-    # Both made by the node's agent before it reports the stage (the hook makes fills/ too): a Pod finds them there.
-    volumes: list[dict[str, Any]] = [{"name": name, "hostPath": {"path": on_node, "type": "Directory"}}
-                                     for name, on_node, _ in mounts]
-    if mps:
+    security: dict[str, Any]
+    if csi:
+        # Pod Security restricted: not root, the runtime's default seccomp profile (and, on the container, no
+        # capabilities and no privilege escalation). Its volume is its own, so any UID reaches the agent through it.
+        uid = settings.fill_run_as_user
+        security = {"runAsUser": uid, "runAsGroup": uid, "runAsNonRoot": True,
+                    "seccompProfile": {"type": "RuntimeDefault"}}
+        group: int | None = uid
+    else:
+        security = {k: v for k, v in (("runAsUser", settings.run_as_user),
+                                      ("runAsGroup", settings.run_as_group)) if v is not None}
+        group = settings.run_as_group
+    if claims and group is not None:
+        # The job runs as a UID of the operator's choosing, not as whoever wrote its claims' files: the kubelet gives
+        # the claims' files to its group (once, where their root does not have it already) so that the job can write
+        # its results. (The CSI volume is left alone: its CSIDriver says fsGroupPolicy None.)
+        security.update(fsGroup=group, fsGroupChangePolicy="OnRootMismatch")
+    volumes: list[dict[str, Any]]
+    if csi:
+        # The Pod's own directory on the node, published by the node's agent (the kubelet names the Pod to it).
+        volumes = [{"name": CSI_VOLUME, "csi": {"driver": nodeaccess.CSI_DRIVER,
+                                                "volumeAttributes": {nodeaccess.ROLE_KEY: nodeaccess.Role.FILL.value}}}]
+    else:
+        # Both made by the node's agent before it reports the stage (the hook makes fills/ too): a Pod finds them there.
+        volumes = [{"name": name, "hostPath": {"path": on_node, "type": "Directory"}} for name, on_node, _ in mounts]
+    if mps and csi:
+        # The MPS server's /dev/shm, in the Pod's volume too (the agent's bind mount of the node's directory): not host
+        # IPC, and no hostPath.
+        container["volumeMounts"].append({"name": CSI_VOLUME, "mountPath": mps_client.SHM_MOUNT,
+                                          "subPath": nodeaccess.POD_MPS_SHM_SUBDIR})
+    elif mps:
         # The agent's pipe directory, and its /dev/shm (a node directory the agent's Pod mounts there: the MPS server
         # keeps its shared state with its clients in /dev/shm). Not host IPC: the node's other IPC stays out.
         container["volumeMounts"] += [{"name": "mps-pipe", "mountPath": mps},

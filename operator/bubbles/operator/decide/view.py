@@ -16,12 +16,17 @@ from bubbles.core import mps_client
 from bubbles.core.api import FillJobSpec
 from bubbles.core.cycle import BubbleCycle
 from bubbles.core.identity import GpuKey
+from bubbles.core.nodeaccess import GpuAccess, NodeAccess
 from bubbles.core.paths import MOUNTED_RUN_DIR
 from bubbles.core.resources import JobProgress
 from bubbles.core.resources.schema import DNS_NAME_PATTERN
 
-# Where the fill Pod finds the node agent's sockets (a hostPath shared with the training's Pods).
+# Where the fill Pod finds the node agent's sockets: its own CSI volume (NodeAccess.CSI), or directories of the node's
+# run directory (NodeAccess.HOST_PATH).
 RUN_DIR = str(MOUNTED_RUN_DIR)
+# The UID fill Pods run as where they reach the agent through their CSI volume: non-root, as Pod Security restricted
+# wants, and no one's in particular (distroless images' "nonroot"); the agent's UID no longer matters to them.
+DEFAULT_FILL_RUN_AS_USER = 65532
 # A fill job whose step time is not given is planned with this until the agent measures it.
 PROVISIONAL_STEP_S = 1e-3
 
@@ -52,6 +57,9 @@ class GpuView:
     bubble_s: float = 0.0  # bubble time seen so far while harvesting
     filled_s: float = 0.0  # fill-step time inside those bubbles
     gpu_uuid: str | None = None  # the GPU's UUID, when the agent knows it (NVML)
+    # The extended resource that is this GPU (nodeaccess.resource_name), where the node's agent serves its device
+    # plugin (StageReport.gpu_resource); "" where it does not.
+    gpu_resource: str = ""
     training_membership: str = ""  # under MPS: "client", "not a client: ..." (resources.StageReport), or unknown ""
     tolerations: tuple[Mapping[str, Any], ...] = ()  # the training Pod's: it runs on the node, so they fit its taints
     rank: int = 0  # its index among its stage's ranks (identity.GpuKey)
@@ -125,8 +133,29 @@ class FillPodSettings:
     # operator.fillRuntimeClassName): where the NVIDIA container runtime is beside the node's default one (GPU Operator
     # with CDI, k3s).
     runtime_class: str | None = None
+    # How fill Pods reach the agent's sockets: their own CSI volume (no hostPath, any UID: Pod Security restricted), or
+    # the node's run directory by hostPath as the agent's UID (run_as_user, run_as_group: Pod Security privileged).
+    node_access: NodeAccess = NodeAccess.CSI
+    # How a fill Pod gets its GPU(s): by requesting each one's extended resource from the agent's device plugin (the
+    # kubelet applies it), or NVIDIA_VISIBLE_DEVICES=<UUID> (only where the NVIDIA runtime honours it).
+    gpu_access: GpuAccess = GpuAccess.DEVICE_PLUGIN
+    # The UID (and group, and fsGroup for claims) fill Pods run as in csi mode; not root. Under MPS it must be the
+    # trainings' UID: an MPS server serves one UID (the chart passes agent.runAsUser there).
+    fill_run_as_user: int = DEFAULT_FILL_RUN_AS_USER
 
     def __post_init__(self) -> None:
+        for what, enum_type, flag in (("node_access", NodeAccess, "--node-access"),
+                                      ("gpu_access", GpuAccess, "--fill-gpu-access")):
+            value = getattr(self, what)
+            try:
+                object.__setattr__(self, what, enum_type(value))
+            except ValueError:
+                raise ValueError(f"{flag} must be one of {', '.join(m.value for m in enum_type)}, got "
+                                 f"{value!r}") from None
+        if isinstance(self.fill_run_as_user, bool) or not isinstance(self.fill_run_as_user, int) \
+                or self.fill_run_as_user < 1:
+            raise ValueError(f"fill Pods' UID (--fill-run-as-user) must be a whole number of 1 or more, got "
+                             f"{self.fill_run_as_user!r}: Pod Security restricted refuses root (e.g. 65532)")
         for i, t in enumerate(self.tolerations):
             check_toleration(t, f"fill Pod toleration {i}")
         if self.runtime_class is not None and (len(self.runtime_class) > 253
@@ -213,6 +242,8 @@ class Assignment:
     # Every rank's GPU UUID, in ranks' order, where the agent knows them all (else (): the Pod sees no GPU); a
     # single-GPU job may leave it out and give gpu_uuid alone.
     gpu_uuids: tuple[str, ...] = ()
+    # Every rank's GPU resource (GpuView.gpu_resource), in ranks' order, where the agent reports them all (else ()).
+    gpu_resources: tuple[str, ...] = ()
 
     @property
     def uuids(self) -> tuple[str, ...]:
