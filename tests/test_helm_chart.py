@@ -292,6 +292,11 @@ def test_the_device_plugin_is_on_by_default_with_the_kubelets_directory_and_a_st
     assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
     assert {"name": "device-plugins", "hostPath": {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}} \
         in spec["volumes"]
+    # The kubelet's PodResources socket, read-only: the device plugin's PreStartContainer check asks it.
+    assert {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources", "readOnly": True} \
+        in c["volumeMounts"]
+    assert {"name": "pod-resources", "hostPath": {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}} \
+        in spec["volumes"]
     assert c["securityContext"] == {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
                                     "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"], "add": ["SETUID", "SETGID", "SETPCAP",
@@ -302,6 +307,20 @@ def test_the_device_plugin_is_on_by_default_with_the_kubelets_directory_and_a_st
     off = container(render({"agent": {"devicePlugin": {"enabled": False}}, "operator": {"fillGpuAccess": "envvar"}}),
                     "DaemonSet")
     assert not [a for a in off["args"] if "device-plugin" in a or "gpu-strategy" in a]
+
+
+def test_the_agent_takes_extra_volumes_and_mounts_and_refuses_a_mount_without_a_path() -> None:
+    """agent.extraVolumes and agent.extraVolumeMounts go into the agent's Pod as given (a driver library the node
+    keeps apart, say); a mount without an absolute mountPath is refused by the chart's schema, naming the field."""
+    lib = {"name": "nvml", "hostPath": {"path": "/opt/nvml", "type": "Directory"}}
+    mount = {"name": "nvml", "mountPath": "/opt/nvml", "readOnly": True}
+    spec = one(render({"agent": {"extraVolumes": [lib], "extraVolumeMounts": [mount]}}), "DaemonSet",
+               "-agent")["spec"]["template"]["spec"]
+    assert lib in spec["volumes"] and mount in spec["containers"][0]["volumeMounts"]
+    for bad in ({"extraVolumeMounts": [{"name": "nvml", "mountPath": "opt/nvml"}]},
+                {"extraVolumeMounts": [{"name": "nvml"}]}, {"extraVolumes": [{"hostPath": {"path": "/x"}}]}):
+        with pytest.raises(Exception, match="extraVolume"):
+            render({"agent": bad})
 
 
 @pytest.mark.parametrize(("version", "strategy"), [("v1.28.9", "volume-mounts"), ("v1.29.0", "cdi"),
