@@ -7,6 +7,14 @@ chart is installed with Helm's own engine (its Go SDK) with the values a CPU nod
 DeepSpeed pipeline (2 stages, gloo) in two Pods with the hook attached as the README tells users; the FillJob is
 the one in examples/cluster/. On a failure the cluster's state and the relevant logs are printed.
 
+Issue 36's way, as the chart installs by default: the trainings' namespace is labelled for Pod Security ``baseline``
+(the 1.20 API server has no Pod Security admission: every Pod made there is checked against the standard as written,
+``bubbles.operator.podsecurity``, at the end, the fill Pods against ``restricted``); no Pod there has a hostPath or
+a host namespace: the trainings and the fill Pods reach the agent through its CSI volume, run as UIDs other than the
+agent's (the trainings as TRAINING_UID, the fill Pods as the chart's fillRunAsUser), and the kubelet calls the agent's
+device plugin, which serves the node's GPUs as a stand-in NVML library names them (tests/helpers/fake_nvml.c: the node
+has no GPU).
+
 Skipped, saying why, where the node cannot run (not root, no apt-get); everything else is a failure.
 """
 
@@ -26,6 +34,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import fake_nvml
 from helpers.helm import chart_for_1_20
 from helpers.real_node import IMAGE_TAG, ROOT, ClusterUnavailable, RealNode, build_image, build_images, wait_for
 
@@ -34,9 +43,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3600)]
 NS = "ml"
 SYSTEM = "bubbles-system"
 RELEASE = "bubbles"
-UID = 1000  # the chart's agent.runAsUser: the trainings and fill Pods run as it too
+UID = 1000  # the chart's agent.runAsUser
+TRAINING_UID = 2000  # the trainings' Pods: any UID, not the agent's (the CSI volume is the Pod's own directory)
+FILL_UID = 65532  # the chart's operator.fillRunAsUser default: the fill Pods'
+# The node's GPUs as the agent's NVML sees them (a stand-in library: the node has none); the trainings run on CPU.
+FAKE_GPUS = ("GPU-0b5e1d2c-0000-4000-8000-00000000b001", "GPU-0b5e1d2c-0000-4000-8000-00000000b002")
 FILL_IMAGE = "docker.io/library/bubbles-fill-job:0.1.0"  # the name examples/cluster/ uses
 TRAINING = "llama-pp"
+HOSTPATH_NS = "ml-hostpath"  # the hostPath mode's Pods (Pod Security privileged), apart from the trainings' namespace
+PSA_LABELS = {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/enforce-version": "latest",
+              "pod-security.kubernetes.io/warn": "restricted", "pod-security.kubernetes.io/warn-version": "latest"}
 
 
 class Cluster:
@@ -120,8 +136,10 @@ def explained(cluster: Cluster) -> Iterator[None]:
 
 def chart_values(node: RealNode, run_dir: Path) -> dict[str, Any]:
     """What a user sets for this node: local images, its GPU label (faked: it has none), no MPS, the API
-    server's address for Pods (no kube-proxy here, so Service IPs do not route), and the CSI node plugin on, with
-    the kubelet's --root-dir (tools/node-from-debian.sh runs it with ``<state>/kubelet``).
+    server's address for Pods (no kube-proxy here, so Service IPs do not route), and the kubelet's --root-dir
+    (tools/node-from-debian.sh runs it with ``<state>/kubelet``) for the CSI node plugin and the device plugin, which
+    the chart turns on by default (nodeAccess csi; the device plugin's strategy auto: volume-mounts on 1.20). For this
+    test alone: the stand-in NVML library (``fake_nvml``) mounted into the agent, naming FAKE_GPUS.
 
     And a grace of 200 ms, not the default 50: two cores run the node's control plane, both training ranks, the fill
     Pods and, in the fault tests, a new operator or agent Pod starting up. A fill process descheduled for 50 ms past
@@ -134,15 +152,24 @@ def chart_values(node: RealNode, run_dir: Path) -> dict[str, Any]:
         "image": {"registry": "localhost", "tag": IMAGE_TAG, "pullPolicy": "Never"},
         "operator": {"interval": 1, "extraEnv": api, "agentDownAfter": 10},
         "agent": {"isolation": "contexts", "runDir": str(run_dir), "runAsUser": UID, "runAsGroup": UID,
-                  "graceMs": 200, "csi": {"enabled": True, "kubeletDir": str(node.state / "kubelet")}},
+                  "graceMs": 200, "csi": {"kubeletDir": str(node.state / "kubelet")},
+                  "extraVolumes": [{"name": "fake-nvml", "hostPath": {"path": str(fake_nvml_dir(node)),
+                                                                     "type": "Directory"}}],
+                  "extraVolumeMounts": [{"name": "fake-nvml", "mountPath": "/opt/fake-nvml", "readOnly": True}],
+                  "extraEnv": [{"name": "LD_LIBRARY_PATH", "value": "/opt/fake-nvml"},
+                               {"name": fake_nvml.UUIDS_ENV, "value": ",".join(FAKE_GPUS)}]},
     }
 
 
-def training_pod(rank: int, master: str, iterations: int, out: Path, run_dir: Path, hook: bool = True,
-                 name: str = TRAINING) -> dict[str, Any]:
+def fake_nvml_dir(node: RealNode) -> Path:
+    return node.state / "fake-nvml"
+
+
+def training_pod(rank: int, master: str, iterations: int, hook: bool = True, name: str = TRAINING) -> dict[str, Any]:
     """One stage of the demo's DeepSpeed pipeline as a Pod: examples/cluster/training-pod.yaml (what the docs tell
-    users a training Pod needs: the node's run directory at /run/bubbles, the Pod's name and namespace, the agent's
-    UID) with the demo's command, rendezvous and output directory.
+    users a training Pod needs: the agent's CSI volume at /run/bubbles, the Pod's name and namespace) with the demo's
+    command, rendezvous, a UID of its own (TRAINING_UID, not the agent's) and an output directory (an emptyDir, read
+    from the node: ``out_dir``).
 
     Each layer sleeps 1 ms in its forward (2 in its backward) besides its CPU work: it stands in for GPU kernels, so
     the stages' times, and so their bubbles, do not depend on how 2 cores are shared. ``/out/stop`` ends the run
@@ -150,7 +177,7 @@ def training_pod(rank: int, master: str, iterations: int, out: Path, run_dir: Pa
     pod = yaml.safe_load((ROOT / "examples" / "cluster" / "training-pod.yaml").read_text())
     pod["metadata"].update(name=f"{name}-{rank}", namespace=NS, labels={"app": name})
     spec = pod["spec"]
-    assert spec["securityContext"]["runAsUser"] == UID
+    spec["securityContext"].update(runAsUser=TRAINING_UID, runAsGroup=TRAINING_UID)
     (c,) = spec["containers"]
     c["image"], c["imagePullPolicy"] = FILL_IMAGE, "Never"
     c["command"] = ["python", "-m", "bubbles.demo.train", "--phases", f"harvest:{iterations}", "--out", "/out",
@@ -163,24 +190,26 @@ def training_pod(rank: int, master: str, iterations: int, out: Path, run_dir: Pa
     c["env"] += [{"name": "RANK", "value": str(rank)}, {"name": "LOCAL_RANK", "value": "0"},
                  {"name": "WORLD_SIZE", "value": "2"}, {"name": "MASTER_PORT", "value": "29500"},
                  {"name": "MASTER_ADDR", **master_addr}, {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"},
-                 {"name": "OMP_NUM_THREADS", "value": "1"}]
+                 {"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "HOME", "value": "/tmp"}]
     c["volumeMounts"].append({"name": "out", "mountPath": "/out"})
     (run,) = spec["volumes"]
-    run["hostPath"]["path"] = str(run_dir)  # this node's agent.runDir
-    spec["volumes"].append({"name": "out", "hostPath": {"path": str(out), "type": "Directory"}})
+    assert run["csi"] == {"driver": CSI_DRIVER, "volumeAttributes": {"role": "training"}}
+    spec["volumes"].append({"name": "out", "emptyDir": {}})
     return pod
 
 
-def start_training(node: RealNode, iterations: int, out: Path, run_dir: Path, hook: bool = True,
-                   name: str = TRAINING) -> None:
-    """Rank 0 first (its Pod IP is the rendezvous address), then rank 1 pointed at it."""
-    import os
+def out_dir(node: RealNode, pod: str) -> Path:
+    """The node directory of Pod ``pod``'s /out (its emptyDir, in the kubelet's directory): what the training wrote,
+    and where a stop file reaches it."""
+    uid = node.get("pod", "-n", NS, pod)["metadata"]["uid"]
+    return node.state / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / "out"
 
-    out.mkdir(parents=True, exist_ok=True)
-    os.chown(out, UID, UID)
-    node.apply(training_pod(0, "", iterations, out, run_dir, hook, name))
+
+def start_training(node: RealNode, iterations: int, hook: bool = True, name: str = TRAINING) -> None:
+    """Rank 0 first (its Pod IP is the rendezvous address), then rank 1 pointed at it."""
+    node.apply(training_pod(0, "", iterations, hook, name))
     ip = wait_for(f"{name}-0's Pod IP", lambda: node.get("pod", "-n", NS, f"{name}-0")["status"].get("podIP"), 120)
-    node.apply(training_pod(1, ip, iterations, out, run_dir, hook, name))
+    node.apply(training_pod(1, ip, iterations, hook, name))
 
 
 def node_and_images(state: Path) -> tuple[RealNode, dict[str, str], dict[str, float]]:
@@ -247,9 +276,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         node, images, timeline = node_and_images(state)
         # The node has no GPU; the label NVIDIA's feature discovery would set is what the agent DaemonSet selects.
         node.kubectl("label", "node", node.name, "nvidia.com/gpu.present=true", "--overwrite")
-        node.kubectl("create", "namespace", NS)
-        run_dir, out_dir = state / "run", state / "out"
-        c = Cluster(node, images, run_dir, out_dir)
+        # The trainings' namespace as a platform team sets it: Pod Security baseline enforced, restricted warned of.
+        # 1.20 has no Pod Security admission: test_every_pod_in_the_trainings_namespace_meets_pod_security checks.
+        node.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS, "labels": PSA_LABELS}})
+        try:
+            fake_nvml.build(fake_nvml_dir(node))
+        except fake_nvml.NoCompiler as exc:
+            pytest.skip(f"CLUSTER TIER SKIPPED: {exc}")
+        run_dir = state / "run"
+        c = Cluster(node, images, run_dir, state / "out")
         c.timeline.update(timeline)
         with explained(c):
             config = helm.Config(kubeconfig_path=str(node.kubeconfig), namespace=SYSTEM)
@@ -378,6 +413,55 @@ def test_the_kubelet_publishes_and_unpublishes_the_agents_csi_volume(cluster: Cl
         assert not (pods_dir / bad_uid).exists()  # a refused publish leaves nothing behind
         node.kubectl("delete", "pod", "-n", NS, "csi-wrong-role", "--timeout=120s")
 
+        # A Pod of no FillJob asking for a fill Pod's volume (to reach the agent as a fill job would): refused.
+        node.apply(csi_pod("csi-not-a-fill-pod", "fill", ["python", "-c", "print('never')"]))
+
+        def refused_fill() -> str | None:
+            events = node.get("events", "-n", NS, "--field-selector", "involvedObject.name=csi-not-a-fill-pod")["items"]
+            return next((e["message"] for e in events if e["reason"] == "FailedMount"), None)
+
+        message = wait_for("FailedMount on csi-not-a-fill-pod", refused_fill, 120)
+        assert f"Pod {NS}/csi-not-a-fill-pod is not a fill Pod" in message, message
+        node.kubectl("delete", "pod", "-n", NS, "csi-not-a-fill-pod", "--timeout=120s")
+
+
+def test_the_kubelet_calls_the_agents_device_plugin_and_it_refuses_a_pod_of_no_fill_job(cluster: Cluster) -> None:
+    """The agent's device plugin under the real 1.20 kubelet: registered, each GPU of the node (the stand-in NVML's)
+    advertised as its own resource with the chart's fill slots; a Pod that requests one without being a FillJob's
+    fill Pod is admitted by the kubelet (Allocate is not told the Pod) but its container does not start: the
+    plugin's PreStartContainer asks the kubelet's PodResources API whose Pod it is and refuses, with the reason."""
+    node = cluster.node
+    with explained(cluster):
+        def advertised() -> dict[str, str] | None:
+            allocatable = node.get("node", node.name)["status"].get("allocatable", {})
+            mine = {k: v for k, v in allocatable.items() if k.startswith("bubbles.dev/")}
+            return mine if len(mine) == len(FAKE_GPUS) else None
+
+        assert wait_for("the kubelet to list the agent's GPU resources", advertised, 120) == {
+            f"bubbles.dev/gpu-{i}": "4" for i in range(len(FAKE_GPUS))}
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "gpu-squatter", "namespace": NS, "labels": {"bubbles-test": "device-plugin"}},
+               "spec": {"restartPolicy": "Never", "nodeName": node.name,
+                        "securityContext": {"runAsUser": TRAINING_UID, "runAsNonRoot": True,
+                                            "seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [{"name": "c", "image": FILL_IMAGE, "imagePullPolicy": "Never",
+                                        "command": ["python", "-c", "print('ran on a training GPU')"],
+                                        "securityContext": {"allowPrivilegeEscalation": False,
+                                                            "capabilities": {"drop": ["ALL"]}},
+                                        "resources": {"limits": {"bubbles.dev/gpu-0": "1"}}}]}}
+        node.apply(pod)
+
+        def refusal() -> str | None:
+            events = node.get("events", "-n", NS, "--field-selector", "involvedObject.name=gpu-squatter")["items"]
+            return next((e["message"] for e in events if "only FillJobs' Pods" in e.get("message", "")), None)
+
+        message = wait_for("gpu-squatter's container refused", refusal, 120)
+        assert "gpu-squatter" in message and "bubbles.dev/gpu-0" in message, message
+        status = node.get("pod", "-n", NS, "gpu-squatter")["status"]
+        assert status.get("phase") != "Succeeded", status
+        assert "ran on a training GPU" not in node.kubectl("logs", "-n", NS, "gpu-squatter", check=False).stdout
+        node.kubectl("delete", "pod", "-n", NS, "gpu-squatter", "--timeout=120s")
+
 
 def _run_to_end(node: RealNode, pod: dict[str, Any]) -> str:
     """Create ``pod``, wait for it to end, delete it; its log (it must have succeeded)."""
@@ -399,10 +483,14 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
     (the chart's DaemonSet spec) and a fill Pod (the operator's ``fill_pod``) must see the same /dev/shm, without
     host IPC, and a Pod without the mount must not. The Pods are the chart's and the operator's own specs, with
     only the command replaced (this node has no GPU, so no MPS daemon: what is checked is what the kubelet mounts).
-    """
+
+    The fill Pod is the hostPath mode's (nodeAccess hostPath, in a namespace of its own that allows privileged Pods):
+    in csi mode the agent bind-mounts the same directories into the Pod's CSI volume, which tests/test_csi_mps.py
+    checks with real mounts (this node's agent runs the contexts isolation, not MPS)."""
     from helpers.helm import render
     from helpers.operator import fill_job, stage, step
 
+    from bubbles.core.nodeaccess import GpuAccess, NodeAccess
     from bubbles.operator.decide import FillPodSettings
 
     node, base = cluster.node, cluster.run_dir.parent
@@ -435,10 +523,14 @@ def test_mps_pods_share_the_agents_shm_directory_and_no_other_pod_sees_it(cluste
                               "print('daemon-saw', open('/dev/shm/from-agent').read())"]
     daemon_probe = {"apiVersion": "v1", "kind": "Pod", "spec": daemon_spec, "metadata": {
         "name": "mps-daemon-probe", "namespace": SYSTEM, "labels": {"bubbles-test": "mps-shm"}}}
-    settings = FillPodSettings(str(cluster.run_dir), UID, UID, str(pipe), mps_shm_dir=str(shm))
+    settings = FillPodSettings(str(cluster.run_dir), UID, UID, str(pipe), mps_shm_dir=str(shm),
+                               node_access=NodeAccess.HOST_PATH, gpu_access=GpuAccess.ENVVAR)
     (fill,) = step([fill_job("mps-probe", image=FILL_IMAGE)], [stage(node=node.name, gpu_uuid="GPU-probe")],
                    fill_pods=settings).create_pods
     fill["metadata"].pop("ownerReferences")  # no FillJob here: the garbage collector would delete the Pod
+    fill["metadata"]["namespace"] = HOSTPATH_NS
+    node.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": HOSTPATH_NS, "labels": {
+        "pod-security.kubernetes.io/enforce": "privileged"}}})
     fill_spec = fill["spec"]
     assert "hostIPC" not in fill_spec
     (c,) = fill_spec["containers"]
@@ -498,8 +590,14 @@ REFERENCE_ITERATIONS = 60
 
 @dataclass
 class Trainings:
+    """Where rank 0 of each training writes (its /out): each rank's record is in its own Pod's emptyDir."""
+
     harvest_out: Path
     reference_out: Path
+
+    @staticmethod
+    def record(node: RealNode, name: str, rank: int) -> dict[str, Any]:
+        return dict(json.loads((out_dir(node, f"{name}-{rank}") / f"rank-{rank}.json").read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -507,10 +605,10 @@ def trainings(cluster: Cluster) -> Trainings:
     """The training with the hook (runs until told to stop) and its PipelineTraining, profiled; beside it the same
     training without the hook, for the loss comparison (its own Pods, nothing selects them)."""
     node = cluster.node
-    t = Trainings(cluster.out_dir / "harvest", cluster.out_dir / "reference")
     with explained(cluster):
-        start_training(node, 100_000, t.harvest_out, cluster.run_dir)
-        start_training(node, REFERENCE_ITERATIONS, t.reference_out, cluster.run_dir, hook=False, name=REFERENCE)
+        start_training(node, 100_000)
+        start_training(node, REFERENCE_ITERATIONS, hook=False, name=REFERENCE)
+        t = Trainings(out_dir(node, f"{TRAINING}-0"), out_dir(node, f"{REFERENCE}-0"))
         pt = yaml.safe_load((ROOT / "examples" / "cluster" / "pipelinetraining.yaml").read_text())
         pt["metadata"]["namespace"] = NS
         # The training's slowdown budget, which reaches the agent's guard with each assignment: the demo training's
@@ -770,8 +868,8 @@ def test_the_trainings_loss_is_bit_identical_to_a_run_without_bubbles_and_its_sl
             wait_for(f"{name}'s Pods to complete", lambda name=name: all(
                 node.get("pod", "-n", NS, f"{name}-{r}")["status"]["phase"] == "Succeeded" for r in (0, 1)), 600, 2)
         for rank in (0, 1):
-            harvest = json.loads((trainings.harvest_out / f"rank-{rank}.json").read_text())
-            reference = json.loads((trainings.reference_out / f"rank-{rank}.json").read_text())
+            harvest = trainings.record(node, TRAINING, rank)
+            reference = trainings.record(node, REFERENCE, rank)
             assert harvest["hook"] and not reference["hook"]
             n = len(reference["losses"])
             assert n == REFERENCE_ITERATIONS + 7 and len(harvest["losses"]) > n, (n, len(harvest["losses"]))
@@ -788,10 +886,7 @@ def test_a_training_pod_with_two_ranks_of_a_stage_has_both_ranks_filled(cluster:
     ranks under torchrun, as a node of a tensor-parallel training does. Every rank's hook reports its own GPU, the
     PipelineTraining's status lists the four, and two FillJobs pinned to stage 1 run one on each of its ranks."""
     node = cluster.node
-    out = cluster.out_dir / "tp"
-    out.mkdir(parents=True, exist_ok=True)
-    os.chown(out, UID, UID)
-    pod = training_pod(0, "", 100_000, out, cluster.run_dir, name=TP_TRAINING)
+    pod = training_pod(0, "", 100_000, name=TP_TRAINING)
     pod["metadata"]["name"] = TP_TRAINING
     (c,) = pod["spec"]["containers"]
     train = c["command"][3:]  # after "python -m bubbles.demo.train"
@@ -829,6 +924,7 @@ def test_a_training_pod_with_two_ranks_of_a_stage_has_both_ranks_filled(cluster:
         placed = sorted(tuple(obj["status"]["assignment"]["ranks"]) for obj in done)
         assert placed == [(0,), (1,)], placed  # one job on each GPU of the stage
         assert {obj["status"]["assignment"]["stage"] for obj in done} == {1}
+        out = out_dir(node, TP_TRAINING)
         (out / "stop").touch()
         wait_for(f"{TP_TRAINING} to complete", lambda: node.get("pod", "-n", NS, TP_TRAINING)["status"]["phase"]
                  == "Succeeded", 600, 2)
@@ -836,6 +932,30 @@ def test_a_training_pod_with_two_ranks_of_a_stage_has_both_ranks_filled(cluster:
         assert sorted((r["stage"], r["stage_rank"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert all(r["stats"]["bubbles_signalled"] > 0 and not r["stats"]["disabled"] for r in records)
         assert len({tuple(r["losses"]) for r in records if r["stage"] == 1}) == 1  # the model-parallel ranks agree
+
+
+def test_every_pod_in_the_trainings_namespace_meets_pod_security(cluster: Cluster) -> None:
+    """The namespace is labelled for Pod Security baseline (enforced) and restricted (warned of); 1.20's API server
+    has no Pod Security admission, so every Pod the run left there (the trainings', the fill Pods the operator
+    made, the tests' own) is checked against the standard as written: every one meets baseline, and every fill Pod
+    restricted. None mounts a hostPath, none runs as the agent's UID but the tests' own probes."""
+    from bubbles.operator import podsecurity
+
+    node = cluster.node
+    pods = node.get("pods", "-n", NS)["items"]
+    fill = [p for p in pods if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "fill-job"]
+    trainings = [p for p in pods if p["metadata"]["name"].startswith((TRAINING, REFERENCE, TP_TRAINING))]
+    assert fill and len(trainings) >= 4, [p["metadata"]["name"] for p in pods]
+    below = {p["metadata"]["name"]: podsecurity.check(p).summary() for p in pods
+             if not podsecurity.check(p).meets("baseline")}
+    assert not below, below
+    not_restricted = {p["metadata"]["name"]: podsecurity.check(p).summary() for p in fill
+                      if not podsecurity.check(p).meets("restricted")}
+    assert not not_restricted, not_restricted
+    for p in (*fill, *trainings):
+        assert not [v for v in p["spec"].get("volumes", []) if "hostPath" in v], p["metadata"]["name"]
+        assert p["spec"]["securityContext"].get("runAsUser") != UID, p["metadata"]["name"]
+    assert {p["spec"]["securityContext"]["runAsUser"] for p in fill} == {FILL_UID}
 
 
 def test_a_real_prometheus_scrapes_the_pods_and_every_dashboard_query_has_data(cluster: Cluster) -> None:
