@@ -12,7 +12,8 @@ spec file, an invalid spec,
 with a message saying what to fix.
 
 ``--cluster --csi`` also serves the CSI node plugin ``csi.bubbles.dev`` and registers it with the kubelet
-(``bubbles.agent.csi``; issue 36, step 1: nothing uses it yet).
+(``bubbles.agent.csi``), and the node agent reads the hook cards of training Pods in their own volumes' directories.
+``--cluster --device-plugin`` serves each GPU as an extended resource, which the agent's reports name per GPU.
 
 Isolation (``--isolation contexts|mps|none``, docs/gpu.md) fails closed: while the chosen mode does
 not work, fill jobs wait and the status says why, unless ``--allow-unisolated`` is given.
@@ -25,15 +26,18 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bubbles.core.api import FillMode, IsolationMode
+from bubbles.core.nodeaccess import resource_name
 
 from .config import AgentConfig, ClusterSettings
 from .deviceplugin.decide import GpuStrategy
 
 if TYPE_CHECKING:
+    from .deviceplugin.decide import NodeGpu
     from .deviceplugin.shell import DevicePlugins
 
 
@@ -109,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cl.add_argument("--gpus", default=None, metavar="LIST",
                     help="GPU-<uuid>=cuda:N entries, comma-separated, where NVML is not available (default: NVML)")
     cl.add_argument("--csi", action="store_const", const=True, default=None,
-                    help="step 1 of issue 36: serves the CSI node plugin csi.bubbles.dev (each Pod's inline volume "
+                    help="serves the CSI node plugin csi.bubbles.dev (each Pod's inline volume "
                          "is <run-dir>/_pods/<pod uid>/, bind-mounted) and registers it with the kubelet; the chart "
                          "passes it with agent.csi.enabled (default off; docs/agent.md)")
     cl.add_argument("--kubelet-dir", type=Path, default=None, metavar="DIR",
@@ -241,33 +245,56 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
 
     log = logging.getLogger("bubbles.agent")
     gpus = dict(cluster.gpus) or discover_gpus()
-    node = NodeAgent(ClusterConfig(cluster.node, template, gpus))
+    # The device plugin and the CSI node plugin's book come first: the node agent's first scan reads the training
+    # Pods' directories the book names (an agent restarted finds the running trainings again), and its reports
+    # name each GPU's resource from the start.
+    plugins = None
+    if cluster.device_plugin is not None:
+        try:
+            plugins = start_device_plugin(cluster)
+        except OSError as exc:
+            return _fail(str(exc))
+    csi_plugin = None
+    if cluster.csi is not None:
+        from .csi.plugin import CsiNodePlugin
+
+        csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, cluster.csi.kubelet_dir)
+        try:
+            csi_plugin.start()
+        except OSError as exc:
+            if plugins is not None:
+                plugins.stop()
+            return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
+    node = NodeAgent(ClusterConfig(cluster.node, template, gpus),
+                     pods=csi_plugin.published if csi_plugin is not None else None,
+                     gpu_resources=device_plugin_resources(plugins) if plugins is not None else None)
     security = ServerSecurity(cluster.tls_cert, cluster.tls_key, cluster.client_ca, cluster.token_file)
     try:
         node.start()
     except OSError as exc:
+        if plugins is not None:
+            plugins.stop()
         return _fail(f"cannot bind the attach socket under {template.run_dir}: {exc}")
     if template.metrics:
         try:
             node.serve_metrics(template.metrics_port, template.metrics_addr)
         except OSError as exc:
             node.stop()
+            if plugins is not None:
+                plugins.stop()
             return _fail(f"cannot serve metrics on {template.metrics_addr}:{template.metrics_port}: {exc}")
     csi_server = None
-    if cluster.csi is not None:
+    if csi_plugin is not None:
         from .csi import csi_socket, registration_socket
-        from .csi.plugin import CsiNodePlugin
         from .csi.server import serve as serve_csi
 
-        kubelet_dir = cluster.csi.kubelet_dir
-        # Not yet read by the node agent: the next step of issue 36 asks csi_plugin.published() whose directory is
-        # whose.
-        csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, kubelet_dir)
+        kubelet_dir = csi_plugin.kubelet_dir
         try:
-            csi_plugin.start()
             csi_server = serve_csi(csi_plugin, csi_socket(kubelet_dir), registration_socket(kubelet_dir))
         except OSError as exc:
             node.stop()
+            if plugins is not None:
+                plugins.stop()
             return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
     try:
         server = serve(node, cluster.listen, security, health_address=cluster.health_listen,
@@ -275,16 +302,10 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     except (SecurityError, OSError) as exc:
         if csi_server is not None:
             csi_server.stop()
+        if plugins is not None:
+            plugins.stop()
         node.stop()
         return _fail(str(exc))
-    plugins = None
-    if cluster.device_plugin is not None:
-        try:
-            plugins = start_device_plugin(cluster)
-        except OSError as exc:
-            server.stop(0)
-            node.stop()
-            return _fail(str(exc))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -298,6 +319,18 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     server.stop()
     node.stop()
     return 0
+
+
+def gpu_resources(gpus: Iterable[NodeGpu]) -> dict[str, str]:
+    """{GPU UUID: the extended resource the device plugin serves it as} (``nodeaccess.resource_name`` of its index):
+    what the node agent reports as each GPU's ``gpu_resource``. A GPU NVML no longer answers for keeps its resource
+    (the plugin keeps advertising it, its slots unhealthy)."""
+    return {g.uuid: resource_name(g.index) for g in gpus}
+
+
+def device_plugin_resources(plugins: DevicePlugins) -> Callable[[], dict[str, str]]:
+    """``gpu_resources`` of the device plugin's GPUs as it knows them at each call (it looks at the node again)."""
+    return lambda: gpu_resources(plugins.gpus)
 
 
 def start_device_plugin(cluster: ClusterSettings) -> DevicePlugins:
