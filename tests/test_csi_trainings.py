@@ -211,6 +211,24 @@ def test_a_removed_pod_directory_is_not_made_again_and_a_replacement_pod_takes_t
         n.stop()
 
 
+def test_a_link_a_pod_put_in_place_of_fills_is_not_followed(run: Path) -> None:
+    """The agent is root on the node: a Pod's fills/ made a link to a node directory must not have the agent chmod
+    (or chown, or bind in) that directory; the GPU is not served instead."""
+    v = volume(run)
+    write_card(Path(v.directory))
+    victim = run.parent / "victim"
+    victim.mkdir(mode=0o755)
+    os.chmod(victim, 0o755)
+    fills = paths.fills_dir(v.directory, gpu(namespace="ml"))
+    fills.symlink_to(victim)
+    n = node_agent(run, [v])
+    try:
+        assert (os.stat(victim).st_mode & 0o777) == 0o755 and list(victim.iterdir()) == []
+        assert n.report().stages == ()
+    finally:
+        n.stop()
+
+
 def test_an_agent_whose_gpu_directory_is_gone_binds_nothing_and_makes_nothing(run: Path) -> None:
     template = AgentConfig(run_dir=run, training=TRAINING, namespace="ml",
                            isolation=IsolationConfig(mode=IsolationMode.NONE), metrics=False)

@@ -99,24 +99,20 @@ def _served_by_name(directory: Path) -> tuple[int, int] | None:
     return None
 
 
-def _make_dir(path: Path) -> None:
-    """``path`` as a directory of mode 0700, its parent not made (``paths.make_private_dir`` makes parents)."""
-    path.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-def _give(path: Path, owner: os.stat_result) -> None:
-    """Chown ``path`` (not followed) to the owner of ``owner``'s file where that is not this process's user."""
+def _give(name: str, dir_fd: int, owner: os.stat_result) -> None:
+    """Chown ``name`` in the directory ``dir_fd`` (not followed) to the owner of ``owner``'s file where that is not
+    this process's user."""
     if owner.st_uid != os.geteuid():
-        os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
+        os.chown(name, owner.st_uid, owner.st_gid, dir_fd=dir_fd, follow_symlinks=False)
 
 
-def _mark_changed(directory: Path) -> None:
-    """Move ``directory``'s mtime on by a nanosecond past what it is. The hook lists its directory again only when
-    the mtime changed, and a file system stamps it from a coarse clock (a tick of a few ms): a socket bound in the
-    tick in which the hook last listed the directory would not be seen until something else changed there."""
-    st = os.stat(directory)
-    os.utime(directory, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+def _mark_changed(dir_fd: int) -> None:
+    """Move the directory ``dir_fd``'s mtime on by a nanosecond past what it is. The hook lists its directory again
+    only when the mtime changed, and a file system may stamp it from a coarse clock (a tick of a few ms): a socket
+    renamed in within the tick in which the hook last listed the directory would not be seen until something else
+    changed there."""
+    st = os.fstat(dir_fd)
+    os.utime(dir_fd, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
 
 
 def process_alive(pid: int) -> bool | None:
@@ -385,42 +381,53 @@ class Agent:
             raise OSError(problem)
         if self.discovering:
             paths.make_private_dir(path.parent)
-        else:
-            os.chmod(path.parent, 0o700)  # as make_private_dir tightens a directory that exists
-        owner = os.stat(path.parent)
-        # Where the GPU's fill jobs bind their sockets: made here too, for a training whose hook predates it
-        # (a fill Pod's mount of it must find it there).
-        fills = ex.directory / paths.FILLS_DIR_NAME
-        made_fills = not fills.exists()
-        if self.discovering:
-            paths.make_private_dir(fills)
-        else:
-            _make_dir(fills)
-        if made_fills:
-            _give(fills, owner)
-        # Bound under a name the hook does not list (not *.sock), given to its owner, then renamed into place: the
-        # hook lists its directory when it changes and greets a socket it finds once; one it found still root's would
-        # refuse the greeting (EACCES), be dropped, and a chown after changes nothing the hook looks at. The rename
-        # also replaces an earlier agent's socket in one step.
-        binding = ex.directory / _BINDING_NAME
-        with contextlib.suppress(FileNotFoundError):
-            binding.unlink()
+        # Everything below goes through a descriptor of the directory, not through its path again, and follows no
+        # link put in the place of the directory or of fills/: a training Pod owns its directory, and the agent, root
+        # on the node, must not chmod, chown or bind where such a link points (the cluster agent has checked, as it
+        # read the card, that the directory's path resolves inside the Pod's volume).
+        dir_fd = os.open(ex.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
+            os.fchmod(dir_fd, 0o700)  # as make_private_dir tightens a directory that exists
+            owner = os.fstat(dir_fd)
+            # Where the GPU's fill jobs bind their sockets: made here too, for a training whose hook predates it
+            # (a fill Pod's mount of it must find it there).
+            try:
+                os.mkdir(paths.FILLS_DIR_NAME, 0o700, dir_fd=dir_fd)
+                _give(paths.FILLS_DIR_NAME, dir_fd, owner)
+            except FileExistsError:
+                pass
+            fills_fd = os.open(paths.FILLS_DIR_NAME, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               dir_fd=dir_fd)
+            try:
+                os.fchmod(fills_fd, 0o700)
+            finally:
+                os.close(fills_fd)
+            # Bound under a name the hook does not list (not *.sock), given to its owner, then renamed into place:
+            # the hook lists its directory when it changes and greets a socket it finds once; one it found still
+            # root's would refuse the greeting (EACCES), be dropped, and a chown after changes nothing the hook looks
+            # at. The rename also replaces an earlier agent's socket in one step.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_BINDING_NAME, dir_fd=dir_fd)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             # The kernel attaches each sender's credentials, its PID named in this agent's PID namespace (a training
             # in a Pod included: the node agent has the host's), with no change on the hook's side.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-            s.bind(str(binding))
-            _give(binding, owner)
-            os.replace(binding, path)
-            _mark_changed(path.parent)
+            s.bind(f"/proc/self/fd/{dir_fd}/{_BINDING_NAME}")  # in the directory opened, whatever its path is now
+            try:
+                _give(_BINDING_NAME, dir_fd, owner)
+                os.replace(_BINDING_NAME, paths.AGENT_SOCKET_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(_BINDING_NAME, dir_fd=dir_fd)
+                raise
+            _mark_changed(dir_fd)
             s.setblocking(False)
         except OSError:
             s.close()
-            with contextlib.suppress(OSError):
-                binding.unlink()
             raise
+        finally:
+            os.close(dir_fd)
         self._socks[ex.key] = s
         self._sel.register(s, selectors.EVENT_READ, lambda _m, k=ex.key: self._on_datagrams(k))
 
