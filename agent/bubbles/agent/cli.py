@@ -12,11 +12,12 @@ spec file, an invalid spec,
 with a message saying what to fix.
 
 ``--cluster --csi`` also serves the CSI node plugin ``csi.bubbles.dev`` and registers it with the kubelet
-(``bubbles.agent.csi``; issue 36): a fill Pod's volume is published only for the operator's assigned fill Pods, and
-carries the Pod's own attach socket; with ``--isolation mps`` every Pod's volume also carries the MPS pipe directory
-and the agent's /dev/shm (at ``mps/pipe``, ``mps/shm``). ``--cluster --device-plugin`` serves each GPU as an
-extended resource (``bubbles.agent.deviceplugin``), and lets a container holding one start only if the kubelet's
-PodResources API (``--pod-resources-socket``) says its Pod is a fill Pod assigned that GPU.
+(``bubbles.agent.csi``; issue 36): the node agent reads the hook cards of training Pods in their own volumes'
+directories; a fill Pod's volume is published only for the operator's assigned fill Pods, and carries the Pod's own
+attach socket; with ``--isolation mps`` every Pod's volume also carries the MPS pipe directory and the agent's
+/dev/shm (at ``mps/pipe``, ``mps/shm``). ``--cluster --device-plugin`` serves each GPU as an extended resource
+(``bubbles.agent.deviceplugin``), which the agent's reports name per GPU, and lets a container holding one start only
+if the kubelet's PodResources API (``--pod-resources-socket``) says its Pod is a fill Pod assigned that GPU.
 
 Isolation (``--isolation contexts|mps|none``, docs/gpu.md) fails closed: while the chosen mode does
 not work, fill jobs wait and the status says why, unless ``--allow-unisolated`` is given.
@@ -29,18 +30,21 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bubbles.core.api import FillMode, IsolationMode
+from bubbles.core.nodeaccess import resource_name
 
 from .config import AgentConfig, ClusterSettings
 from .deviceplugin.decide import GpuStrategy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from .csi.publish import MpsDirs
+    from .deviceplugin.decide import NodeGpu
     from .deviceplugin.guard import FillPodGpus
     from .deviceplugin.shell import DevicePlugins
 
@@ -117,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cl.add_argument("--gpus", default=None, metavar="LIST",
                     help="GPU-<uuid>=cuda:N entries, comma-separated, where NVML is not available (default: NVML)")
     cl.add_argument("--csi", action="store_const", const=True, default=None,
-                    help="step 1 of issue 36: serves the CSI node plugin csi.bubbles.dev (each Pod's inline volume "
+                    help="serves the CSI node plugin csi.bubbles.dev (each Pod's inline volume "
                          "is <run-dir>/_pods/<pod uid>/, bind-mounted) and registers it with the kubelet; the chart "
                          "passes it with agent.csi.enabled (default off; docs/agent.md)")
     cl.add_argument("--kubelet-dir", type=Path, default=None, metavar="DIR",
@@ -254,38 +258,69 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
 
     log = logging.getLogger("bubbles.agent")
     gpus = dict(cluster.gpus) or discover_gpus()
-    node = NodeAgent(ClusterConfig(cluster.node, template, gpus))
+    # The device plugin and the CSI node plugin's book come first: the node agent's first scan reads the training
+    # Pods' directories the book names (an agent restarted finds the running trainings again), and its reports
+    # name each GPU's resource from the start. Both ask the node agent later (which fill Pods are assigned where):
+    # through ``agents``, filled once it exists; until then no container holding a GPU's slot starts.
+    agents: list[NodeAgent] = []
+    plugins = None
+    if cluster.device_plugin is not None:
+        try:
+            plugins = start_device_plugin(cluster, lambda: agents[0].fill_pod_gpus() if agents else ())
+        except OSError as exc:
+            return _fail(str(exc))
+    csi_plugin = None
+    if cluster.csi is not None:
+        from .csi.plugin import CsiNodePlugin
+
+        try:
+            csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, cluster.csi.kubelet_dir,
+                                       mps=csi_mps_dirs(template))
+        except ValueError as exc:
+            if plugins is not None:
+                plugins.stop()
+            return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
+    node = NodeAgent(ClusterConfig(cluster.node, template, gpus),
+                     pods=csi_plugin.published if csi_plugin is not None else None,
+                     gpu_resources=device_plugin_resources(plugins) if plugins is not None else None)
+    agents.append(node)
+    if csi_plugin is not None:
+        # The node agent admits fill volumes (only its assigned fill Pods') and serves each fill Pod's own attach
+        # socket in its directory; start() hands it the fill volumes an earlier agent published.
+        csi_plugin.fill_pods = node
+        try:
+            csi_plugin.start()
+        except OSError as exc:
+            if plugins is not None:
+                plugins.stop()
+            return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
     security = ServerSecurity(cluster.tls_cert, cluster.tls_key, cluster.client_ca, cluster.token_file)
     try:
         node.start()
     except OSError as exc:
+        if plugins is not None:
+            plugins.stop()
         return _fail(f"cannot bind the attach socket under {template.run_dir}: {exc}")
     if template.metrics:
         try:
             node.serve_metrics(template.metrics_port, template.metrics_addr)
         except OSError as exc:
             node.stop()
+            if plugins is not None:
+                plugins.stop()
             return _fail(f"cannot serve metrics on {template.metrics_addr}:{template.metrics_port}: {exc}")
     csi_server = None
-    if cluster.csi is not None:
+    if csi_plugin is not None:
         from .csi import csi_socket, registration_socket
-        from .csi.plugin import CsiNodePlugin
         from .csi.server import serve as serve_csi
 
-        kubelet_dir = cluster.csi.kubelet_dir
-        # The node agent admits fill volumes (only its assigned fill Pods') and serves each fill Pod's own attach
-        # socket in its directory; start() hands it the fill volumes an earlier agent published.
+        kubelet_dir = csi_plugin.kubelet_dir
         try:
-            csi_plugin = CsiNodePlugin(cluster.node, template.run_dir, kubelet_dir, fill_pods=node,
-                                       mps=csi_mps_dirs(template))
-        except ValueError as exc:
-            node.stop()
-            return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
-        try:
-            csi_plugin.start()
             csi_server = serve_csi(csi_plugin, csi_socket(kubelet_dir), registration_socket(kubelet_dir))
         except OSError as exc:
             node.stop()
+            if plugins is not None:
+                plugins.stop()
             return _fail(f"cannot serve the CSI node plugin (--csi): {exc}")
     try:
         server = serve(node, cluster.listen, security, health_address=cluster.health_listen,
@@ -293,18 +328,10 @@ def run_cluster(template: AgentConfig, cluster: ClusterSettings) -> int:
     except (SecurityError, OSError) as exc:
         if csi_server is not None:
             csi_server.stop()
+        if plugins is not None:
+            plugins.stop()
         node.stop()
         return _fail(str(exc))
-    plugins = None
-    if cluster.device_plugin is not None:
-        try:
-            plugins = start_device_plugin(cluster, node.fill_pod_gpus)
-        except OSError as exc:
-            if csi_server is not None:
-                csi_server.stop()
-            server.stop(0)
-            node.stop()
-            return _fail(str(exc))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -333,6 +360,18 @@ def csi_mps_dirs(template: AgentConfig) -> MpsDirs | None:
         return None
     pipe_dir = iso.mps_pipe_dir or Path(os.environ.get(PIPE_ENV) or DEFAULT_PIPE_DIR)
     return MpsDirs(str(pipe_dir), SHM_MOUNT)
+
+
+def gpu_resources(gpus: Iterable[NodeGpu]) -> dict[str, str]:
+    """{GPU UUID: the extended resource the device plugin serves it as} (``nodeaccess.resource_name`` of its index):
+    what the node agent reports as each GPU's ``gpu_resource``. A GPU NVML no longer answers for keeps its resource
+    (the plugin keeps advertising it, its slots unhealthy)."""
+    return {g.uuid: resource_name(g.index) for g in gpus}
+
+
+def device_plugin_resources(plugins: DevicePlugins) -> Callable[[], dict[str, str]]:
+    """``gpu_resources`` of the device plugin's GPUs as it knows them at each call (it looks at the node again)."""
+    return lambda: gpu_resources(plugins.gpus)
 
 
 def start_device_plugin(cluster: ClusterSettings, assigned: Callable[[], Sequence[FillPodGpus]]) -> DevicePlugins:

@@ -3,8 +3,15 @@
 What it does, as thin shells around pure code:
 
 - **Discovers the node's trainings and their GPUs** from the cards their hooks write, one per rank of a stage
-  (``<run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/hook.json``: the training Pod, the stage and rank, its GPU;
-  read with ``bubbles.core.card``, which the hook writes with). A training is its namespace and name: two trainings
+  (``<namespace>/<training>/stage-<k>/rank-<r>/hook.json``: the training Pod, the stage and rank, its GPU; read with
+  ``bubbles.core.card``, which the hook writes with), in two places: the node's run directory (training Pods that
+  mount it by hostPath, as the agent's UID), and the directory of each training Pod whose ``csi.bubbles.dev`` volume
+  this agent published (``<run_dir>/_pods/<pod uid>/``, the ``pods`` it is given: the CSI node plugin's book). A
+  card in a Pod's directory counts only for the namespace the kubelet named for that Pod, and carries the Pod's name
+  as the kubelet gave it (``card.read_pod_cards``); a fill Pod's directory is never read for cards. Every path the
+  agent uses for a GPU (its socket, its ``fills/``, its card and lock) is in the directory its card was found in:
+  two Pods of one training on the node (a stage each, say) are two directories of one training. A training is its
+  namespace and name: two trainings
   of one name in two namespaces are two. Each gets the same agent as local mode (``server.Agent`` around the pure
   ``AgentCore``: bubble signals, planning, watchdog, slowdown guard, isolation), running on its own thread, with an
   executor per card; a rank or stage whose card appears later is added to it as it appears. A card whose Pod changed
@@ -25,8 +32,8 @@ What it does, as thin shells around pure code:
   directory gets the Pod's own ``_attach/attach.sock`` (any UID of the Pod may connect; only that Pod mounts it). A
   process that connects there is that Pod's: its hello must name the Pod's fill job, and speak control v5, because the
   agent binds its fill sockets itself and passes them with the welcome (``bubbles.agent.fillsockets``).
-- **Reports** every GPU (one ``StageReport`` per rank) and every assigned job (``report()``, served over gRPC by
-  ``bubbles.agent.rpc``).
+- **Reports** every GPU (one ``StageReport`` per rank, with the device plugin's resource for its GPU where the agent
+  serves one: ``gpu_resources``) and every assigned job (``report()``, served over gRPC by ``bubbles.agent.rpc``).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +57,9 @@ from bubbles.core import card as cards
 from bubbles.core import control, paths, versions
 from bubbles.core.agentapi import AssignmentMessage
 from bubbles.core.api import FillState, known_membership
-from bubbles.core.card import Card, card_is_stale, read_cards
+from bubbles.core.card import Card, card_is_stale, read_cards, read_pod_cards
 from bubbles.core.identity import LOCAL_NAMESPACE, GpuKey
-from bubbles.core.nodeaccess import CSI_DRIVER
+from bubbles.core.nodeaccess import CSI_DRIVER, Role
 from bubbles.core.resources import HOOK_SILENCE_S, JobProgress, NodeReport, StageReport
 
 from .config import AgentConfig
@@ -182,10 +189,19 @@ class _Training:
     agent: Agent
     thread: threading.Thread
     cards: dict[GpuKey, Card] = field(default_factory=dict)  # one per GPU whose hook runs here
+    # GPU -> the card root its card was found under: the node's run directory, or its training Pod's directory
+    roots: dict[GpuKey, Path] = field(default_factory=dict)
 
     @property
     def key(self) -> TrainingKey:
         return (self.namespace, self.name)
+
+    def directory(self, key: GpuKey) -> Path:
+        """GPU ``key``'s directory: where its card was found, its agent socket and ``fills/`` are."""
+        return self.cards[key].directory(self.roots[key])
+
+
+FoundCard = tuple[Card, Path]  # a card and the card root it was found under (the node's run dir or a Pod's dir)
 
 
 def training_of(msg: AssignmentMessage) -> TrainingKey:
@@ -193,24 +209,52 @@ def training_of(msg: AssignmentMessage) -> TrainingKey:
     return (msg.namespace or LOCAL_NAMESPACE, msg.training)
 
 
-def newest_cards(cards: list[Card]) -> dict[GpuKey, Card]:
-    """One card per GPU: where a training's Pod was replaced by one with a newer hook, its old card (a stage
-    directory before v4) and its new one name the same GPU until the old one is found stale; the newer counts."""
-    out: dict[GpuKey, Card] = {}
-    for card in cards:
+def newest_cards(found: Sequence[FoundCard]) -> tuple[dict[GpuKey, FoundCard], list[str]]:
+    """One card per GPU, and what is wrong with the others: where a training's Pod was replaced by one with a newer
+    hook, its old card (a stage directory before v4) and its new one name the same GPU until the old one is found
+    stale; the newer counts. Two live cards of one version naming one GPU in two directories (two Pods, or a Pod and
+    the node's run directory, each saying it is that rank) are a mistake in the training's set-up: the first found
+    counts (the node's run directory first, then the Pods by namespace, name and uid), and the other is said."""
+    out: dict[GpuKey, FoundCard] = {}
+    problems = []
+    for card, root in found:
         have = out.get(card.key)
-        if have is None or card.version > have.version:
-            out[card.key] = card
-    return out
+        if have is None or card.version > have[0].version:
+            out[card.key] = (card, root)
+        elif card.version == have[0].version:
+            problems.append(f"{card.directory(root)}: {card.key} has a live card in {have[0].directory(have[1])} too "
+                            f"(Pod {have[0].pod}); served from there, not from Pod {card.pod}'s: give each process of "
+                            "the training its own stage and rank")
+    return out, problems
+
+
+def training_volumes(volumes: Sequence[PodVolume]) -> list[PodVolume]:
+    """The published volumes whose directories are read for cards: training Pods' only (a fill Pod's never), one per
+    Pod (a Pod's volumes share its directory), in a fixed order (namespace, Pod, uid)."""
+    seen: dict[str, PodVolume] = {}
+    for v in sorted(volumes, key=lambda v: (v.namespace, v.pod, v.uid, v.volume_id)):
+        if v.role is Role.TRAINING:
+            seen.setdefault(v.uid, v)
+    return list(seen.values())
 
 
 class NodeAgent:
-    """Every training on this node, the operator's assignments, the attach socket; see the module documentation."""
+    """Every training on this node, the operator's assignments, the attach socket; see the module documentation.
 
-    def __init__(self, config: ClusterConfig, clock: Callable[[], int] = time.monotonic_ns) -> None:
+    ``pods``: the ``csi.bubbles.dev`` volumes published on this node (``CsiNodePlugin.published``), asked at every
+    scan; without it (no ``--csi``) only the node's run directory is read. ``gpu_resources``: {GPU UUID: the device
+    plugin's extended resource for it} (``--device-plugin``), asked at every report; without it every GPU reports
+    ``gpu_resource`` "".
+    """
+
+    def __init__(self, config: ClusterConfig, clock: Callable[[], int] = time.monotonic_ns,
+                 pods: Callable[[], Sequence[PodVolume]] | None = None,
+                 gpu_resources: Callable[[], Mapping[str, str]] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.run_dir = config.template.run_dir
+        self.pods = pods
+        self.gpu_resources = gpu_resources
         self.lock = threading.RLock()
         self.book = NodeBook(clock)
         self.launcher = AttachLauncher()
@@ -314,34 +358,38 @@ class NodeAgent:
     def scan(self) -> None:
         """Read the cards: start an agent for each new training, add the GPUs a training's agent does not serve yet,
         reset GPUs whose Pod or process changed."""
-        cards, problems = read_cards(self.run_dir)
+        found, problems = self._read_cards()
+        live = []
+        for card, root in found:
+            if card_is_stale(root, card):
+                log.info("%s: the process of Pod %s/%s is gone; its hook card is removed", card.key, card.namespace,
+                         card.pod)
+            else:
+                live.append((card, root))
+        by_key, twins = newest_cards(live)
+        problems += twins
         for p in problems:
             if p not in self._problems_seen:
                 log.warning("ignoring a hook card: %s", p)
         self._problems_seen = set(problems)  # said once while it lasts; again if it comes back
-        live = []
-        for card in cards:
-            if card_is_stale(self.run_dir, card):
-                log.info("%s: the process of Pod %s/%s is gone; its hook card is removed", card.key, card.namespace,
-                         card.pod)
-            else:
-                live.append(card)
-        by_key = newest_cards(live)
         changed = False
         retired: list[_Training] = []
         with self.lock:
-            for key, card in sorted(by_key.items()):
+            for key, (card, root) in sorted(by_key.items()):
                 tr = self.trainings.get(key.training_key)
                 if tr is None:
                     tr = self._start_training(key.training_key,
-                                              [c for k, c in by_key.items() if k.training_key == key.training_key])
+                                              [f for k, f in by_key.items() if k.training_key == key.training_key])
+                    if tr is None:
+                        continue
                     changed = True
                 old = tr.cards.get(key)
-                if old == card:
+                if old == card and tr.roots.get(key) == root:
                     continue
-                if not self._serve(tr, card):
+                if not self._serve(tr, card, root):
                     continue
                 tr.cards[key] = card
+                tr.roots[key] = root
                 changed = True
                 if old is not None and old.pod != card.pod:
                     tr.agent.reset_gpu(key, f"training Pod {old.pod} was replaced by {card.pod}: the GPU's bubbles "
@@ -355,7 +403,10 @@ class NodeAgent:
             now = self.clock()
             for tkey, tr in list(self.trainings.items()):
                 for key in [k for k in tr.cards if k not in by_key]:
+                    # Its socket stays bound (a descriptor, its file gone with a removed Pod directory) until the
+                    # GPU's card comes back, anywhere (the socket moves there), or its training retires.
                     del tr.cards[key]
+                    del tr.roots[key]
                     changed = True
                 if tr.cards:
                     self._cardless_since.pop(tkey, None)
@@ -377,11 +428,23 @@ class NodeAgent:
         if changed or retired:
             self._bump()
 
-    def _serve(self, tr: _Training, card: Card) -> bool:
-        """Make ``tr``'s agent serve ``card``'s GPU where its card says it is (added, moved to its card's directory,
+    def _read_cards(self) -> tuple[list[FoundCard], list[str]]:
+        """Every card in the node's run directory and in each training Pod's directory, with its card root, and what
+        is wrong with the ones that do not count."""
+        cards, problems = read_cards(self.run_dir)
+        found = [(c, self.run_dir) for c in cards]
+        for volume in training_volumes(self.pods() if self.pods is not None else ()):
+            root = Path(volume.directory)
+            cards, more = read_pod_cards(root, volume.namespace, volume.pod)
+            found += [(c, root) for c in cards]
+            problems += more
+        return found, problems
+
+    def _serve(self, tr: _Training, card: Card, root: Path) -> bool:
+        """Make ``tr``'s agent serve ``card``'s GPU where its card was found (added, moved to its card's directory,
         its device updated); False, said, where its socket cannot be bound (tried again at the next scan)."""
         device = self._device(card)
-        directory = card.directory(self.run_dir)
+        directory = card.directory(root)
         try:
             if not tr.agent.core.serves(card.key):
                 tr.agent.add_gpu(card.key, directory, device, f"its card appeared (Pod {card.pod}, card "
@@ -402,9 +465,10 @@ class NodeAgent:
             return self.config.gpus[card.gpu_uuid]
         return card.device if card.device.startswith("cuda") else "cpu"
 
-    def _start_training(self, tkey: TrainingKey, cards: list[Card]) -> _Training:
-        """An agent for a training first seen here, serving the GPUs ``cards`` name (the ones whose sockets cannot be
-        bound are tried again at the next scan)."""
+    def _start_training(self, tkey: TrainingKey, found: list[FoundCard]) -> _Training | None:
+        """An agent for a training first seen here, serving the GPUs of ``found`` (the ones whose sockets cannot be
+        bound are tried again at the next scan); None, said, where its agent cannot start (a GPU's socket cannot be
+        bound: its directory went with its Pod between the read and the bind, say): tried again at the next scan."""
         namespace, name = tkey
         # relaunch=False: a fill Pod's process attached once; a job stopped here is restarted by the operator (a new
         # Pod, within the FillJob's restartLimit), not by this agent, which has no process to start.
@@ -413,14 +477,18 @@ class NodeAgent:
         # The isolation checks the GPUs of the cards seen now (their compute mode); ranks added later on other GPUs
         # of the node are not checked again.
         agent = Agent(config, launcher=self.launcher.for_training(tkey), clock=self.clock,
-                      gpus=[(c.key, c.directory(self.run_dir), self._device(c)) for c in cards])
-        agent.start()
+                      gpus=[(c.key, c.directory(root), self._device(c)) for c, root in found])
+        try:
+            agent.start()
+        except OSError as exc:
+            log.error("training %s/%s: not served yet (tried again at the next scan): %s", namespace, name, exc)
+            return None
         if tkey in self.limits:
             agent.set_guard_limits(*self.limits[tkey])
         thread = threading.Thread(target=agent.run, name=f"bubbles-{namespace}-{name}", daemon=True)
         thread.start()
-        log.info("training %s/%s: serving %d GPU(s) on this node (%s)", namespace, name, len(cards),
-                 ", ".join(f"stage {c.stage} rank {c.rank} in Pod {c.pod}" for c in cards))
+        log.info("training %s/%s: serving %d GPU(s) on this node (%s)", namespace, name, len(found),
+                 ", ".join(f"stage {c.stage} rank {c.rank} in Pod {c.pod}" for c, _ in found))
         tr = _Training(namespace, name, agent, thread)
         self.trainings[tkey] = tr
         return tr
@@ -491,6 +559,7 @@ class NodeAgent:
         excepted)."""
         now = self.clock()
         silence_ns = int(self.config.hook_silence_s * 1e9)
+        resources = self.gpu_resources() if self.gpu_resources is not None else {}
         stages: list[StageReport] = []
         jobs: list[JobProgress] = []
         with self.lock:
@@ -508,7 +577,8 @@ class NodeAgent:
                             card.namespace, tr.name, card.pod, key.stage, ex.device,
                             ex.cycle.to_dict() if ex.cycle is not None else None, heard, ex.last_iteration_s,
                             baseline, totals.bubble_s if totals else 0.0, totals.filled_s if totals else 0.0,
-                            card.gpu_uuid, known_membership(ex.training_membership.wire), key.rank, card.ranks))
+                            card.gpu_uuid, known_membership(ex.training_membership.wire), key.rank, card.ranks,
+                            resources.get(card.gpu_uuid, "") if card.gpu_uuid else ""))
             for uid, have in self.book.jobs.items():
                 if have.cancelled is not None:
                     continue

@@ -1,8 +1,9 @@
 """The node agent's shell: sockets, fill processes, the isolation supervisor and metrics around ``AgentCore``.
 
 Every decision is the core's (``bubbles.agent.core``); this module only moves bytes and carries out the
-core's actions. One thread runs a ``selectors`` loop over the executors' datagram sockets (one per harvested GPU:
-``<run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/agent.sock``), the fill jobs' control channels and exit
+core's actions. One thread runs a ``selectors`` loop over the executors' datagram sockets (one per harvested GPU, in
+its directory: ``<run_dir>/<namespace>/<training>/stage-<k>/rank-<r>/agent.sock``, or in cluster mode the same tree
+in a training Pod's own directory, ``<run_dir>/_pods/<pod uid>/``), the fill jobs' control channels and exit
 descriptors, and the core's watchdog deadlines. Nothing in it waits on a fill job: control lines are read when they
 arrive, and writes that would block are queued.
 
@@ -74,6 +75,9 @@ _MAX_VERDICTS = 256  # senders remembered per GPU
 # blocks (a start barrier, an evaluation) greets a listener only at its next iteration, so one bound late waits.
 DISCOVER_INTERVAL_S = 0.1
 _CREDENTIALS_SPACE = socket.CMSG_SPACE(struct.calcsize("3i"))  # struct ucred: pid, uid, gid
+# Where a GPU's socket is bound before it is renamed to agent.sock (no longer than that name: a path that fits one
+# fits the other; not *.sock: the hook never lists it).
+_BINDING_NAME = ".agent.new"
 
 
 def recv_with_pid(sock: socket.socket, bufsize: int) -> tuple[bytes, int | None]:
@@ -93,6 +97,22 @@ def _served_by_name(directory: Path) -> tuple[int, int] | None:
     if stage.startswith("stage-") and rank.startswith("rank-") and stage[6:].isdigit() and rank[5:].isdigit():
         return int(stage[6:]), int(rank[5:])
     return None
+
+
+def _give(name: str, dir_fd: int, owner: os.stat_result) -> None:
+    """Chown ``name`` in the directory ``dir_fd`` (not followed) to the owner of ``owner``'s file where that is not
+    this process's user."""
+    if owner.st_uid != os.geteuid():
+        os.chown(name, owner.st_uid, owner.st_gid, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _mark_changed(dir_fd: int) -> None:
+    """Move the directory ``dir_fd``'s mtime on by a nanosecond past what it is. The hook lists its directory again
+    only when the mtime changed, and a file system may stamp it from a coarse clock (a tick of a few ms): a socket
+    renamed in within the tick in which the hook last listed the directory would not be seen until something else
+    changed there."""
+    st = os.fstat(dir_fd)
+    os.utime(dir_fd, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
 
 
 def process_alive(pid: int) -> bool | None:
@@ -335,35 +355,92 @@ class Agent:
         try:
             self._bind()
         except BaseException:
+            self._unbind()  # the sockets bound before the one that failed
             self.isolation.close()  # e.g. quit the MPS daemon just started: run() will not do it
             raise
         with self.lock:
             self.core.start_serving()
 
     def _bind_gpu(self, ex: ExecutorState) -> None:
-        """Bind GPU ``ex``'s datagram socket in its directory; OSError where it cannot be."""
+        """Bind GPU ``ex``'s datagram socket in its directory; OSError where it cannot be.
+
+        Local mode makes the directory (the agent may start before the training's hook). Cluster mode does not: the
+        directory is where the GPU's card was read, and one gone since (a training Pod's, removed with its volume)
+        is not made again, where nobody would remove it; the GPU is then not served.
+
+        The socket, and ``fills/`` where this makes it, belong to whoever owns the GPU's directory: the hook made it,
+        as the training's UID. In the node's run directory that is the agent's own UID (training Pods share it to
+        reach the directory by hostPath): nothing changes. In a training Pod's own directory (its CSI volume) the
+        training runs as any UID, in a directory of mode 0700 that only its Pod mounts, and must be able to send to
+        the socket (write permission): chowning it to the directory's owner gives exactly that UID what the hostPath
+        layout gives the shared one, where a mode of 0666 would open it to every UID in the Pod. The agent, root on
+        the node in that mode, reads it whoever owns it.
+        """
         path = ex.directory / paths.AGENT_SOCKET_NAME
         if (problem := paths.socket_path_problem(path)) is not None:
             raise OSError(problem)
-        paths.make_private_dir(path.parent)
-        # Where the GPU's fill jobs bind their sockets: made here too, for a training whose hook predates it
-        # (a fill Pod's mount of it must find it there).
-        paths.make_private_dir(ex.directory / paths.FILLS_DIR_NAME)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        if self.discovering:
+            paths.make_private_dir(path.parent)
+        # Everything below goes through a descriptor of the directory, not through its path again, and follows no
+        # link put in the place of the directory or of fills/: a training Pod owns its directory, and the agent, root
+        # on the node, must not chmod, chown or bind where such a link points (the cluster agent has checked, as it
+        # read the card, that the directory's path resolves inside the Pod's volume).
+        dir_fd = os.open(ex.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
+            os.fchmod(dir_fd, 0o700)  # as make_private_dir tightens a directory that exists
+            owner = os.fstat(dir_fd)
+            # Where the GPU's fill jobs bind their sockets: made here too, for a training whose hook predates it
+            # (a fill Pod's mount of it must find it there).
+            try:
+                os.mkdir(paths.FILLS_DIR_NAME, 0o700, dir_fd=dir_fd)
+                _give(paths.FILLS_DIR_NAME, dir_fd, owner)
+            except FileExistsError:
+                pass
+            fills_fd = os.open(paths.FILLS_DIR_NAME, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               dir_fd=dir_fd)
+            try:
+                os.fchmod(fills_fd, 0o700)
+            finally:
+                os.close(fills_fd)
+            # Bound under a name the hook does not list (not *.sock), given to its owner, then renamed into place:
+            # the hook lists its directory when it changes and greets a socket it finds once; one it found still
+            # root's would refuse the greeting (EACCES), be dropped, and a chown after changes nothing the hook looks
+            # at. The rename also replaces an earlier agent's socket in one step.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_BINDING_NAME, dir_fd=dir_fd)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
             # The kernel attaches each sender's credentials, its PID named in this agent's PID namespace (a training
             # in a Pod included: the node agent has the host's), with no change on the hook's side.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-            s.bind(str(path))
+            s.bind(f"/proc/self/fd/{dir_fd}/{_BINDING_NAME}")  # in the directory opened, whatever its path is now
+            try:
+                _give(_BINDING_NAME, dir_fd, owner)
+                os.replace(_BINDING_NAME, paths.AGENT_SOCKET_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(_BINDING_NAME, dir_fd=dir_fd)
+                raise
+            _mark_changed(dir_fd)
             s.setblocking(False)
         except OSError:
             s.close()
             raise
+        finally:
+            os.close(dir_fd)
         self._socks[ex.key] = s
         self._sel.register(s, selectors.EVENT_READ, lambda _m, k=ex.key: self._on_datagrams(k))
+
+    def _unbind(self) -> None:
+        """Close every GPU's socket and remove its file (what ``_bind`` and ``add_gpu`` bound)."""
+        for key, sock in self._socks.items():
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(sock)
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                (self.core.executor(key).directory / paths.AGENT_SOCKET_NAME).unlink()
+        self._socks.clear()
+        self._bound = False
 
     def _bind(self) -> None:
         """Bind the executors' sockets, serve metrics, write the ready file."""
@@ -473,13 +550,7 @@ class Agent:
             self._drain_control(job)
             self.core.reaped_at_shutdown(job)
             self._execute()
-        for key, sock in self._socks.items():
-            self._sel.unregister(sock)
-            sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                (self.core.executor(key).directory / paths.AGENT_SOCKET_NAME).unlink()
-        self._socks.clear()
-        self._bound = False
+        self._unbind()
         self.metrics.close()
 
     def _on_wake(self, _mask: int) -> None:

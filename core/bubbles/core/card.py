@@ -16,11 +16,17 @@ Versions (``VERSION``; the card only grows, so a reader takes the fields it know
    namespace is ``_local`` outside Kubernetes. Cards before v4 are in ``<training>/stage-<k>/`` (one rank per stage,
    read as rank 0 of 1, their namespace ``_local`` where they name none).
 A card without ``version`` was written before the field existed: its version follows from ``fills`` and ``lock``.
+
+Where cards are (a *card root*): the node's run directory, which training Pods reach by hostPath as the agent's UID;
+or a training Pod's own directory, ``<run_dir>/_pods/<pod uid>/``, which the agent publishes to that Pod alone as its
+CSI volume (``csi.bubbles.dev``) and where the hook writes the same tree. A card found in a Pod's directory is that
+Pod's word, and counts only for the namespace the kubelet named when it published the volume (``pod_card_problem``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -68,11 +74,12 @@ class Card:
         whose Pod did not pass its namespace: ``_local``)."""
         return GpuKey(self.namespace or LOCAL_NAMESPACE, self.training, self.stage, self.rank)
 
-    def directory(self, run_dir: Path | str) -> Path:
-        """Where its files are: ``paths.gpu_dir`` from v4, the stage directory of the old layout before."""
+    def directory(self, root: Path | str) -> Path:
+        """Where its files are under the card root ``root`` (the node's run directory or a Pod's directory):
+        ``paths.gpu_dir`` from v4, the stage directory of the old layout before."""
         if self.version >= RANKS_VERSION:
-            return paths.gpu_dir(run_dir, self.key)
-        return paths.legacy_stage_dir(run_dir, self.training, self.stage)
+            return paths.gpu_dir(root, self.key)
+        return paths.legacy_stage_dir(root, self.training, self.stage)
 
     @property
     def fills(self) -> bool:
@@ -148,35 +155,92 @@ def read_card(path: Path) -> Card:
         raise ValueError(f"{path}: nested too deeply, not a card") from None
 
 
-def read_cards(run_dir: Path) -> tuple[list[Card], list[str]]:
-    """Every card under ``run_dir`` (the v4 layout, and the stage directories of hooks before it), and what is wrong
-    with the ones that cannot be used."""
+def _is_namespace(name: str) -> bool:
+    try:
+        check_namespace(name)
+    except ValueError:
+        return False
+    return True
+
+
+def read_cards(root: Path) -> tuple[list[Card], list[str]]:
+    """Every card under ``root`` (a card root: the node's run directory or a Pod's directory; the v4 layout, and the
+    stage directories of hooks before it), and what is wrong with the ones that cannot be used. Only the v4 tree's
+    namespaces are looked in: the node's own directories (``_attach``, the Pods' ``_pods``) are no namespace's, and a
+    Pod's directory is read on its own, as that Pod's (``read_pod_cards``)."""
     cards, problems = [], []
-    found = sorted(run_dir.glob(f"*/*/stage-*/rank-*/{paths.HOOK_CARD_NAME}"))
-    found += sorted(run_dir.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}"))  # hooks before card v4
+    found = sorted(p for p in root.glob(f"*/*/stage-*/rank-*/{paths.HOOK_CARD_NAME}")
+                   if _is_namespace(p.relative_to(root).parts[0]))
+    found += sorted(root.glob(f"*/stage-*/{paths.HOOK_CARD_NAME}"))  # hooks before card v4
     for path in found:
         try:
             card = read_card(path)
         except (OSError, ValueError) as exc:
             problems.append(str(exc))
             continue
-        if path.parent != card.directory(run_dir):
+        if path.parent != card.directory(root):
             problems.append(f"{path}: the card names {card.key} (card v{card.version}), not its directory")
             continue
         cards.append(card)
     return cards, problems
 
 
-def card_is_stale(run_dir: Path, card: Card) -> bool:
-    """Whether ``card``'s process is gone: nothing holds its stage's ``hook.lock`` (a card that says its process
-    holds none, or whose lock file cannot be read, is taken as live). A stale card is removed, under the lock, unless
-    a new process has written its own meanwhile."""
+def pod_card_problem(card: Card, namespace: str, pod: str) -> str | None:
+    """Why a card found in the directory of Pod ``namespace``/``pod`` (its CSI volume, named by the kubelet) does not
+    count, with what to do; None when it does.
+
+    The kubelet, not the Pod, says whose directory it is; the card is what the Pod says of itself. A Pod may speak
+    only for its own namespace: a card naming another would have the agent serve (and the operator place fill jobs
+    beside) another namespace's training. Its Pod name is not judged: the hook takes it from ``$POD_NAME`` or the
+    hostname, which may differ from the Pod's name (a Pod's ``spec.hostname``, a name past 63 characters cut short),
+    so the agent takes the kubelet's name instead (``read_pod_cards``)."""
+    if card.version < RANKS_VERSION:
+        return (f"the hook writes card v{card.version}, before a card per rank, which a Pod's {paths.MOUNTED_RUN_DIR} "
+                f"volume does not serve: upgrade bubbles in the training's image (card v{RANKS_VERSION} or later)")
+    if card.key.namespace != namespace:
+        return (f"the card names namespace {card.key.namespace!r}, but the kubelet published this volume for Pod "
+                f"{pod} in namespace {namespace!r}, and a Pod's cards count only for its own namespace: set "
+                "POD_NAMESPACE from the downward API (env: valueFrom: fieldRef: fieldPath: metadata.namespace) in the "
+                "training's container")
+    return None
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def read_pod_cards(root: Path, namespace: str, pod: str) -> tuple[list[Card], list[str]]:
+    """The cards in the directory of Pod ``namespace``/``pod`` (``root``: its CSI volume on the node) that count
+    (``pod_card_problem``), each with the Pod's name as the kubelet gave it, and what is wrong with the others.
+
+    A GPU directory that resolves outside ``root`` (the Pod made a part of its path a link) does not count either:
+    the agent, root on the node, would bind its socket and make ``fills/`` wherever the link points."""
+    cards, problems = read_cards(root)
+    real_root = os.path.realpath(root)
+    out = []
+    for card in cards:
+        where = card.directory(root)
+        problem = pod_card_problem(card, namespace, pod)
+        if problem is None and not _inside(os.path.realpath(where), real_root):
+            problem = (f"its directory resolves to {os.path.realpath(where)}, outside the Pod's volume: a part of "
+                       "its path is a link; let the hook make its directories (remove the link)")
+        if problem is not None:
+            problems.append(f"{where / paths.HOOK_CARD_NAME} (the volume of Pod {namespace}/{pod}): {problem}")
+            continue
+        out.append(card if card.pod == pod else dataclasses.replace(card, pod=pod))
+    return out, problems
+
+
+def card_is_stale(root: Path, card: Card) -> bool:
+    """Whether ``card`` (found under the card root ``root``) has its process gone: nothing holds its stage's
+    ``hook.lock`` (a card that says its process holds none, or whose lock file cannot be read, is taken as live). A
+    stale card is removed, under the lock, unless a new process has written its own meanwhile."""
     if not card.lock:
         return False
     import fcntl
 
     try:
-        fd = os.open(card.directory(run_dir) / paths.HOOK_LOCK_NAME,
+        fd = os.open(card.directory(root) / paths.HOOK_LOCK_NAME,
                      os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
@@ -185,7 +249,7 @@ def card_is_stale(run_dir: Path, card: Card) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # held: the hook's process (or a child it forked) lives
             return False
-        path = card.directory(run_dir) / paths.HOOK_CARD_NAME
+        path = card.directory(root) / paths.HOOK_CARD_NAME
         try:
             now = read_card(path)
         except (OSError, ValueError):
