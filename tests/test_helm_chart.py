@@ -273,18 +273,26 @@ def test_the_device_plugin_is_on_by_default_with_the_kubelets_directory_and_a_st
     c = container(render({"agent": {"devicePlugin": {"strategy": "cdi-annotations", "fillSlots": 7},
                                     "csi": {"kubeletDir": CSI_KUBELET_DIR}}}), "DaemonSet")
     assert {"--device-plugin", "--gpu-strategy=cdi-annotations", "--fill-slots=7",
-            f"--device-plugin-dir={CSI_KUBELET_DIR}/device-plugins"} <= set(c["args"])
-    assert "device-plugins" not in {m["name"] for m in c["volumeMounts"]}  # in the kubelet's directory, mounted
+            "--device-plugin-dir=/var/lib/kubelet/device-plugins",
+            f"--pod-resources-socket={CSI_KUBELET_DIR}/pod-resources/kubelet.sock"} <= set(c["args"])
+    # The kubelet fixes its device-plugins directory whatever its --root-dir: mounted by itself where the kubelet's
+    # directory (mounted for CSI) does not hold it; pod-resources is under --root-dir, in that mount.
+    assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
+    assert "pod-resources" not in {m["name"] for m in c["volumeMounts"]}
+    inside = container(render({}), "DaemonSet")  # the default kubelet directory holds both
+    assert not {"device-plugins", "pod-resources"} & {m["name"] for m in inside["volumeMounts"]}
     args = []
     for a in c["args"]:
         if "=/etc/bubbles/" in a:  # the mounted files, here: the agent checks that they exist
             flag, path = a.split("=", 1)
             (tmp_path / Path(path).name).write_text("x")
             a = f"{flag}={tmp_path / Path(path).name}"
-        args.append(a.replace(f"={CSI_KUBELET_DIR}", f"={tmp_path}"))
+        args.append(a.replace(f"={CSI_KUBELET_DIR}", f"={tmp_path}").replace(
+            "=/var/lib/kubelet/device-plugins", f"={tmp_path}/device-plugins"))
+    (tmp_path / "pod-resources").mkdir()
     dp = load_settings(vars(parse_agent(args)) | {"node": "n"}, environ={}).cluster.device_plugin  # type: ignore
-    assert dp is not None and (dp.strategy, dp.fill_slots, dp.directory) == (
-        "cdi-annotations", 7, tmp_path / "device-plugins")
+    assert dp is not None and (dp.strategy, dp.fill_slots, dp.directory, dp.pod_resources_socket) == (
+        "cdi-annotations", 7, tmp_path / "device-plugins", tmp_path / "pod-resources" / "kubelet.sock")
     # Without the CSI plugin: the device-plugins directory alone, and CAP_DAC_OVERRIDE alone kept.
     docs = render({"nodeAccess": "hostPath"})
     spec = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]

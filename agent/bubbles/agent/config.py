@@ -206,7 +206,8 @@ class DevicePluginSettings:
             raise ConfigError(str(exc)) from None
         if not self.directory.is_absolute():
             raise ConfigError(f"--device-plugin-dir must be an absolute path (the kubelet's device-plugins directory, "
-                              f"/var/lib/kubelet/device-plugins unless its --root-dir moved it), got {self.directory}")
+                              "/var/lib/kubelet/device-plugins: the kubelet fixes it whatever its --root-dir), got "
+                              f"{self.directory}")
         if self.pod_resources_socket is None:
             object.__setattr__(self, "pod_resources_socket", podresources.socket_beside(self.directory))
         assert self.pod_resources_socket is not None
