@@ -456,7 +456,7 @@ def test_the_kubelet_calls_the_agents_device_plugin_and_it_refuses_a_pod_of_no_f
             return next((e["message"] for e in events if "only FillJobs' Pods" in e.get("message", "")), None)
 
         message = wait_for("gpu-squatter's container refused", refusal, 120)
-        assert "gpu-squatter" in message and "bubbles.dev/gpu-0" in message, message
+        assert f"Pod {NS}/gpu-squatter requests a bubbles.dev/gpu-* resource but is not a fill Pod" in message, message
         status = node.get("pod", "-n", NS, "gpu-squatter")["status"]
         assert status.get("phase") != "Succeeded", status
         assert "ran on a training GPU" not in node.kubectl("logs", "-n", NS, "gpu-squatter", check=False).stdout
