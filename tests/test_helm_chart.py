@@ -352,7 +352,7 @@ def test_the_auto_strategy_follows_the_clusters_kubernetes_version(tmp_path: Pat
 
 
 CSI_KUBELET_DIR = "/var/lib/k0s/kubelet"
-CSI_CAPS = (1 << 21) | (1 << 1)  # CAP_SYS_ADMIN, CAP_DAC_OVERRIDE
+CSI_CAPS = (1 << 21) | (1 << 1) | (1 << 0)  # CAP_SYS_ADMIN, CAP_DAC_OVERRIDE, CAP_CHOWN
 
 
 def test_csi_follows_node_access_and_on_makes_the_driver_and_a_privileged_plugin_as_the_agents_uid(
@@ -432,6 +432,8 @@ def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_ku
         "run, target = sys.argv[1], sys.argv[2]\n"
         "caps = {k: int(v, 16) for k, v in (l.split(':') for l in open('/proc/self/status') if l.startswith('Cap'))}\n"
         "open(os.path.join(run, 'made'), 'w').close()\n"
+        "open(os.path.join(run, 'given'), 'w').close()\n"
+        "os.chown(os.path.join(run, 'given'), 2000, 2000)\n"
         "os.mkdir(target)\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         "rc = libc.mount(os.path.join(run, '_pods', 'uid-1').encode(), target.encode(), None, 0x1000, None)\n"
@@ -453,6 +455,8 @@ def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_ku
     assert (rc, mounted, unmounted) == (0, True, 0)
     st = (run / "made").stat()
     assert (st.st_uid, st.st_gid) == (1000, 1000)
+    given = (run / "given").stat()  # CAP_CHOWN: a socket given to a training Pod's UID
+    assert (given.st_uid, given.st_gid) == (2000, 2000)
     assert not target.exists()
 
 

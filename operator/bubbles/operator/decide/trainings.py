@@ -126,7 +126,9 @@ def training_statuses(view: ClusterView, out: Decisions, trainings: Mapping[str,
             conds = set_condition(conds, Condition(
                 "HookReporting", "False", "NoHook", f"no bubble signals from {pods}: attach the "
                 "hook (bubbles.hook.instrument(engine)), set BUBBLES_TRAINING to this PipelineTraining's name and "
-                f"mount the node's bubbles run directory (the chart's agent.runDir) at /run/bubbles{twin}",
+                "mount the bubbles volume at /run/bubbles (a csi volume of driver csi.bubbles.dev with "
+                "volumeAttributes role: training; with the chart's nodeAccess hostPath, the node's run directory, "
+                f"agent.runDir: docs/training-pods.md){twin}",
                 observed_generation=gen), view.now)
         else:
             conds = set_condition(conds, Condition("HookReporting", "True", "Reporting",
