@@ -430,3 +430,47 @@ def test_a_stale_card_in_a_pods_directory_is_judged_and_removed_there(run: Path)
     (card,), _ = read_pod_cards(root, "ml", "train-0")
     (path.parent / paths.HOOK_LOCK_NAME).write_text("")  # nobody holds it: the process is gone
     assert card_is_stale(root, card) and not path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the child drops to another UID, without CAP_CHOWN")
+def test_without_cap_chown_the_trainings_socket_is_opened_to_the_pods_users_instead() -> None:
+    """An agent without CAP_CHOWN (run outside the chart, which keeps it) cannot give a training Pod's socket to the
+    Pod's UID: it makes the socket writable by every user instead (the directory is that Pod's alone) and says so
+    once; the training is served either way. A link the Pod put in the socket's place is not followed."""
+    root = Path(tempfile.mkdtemp(prefix="bubbles-chown-"))  # not under pytest's 0700 directories: UID 1000 enters
+    request_cleanup = contextlib.ExitStack()
+    request_cleanup.callback(shutil.rmtree, root, True)
+    os.chmod(root, 0o755)
+    base = root / "pod"
+    base.mkdir()
+    os.chown(base, 1000, 1000)
+    victim = root / "node-file"
+    victim.write_text("x")
+    os.chmod(victim, 0o600)
+    script = textwrap.dedent(f"""
+        import os, socket, stat
+        from bubbles.agent.server import _give
+        os.setgid(1000); os.setuid(1000)   # no capabilities left: chown to another UID is refused
+        base = {str(base)!r}
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(os.path.join(base, "agent.sock"))
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+        owner = os.stat_result((0o40700, 0, 0, 0, 2000, 2000, 0, 0, 0, 0))  # the training's UID, not this one's
+        _give("agent.sock", fd, owner)
+        print(oct(stat.S_IMODE(os.stat(os.path.join(base, "agent.sock")).st_mode)))
+        os.symlink({str(victim)!r}, os.path.join(base, "planted"))
+        try:
+            _give("planted", fd, owner)
+        except OSError as exc:
+            print("refused", type(exc).__name__)
+    """)
+    with request_cleanup:
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        mode = victim.stat().st_mode & 0o777
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split()
+    assert lines[0] == "0o666", r.stdout
+    assert "refused" in r.stdout, r.stdout
+    assert "no CAP_CHOWN" in r.stderr, r.stderr
+    assert oct(mode) == "0o600"  # the link's target untouched

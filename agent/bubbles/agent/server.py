@@ -101,9 +101,32 @@ def _served_by_name(directory: Path) -> tuple[int, int] | None:
 
 def _give(name: str, dir_fd: int, owner: os.stat_result) -> None:
     """Chown ``name`` in the directory ``dir_fd`` (not followed) to the owner of ``owner``'s file where that is not
-    this process's user."""
-    if owner.st_uid != os.geteuid():
+    this process's user. Without CAP_CHOWN (an agent run outside the chart, which keeps it) the socket is made
+    writable by every user instead, with a warning once: the directory is that one Pod's (its volume is mounted into
+    that Pod alone), so any UID of the Pod reaching it is what the chown would have given; the training is served
+    either way."""
+    if owner.st_uid == os.geteuid():
+        return
+    try:
         os.chown(name, owner.st_uid, owner.st_gid, dir_fd=dir_fd, follow_symlinks=False)
+    except PermissionError:
+        global _CHOWN_WARNED
+        if not _CHOWN_WARNED:
+            _CHOWN_WARNED = True
+            log.warning("cannot give the agent's sockets to the trainings' UIDs (no CAP_CHOWN: the chart keeps it); "
+                        "they are made writable by every user of the Pod that mounts them instead")
+        # Through an O_PATH descriptor of the name itself (Linux has no lchmod): a link the Pod put there instead
+        # is not followed, and only a socket is opened up.
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise OSError(f"{name} is not the agent's socket any more (replaced in the Pod's directory)") from None
+            os.chmod(f"/proc/self/fd/{fd}", 0o666)
+        finally:
+            os.close(fd)
+
+
+_CHOWN_WARNED = False
 
 
 def _mark_changed(dir_fd: int) -> None:
