@@ -26,6 +26,7 @@ from bubbles.operator.scheduler.gang import (
     place_gang,
     shared_class,
 )
+from bubbles.operator.scheduler.index import QueueIndex, SortedItems, StaticIndex
 from bubbles.operator.scheduler.policies import (
     ENTRY_POINT_GROUP,
     DeadlinePolicy,
@@ -41,6 +42,7 @@ from bubbles.operator.scheduler.policies import (
     WeightedPolicy,
     available_policies,
     get_policy,
+    queue_index,
 )
 
 __all__ = [
@@ -59,11 +61,14 @@ __all__ = [
     "MakespanPolicy",
     "Placement",
     "Policy",
+    "QueueIndex",
     "QueueView",
     "Rate",
     "Scheduler",
     "SchedulerState",
     "ShortestJobFirstPolicy",
+    "SortedItems",
+    "StaticIndex",
     "UnknownPolicyError",
     "WeightedPolicy",
     "available_policies",
@@ -74,5 +79,6 @@ __all__ = [
     "gang_eta_s",
     "get_policy",
     "place_gang",
+    "queue_index",
     "shared_class",
 ]

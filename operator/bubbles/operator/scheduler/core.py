@@ -11,6 +11,10 @@ A job's processing time on a class comes from the execution plan (PipeFill Algor
 (fractional cycles: the last cycle counts only for the part used, an expectation rather than
 ``plan_wall_time_s``'s upper bound). Of a job's configurations (batch sizes, offloading) the one
 with the highest sample throughput that fits the class's bubbles is used.
+
+A decision (an executor frees up and takes a queued job) asks the class's index (``scheduler.index``) where the
+policy offers one, O(log n) in the queue, and scans the queue with the policy's scores where it does not; both choose
+the same job (tests/test_scheduler_index.py holds them to it). ``Scheduler(..., index=False)`` always scans.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import numpy as np
 from bubbles.core.api import WorkloadKind
 from bubbles.core.cycle import BubbleCycle
 from bubbles.core.plan import Bubble, FillNode, PlanError, bubbles_of, plan_partitions
-from bubbles.operator.scheduler.policies import Policy, QueueView, SchedulerState, get_policy
+from bubbles.operator.scheduler.index import QueueIndex
+from bubbles.operator.scheduler.policies import Policy, QueueView, SchedulerState, get_policy, queue_index
 
 
 @dataclass(frozen=True)
@@ -159,10 +164,12 @@ class _Queue:
         self.min_proc_s = np.empty(cap)
         self.seq = np.empty(cap, dtype=np.int64)
         self.index: dict[str, int] = {}
+        self.row_of_seq: dict[int, int] = {}
+        self.next_seq = 0  # above every submission number added so far
 
     def add(self, job: FillJobRequest, proc: np.ndarray, seq: int) -> None:
         if self.n == len(self.arrival_s):
-            cap = 2 * self.n
+            cap = max(64, 2 * self.n)
             self.arrival_s = np.resize(self.arrival_s, cap)
             self.deadline_s = np.resize(self.deadline_s, cap)
             self.min_proc_s = np.resize(self.min_proc_s, cap)
@@ -179,10 +186,13 @@ class _Queue:
         self.min_proc_s[k] = proc.min()
         self.seq[k] = seq
         self.index[job.job_id] = k
+        self.row_of_seq[seq] = k
+        self.next_seq = max(self.next_seq, seq + 1)
         self.n += 1
 
     def remove(self, k: int) -> FillJobRequest:
         job = self.jobs[k]
+        del self.row_of_seq[int(self.seq[k])]
         last = self.n - 1
         if k != last:
             self.jobs[k] = self.jobs[last]
@@ -190,11 +200,34 @@ class _Queue:
             for col in (self.arrival_s, self.deadline_s, self.min_proc_s, self.seq, self.proc_s):
                 col[k] = col[last]
             self.index[self.ids[k]] = k
+            self.row_of_seq[int(self.seq[k])] = k
         self.jobs.pop()
         self.ids.pop()
         del self.index[job.job_id]
         self.n -= 1
         return job
+
+    def copy(self) -> _Queue:
+        """An independent copy (the ETA replay takes jobs out of it)."""
+        n = self.n
+        out = _Queue(self.proc_s.shape[1])
+        out.n, out.next_seq = n, self.next_seq
+        out.jobs, out.ids = list(self.jobs), list(self.ids)
+        out.arrival_s, out.deadline_s = self.arrival_s[:n].copy(), self.deadline_s[:n].copy()
+        out.proc_s, out.min_proc_s, out.seq = self.proc_s[:n].copy(), self.min_proc_s[:n].copy(), self.seq[:n].copy()
+        out.index, out.row_of_seq = dict(self.index), dict(self.row_of_seq)
+        return out
+
+    def view_rows(self, rows: np.ndarray) -> QueueView:
+        """The rows ``rows`` as a queue of their own (copies)."""
+        return QueueView(
+            job_ids=[self.ids[r] for r in rows.tolist()],
+            arrival_s=self.arrival_s[rows],
+            deadline_s=self.deadline_s[rows],
+            proc_s=self.proc_s[rows],
+            min_proc_s=self.min_proc_s[rows],
+            seq=self.seq[rows],
+        )
 
     def view(self) -> QueueView:
         n = self.n
@@ -206,6 +239,73 @@ class _Queue:
             min_proc_s=self.min_proc_s[:n],
             seq=self.seq[:n],
         )
+
+
+# What _Indexes.choose answers where the class has no index (or the clock is not finite): scan the queue.
+_SCAN = -1
+
+
+@dataclass
+class _ClassEntry:
+    index: QueueIndex | None  # None: the policy offers none for this class
+    seen: int = 0  # submission numbers below this were offered to the index (those that fit the class)
+
+
+class _Indexes:
+    """The per-class indexes of one queue (``scheduler.index``).
+
+    A class's index is made at its first decision from the jobs then queued that fit it; at each later decision it
+    takes in the jobs queued since; a job leaving the queue leaves every index that took it in (``discard``, called
+    before the queue drops the row). Classes nobody decides on cost nothing.
+    """
+
+    def __init__(self, policy: Policy, queue: _Queue) -> None:
+        self.policy = policy
+        self.queue = queue
+        self.by_class: dict[int, _ClassEntry] = {}
+
+    def sync(self, c: int, state: SchedulerState, executor: int) -> QueueIndex | None:
+        """Class ``c``'s index, made or brought up to the queue (None: the policy offers none)."""
+        q = self.queue
+        entry = self.by_class.get(c)
+        if entry is None:
+            entry = self.by_class[c] = _ClassEntry(queue_index(self.policy, c))
+        index = entry.index
+        if index is None or entry.seen == q.next_seq:
+            return index
+        n = q.n
+        if q.next_seq - entry.seen > n:  # made now, or long without a decision: look at the whole queue at once
+            fits = np.isfinite(q.proc_s[:n, c])
+            if entry.seen:
+                fits &= q.seq[:n] >= entry.seen
+            rows = np.flatnonzero(fits)
+        else:
+            got = (q.row_of_seq.get(s) for s in range(entry.seen, q.next_seq))
+            rows = np.array([r for r in got if r is not None and math.isfinite(q.proc_s[r, c])], dtype=np.int64)
+        if len(rows):
+            index.add(q.view_rows(rows), state, executor)
+        entry.seen = q.next_seq
+        return index
+
+    def choose(self, executor: int, state: SchedulerState) -> int | None:
+        """The queue row the policy puts on ``executor`` (None: no queued job fits), or _SCAN where no index serves."""
+        if not math.isfinite(state.now_s):
+            return _SCAN
+        index = self.sync(state.class_of(executor), state, executor)
+        if index is None:
+            return _SCAN
+        seq = index.choose(state, executor)
+        return None if seq is None else self.queue.row_of_seq[seq]
+
+    def discard(self, k: int) -> None:
+        """Row ``k`` is about to leave the queue."""
+        q = self.queue
+        seq = int(q.seq[k])
+        view: QueueView | None = None
+        for c, entry in self.by_class.items():
+            if entry.index is not None and seq < entry.seen and math.isfinite(q.proc_s[k, c]):
+                view = view or q.view()
+                entry.index.discard(view, k)
 
 
 @dataclass
@@ -224,7 +324,7 @@ class Scheduler:
     an idle executor fits it; ``release`` frees an executor and fills it with the best queued job.
     """
 
-    def __init__(self, classes: Sequence[ExecutorClass], policy: str | Policy = "fifo") -> None:
+    def __init__(self, classes: Sequence[ExecutorClass], policy: str | Policy = "fifo", *, index: bool = True) -> None:
         if not classes:
             raise ValueError(
                 "the scheduler needs at least one executor class (one per distinct bubble cycle)"
@@ -235,7 +335,7 @@ class Scheduler:
             if not math.isfinite(c.iteration_s) or c.iteration_s <= 0:
                 raise ValueError(f"executor class {c.name!r} needs an iteration_s > 0, got {c.iteration_s!r}")
         self.classes = tuple(classes)
-        self.policy = get_policy(policy)
+        self._use_index = index
         self.executor_class = np.repeat(np.arange(len(classes)), [c.executors for c in classes])
         self.busy_until_s = np.zeros(len(self.executor_class))
         self.running: dict[int, Placement] = {}
@@ -255,6 +355,32 @@ class Scheduler:
         self._seq = 0
         self._version = 0
         self._projection: _Projection | None = None
+        self.policy = policy  # last: the setter makes the queue's indexes
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: str | Policy) -> None:
+        """A new policy orders the queue anew: its indexes are made from scratch at the next decisions."""
+        self._policy = get_policy(policy)
+        self._indexes = _Indexes(self._policy, self._queue) if self._use_index else None
+        self._version += 1
+
+    @property
+    def indexed(self) -> bool:
+        """Whether decisions use an index (the policy offers one and ``index`` was not turned off) or scan."""
+        return self._indexes is not None and queue_index(self._policy, 0) is not None
+
+    def index_all(self, now_s: float) -> None:
+        """Make every class's index now rather than at its first decision (a benchmark's set-up does this)."""
+        if self._indexes is None:
+            return
+        first = 0
+        for c, cls in enumerate(self.classes):
+            self._indexes.sync(c, self.state(now_s), first)
+            first += cls.executors
 
     # ---- processing times -------------------------------------------------------------------------
 
@@ -384,7 +510,31 @@ class Scheduler:
 
     def choose(self, executor: int, now_s: float) -> int | None:
         """Index in the queue of the job the policy puts on ``executor`` (None if no queued job fits it)."""
-        return _choose(self.policy, self._queue.view(), self.state(now_s), executor)
+        state = self.state(now_s)
+        if self._indexes is not None:
+            k = self._indexes.choose(executor, state)
+            if k != _SCAN:
+                return k
+        return _choose(self.policy, self._queue.view(), state, executor)
+
+    def cancel(self, job_id: str) -> FillJobRequest:
+        """Take the queued job ``job_id`` out of the queue (its FillJob deleted, or queued again with a new profile).
+
+        Raises KeyError for a job that is not queued, saying what to do instead.
+        """
+        k = self._queue.index.get(job_id)
+        if k is None:
+            if job_id in self._running_by_job:
+                raise KeyError(f"fill job {job_id!r} is running, not queued; release its executor to stop it")
+            raise KeyError(f"fill job {job_id!r} is not queued; cancel only jobs submitted and not yet started")
+        self._version += 1
+        return self._remove(k)
+
+    def _remove(self, k: int) -> FillJobRequest:
+        """Take queue row ``k`` out of the queue and its indexes."""
+        if self._indexes is not None:
+            self._indexes.discard(k)
+        return self._queue.remove(k)
 
     def dispatch(self, now_s: float) -> list[Placement]:
         """Fill every idle executor that some queued job fits (after ``submit(..., place=False)``)."""
@@ -403,7 +553,7 @@ class Scheduler:
     def _start(self, k: int, executor: int, now_s: float) -> Placement:
         c = int(self.executor_class[executor])
         proc_s = float(self._queue.proc_s[k, c])
-        job = self._queue.remove(k)
+        job = self._remove(k)
         rate = self.rate(c, job.profile)
         assert rate is not None  # proc_s is finite only where a rate exists
         p = Placement(
@@ -439,7 +589,9 @@ class Scheduler:
         heapq.heapify(heap)
         q = self._queue
         n = q.n
-        if n:
+        if n and self._indexes is not None:
+            self._replay_indexed(heap, busy, out)
+        elif n:
             ids = list(q.ids)
             view = QueueView(
                 job_ids=ids,
@@ -468,6 +620,27 @@ class Scheduler:
         self._projection = _Projection(at_s=now_s, version=self._version, completion_s=dict(out))
         return out
 
+    def _replay_indexed(self, heap: list[tuple[float, int]], busy: np.ndarray, out: dict[str, float]) -> None:
+        """``expected_completions``' replay over a copy of the queue with indexes of its own: the same decisions at the
+        same times as the scanning replay, each O(log n) where the policy offers an index."""
+        q = self._queue.copy()
+        indexes = _Indexes(self.policy, q)
+        while q.n and heap:
+            t, e = heapq.heappop(heap)
+            busy[e] = t
+            state = SchedulerState(t, busy, self.executor_class)
+            k = indexes.choose(e, state)
+            if k == _SCAN:
+                k = _choose(self.policy, q.view(), state, e)
+            if k is None:
+                continue  # no remaining job fits this executor's class: it stays idle
+            end = t + float(q.proc_s[k, int(self.executor_class[e])])
+            out[q.ids[k]] = end
+            indexes.discard(k)
+            q.remove(k)
+            busy[e] = end
+            heapq.heappush(heap, (end, e))
+
     def expected_completion_s(self, job_id: str, now_s: float) -> float:
         """When the running or queued job ``job_id`` is expected to finish (inf if never)."""
         etas = self.expected_completions(now_s)
@@ -489,7 +662,7 @@ class Scheduler:
         try:
             eta = self.expected_completions(now_s).get(job.job_id, math.inf)
         finally:
-            self._queue.remove(self._queue.index[job.job_id])
+            self._remove(self._queue.index[job.job_id])
             self._version += 1
         return DeadlineAnswer(eta <= deadline_s, eta)
 

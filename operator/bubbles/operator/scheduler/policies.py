@@ -7,6 +7,24 @@ implement it with numpy so that a decision over 10,000 queued jobs stays in the 
 A plain function ``f(job, state, i) -> float`` is a valid policy too; it is wrapped in
 ``FunctionPolicy`` and called once per queued job.
 
+Decisions that do not scan the queue. Scoring every queued job at each decision costs time in proportion to the
+queue; a policy may instead let the scheduler keep each executor class's queued jobs in its order (an index,
+``bubbles.operator.scheduler.index``), so that a decision costs O(log n) and chooses exactly what the scan would,
+ties included. How a policy opts in:
+
+- ``static = True`` (a class attribute): its ``scores`` and ``tie_break`` for a job depend only on that job and the
+  executor's class: not on the clock, the executors' state or the other queued jobs. Each job is then scored once
+  per class, by the same ``scores`` and ``tie_break`` (so with the same numbers), when it is queued, and kept sorted.
+  FIFO and SJF declare it; a weighted mix is static when all its parts are.
+- ``index(class_index)`` returning a ``QueueIndex`` of its own: for scores that move with time or state, where the
+  policy knows which order the time cannot change (``MakespanPolicy`` and ``DeadlinePolicy`` do this).
+
+Everything else is served by the scan, as before: a plain function, a policy that declares neither, a weighted mix
+with a time-dependent part. A declaration counts only where it is made by the class that defines the policy's
+``scores`` and ``tie_break`` or by a subclass of it: a subclass of ``ShortestJobFirstPolicy`` that overrides
+``scores`` is scanned until it says ``static = True`` itself (``queue_index``). ``Scheduler(..., index=False)``
+scans whatever the policy.
+
 Policies are found through the entry-point group ``bubbles.policies`` (name -> ``module:attribute``,
 the attribute being a ``Policy`` subclass, a ``Policy`` instance or a plain function). The built-ins
 are declared there too; a built-in whose entry point is missing (the package's metadata predates
@@ -25,7 +43,10 @@ from typing import Any
 
 import numpy as np
 
+from bubbles.operator.scheduler.index import DeadlineIndex, MakespanIndex, QueueIndex, StaticIndex
+
 ENTRY_POINT_GROUP = "bubbles.policies"
+_FLOAT_MAX = float(np.finfo(float).max)
 
 # name -> "module:attribute": the same values as pyproject.toml's [project.entry-points."bubbles.policies"]
 BUILTIN_POLICIES: dict[str, str] = {
@@ -109,6 +130,9 @@ class Policy:
     """Base of scheduling policies: override ``score`` (one job) and, for speed, ``scores`` (the queue)."""
 
     name = "policy"
+    # True: scores and tie-break depend only on the job and the executor's class, and the scheduler may keep the
+    # queue sorted by them (see the module's docstring).
+    static: bool = False
 
     def score(self, job: JobInfo, state: SchedulerState, executor: int) -> float:
         raise NotImplementedError
@@ -121,8 +145,46 @@ class Policy:
         """Among jobs of equal score, the higher value here wins; None: the earliest submitted wins."""
         return None
 
+    def index(self, class_index: int) -> QueueIndex | None:
+        """An index of class ``class_index``'s queued jobs in this policy's order, or None: every decision scans.
+
+        The default serves ``static`` policies; override it for an order of your own (``QueueIndex``). The scheduler
+        calls ``queue_index``, which honours this only where it is defined as low in the class tree as ``scores``.
+        """
+        return StaticIndex(self) if self.static else None
+
     def __repr__(self) -> str:
         return f"<policy {self.name}>"
+
+
+def _owner(policy: Policy, attr: str) -> type:
+    """The class whose definition of ``attr`` the policy uses (its own type for an attribute set on the instance)."""
+    if attr in getattr(policy, "__dict__", {}):
+        return type(policy)
+    return next(k for k in type(policy).__mro__ if attr in vars(k))
+
+
+def _declared_by_scorer(policy: Policy, attr: str) -> bool:
+    """Whether ``attr`` is defined by the class that defines the policy's scores and tie-break, or by a subclass."""
+    mro = type(policy).__mro__
+    where = mro.index(_owner(policy, attr))
+    return where <= min(mro.index(_owner(policy, "scores")), mro.index(_owner(policy, "tie_break")))
+
+
+def is_static(policy: Policy) -> bool:
+    """Whether ``policy`` declares ``static`` where its scores are defined (see the module's docstring)."""
+    return bool(policy.static) and _declared_by_scorer(policy, "static")
+
+
+def queue_index(policy: Policy, class_index: int) -> QueueIndex | None:
+    """The index ``policy`` offers for class ``class_index`` (None: decisions scan the queue).
+
+    A declaration (``static``, or an ``index`` override) inherited from a class above the one that defines the
+    policy's ``scores`` or ``tie_break`` is ignored: it described other scores.
+    """
+    if _owner(policy, "index") is Policy:
+        return StaticIndex(policy) if is_static(policy) else None
+    return policy.index(class_index) if _declared_by_scorer(policy, "index") else None
 
 
 class FunctionPolicy(Policy):
@@ -140,6 +202,7 @@ class FifoPolicy(Policy):
     """First in, first out: the earliest arrival first."""
 
     name = "fifo"
+    static = True
 
     def score(self, job: JobInfo, state: SchedulerState, executor: int) -> float:
         return -job.arrival_s
@@ -152,6 +215,7 @@ class ShortestJobFirstPolicy(Policy):
     """Shortest job first: f = 1 / min(job's processing times over all executors)."""
 
     name = "sjf"
+    static = True
 
     def score(self, job: JobInfo, state: SchedulerState, executor: int) -> float:
         return 1.0 / min(job.proc_times_s)
@@ -179,6 +243,9 @@ class MakespanPolicy(Policy):
     def tie_break(self, queue: QueueView, state: SchedulerState, executor: int) -> np.ndarray | None:
         return queue.proc_s[:, state.class_of(executor)]
 
+    def index(self, class_index: int) -> QueueIndex | None:
+        return MakespanIndex(class_index)
+
 
 class DeadlinePolicy(Policy):
     """Proximity to deadline first (earliest deadline), then shortest job first for jobs without one.
@@ -199,6 +266,21 @@ class DeadlinePolicy(Policy):
         to_deadline = np.maximum(np.nan_to_num(queue.deadline_s, nan=0.0) - state.now_s, 0.0)
         return np.where(has, 2.0 + 1.0 / (1.0 + to_deadline), 1.0 / (1.0 + queue.min_proc_s))
 
+    @staticmethod
+    def dated_score(deadline_s: float, now_s: float) -> float:
+        """``scores``' value for one job with a deadline (the same float operations, so the same number; an infinite
+        deadline becomes the largest float, as nan_to_num makes it there)."""
+        d = min(max(deadline_s, -_FLOAT_MAX), _FLOAT_MAX)
+        return 2.0 + 1.0 / (1.0 + max(d - now_s, 0.0))
+
+    @staticmethod
+    def undated_scores(min_proc_s: np.ndarray) -> np.ndarray:
+        """``scores``' values for jobs without a deadline."""
+        return 1.0 / (1.0 + min_proc_s)
+
+    def index(self, class_index: int) -> QueueIndex | None:
+        return DeadlineIndex(self)
+
 
 class WeightedPolicy(Policy):
     """A weighted sum of policies' scores (PipeFill's hierarchical policies); the scales are the user's."""
@@ -208,6 +290,11 @@ class WeightedPolicy(Policy):
             raise ValueError("a weighted policy needs at least one (weight, policy) part")
         self.parts = tuple(parts)
         self.name = "+".join(f"{w:g}*{p.name}" for w, p in self.parts)
+
+    @property
+    def static(self) -> bool:  # type: ignore[override]
+        """A sum of static scores is static; one time-dependent part makes the sum need the scan."""
+        return all(is_static(p) for _w, p in self.parts)
 
     def score(self, job: JobInfo, state: SchedulerState, executor: int) -> float:
         return sum(w * p.score(job, state, executor) for w, p in self.parts)
