@@ -125,7 +125,10 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
         return
     classes = [cache.executor_class(g, trainings[g.training], gpu_context_bytes(view, g)) for g in usable]
     by_name = {c.name: g for c, g in zip(classes, usable, strict=True)}
-    sched = Scheduler(classes, policy(view.policy))
+    # Scanning, not indexed: a round builds its scheduler afresh with a class per GPU, so an index would be built per
+    # class every round (Python work per queued job) to serve a few decisions; the index pays where one scheduler
+    # lives across decisions (the simulator). An incremental round (issue 37, part 3) keeps one.
+    sched = Scheduler(classes, policy(view.policy), index=False)
     executor_of = {g.key: e for e, g in enumerate(usable)}
     groups = [GangGroup(f"{tk} stage {k} on {node} (Pod {pod})", tuple(executor_of[g.key] for g in members))
               for (tk, k, node, pod), members in gang_groups(usable).items()]
