@@ -444,6 +444,11 @@ def test_without_cap_chown_the_trainings_socket_is_opened_to_the_pods_users_inst
     base = root / "pod"
     base.mkdir()
     os.chown(base, 1000, 1000)
+    other = root / "training-dir"
+    other.mkdir()
+    os.chown(other, 2000, 2000)
+    os.chmod(other, 0o777)
+    os.utime(other, ns=(0, 0))
     victim = root / "node-file"
     victim.write_text("x")
     os.chmod(victim, 0o600)
@@ -458,6 +463,11 @@ def test_without_cap_chown_the_trainings_socket_is_opened_to_the_pods_users_inst
         owner = os.stat_result((0o40700, 0, 0, 0, 2000, 2000, 0, 0, 0, 0))  # the training's UID, not this one's
         _give("agent.sock", fd, owner)
         print(oct(stat.S_IMODE(os.stat(os.path.join(base, "agent.sock")).st_mode)))
+        from bubbles.agent.server import _mark_changed
+        other = os.open({str(other)!r}, os.O_RDONLY | os.O_DIRECTORY)  # another UID's, writable: no CAP_FOWNER
+        before = os.fstat(other).st_mtime_ns
+        _mark_changed(other)
+        print("marked", os.fstat(other).st_mtime_ns != before)
         os.symlink({str(victim)!r}, os.path.join(base, "planted"))
         try:
             _give("planted", fd, owner)
@@ -471,6 +481,6 @@ def test_without_cap_chown_the_trainings_socket_is_opened_to_the_pods_users_inst
     assert r.returncode == 0, r.stderr
     lines = r.stdout.split()
     assert lines[0] == "0o666", r.stdout
-    assert "refused" in r.stdout, r.stdout
+    assert "refused" in r.stdout and "marked True" in r.stdout, r.stdout
     assert "no CAP_CHOWN" in r.stderr, r.stderr
     assert oct(mode) == "0o600"  # the link's target untouched

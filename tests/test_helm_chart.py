@@ -352,7 +352,7 @@ def test_the_auto_strategy_follows_the_clusters_kubernetes_version(tmp_path: Pat
 
 
 CSI_KUBELET_DIR = "/var/lib/k0s/kubelet"
-CSI_CAPS = (1 << 21) | (1 << 1) | (1 << 0)  # CAP_SYS_ADMIN, CAP_DAC_OVERRIDE, CAP_CHOWN
+CSI_CAPS = (1 << 21) | (1 << 1) | (1 << 0) | (1 << 3)  # CAP_SYS_ADMIN, CAP_DAC_OVERRIDE, CAP_CHOWN, CAP_FOWNER
 
 
 def test_csi_follows_node_access_and_on_makes_the_driver_and_a_privileged_plugin_as_the_agents_uid(
@@ -434,6 +434,7 @@ def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_ku
         "open(os.path.join(run, 'made'), 'w').close()\n"
         "open(os.path.join(run, 'given'), 'w').close()\n"
         "os.chown(os.path.join(run, 'given'), 2000, 2000)\n"
+        "os.utime(os.path.join(run, 'given'), ns=(1, 1))\n"
         "os.mkdir(target)\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         "rc = libc.mount(os.path.join(run, '_pods', 'uid-1').encode(), target.encode(), None, 0x1000, None)\n"
@@ -457,6 +458,7 @@ def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_ku
     assert (st.st_uid, st.st_gid) == (1000, 1000)
     given = (run / "given").stat()  # CAP_CHOWN: a socket given to a training Pod's UID
     assert (given.st_uid, given.st_gid) == (2000, 2000)
+    assert given.st_mtime_ns == 1  # CAP_FOWNER: a time set on another UID's file (the hook's directory's mtime)
     assert not target.exists()
 
 

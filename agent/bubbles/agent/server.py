@@ -133,9 +133,14 @@ def _mark_changed(dir_fd: int) -> None:
     """Move the directory ``dir_fd``'s mtime on by a nanosecond past what it is. The hook lists its directory again
     only when the mtime changed, and a file system may stamp it from a coarse clock (a tick of a few ms): a socket
     renamed in within the tick in which the hook last listed the directory would not be seen until something else
-    changed there."""
+    changed there. Setting a time explicitly on a directory another user owns (a training Pod's) takes CAP_FOWNER,
+    which the chart keeps; without it the time is set to now (write access suffices), and the hook then sees the
+    socket at its next listing once the clock has ticked past."""
     st = os.fstat(dir_fd)
-    os.utime(dir_fd, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    try:
+        os.utime(dir_fd, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    except PermissionError:
+        os.utime(dir_fd)
 
 
 def process_alive(pid: int) -> bool | None:
