@@ -492,3 +492,41 @@ def test_the_runtime_listens_on_the_passed_socket_drops_what_came_before_the_arm
         ours.close()
         hook.close()
         thread.join(5)
+
+
+def test_a_fill_socket_whose_node_path_is_too_long_for_bind_is_bound_through_its_directory() -> None:
+    """A fill socket in a training Pod's directory: on the node its path carries _pods/<pod uid>/ (122 bytes on the
+    real node for the example job), more than a Unix socket's 107; the hook reaches it at /run/bubbles/... in its
+    mount. The agent binds it through a descriptor of the directory, so the job is admitted; a datagram sent to it
+    (through the directory, as the hook's mount gives it) arrives on the descriptor that would be passed."""
+    from bubbles.agent.fillsockets import PassedFillSockets
+
+    base = Path(tempfile.mkdtemp(prefix="bubbles-long-"))
+    try:
+        uid = "f3167451-05c2-4ef2-99ef-54b016717434"
+        fills = base / "_pods" / uid / "ml" / "llama-pp" / "stage-0" / "rank-0" / "fills"
+        fills.mkdir(parents=True)
+        path = fills / "fill-image-classification-with-a-long-name-a1.sock"
+        assert len(os.fsencode(str(path))) > paths.MAX_SOCKET_PATH_BYTES
+        passed = PassedFillSockets([path])
+        try:
+            passed.link({str(path)})
+            (fd,) = passed.fds()
+            receiver = socket.socket(fileno=os.dup(fd))
+            sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            dir_fd = os.open(fills, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                sender.sendto(b"BUBBLE", f"/proc/self/fd/{dir_fd}/{path.name}")
+                receiver.settimeout(5)
+                assert receiver.recv(64) == b"BUBBLE"
+            finally:
+                os.close(dir_fd)
+                sender.close()
+                receiver.close()
+        finally:
+            passed.remove()
+        assert not path.exists() and not Path(str(path) + PARKED_SUFFIX).exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)

@@ -71,3 +71,17 @@ def _check(top: Path) -> None:
 def test_a_writable_parent_means_the_directory_is_made_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(paths.RUN_DIR_ENV, raising=False)
     assert paths.default_run_dir(tmp_path / "bubbles") == tmp_path / "bubbles"
+
+
+def test_a_path_in_a_pods_own_directory_is_checked_as_the_pod_sees_it() -> None:
+    """The agent binds in a Pod's directory (<run_dir>/_pods/<uid>/...) through a descriptor of it, and the Pod's
+    processes reach the socket in their mount at /run/bubbles: that is the path whose length counts."""
+    uid = "f3167451-05c2-4ef2-99ef-54b016717434"
+    node = Path("/run/bubbles/_pods") / uid / "ml/llama-pp/stage-0/rank-0/fills/fill-image-classification-a1.sock"
+    assert paths.as_the_pod_sees(node) == Path("/run/bubbles/ml/llama-pp/stage-0/rank-0/fills/"
+                                                 "fill-image-classification-a1.sock")
+    assert paths.socket_path_problem(node) is not None  # 122 bytes on the node (the real node's case, 2026-11-29)
+    assert paths.socket_path_problem(paths.as_the_pod_sees(node)) is None
+    # Anything else as it is: the node's own tree, and a path that only ends in the Pods' directory.
+    for other in ("/run/bubbles/ml/t/stage-0/rank-0/agent.sock", "/run/bubbles/_pods", "/run/bubbles/_pods/uid"):
+        assert paths.as_the_pod_sees(other) == Path(other)

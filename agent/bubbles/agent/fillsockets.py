@@ -52,7 +52,9 @@ class PassedFillSockets:
         self._inodes: dict[Path, int] = {}
         try:
             for path in self.paths:
-                if (problem := paths.socket_path_problem(path)) is not None:
+                # The length that matters is the hook's (the path in the training's mount): the agent binds through a
+                # descriptor of the directory, whose path on the node is longer by _pods/<pod uid>.
+                if (problem := paths.socket_path_problem(paths.as_the_pod_sees(path))) is not None:
                     raise OSError(problem)
                 parked = parked_path(path)
                 for stale in (parked, path):  # left by a process (or an agent) before this one
@@ -60,12 +62,15 @@ class PassedFillSockets:
                         stale.unlink()
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 self._socks.append(s)
+                dir_fd = os.open(parked.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
-                    s.bind(str(parked))
+                    s.bind(f"/proc/self/fd/{dir_fd}/{parked.name}")
+                    os.chmod(f"/proc/self/fd/{dir_fd}/{parked.name}", SOCKET_MODE)
+                    self._inodes[path] = os.stat(parked.name, dir_fd=dir_fd, follow_symlinks=False).st_ino
                 except OSError as exc:
                     raise OSError(exc.errno, f"cannot bind the fill socket {parked}: {exc.strerror or exc}") from None
-                os.chmod(parked, SOCKET_MODE)
-                self._inodes[path] = os.stat(parked).st_ino
+                finally:
+                    os.close(dir_fd)
         except BaseException:
             self.remove()
             raise

@@ -405,7 +405,8 @@ class Agent:
         the node in that mode, reads it whoever owns it.
         """
         path = ex.directory / paths.AGENT_SOCKET_NAME
-        if (problem := paths.socket_path_problem(path)) is not None:
+        # The length that matters is the hook's: in a Pod's directory the agent binds through a descriptor of it.
+        if (problem := paths.socket_path_problem(paths.as_the_pod_sees(path))) is not None:
             raise OSError(problem)
         if self.discovering:
             paths.make_private_dir(path.parent)

@@ -120,6 +120,20 @@ def fill_socket(run_dir: Path | str, key: GpuKey, job: str) -> Path:
 MAX_SOCKET_PATH_BYTES = 107
 
 
+PODS_DIR_NAME = "_pods"  # <run_dir>/_pods/<pod uid>/: a Pod's own directory, its CSI volume (no namespace is so named)
+
+
+def as_the_pod_sees(path: Path | str) -> Path:
+    """A path in a Pod's own directory (``<run_dir>/_pods/<pod uid>/<rest>``) as that Pod reaches it, at
+    ``MOUNTED_RUN_DIR/<rest>``; any other path as it is. What a socket's length is checked on: the agent binds in a
+    Pod's directory through a descriptor of it (a short path), and the Pod's processes use the path in their mount."""
+    parts = Path(path).parts
+    for i in range(1, len(parts) - 2):
+        if parts[i] == PODS_DIR_NAME:
+            return MOUNTED_RUN_DIR.joinpath(*parts[i + 2:])
+    return Path(path)
+
+
 def socket_path_problem(path: Path | str) -> str | None:
     """Why ``path`` cannot be bound as a Unix socket (too long for ``sun_path``), with what to do; else None."""
     n = len(os.fsencode(str(path)))

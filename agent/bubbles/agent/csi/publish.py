@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bubbles.core import paths
 from bubbles.core.identity import check_namespace
 from bubbles.core.nodeaccess import CSI_DRIVER, POD_MPS_PIPE_SUBDIR, POD_MPS_SHM_SUBDIR, ROLE_KEY, Role
 from bubbles.core.paths import is_plain_absolute
@@ -43,7 +44,7 @@ EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
 KUBELET_KEY_PREFIX = "csi.storage.k8s.io/"  # the kubelet's own keys: whatever newer kubelets add is let through
 
 # <run_dir>/_pods/<pod uid>/ per published Pod, and the book of published volumes beside them (a uid has no '.').
-PODS_DIR_NAME = "_pods"  # an underscore: no namespace can be named so (the node layout has one per namespace)
+PODS_DIR_NAME = paths.PODS_DIR_NAME  # an underscore: no namespace can be named so (the node has one per namespace)
 STATE_FILE_NAME = "csi-volumes.json"
 STATE_VERSION = 1
 
