@@ -719,7 +719,8 @@ class AgentCore(JobControl):
                 nodes = (FillNode(1e-9, job.spec.memory_bytes),)
             if not self._plan(ex, job, nodes, steps=None if job.planned_with_step else 1):
                 continue
-            problem = paths.socket_path_problem(self._fill_socket(job))
+            # As the hook reaches it: in a training Pod's own directory the agent binds through a descriptor of it.
+            problem = paths.socket_path_problem(paths.as_the_pod_sees(self._fill_socket(job)))
             if problem is not None:
                 log.error("%s: fill job %r not started: %s", ex.key, job.name, problem)
                 self._set_state(job, FillState.STOPPED, f"not started: {problem}")
@@ -884,7 +885,7 @@ class AgentCore(JobControl):
                 nodes = (FillNode(1e-9, m.spec.memory_bytes),)
             if not self._plan(e, m, nodes, steps=None if m.planned_with_step else 1):
                 return True
-            problem = paths.socket_path_problem(self._fill_socket(m))
+            problem = paths.socket_path_problem(paths.as_the_pod_sees(self._fill_socket(m)))
             if problem is not None:
                 log.error("%s: fill job %r not started: %s", e.key, m.name, problem)
                 self._set_state(m, FillState.STOPPED, f"not started: {problem}")
