@@ -6,15 +6,19 @@ submitted after each decision), so each decision sees Q queued jobs. Two paths: 
 where the policy offers one; the indexes are made in the set-up, ``Scheduler.index_all``) and ``scan`` (every queued
 job scored at each decision, ``Scheduler(..., index=False)``). With both, each policy runs the same workload on each
 path and the script says whether they chose the same jobs. Prints median and p99 per policy and path.
+With ``--runs R`` each policy and path runs R times (the same workload each time) and the line gives the median
+of the runs' medians and p99s with their range; ``--json FILE`` keeps every run's figures.
 Usage: .venv/bin/python benchmarks/scheduler_latency.py [--gpus 8192] [--queued 10000] [--decisions 2000]
-       [--policy sjf ...] [--path index|scan|both]
+       [--policy sjf ...] [--path index|scan|both] [--runs 1] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -65,6 +69,8 @@ def main() -> None:
     ap.add_argument("--policy", action="append", help="repeatable; default: fifo, sjf, makespan, deadline, a mix")
     ap.add_argument("--path", choices=["index", "scan", "both"], default="both",
                     help="decide by the queue index, by scanning the queue, or both on the same workload")
+    ap.add_argument("--runs", type=int, default=1, help="runs per policy and path (figures: median [min, max])")
+    ap.add_argument("--json", type=Path, help="write every run's figures to this file")
     args = ap.parse_args()
     if args.gpus < STAGES or args.gpus % STAGES:
         ap.error(f"--gpus must be a positive multiple of {STAGES} (the pipeline's stages); got {args.gpus}")
@@ -72,17 +78,46 @@ def main() -> None:
         ap.error("--queued must be >= 0 and --decisions >= 1")
     print(f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}; "
           f"{args.gpus} GPUs in {STAGES} classes, {args.queued} queued, {args.decisions} decisions")
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
     paths = {"index": [True], "scan": [False], "both": [True, False]}[args.path]
+    record: list[dict[str, object]] = []
     for policy in args.policy or ["fifo", "sjf", "makespan", "deadline", "0.5*sjf+0.5*deadline"]:
         picks = []
         for index in paths:
-            ms, chosen, about = run(policy, index, args.gpus, args.queued, args.decisions)
-            picks.append(chosen)
-            print(f"{policy:<22} {'index' if index else 'scan':<5}  decision median {np.median(ms):.3f} ms  "
-                  f"p99 {np.percentile(ms, 99):.3f} ms  max {ms.max():.3f} ms  ({about})")
+            medians, p99s, maxes = [], [], []
+            for r in range(args.runs):
+                ms, chosen, about = run(policy, index, args.gpus, args.queued, args.decisions)
+                if r == 0:
+                    picks.append(chosen)
+                elif chosen != picks[-1]:
+                    raise SystemExit(f"{policy}: run {r + 1} chose other jobs than run 1 on the same workload")
+                medians.append(float(np.median(ms)))
+                p99s.append(float(np.percentile(ms, 99)))
+                maxes.append(float(ms.max()))
+                record.append({"policy": policy, "path": "index" if index else "scan", "run": r + 1,
+                               "median_ms": medians[-1], "p99_ms": p99s[-1], "max_ms": maxes[-1], "about": about})
+            print(f"{policy:<22} {'index' if index else 'scan':<5}  decision median {_spread(medians)} ms  "
+                  f"p99 {_spread(p99s)} ms  max {max(maxes):.3f} ms  ({about}{_runs(args.runs)})")
         if len(picks) == 2:
             print(f"{'':<22} same choices on both paths: {'yes' if picks[0] == picks[1] else 'NO'}")
+            record.append({"policy": policy, "same_choices": picks[0] == picks[1]})
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"gpus": args.gpus, "queued": args.queued, "decisions": args.decisions,
+                                         "machine": platform.processor() or platform.machine(),
+                                         "runs": record}, indent=1))
 
+
+def _spread(xs: list[float]) -> str:
+    """One run: its figure; several: the median of the runs [min, max]."""
+    if len(xs) == 1:
+        return f"{xs[0]:.3f}"
+    return f"{float(np.median(xs)):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
+
+
+def _runs(n: int) -> str:
+    return f"; {n} runs" if n > 1 else ""
 
 if __name__ == "__main__":
     main()
