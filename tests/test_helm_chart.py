@@ -352,7 +352,8 @@ def test_the_auto_strategy_follows_the_clusters_kubernetes_version(tmp_path: Pat
 
 
 CSI_KUBELET_DIR = "/var/lib/k0s/kubelet"
-CSI_CAPS = (1 << 21) | (1 << 1) | (1 << 0) | (1 << 3)  # CAP_SYS_ADMIN, CAP_DAC_OVERRIDE, CAP_CHOWN, CAP_FOWNER
+# CAP_SYS_ADMIN, CAP_DAC_OVERRIDE, CAP_CHOWN, CAP_FOWNER, CAP_KILL
+CSI_CAPS = (1 << 21) | (1 << 1) | (1 << 0) | (1 << 3) | (1 << 5)
 
 
 def test_csi_follows_node_access_and_on_makes_the_driver_and_a_privileged_plugin_as_the_agents_uid(
@@ -428,7 +429,7 @@ def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_ku
         os.chown(d, 1000, 1000)
     target = pods / "mount"
     script = (
-        "import ctypes, json, os, sys\n"
+        "import ctypes, json, os, signal, sys\n"
         "run, target = sys.argv[1], sys.argv[2]\n"
         "caps = {k: int(v, 16) for k, v in (l.split(':') for l in open('/proc/self/status') if l.startswith('Cap'))}\n"
         "open(os.path.join(run, 'made'), 'w').close()\n"
@@ -441,13 +442,19 @@ def test_the_csi_agents_setpriv_leaves_it_the_agents_uid_able_to_mount_in_the_ku
         "mounted = any(l.split(' ')[4] == target for l in open('/proc/self/mountinfo'))\n"
         "unmounted = libc.umount2(target.encode(), 8)\n"
         "os.rmdir(target)\n"
+        "os.kill(int(sys.argv[3]), signal.SIGSTOP)\n"
+        "os.kill(int(sys.argv[3]), signal.SIGCONT)\n"
         "print(json.dumps([os.getuid(), os.getgid(), os.getgroups(), caps, rc, mounted, unmounted]))\n")
+    # A fill Pod's process runs as operator.fillRunAsUser, not the agent's UID: the watchdog must still stop it.
+    fill = subprocess.Popen(["sleep", "60"], user=65532, group=65532)
     try:
-        r = subprocess.run([*wrapper, sys.executable, "-I", "-c", script, str(run), str(target)], capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run([*wrapper, sys.executable, "-I", "-c", script, str(run), str(target), str(fill.pid)],
+                           capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         uid, gid, groups, caps, rc, mounted, unmounted = json.loads(r.stdout)
     finally:
+        fill.kill()
+        fill.wait()
         if any(line.split(" ")[4] == str(target) for line in Path("/proc/self/mountinfo").read_text().splitlines()):
             subprocess.run(["umount", "-l", str(target)], check=False)
     assert (uid, gid, groups) == (1000, 1000, [])

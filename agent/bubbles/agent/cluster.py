@@ -43,6 +43,7 @@ import dataclasses
 import logging
 import os
 import select
+import signal
 import socket
 import stat
 import struct
@@ -77,6 +78,30 @@ HELLO_TIMEOUT_S = 5.0  # an attaching process must say who it is within this
 FORGET_AFTER_S = 3600.0  # cancelled assignments are remembered this long (a late retry is then refused)
 
 
+_CAP_KILL_HINT = ("the agent signals fill processes that run as other users (a fill Pod's runAsUser): it needs "
+                  "CAP_KILL, which the chart's agent keeps (an agent run outside the chart: add it)")
+
+
+def signal_problem(pid: int) -> str | None:
+    """Why the agent could not signal process ``pid`` (pause, resume or SIGKILL it: the watchdog must be able to),
+    in words; None where it can. Signal 0 checks the permission and sends nothing."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"the process (pid {pid}) is gone"
+    except PermissionError:
+        return (f"the agent may not signal this process (pid {pid}, uid {_uid_of(pid)}), so its watchdog could not "
+                f"stop it: {_CAP_KILL_HINT}")
+    return None
+
+
+def _uid_of(pid: int) -> str:
+    try:
+        return str(os.stat(f"/proc/{pid}").st_uid)
+    except OSError:
+        return "unknown"
+
+
 # -- attached fill processes --------------------------------------------------------------------------------
 class AttachedProcess(FillProcess):
     """A fill Pod's process, admitted over the attach socket: signalled through a pidfd (the agent sees its PID:
@@ -99,10 +124,12 @@ class AttachedProcess(FillProcess):
 
     def send_signal(self, sig: int) -> None:
         if self.exit_fd >= 0:
-            with contextlib.suppress(ProcessLookupError):
-                import signal as _signal
-
-                _signal.pidfd_send_signal(self.exit_fd, sig)
+            try:
+                signal.pidfd_send_signal(self.exit_fd, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError as exc:  # admission checked it (signal_problem); the process changed its user since
+                log.error("cannot send signal %d to fill process %d: %s; %s", sig, self.pid, exc, _CAP_KILL_HINT)
 
     def poll(self) -> int | None:
         return self.wait(0.0)
@@ -739,6 +766,11 @@ class NodeAgent:
         if hello.unknown:
             log.info("fill job %s: its hello carries field(s) %s this agent does not know (a newer SDK): ignored",
                      uid, ", ".join(hello.unknown))
+        if (problem := signal_problem(pid)) is not None:
+            _refuse(conn, problem)
+            self.metrics.refused.inc()
+            log.error("refused a fill process (pid %d, fill job uid %s): %s", pid, uid, problem)
+            return None
         with self.lock:
             if pod is not None and (problem := self._pod_problem(pod, uid)) is not None:
                 _refuse(conn, problem)

@@ -574,7 +574,10 @@ class Agent:
                 continue
             proc = channel.proc
             if proc.wait(max(0.0, deadline - time.monotonic())) is None:
-                proc.send_signal(signal.SIGKILL)
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                except OSError as exc:
+                    log.error("job %s: not killed at shutdown: %s", job.name, exc)
                 proc.wait(1.0)
             self._drain_control(job)
             self.core.reaped_at_shutdown(job)
@@ -617,7 +620,10 @@ class Agent:
         elif isinstance(action, Signal):
             channel = self._channels.get(action.job)
             if channel is not None:
-                channel.proc.send_signal(action.sig)
+                try:
+                    channel.proc.send_signal(action.sig)
+                except OSError as exc:  # never the end of this thread: the training's bubble signals go on being served
+                    log.error("job %s: signal %d not delivered: %s", action.job.name, action.sig, exc)
         elif isinstance(action, Launch):
             self._launch(action)
         elif isinstance(action, VerifyIsolation):
