@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 from helpers.agent import TRAINING, Hook, cycle, short_tmp, wait_for
 from helpers.agent_cluster import ENTRY, NAMESPACE, NODE, assignment, write_card
+from helpers.mounts import why_no_bind_mounts
 from helpers.sdk import BusyJob, Channel
 
 from bubbles.agent.cluster import ClusterConfig, NodeAgent
 from bubbles.agent.config import AgentConfig
-from bubbles.agent.csi.mounts import KernelMounter
 from bubbles.agent.csi.plugin import CsiNodePlugin
 from bubbles.agent.csi.publish import (
     EPHEMERAL_KEY,
@@ -60,22 +60,7 @@ SRC = Path(__file__).resolve().parents[1]
 PYTHONPATH = os.pathsep.join(str(SRC / d) for d in ("core", "training", "agent", "operator", "demo", "benchmarks"))
 
 
-def _can_mount() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root: bind mounts (mount(2)) and children of other UIDs (setuid)"
-    with tempfile.TemporaryDirectory(prefix="bcf-probe-") as d:
-        src, dst = Path(d, "a"), Path(d, "b")
-        src.mkdir()
-        dst.mkdir()
-        try:
-            KernelMounter().bind(str(src), str(dst))
-        except OSError as exc:
-            return f"cannot bind-mount here: {exc}"
-        KernelMounter().unmount(str(dst))
-    return None
-
-
-_PROBLEM = _can_mount()
+_PROBLEM = why_no_bind_mounts("bind mounts (mount(2)) and children of other UIDs (setuid)")
 needs_root = pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))
 
 
@@ -468,7 +453,7 @@ def test_the_runtime_listens_on_the_passed_socket_drops_what_came_before_the_arm
         start = time.monotonic_ns()
         hook.sendto(wire.encode_bubble_start(0, 0, 1, start, start + 10**10), str(parked))  # before the arm: stale
         ch.send("init")
-        ch.wait("state", state="PAUSED")
+        ch.wait("state", timeout_s=20.0, state="PAUSED")  # bounded: a loaded machine starts threads late
         ch.send("arm", mode="harvest", socket=path)
         wait_for(lambda: rt.stale_dropped == 1, what="the stale START dropped at the arm")
         assert not Path(path).exists()  # the runtime bound nothing: the name is the agent's to link

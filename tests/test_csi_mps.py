@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.mounts import why_no_bind_mounts
 from tests.helpers.pki import Pki
 
 from bubbles.agent.cli import csi_mps_dirs
@@ -46,23 +47,7 @@ from bubbles.core.nodeaccess import POD_MPS_PIPE_SUBDIR, POD_MPS_SHM_SUBDIR
 UID = "0f6c3a4e-7b1d-4c2a-9e8f-1a2b3c4d5e6f"
 
 
-def _can_mount() -> str | None:
-    """Why bind mounts cannot be made here, or None."""
-    if os.geteuid() != 0:
-        return "needs root: the plugin bind-mounts (mount(2))"
-    with tempfile.TemporaryDirectory(prefix="bmps-probe-") as d:
-        src, dst = Path(d, "a"), Path(d, "b")
-        src.mkdir()
-        dst.mkdir()
-        try:
-            KernelMounter().bind(str(src), str(dst))
-        except OSError as exc:
-            return f"cannot bind-mount here: {exc}"
-        KernelMounter().unmount(str(dst))
-    return None
-
-
-_MOUNT_PROBLEM = _can_mount()
+_MOUNT_PROBLEM = why_no_bind_mounts("the plugin bind-mounts (mount(2))")
 needs_mount = pytest.mark.skipif(_MOUNT_PROBLEM is not None, reason=str(_MOUNT_PROBLEM))
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from helpers.agent import TESTS, TRAINING, Hook, cycle, gpu, wait_for
 from helpers.agent_cluster import NODE, TR, write_card
+from helpers.mounts import why_no_bind_mounts
 
 from bubbles.agent.cli import gpu_resources
 from bubbles.agent.cluster import ClusterConfig, NodeAgent, newest_cards, training_volumes
@@ -264,18 +265,7 @@ def test_each_gpu_reports_the_device_plugins_resource_for_its_uuid(run: Path) ->
 
 # -- for real: the CSI node plugin publishes, a training of another UID hooks in, the agent serves it --------------
 def _why_not_real() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root: bind mounts (mount(2)) and a training process that drops to another UID"
-    with tempfile.TemporaryDirectory(prefix="bct-probe-") as d:
-        src, dst = Path(d, "a"), Path(d, "b")
-        src.mkdir()
-        dst.mkdir()
-        try:
-            KernelMounter().bind(str(src), str(dst))
-        except OSError as exc:
-            return f"cannot bind-mount here: {exc}"
-        KernelMounter().unmount(str(dst))
-    return None
+    return why_no_bind_mounts("bind mounts (mount(2)) and a training process that drops to another UID")
 
 
 TRAINING_SCRIPT = textwrap.dedent("""
