@@ -326,6 +326,8 @@ def test_processing_times_of_many_jobs_are_each_jobs(alibaba_tasks: list[Alibaba
     assert np.array_equal(many, each)  # inf where a job fits no configuration or may not use a class
     assert np.isinf(each).any() and np.isfinite(each).any()
     assert sched.processing_times_many([]).shape == (0, len(names))
+    with pytest.raises(ValueError, match="proc_s has 2 processing times for 4 executor classes"):
+        sched.submit(jobs[0], 0.0, proc_s=np.ones(2))
 
 
 # ---- the engine -------------------------------------------------------------------------------------------------

@@ -480,6 +480,9 @@ class Scheduler:
                              "bubbles.operator.scheduler.gang.place_gang, which reserves them here (occupy)")
         proc = self.processing_times_s(job) if proc_s is None else proc_s
         times = proc.tolist()
+        if len(times) != len(self.classes):
+            raise ValueError(f"fill job {job.job_id!r}: proc_s has {len(times)} processing times for "
+                             f"{len(self.classes)} executor classes; pass processing_times_s(job) or leave it out")
         if not any(map(math.isfinite, times)):
             raise ValueError(self._no_fit_message(job))
         seq = self._seq

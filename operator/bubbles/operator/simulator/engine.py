@@ -12,9 +12,10 @@ sample of the job's profile).
 
 What an event costs is kept to the event itself (a week of 100,000 GPUs is two million of them): jobs are put in
 arrival order once (a stable sort), their processing times on every class computed a block of arrivals at a time
-(``Scheduler.processing_times_many``, the numbers ``submit`` would compute), and a job that starts at once never
-enters the scheduler's queue. The decisions are the ones the step-by-step path makes (tests/test_simulator_speed.py
-replays them through the scheduler's queue and compares every outcome).
+(``Scheduler.processing_times_many``, the numbers ``submit`` would compute), a job that starts at once never enters
+the scheduler's queue, and Python's cycle collector rests during the run (``simulator.gcpause``). The decisions are
+the ones the step-by-step path makes (tests/test_simulator_equivalence.py replays them through the scheduler's queue
+and compares every outcome).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The generator works on columns (numpy arrays), not on an object per task or job:
 come as ``TaskColumns`` and a generated trace as a ``TraceTable``, whose ``fill_jobs`` are what the simulator runs
 and whose ``rows`` are the ``TraceJob`` rows that ``generate_trace`` returns and ``write_trace`` writes. The random
 streams, and so every generated job, are those of the loop over jobs the generator was before (2026-12;
-tests/test_simulator_speed.py holds it to that loop).
+tests/test_simulator_equivalence.py holds it to that loop).
 """
 
 from __future__ import annotations
