@@ -282,6 +282,28 @@ def test_cli_runs_writes_report_and_plot(tmp_path: Path, capsys) -> None:
     assert "fifo" in out and "makespan" in out and "bubble ratio" in out
 
 
+def test_simulate_reports_its_progress_up_to_the_end(tasks) -> None:
+    main = MainJob(stages=4, microbatches=4, data_parallel=2)
+    for hours in (2.0, None):  # a fraction of the simulated time, or of the jobs when running until all are done
+        seen: list[float] = []
+        simulate(main, _jobs(tasks, 300, hours=2.0), "sjf", hours=hours, progress=seen.append)
+        assert seen[-1] == 1.0 and len(seen) > 10 and seen == sorted(seen)
+
+
+def test_a_long_run_shows_its_progress_and_its_sweep_ends_with_that_run(tmp_path: Path, capsys) -> None:
+    report = tmp_path / "r.json"
+    argv = ["simulate", "--stages", "4", "--gpus", "64", "--jobs", "1000", "--hours", "2", "--report", str(report),
+            "--plot", str(tmp_path / "p.png")]
+    assert bubbles_main(argv) == 0
+    bars = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sjf ")]
+    assert len(bars) >= 4 and "100.0%" in bars[-1]  # not a terminal: a line per quarter
+    doc = json.loads(report.read_text())
+    assert [s["gpus"] for s in doc["sweep"]] == [8, 16, 32, 64]
+    assert doc["sweep"][-1]["recovered_tflops_per_gpu"] == doc["policies"]["sjf"]["recovered_tflops_per_gpu"]
+    assert bubbles_main([*argv, "--quiet"]) == 0
+    assert "[" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -44,11 +44,12 @@ class FillConfig:
     nodes: tuple[FillNode, ...]
     offload: bool = False
 
-    @property
+    # Cached (the nodes never change): the simulator asks every finished job's configuration for its step.
+    @functools.cached_property
     def step_s(self) -> float:
         return sum(n.duration_s for n in self.nodes)
 
-    @property
+    @functools.cached_property
     def memory_bytes(self) -> int:
         return max((n.memory_bytes for n in self.nodes), default=0)
 
@@ -337,6 +338,7 @@ class Scheduler:
         self.classes = tuple(classes)
         self._use_index = index
         self.executor_class = np.repeat(np.arange(len(classes)), [c.executors for c in classes])
+        self._class_of: list[int] = self.executor_class.tolist()  # the same, read one at a time without numpy
         self.busy_until_s = np.zeros(len(self.executor_class))
         self.running: dict[int, Placement] = {}
         self._occupied: dict[int, tuple[str, float]] = {}  # executor -> (job id, busy until), see occupy()
@@ -396,11 +398,38 @@ class Scheduler:
         if job.setup_s:
             proc = proc + job.setup_s  # inf (fits no configuration) stays inf
         if job.eligible is not None:
-            mask = self._eligible_masks.get(job.eligible)
-            if mask is None:
-                mask = self._eligible_masks[job.eligible] = np.array([c.name in job.eligible for c in self.classes])
-            proc = np.where(mask, proc, math.inf)
+            proc = np.where(self._eligible_mask(job.eligible), proc, math.inf)
         return proc
+
+    def processing_times_many(self, jobs: Sequence[FillJobRequest]) -> np.ndarray:
+        """``processing_times_s`` of each of ``jobs`` (one row each), computed a profile at a time: the same numbers
+        by the same operations, for a caller that submits many jobs (the simulator)."""
+        out = np.empty((len(jobs), len(self.classes)))
+        by_profile: dict[int, list[int]] = {}
+        setup: list[int] = []
+        eligible: list[tuple[int, frozenset[str]]] = []
+        for k, job in enumerate(jobs):
+            by_profile.setdefault(id(job.profile), []).append(k)
+            if job.setup_s:
+                setup.append(k)
+            if job.eligible is not None:
+                eligible.append((k, job.eligible))
+        for rows in by_profile.values():
+            batch, s_per_step, _ = self._table(jobs[rows[0]].profile)
+            samples = np.array([jobs[k].samples for k in rows], dtype=float)
+            with np.errstate(invalid="ignore"):
+                out[rows] = np.ceil(samples[:, None] / batch) * s_per_step
+        if setup:
+            out[setup] += np.array([jobs[k].setup_s for k in setup])[:, None]
+        for k, names in eligible:
+            out[k] = np.where(self._eligible_mask(names), out[k], math.inf)
+        return out
+
+    def _eligible_mask(self, eligible: frozenset[str]) -> np.ndarray:
+        mask = self._eligible_masks.get(eligible)
+        if mask is None:
+            mask = self._eligible_masks[eligible] = np.array([c.name in eligible for c in self.classes])
+        return mask
 
     def _table(self, profile: FillProfile) -> tuple[np.ndarray, np.ndarray, tuple[Rate | None, ...]]:
         # Keyed by identity: hashing a profile walks every node of every configuration, and the
@@ -432,10 +461,13 @@ class Scheduler:
     def idle_executors(self) -> int:
         return sum(len(s) for s in self._idle)
 
-    def submit(self, job: FillJobRequest, now_s: float, *, place: bool = True) -> Placement | None:
+    def submit(self, job: FillJobRequest, now_s: float, *, place: bool = True,
+               proc_s: np.ndarray | None = None) -> Placement | None:
         """Queue ``job``; with ``place``, start it at once on the idle class where it runs fastest.
 
-        Raises ValueError if the job fits no executor's bubbles (saying what limits it) or its id is taken.
+        ``proc_s``: the job's processing times as ``processing_times_s`` (or ``processing_times_many``) gives them,
+        where the caller computed them already. Raises ValueError if the job fits no executor's bubbles (saying what
+        limits it) or its id is taken.
         """
         if job.job_id in self._queue.index or job.job_id in self._running_by_job:
             raise ValueError(
@@ -446,23 +478,32 @@ class Scheduler:
         if job.gpus != 1:
             raise ValueError(f"fill job {job.job_id!r} runs on {job.gpus} executors at once: place it with "
                              "bubbles.operator.scheduler.gang.place_gang, which reserves them here (occupy)")
-        proc = self.processing_times_s(job)
-        if not np.isfinite(proc).any():
+        proc = self.processing_times_s(job) if proc_s is None else proc_s
+        times = proc.tolist()
+        if len(times) != len(self.classes):
+            raise ValueError(f"fill job {job.job_id!r}: proc_s has {len(times)} processing times for "
+                             f"{len(self.classes)} executor classes; pass processing_times_s(job) or leave it out")
+        if not any(map(math.isfinite, times)):
             raise ValueError(self._no_fit_message(job))
-        self._queue.add(job, proc, self._seq)
+        seq = self._seq
         self._seq += 1
         self._version += 1
-        if not place:
-            return None
-        # Idle executors only coexist with queued jobs that do not fit them, so this job is the only
-        # candidate for any idle executor: it goes where it runs fastest.
-        best_c = -1
-        for c, idle in enumerate(self._idle):
-            if idle and math.isfinite(proc[c]) and (best_c < 0 or proc[c] < proc[best_c]):
-                best_c = c
-        if best_c < 0:
-            return None
-        return self._start(self._queue.index[job.job_id], self._idle[best_c].pop(), now_s)
+        if place:
+            # Idle executors only coexist with queued jobs that do not fit them, so this job is the only
+            # candidate for any idle executor: it goes where it runs fastest (the first such class of equals).
+            best_s = min(times)  # NaN, if ever one came first, would stay the minimum: then the loop below decides
+            best_c = times.index(best_s)
+            if not (best_s < math.inf and self._idle[best_c]):  # the fastest class anywhere is busy: the fastest idle
+                best_c, best_s = -1, math.inf
+                for c, idle in enumerate(self._idle):
+                    if idle and times[c] < best_s:  # finite times only: none is -inf (samples >= 1, times > 0)
+                        best_c, best_s = c, times[c]
+            if best_c >= 0:
+                # Started without passing through the queue: queued and taken out at once, it would leave the queue
+                # and its indexes as they were (no index can have seen it), so it is not queued at all.
+                return self._run(job, self._idle[best_c].pop(), best_c, best_s, now_s)
+        self._queue.add(job, proc, seq)
+        return None
 
     def occupy(self, executor: int, job_id: str, until_s: float) -> None:
         """Mark the idle ``executor`` busy with a job placed elsewhere (say, before a restart) until ``until_s``:
@@ -477,7 +518,7 @@ class Scheduler:
 
     def idle(self, executor: int) -> bool:
         """Whether ``executor`` runs nothing and is not occupied."""
-        return executor in self._idle[int(self.executor_class[executor])]
+        return executor in self._idle[self._class_of[executor]]
 
     def release(self, executor: int, now_s: float, *, fill: bool = True) -> Placement | None:
         """Mark ``executor``'s job done (one a placement started, or one ``occupy`` marked: a gang's); with ``fill``,
@@ -492,16 +533,17 @@ class Scheduler:
             raise ValueError(f"executor {executor} runs no job; release only executors a placement started")
         del self._running_by_job[done.job.job_id]
         self.busy_until_s[executor] = 0.0
-        self._idle[int(self.executor_class[executor])].append(executor)
+        self._idle[self._class_of[executor]].append(executor)
         self._version += 1
         return self.fill(executor, now_s) if fill else None
 
     def fill(self, executor: int, now_s: float) -> Placement | None:
         """Start the queued job with the highest score on the idle ``executor``."""
-        c = int(self.executor_class[executor])
-        idle = self._idle[c]
+        idle = self._idle[self._class_of[executor]]
         if executor not in idle[-1:] and executor not in idle:
             raise ValueError(f"executor {executor} is busy; release it before filling it")
+        if not self._queue.n:
+            return None  # nothing to choose from (the indexes take in what is queued meanwhile at their next decision)
         k = self.choose(executor, now_s)
         if k is None:
             return None
@@ -551,10 +593,14 @@ class Scheduler:
         return SchedulerState(now_s, self.busy_until_s, self.executor_class)
 
     def _start(self, k: int, executor: int, now_s: float) -> Placement:
-        c = int(self.executor_class[executor])
+        """Start queue row ``k`` on the idle ``executor`` (already taken off the idle stack)."""
+        c = self._class_of[executor]
         proc_s = float(self._queue.proc_s[k, c])
-        job = self._remove(k)
-        rate = self.rate(c, job.profile)
+        return self._run(self._remove(k), executor, c, proc_s, now_s)
+
+    def _run(self, job: FillJobRequest, executor: int, c: int, proc_s: float, now_s: float) -> Placement:
+        """Run ``job`` (no longer queued) on ``executor`` of class ``c`` for ``proc_s``."""
+        rate = self._table(job.profile)[2][c]
         assert rate is not None  # proc_s is finite only where a rate exists
         p = Placement(
             job=job,

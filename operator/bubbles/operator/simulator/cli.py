@@ -276,8 +276,12 @@ def run(args: argparse.Namespace) -> int:
     from bubbles.operator.simulator.profiles import load_profiles
     from bubbles.operator.simulator.report import comparison, format_summary, summarize
     from bubbles.operator.simulator.trace import (
+        AlibabaTask,
+        TaskColumns,
         TraceError,
-        generate_trace,
+        TraceJob,
+        TraceTable,
+        generate_table,
         load_trace_model,
         read_alibaba,
         read_trace,
@@ -307,10 +311,12 @@ def run(args: argparse.Namespace) -> int:
             free_bytes=int(cfg["free_gib"] * 2**30),
             fill_fraction=cfg["fill_fraction"],
         )
+        trace: list[TraceJob] | TraceTable
         if args.trace is not None:
             trace = read_trace(args.trace, profiles)
         else:
             path = _alibaba_path(args)
+            tasks: list[AlibabaTask] | TaskColumns
             if path is not None:
                 tasks, stats = read_alibaba(path)
                 print(
@@ -319,10 +325,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             else:
                 model = load_trace_model()
-                tasks = model.tasks(max(2 * args.jobs, 2000), seed=args.seed)
+                tasks = model.columns(max(2 * args.jobs, 2000), seed=args.seed)
                 print(f"fill jobs: {args.jobs} generated from {model.describe()}; --alibaba PATH uses the real "
                       "trace, --trace CSV your own jobs")
-            trace = generate_trace(
+            trace = generate_table(
                 tasks,
                 profiles,
                 jobs=args.jobs,
@@ -332,13 +338,14 @@ def run(args: argparse.Namespace) -> int:
                 setup_s=args.init_s,
             )
             if args.write_trace is not None:
-                write_trace(args.write_trace, trace)
+                write_trace(args.write_trace, trace.rows())
     except (UnknownPolicyError, TraceError, ValueError) as e:
         print(f"bubbles simulate: error: {e}", file=sys.stderr)
         return 2
 
-    jobs = with_gangs([t.to_fill_job(profiles, setup_s=args.init_s) for t in trace], args.gang_share,
-                      args.gang_gpus, seed=args.seed)
+    fill_jobs = (trace.fill_jobs(profiles, setup_s=args.init_s) if isinstance(trace, TraceTable)
+                 else [t.to_fill_job(profiles, setup_s=args.init_s) for t in trace])
+    jobs = with_gangs(fill_jobs, args.gang_share, args.gang_gpus, seed=args.seed)
     gpus_per_stage = main.gpus // main.stages
     if args.gang_share > 0 and args.gang_gpus > gpus_per_stage:
         print(f"bubbles simulate: error: --gang-gpus {args.gang_gpus}: a stage has {gpus_per_stage} GPUs (dp x tp); "
@@ -369,6 +376,9 @@ def run(args: argparse.Namespace) -> int:
             for frac in (8, 4, 2, 1):
                 small = main.with_gpus(main.gpus // frac)
                 if small.gpus < main.stages * main.tensor_parallel or (frac > 1 and small.gpus == main.gpus):
+                    continue
+                if frac == 1 and small == main:  # the run above, again (a simulation is deterministic)
+                    sweep.append(summaries[0])
                     continue
                 subset = jobs[::frac]  # the same load per GPU
                 res = simulate(small, subset, policies[0], hours=hours)

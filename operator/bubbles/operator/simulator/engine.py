@@ -9,6 +9,13 @@ on an executor comes from the scheduler (its execution plan over that executor's
 never from stepping a clock. Jobs still running when the main job's time is up are credited with
 the share of their work done by then (work is conserved: FLOPs = samples processed x FLOPs per
 sample of the job's profile).
+
+What an event costs is kept to the event itself (a week of 100,000 GPUs is two million of them): jobs are put in
+arrival order once (a stable sort), their processing times on every class computed a block of arrivals at a time
+(``Scheduler.processing_times_many``, the numbers ``submit`` would compute), a job that starts at once never enters
+the scheduler's queue, and Python's cycle collector rests during the run (``simulator.gcpause``). The decisions are
+the ones the step-by-step path makes (tests/test_simulator_equivalence.py replays them through the scheduler's queue
+and compares every outcome).
 """
 
 from __future__ import annotations
@@ -18,13 +25,20 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from bubbles.operator.scheduler.core import ExecutorClass, FillJobRequest, Placement, Scheduler
 from bubbles.operator.scheduler.gang import GangGroup, GangPlacement, fits_somewhere, place_gang
 from bubbles.operator.scheduler.policies import Policy
+from bubbles.operator.simulator.gcpause import gc_paused
 from bubbles.operator.simulator.mainjob import MainJob
 
+# Arrivals whose processing times are computed at once: large enough that numpy's cost per call vanishes, small enough
+# that the block's (arrivals x classes) array stays small.
+PROC_BLOCK = 16_384
 
-@dataclass
+
+@dataclass(slots=True)
 class JobOutcome:
     """What happened to one fill job."""
 
@@ -71,6 +85,18 @@ def simulate(
     Jobs arriving after the horizon are not submitted. ``progress`` is called with the fraction of
     simulated time (or of jobs, without a horizon) now and then.
     """
+    with gc_paused():
+        return _simulate(main, jobs, policy, hours, classes, progress)
+
+
+def _simulate(
+    main: MainJob,
+    jobs: Sequence[FillJobRequest],
+    policy: str | Policy,
+    hours: float | None,
+    classes: Sequence[ExecutorClass] | None,
+    progress: Callable[[float], None] | None,
+) -> SimResult:
     sched = Scheduler(classes if classes is not None else main.executor_classes(), policy)
     groups, first = [], 0
     for c in sched.classes:  # a gang's executors: of one class (one stage)
@@ -78,11 +104,15 @@ def simulate(
         first += c.executors
     waiting: list[FillJobRequest] = []  # gangs, in arrival order
     gang_on: dict[int, GangPlacement] = {}  # executor -> the gang running on it
-    order = sorted(range(len(jobs)), key=lambda k: (jobs[k].arrival_s, k))
+    in_order = [jobs[k] for k in arrival_order(jobs)]
+    arrivals = [j.arrival_s for j in in_order]
+    n_jobs = len(in_order)
     horizon_s = math.inf if hours is None else hours * 3600.0
     outcomes = {j.job_id: JobOutcome(j) for j in jobs}
     if len(outcomes) != len(jobs):
         raise ValueError("fill job ids must be unique; the trace has duplicates")
+    proc_block = np.empty((0, len(sched.classes)))
+    heappush, heappop, inf = heapq.heappush, heapq.heappop, math.inf  # local names: looked up once per event
     completions: list[tuple[float, int, int]] = []  # (end_s, seq, executor)
     seq = 0
     events = 0
@@ -95,7 +125,7 @@ def simulate(
         if p is None:
             return
         outcomes[p.job.job_id].placement = p
-        heapq.heappush(completions, (p.end_s, seq, p.executor))
+        heappush(completions, (p.end_s, seq, p.executor))
         seq += 1
 
     def gang_started(g: GangPlacement) -> None:
@@ -103,7 +133,7 @@ def simulate(
         outcomes[g.job.job_id].placement = g
         for e in g.executors:
             gang_on[e] = g
-        heapq.heappush(completions, (g.end_s, seq, g.executors[0]))
+        heappush(completions, (g.end_s, seq, g.executors[0]))
         seq += 1
 
     def start_gangs(t: float) -> None:
@@ -121,16 +151,16 @@ def simulate(
                 started(sched.fill(e, t))
 
     while True:
-        t_arr = jobs[order[nxt]].arrival_s if nxt < len(order) else math.inf
-        t_done = completions[0][0] if completions else math.inf
-        now = min(t_arr, t_done)
-        if now == math.inf or now > horizon_s:
+        t_arr = arrivals[nxt] if nxt < n_jobs else inf
+        t_done = completions[0][0] if completions else inf
+        now = t_done if t_done < t_arr else t_arr  # min(t_arr, t_done)
+        if now == inf or now > horizon_s:
             break
         events += 1
         if t_done <= t_arr:  # completions first: a freed executor can take the arriving job
-            _, _, e = heapq.heappop(completions)
-            if e in gang_on:
-                g = gang_on[e]
+            _, _, e = heappop(completions)
+            g = gang_on.get(e)
+            if g is not None:
                 o = outcomes[g.job.job_id]
                 o.done, o.samples_done, o.filled_s = True, float(g.job.samples), g.filled_s
                 for x in g.executors:
@@ -145,9 +175,14 @@ def simulate(
                     sched.release(e, now, fill=False)
                     freed((e,), now)
                 else:
-                    started(sched.release(e, now))
+                    p_next = sched.release(e, now)
+                    if p_next is not None:
+                        started(p_next)
         else:
-            job = jobs[order[nxt]]
+            job = in_order[nxt]
+            row = nxt % PROC_BLOCK
+            if row == 0:  # the next block of arrivals' processing times
+                proc_block = sched.processing_times_many(in_order[nxt : nxt + PROC_BLOCK])
             nxt += 1
             if job.gpus > 1:
                 if fits_somewhere(sched, job, groups):
@@ -161,11 +196,16 @@ def simulate(
                                                      "class whose bubbles it fits; no class has that many")
             else:
                 try:
-                    started(sched.submit(job, now))
+                    p_now = sched.submit(job, now, proc_s=proc_block[row])
                 except ValueError as err:
                     outcomes[job.job_id].rejected = str(err)
+                else:
+                    if p_now is not None:  # started() inline: the common case, once per job
+                        outcomes[job.job_id].placement = p_now
+                        heappush(completions, (p_now.end_s, seq, p_now.executor))
+                        seq += 1
         if progress is not None:
-            frac = now / horizon_s if horizon_s < math.inf else nxt / max(1, len(order))
+            frac = now / horizon_s if horizon_s < math.inf else nxt / max(1, n_jobs)
             if frac - last_report >= 0.01:
                 last_report = frac
                 progress(min(1.0, frac))
@@ -189,3 +229,11 @@ def simulate(
         progress(1.0)
     name = sched.policy.name
     return SimResult(main=main, policy=name, horizon_s=end_s, outcomes=list(outcomes.values()), events=events)
+
+
+def arrival_order(jobs: Sequence[FillJobRequest]) -> list[int]:
+    """Indices of ``jobs`` by arrival time, ties in trace order."""
+    arrival_s = np.array([j.arrival_s for j in jobs], dtype=float)
+    if np.isnan(arrival_s).any():  # NaN orders differently in numpy than in Python's sort: keep Python's
+        return sorted(range(len(jobs)), key=lambda k: (jobs[k].arrival_s, k))
+    return np.argsort(arrival_s, kind="stable").tolist()

@@ -11,6 +11,12 @@ bucket maps it to a model of PipeFill's Table 1 (smaller jobs to smaller models,
 the models' sampling probabilities), models under 700M parameters train or run batch inference
 with equal probability, larger ones always run batch inference, and samples = GPU-hours x the
 model's best isolated throughput on one GPU.
+
+The generator works on columns (numpy arrays), not on an object per task or job: the packaged trace model's tasks
+come as ``TaskColumns`` and a generated trace as a ``TraceTable``, whose ``fill_jobs`` are what the simulator runs
+and whose ``rows`` are the ``TraceJob`` rows that ``generate_trace`` returns and ``write_trace`` writes. The random
+streams, and so every generated job, are those of the loop over jobs the generator was before (2026-12;
+tests/test_simulator_equivalence.py holds it to that loop).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from bubbles.core.api import WorkloadKind
 from bubbles.operator.scheduler.core import FillJobRequest, FillProfile
+from bubbles.operator.simulator.gcpause import gc_paused
 
 ALIBABA_COLUMNS = ("name", "num_gpu", "qos", "creation_time", "deletion_time", "scheduled_time")
 TRACE_COLUMNS = ("arrival_s", "model", "kind")
@@ -57,6 +64,30 @@ class AlibabaTask:
     name: str
     arrival_s: float
     gpu_hours: float
+
+
+@dataclass(frozen=True, eq=False)
+class TaskColumns:
+    """Trace tasks as columns: arrival times and sizes (GPU-hours), row k one task."""
+
+    arrival_s: np.ndarray
+    gpu_hours: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.arrival_s.shape != self.gpu_hours.shape or self.arrival_s.ndim != 1:
+            raise ValueError(f"a task's arrival and size go together: got {self.arrival_s.shape} arrival times and "
+                             f"{self.gpu_hours.shape} sizes; pass two 1-d arrays of one length")
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    @classmethod
+    def of(cls, tasks: Sequence[AlibabaTask] | TaskColumns) -> TaskColumns:
+        """``tasks`` as columns (columns as they are)."""
+        if isinstance(tasks, TaskColumns):
+            return tasks
+        return cls(np.array([t.arrival_s for t in tasks], dtype=float), np.array([t.gpu_hours for t in tasks],
+                                                                                  dtype=float))
 
 
 @dataclass(frozen=True)
@@ -170,7 +201,13 @@ class TraceModel:
     source: Mapping[str, object]
 
     def tasks(self, n: int, seed: int = 0) -> list[AlibabaTask]:
-        """``n`` synthetic tasks, as ``read_alibaba`` returns kept tasks."""
+        """``n`` synthetic tasks, as ``read_alibaba`` returns kept tasks (``columns``' tasks, one object each)."""
+        cols = self.columns(n, seed)
+        return [AlibabaTask(f"model-{i:05d}", a, h)
+                for i, (a, h) in enumerate(zip(cols.arrival_s.tolist(), cols.gpu_hours.tolist(), strict=True))]
+
+    def columns(self, n: int, seed: int = 0) -> TaskColumns:
+        """``n`` synthetic tasks as columns (what ``generate_trace`` needs of them)."""
         if n < 2:
             raise ValueError(f"n must be >= 2, got {n}")
         rng = np.random.default_rng(seed)
@@ -178,9 +215,7 @@ class TraceModel:
         gaps = np.interp(rng.random(n), grid, self.gap_s_quantiles)
         grid = np.linspace(0, 1, len(self.gpu_hours_quantiles))
         sizes = np.interp(rng.random(n), grid, self.gpu_hours_quantiles)
-        arrivals = np.cumsum(gaps)
-        return [AlibabaTask(f"model-{i:05d}", float(a), float(h)) for i, (a, h) in enumerate(zip(arrivals, sizes,
-                                                                                                   strict=True))]
+        return TaskColumns(np.cumsum(gaps), sizes)
 
     def describe(self) -> str:
         s = self.source
@@ -208,8 +243,40 @@ def load_trace_model(path: str | Path = TRACE_MODEL_PATH) -> TraceModel:
     return TraceModel(gaps, sizes, source)
 
 
+@dataclass(frozen=True, eq=False)
+class TraceTable:
+    """A fill-job trace as columns (what the generator makes), row k one job: ``rows`` gives its ``TraceJob`` rows,
+    ``fill_jobs`` the simulator's jobs without a row object in between."""
+
+    job_ids: Sequence[str]
+    arrival_s: np.ndarray
+    keys: tuple[tuple[str, WorkloadKind], ...]  # the (model, kind) of each profile the trace uses
+    key: np.ndarray  # per job: its (model, kind), an index into ``keys``
+    samples: np.ndarray  # whole numbers >= 1
+    deadline_s: np.ndarray  # NaN where a job has none
+
+    def __len__(self) -> int:
+        return len(self.job_ids)
+
+    def rows(self) -> list[TraceJob]:
+        keys = self.keys
+        with gc_paused():
+            return [TraceJob(i, a, keys[k][0], keys[k][1], n, None if math.isnan(d) else d)
+                    for i, a, k, n, d in zip(self.job_ids, self.arrival_s.tolist(), self.key.tolist(),
+                                             self.samples.tolist(), self.deadline_s.tolist(), strict=True)]
+
+    def fill_jobs(self, profiles: Mapping[tuple[str, WorkloadKind], FillProfile],
+                  setup_s: float = 0.0) -> list[FillJobRequest]:
+        """Every row's ``TraceJob.to_fill_job(profiles, setup_s)``, without the rows."""
+        used = [profiles[k] for k in self.keys]
+        with gc_paused():
+            return [FillJobRequest(i, used[k], n, a, None if math.isnan(d) else d, setup_s=setup_s)
+                    for i, k, n, a, d in zip(self.job_ids, self.key.tolist(), self.samples.tolist(),
+                                             self.arrival_s.tolist(), self.deadline_s.tolist(), strict=True)]
+
+
 def generate_trace(
-    tasks: Sequence[AlibabaTask],
+    tasks: Sequence[AlibabaTask] | TaskColumns,
     profiles: Mapping[tuple[str, WorkloadKind], FillProfile],
     *,
     jobs: int,
@@ -220,7 +287,25 @@ def generate_trace(
     setup_s: float = 0.0,
     mix: Sequence[tuple[str, int, float]] = MODEL_MIX,
 ) -> list[TraceJob]:
-    """``jobs`` fill jobs arriving over ``hours``, sampled from the filtered trace ``tasks``.
+    """``jobs`` fill jobs arriving over ``hours``, sampled from the filtered trace ``tasks``: ``generate_table``'s
+    rows."""
+    return generate_table(tasks, profiles, jobs=jobs, hours=hours, seed=seed, deadline_share=deadline_share,
+                          deadline_slack=deadline_slack, setup_s=setup_s, mix=mix).rows()
+
+
+def generate_table(
+    tasks: Sequence[AlibabaTask] | TaskColumns,
+    profiles: Mapping[tuple[str, WorkloadKind], FillProfile],
+    *,
+    jobs: int,
+    hours: float,
+    seed: int = 0,
+    deadline_share: float = 0.0,
+    deadline_slack: float = 10.0,
+    setup_s: float = 0.0,
+    mix: Sequence[tuple[str, int, float]] = MODEL_MIX,
+) -> TraceTable:
+    """``jobs`` fill jobs arriving over ``hours``, sampled from the filtered trace ``tasks``, as columns.
 
     Arrival gaps and sizes are sampled together (one trace task per job) and the gaps are scaled so
     the jobs span ``hours``. A ``deadline_share`` of jobs get a deadline ``deadline_slack`` times their
@@ -233,8 +318,12 @@ def generate_trace(
         raise ValueError(f"hours must be > 0, got {hours}")
     if not setup_s >= 0:
         raise ValueError(f"setup_s must be >= 0, got {setup_s}")
-    usable = sorted((t for t in tasks if t.gpu_hours > 0), key=lambda t: t.arrival_s)
-    if len(usable) < 2:
+    cols = TaskColumns.of(tasks)
+    usable = cols.gpu_hours > 0
+    by_arrival = np.argsort(cols.arrival_s[usable], kind="stable")  # ties in the tasks' order, as sorted() keeps them
+    arrivals = cols.arrival_s[usable][by_arrival]
+    sizes = cols.gpu_hours[usable][by_arrival]
+    if len(sizes) < 2:
         raise ValueError(
             "the filtered trace has fewer than 2 usable tasks; pass a larger excerpt of the trace"
         )
@@ -243,10 +332,8 @@ def generate_trace(
     if missing:
         raise ValueError(f"no profile for {', '.join(missing)}; add them to the model profiles file")
     rng = np.random.default_rng(seed)
-    arrivals = np.array([t.arrival_s for t in usable])
     gaps = np.diff(arrivals, prepend=arrivals[0])
     gaps[0] = float(np.median(gaps[1:]))
-    sizes = np.array([t.gpu_hours for t in usable])
     # Rank of each task's size (ties broken by order) -> which model's bucket it falls in.
     order = np.argsort(sizes, kind="stable")
     quantile = np.empty(len(sizes))
@@ -255,25 +342,32 @@ def generate_trace(
     edges = np.cumsum(probs / probs.sum())
     bucket = np.minimum(np.searchsorted(edges, quantile), len(mix) - 1)
 
-    pick = rng.integers(0, len(usable), size=jobs)
+    pick = rng.integers(0, len(sizes), size=jobs)
     g = gaps[pick]
     total = float(g.sum()) or 1.0
     arrival_s = np.cumsum(g) * (hours * 3600.0 / total) - g[0] * (hours * 3600.0 / total)
     coin = rng.random(jobs)
     dl = rng.random(jobs)
-    out: list[TraceJob] = []
-    for n in range(jobs):
-        k = int(pick[n])
-        model, params, _ = mix[int(bucket[k])]
-        kind = (WorkloadKind.TRAINING if params < TRAINING_MAX_PARAMS and coin[n] < 0.5
-                else WorkloadKind.BATCH_INFERENCE)
-        prof = profiles.get((model, kind)) or profiles[(model, WorkloadKind.BATCH_INFERENCE)]
-        kind = prof.kind
-        work_s = float(sizes[k]) * 3600.0
-        samples = max(1, round(work_s * prof.isolated_samples_per_s))
-        deadline = float(arrival_s[n]) + deadline_slack * work_s + setup_s if dl[n] < deadline_share else None
-        out.append(TraceJob(f"job-{n:06d}", float(arrival_s[n]), model, kind, samples, deadline))
-    return out
+    # Each job's profile: its bucket's model, training (if the model is small enough and the coin says so) where a
+    # training profile exists, else batch inference; the job's kind is its profile's.
+    wanted = [(model, kind) for model, params, _ in mix
+              for kind in (WorkloadKind.BATCH_INFERENCE,
+                           WorkloadKind.TRAINING if params < TRAINING_MAX_PARAMS else WorkloadKind.BATCH_INFERENCE)]
+    chosen = [profiles.get(k) or profiles[(k[0], WorkloadKind.BATCH_INFERENCE)] for k in wanted]
+    model_of = bucket[pick]
+    key = 2 * model_of + (coin < 0.5)
+    work_s = sizes[pick] * 3600.0
+    rate = np.array([p.isolated_samples_per_s for p in chosen], dtype=float)[key]
+    samples = np.maximum(1.0, np.rint(work_s * rate))  # round(): to the nearest, halves to even
+    deadline_s = np.where(dl < deadline_share, arrival_s + deadline_slack * work_s + setup_s, math.nan)
+    return TraceTable(
+        job_ids=[f"job-{n:06d}" for n in range(jobs)],
+        arrival_s=arrival_s,
+        keys=tuple((model, p.kind) for (model, _), p in zip(wanted, chosen, strict=True)),
+        key=key,
+        samples=samples.astype(np.int64),
+        deadline_s=deadline_s,
+    )
 
 
 def write_trace(path: str | Path, jobs: Iterable[TraceJob]) -> None:
