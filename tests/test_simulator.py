@@ -304,6 +304,36 @@ def test_a_long_run_shows_its_progress_and_its_sweep_ends_with_that_run(tmp_path
     assert "[" not in capsys.readouterr().err
 
 
+def test_the_sweep_run_beside_the_main_run_is_the_sweep_run_after_it(tmp_path: Path, capsys,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two CPUs the plot's smaller sizes run in a forked process beside the main run; with one, after it, in
+    the same process: the same report either way (a simulation is deterministic)."""
+    import multiprocessing
+
+    import bubbles.operator.simulator.cli as sim_cli
+
+    forks: list[str] = []
+    real_get_context = multiprocessing.get_context
+
+    def counting(method: str | None = None) -> object:
+        forks.append(str(method))
+        return real_get_context(method)
+
+    argv = ["simulate", "--stages", "4", "--gpus", "64", "--jobs", "600", "--hours", "2", "--quiet",
+            "--plot", str(tmp_path / "p.png")]
+    monkeypatch.setattr(multiprocessing, "get_context", counting)
+    monkeypatch.setattr(sim_cli.os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert bubbles_main([*argv, "--report", str(tmp_path / "forked.json")]) == 0
+    assert forks == ["fork"]
+    monkeypatch.setattr(sim_cli.os, "sched_getaffinity", lambda _pid: {0})
+    assert bubbles_main([*argv, "--report", str(tmp_path / "here.json")]) == 0
+    assert forks == ["fork"]  # one CPU: no process
+    capsys.readouterr()
+    forked, here = (json.loads((tmp_path / f).read_text()) for f in ("forked.json", "here.json"))
+    assert [s["gpus"] for s in forked["sweep"]] == [8, 16, 32, 64]
+    assert forked == here
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

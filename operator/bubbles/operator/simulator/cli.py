@@ -13,8 +13,13 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bubbles.operator.scheduler.core import FillJobRequest
+    from bubbles.operator.simulator.mainjob import MainJob
 
 ALIBABA_ENV = "BUBBLES_ALIBABA_TRACE"
 DEFAULT_PLOT = Path("bubbles-simulate.png")
@@ -353,6 +358,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     hours = None if args.drain else cfg["hours"]
     show = not args.quiet and len(jobs) >= 1000
+    # With one policy the plot is a cluster-size sweep: the smaller sizes run beside the main run, in a forked
+    # process where there is a second CPU (they need nothing from it; the full size is the main run itself).
+    sweep_plan = [] if args.no_plot or len(policies) > 1 else _sweep_sizes(main)
+    sweep_job = _SweepInChild.start(main, jobs, policies[0], hours, sweep_plan) if sweep_plan else None
     summaries = []
     for name in policies:
         res = simulate(main, jobs, name, hours=hours, progress=_progress(name) if show else None)
@@ -372,17 +381,9 @@ def run(args: argparse.Namespace) -> int:
         if len(summaries) > 1:
             plot_jct(args.plot, summaries)
         else:
-            sweep = []
-            for frac in (8, 4, 2, 1):
-                small = main.with_gpus(main.gpus // frac)
-                if small.gpus < main.stages * main.tensor_parallel or (frac > 1 and small.gpus == main.gpus):
-                    continue
-                if frac == 1 and small == main:  # the run above, again (a simulation is deterministic)
-                    sweep.append(summaries[0])
-                    continue
-                subset = jobs[::frac]  # the same load per GPU
-                res = simulate(small, subset, policies[0], hours=hours)
-                sweep.append(summarize(res))
+            smaller = sweep_job.result() if sweep_job is not None else _run_sweep(main, jobs, policies[0], hours,
+                                                                                   sweep_plan)
+            sweep = [*smaller, summaries[0]]  # the full size: the run above (a simulation is deterministic)
             report["sweep"] = [
                 {k: s[k] for k in ("gpus", "bubble_ratio", "recovered_tflops_per_gpu", "gpu_equivalents")}
                 for s in sweep
@@ -394,3 +395,69 @@ def run(args: argparse.Namespace) -> int:
         print(f"report: {args.report}")
     print(FLAGS_HINT)
     return 0
+
+
+def _sweep_sizes(main: MainJob) -> list[int]:
+    """The sweep's smaller cluster sizes, as fractions 1/frac of ``main`` (8, 4, 2: those that make a smaller
+    pipeline-complete cluster)."""
+    out = []
+    for frac in (8, 4, 2):
+        small = main.with_gpus(main.gpus // frac)
+        if small.gpus >= main.stages * main.tensor_parallel and small.gpus != main.gpus:
+            out.append(frac)
+    return out
+
+
+def _run_sweep(main: MainJob, jobs: Sequence[FillJobRequest], policy: str, hours: float | None,
+               fracs: Sequence[int]) -> list[dict[str, Any]]:
+    """The sweep's runs: 1/frac of the GPUs with every frac-th job (the same load per GPU)."""
+    from bubbles.operator.simulator import simulate, summarize
+
+    return [summarize(simulate(main.with_gpus(main.gpus // frac), jobs[::frac], policy, hours=hours))
+            for frac in fracs]
+
+
+class _SweepInChild:
+    """The sweep run by a forked child (which inherits the jobs without copying them) while the parent runs the main
+    simulation; ``result()`` waits for it. Where there is one CPU or no fork, it runs in the parent when asked."""
+
+    def __init__(self, proc: Any, conn: Any, args: tuple[Any, ...]) -> None:
+        self.proc, self.conn, self.args = proc, conn, args
+
+    @classmethod
+    def start(cls, main: MainJob, jobs: Sequence[FillJobRequest], policy: str, hours: float | None,
+              fracs: Sequence[int]) -> _SweepInChild:
+        import multiprocessing
+
+        args = (main, jobs, policy, hours, fracs)
+        if len(os.sched_getaffinity(0)) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+            return cls(None, None, args)
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=cls._child, args=(child, args), name="bubbles-simulate-sweep", daemon=True)
+        proc.start()
+        child.close()
+        return cls(proc, parent, args)
+
+    @staticmethod
+    def _child(conn: Any, args: tuple[Any, ...]) -> None:
+        try:
+            conn.send(("ok", _run_sweep(*args)))
+        except BaseException as exc:  # said in the parent, which then runs the sweep itself
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        finally:
+            conn.close()
+
+    def result(self) -> list[dict[str, Any]]:
+        if self.proc is None:
+            return _run_sweep(*self.args)
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            status, value = "error", f"the sweep's process ended with code {self.proc.exitcode}"
+        self.proc.join()
+        if status != "ok":
+            print(f"bubbles simulate: the plot's sweep failed in its own process ({value}); running it here",
+                  file=sys.stderr)
+            return _run_sweep(*self.args)
+        return list(value)
