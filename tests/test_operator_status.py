@@ -116,8 +116,9 @@ def test_the_shell_owns_one_cache_and_hands_it_to_every_round(monkeypatch: pytes
     assert isinstance(op.cache, DecideCache)
     given: list[DecideCache | None] = []
 
-    def spy(view: ClusterView, cache: DecideCache | None = None) -> Decisions:
+    def spy(view: ClusterView, cache: DecideCache | None = None, full_pass_s: float = 0.0) -> Decisions:
         given.append(cache)
+        assert full_pass_s == op.config.full_pass_s  # the safety net's interval is the configured one
         return Decisions()
 
     async def nothing_to_see() -> ClusterView:
@@ -126,7 +127,7 @@ def test_the_shell_owns_one_cache_and_hands_it_to_every_round(monkeypatch: pytes
     async def nothing_to_do(d: Decisions, now: object) -> None:
         return None
 
-    monkeypatch.setattr("bubbles.operator.shell.reconcile", spy)
+    monkeypatch.setattr("bubbles.operator.shell.reconcile_round", spy)
     monkeypatch.setattr(op, "view", nothing_to_see)
     monkeypatch.setattr(op, "apply", nothing_to_do)
     import asyncio

@@ -19,8 +19,8 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bubbles.core.api import DEFAULT_CUDA_CONTEXT_MIB
@@ -47,13 +47,14 @@ from .decide import (
     GpuView,
     key_of,
     pod_not_starting,
-    reconcile,
+    reconcile_round,
 )
 from .kube import TOKEN_LIFETIME_S, Connection, FinalizerConflict, KubeWriter, PodConflict, PodRefused
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
 
 log = logging.getLogger("bubbles.operator")
+NO_REPORTS: tuple[StageReport, ...] = ()  # a Pod no agent reports a GPU of (one object: views are kept by identity)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class OperatorConfig:
     pod_start_timeout_s: float = 600.0
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB << 20  # the agents' --cuda-context-mib: ClusterView's
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
+    # The rounds look again only at what changed (decide.reconcile_round); at least this often at everything, a safety
+    # net that costs one round as long as a round that looks at everything.
+    full_pass_s: float = 30.0
     metrics_interval_s: float = 1.0  # the per-job gauges are recomputed at most this often (scrapes are far rarer)
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
@@ -139,8 +143,17 @@ class Operator:
         self._generation: tuple[Any, ...] = ()
         self._agent_index: dict[str, str] = {}
         self._cycles: dict[GpuKey, tuple[Any, BubbleCycle | None]] = {}  # GPU -> (reported dict, parsed)
-        # node -> (its report, its GPUs' reports by (namespace, training, Pod)): a Pod may run several GPUs
-        self._report_index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], list[StageReport]]]] = {}
+        # node -> (its report's GPUs, them by (namespace, training, Pod)): a Pod may run several GPUs
+        self._report_index: dict[str, tuple[tuple[StageReport, ...],
+                                            dict[tuple[str, str, str], list[StageReport]]]] = {}
+        self._reports: dict[str, NodeReport] = {}  # node -> its agent's last report (see _same_report)
+        self._progress: dict[str, JobProgress] = {}  # FillJob uid -> its run's progress as last handed to decide
+        # (training, Pod) -> (the Pod, its GPUs' reports, whether its agent answers, their views, their parsed cycles):
+        # the same views are handed to decide while nothing of them changed (decide compares them as themselves first).
+        self._gpu_views: dict[tuple[str, str], tuple[Any, Any, bool, tuple[GpuView, ...],
+                                                     tuple[tuple[GpuKey, tuple[Any, BubbleCycle | None]], ...]]] = {}
+        # fill Pod -> (the Pod, what it says: ("waiting", (why, since)), ("failed", why), ("ended", why) or None)
+        self._fill_pods: dict[str, tuple[Any, tuple[str, Any] | None]] = {}
         self._observed = -math.inf  # when the per-job gauges were last recomputed
         self._first_waiting: dict[str, float] = {}  # fill Pod key -> when it was first seen failing to start
         self._agents_version = -1
@@ -355,86 +368,69 @@ class Operator:
         nodes = sorted({str((p.get("spec") or {}).get("nodeName")) for ps in pods_by_training.values() for p in ps
                         if (p.get("spec") or {}).get("nodeName")})
         answers = await asyncio.gather(*(self.agents.report(n) for n in nodes))
-        reports: dict[str, NodeReport | None] = dict(zip(nodes, answers, strict=True))
+        reports: dict[str, NodeReport | None] = {n: self._same_report(n, rep) for n, rep in zip(nodes, answers,
+                                                                                                strict=True)}
+        self._reports = {n: rep for n, rep in reports.items() if rep is not None}
         gpus: list[GpuView] = []
         progress: dict[str, JobProgress] = {}
         for rep in reports.values():
             for j in rep.jobs if rep else ():
-                progress[j.uid] = j
-        index: dict[str, tuple[NodeReport, dict[tuple[str, str, str], list[StageReport]]]] = {}
+                had = self._progress.get(j.uid)
+                progress[j.uid] = had if had is not None and (had is j or had == j) else j
+        self._progress = progress
+        index: dict[str, tuple[tuple[StageReport, ...], dict[tuple[str, str, str], list[StageReport]]]] = {}
         for node, rep in reports.items():
             if rep is not None:
                 ix = self._report_index.get(node)
-                if ix is None or ix[0] is not rep:
-                    ix = (rep, {})
+                if ix is None or ix[0] is not rep.stages:
+                    ix = (rep.stages, {})
                     for s in rep.stages:
                         if _named(s, node):
                             ix[1].setdefault((s.namespace, s.training, s.pod), []).append(s)
                 index[node] = ix
         self._report_index = index
         cycles: dict[GpuKey, tuple[Any, BubbleCycle | None]] = {}
+        views: dict[tuple[str, str], tuple[Any, Any, bool, tuple[GpuView, ...],
+                                           tuple[tuple[GpuKey, tuple[Any, BubbleCycle | None]], ...]]] = {}
         for tkey, pods in pods_by_training.items():
             ns, name = tkey.split("/", 1)
             for pod in pods:
                 meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
                 node = str(spec.get("nodeName") or "")
                 rep = reports.get(node)
-                pod_name, pod_uid = str(meta.get("name")), str(meta.get("uid", ""))
-                tolerations = tuple(spec.get("tolerations") or ())
-                # One view per GPU the Pod runs (each stage, each rank: none collapses); a Pod no agent reports a GPU
-                # of is one view with stage -1, for its training's status to say why.
-                reported = index[node][1].get((ns, name, pod_name), []) if rep is not None else []
-                if not reported:
-                    gpus.append(GpuView(tkey, -1, pod_name, pod_uid, node, "", None, agent_up=rep is not None,
-                                        tolerations=tolerations))
-                for sr in reported:
-                    gkey = sr.key
-                    cycle = None
-                    if sr.cycle is not None and node:
-                        # Parsed once per reported cycle: the same object each round lets decisions memoize per GPU.
-                        had = self._cycles.get(gkey)
-                        if had is not None and (had[0] is sr.cycle or had[0] == sr.cycle):
-                            cycle = had[1]
-                        else:
-                            try:
-                                cycle = BubbleCycle.from_dict(sr.cycle)
-                            except ValueError:
-                                cycle = None
-                        cycles[gkey] = (sr.cycle, cycle)
-                    gpus.append(GpuView(
-                        tkey, sr.stage, pod_name, pod_uid, node, sr.device, cycle, agent_up=True,
-                        hook_reporting=sr.hook_reporting, iteration_s=sr.iteration_s,
-                        baseline_iteration_s=sr.baseline_iteration_s, bubble_s=sr.bubble_s, filled_s=sr.filled_s,
-                        gpu_uuid=sr.gpu_uuid, gpu_resource=sr.gpu_resource,
-                        training_membership=sr.training_membership, tolerations=tolerations,
-                        rank=sr.rank, ranks=sr.ranks))
+                pod_name = str(meta.get("name"))
+                reported = index[node][1].get((ns, name, pod_name), NO_REPORTS) if rep is not None else NO_REPORTS
+                vkey = (tkey, pod_name)
+                kept = self._gpu_views.get(vkey)
+                if kept is None or kept[0] is not pod or kept[1] is not reported or kept[2] != (rep is not None):
+                    made, pod_cycles = self._pod_gpus(tkey, pod, reported, rep is not None)
+                    kept = (pod, reported, rep is not None, made, pod_cycles)
+                views[vkey] = kept
+                gpus.extend(kept[3])
+                cycles.update(kept[4])
+        self._gpu_views = views
         self._cycles = cycles
         failed: dict[str, str] = {}
         ended: dict[str, str] = {}
         waiting: dict[str, tuple[str, float]] = {}
+        fill_pods: dict[str, tuple[Any, tuple[str, Any] | None]] = {}
         for key, pod in list(self.store.pods.items()):
-            st = pod.get("status") or {}
-            phase = st.get("phase")
-            if ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") != "fill-job":
-                continue
-            if phase == "Pending":
-                # Every Pending fill Pod, with what the kubelet says keeps it (or "" while it is only starting: a
-                # volume that never mounts is said in Events alone, and must time out too).
-                waiting[key] = (pod_not_starting(pod) or "", self._waiting_since(key, pod, now))
-                continue
-            if phase in ("Failed", "Succeeded"):
-                states = [c.get("state") or {} for c in st.get("containerStatuses") or ()]
-                why = next((f"{s['terminated'].get('reason', 'Error')} (exit code {s['terminated'].get('exitCode')})"
-                            for s in states if "terminated" in s), st.get("reason") or f"the Pod {phase.lower()}")
-                (failed if phase == "Failed" else ended)[key] = \
-                    f"{why}{': ' + st['message'] if st.get('message') else ''}"
+            said = self._fill_pods.get(key)
+            if said is None or said[0] is not pod:
+                said = (pod, self._fill_pod_state(key, pod, now))
+            fill_pods[key] = said
+            if said[1] is not None:
+                what, value = said[1]
+                (waiting if what == "waiting" else failed if what == "failed" else ended)[key] = value
+        self._fill_pods = fill_pods
         self._first_waiting = {k: v for k, v in self._first_waiting.items() if k in waiting}
         # Lists of the store's objects: the store replaces an object on every event and never changes one in place.
         if self._started is None:
             self._started = time.monotonic()
         self._training_written = {k: t for k, t in self._training_written.items() if k in self.store.trainings}
-        live = {str((o.get("metadata") or {}).get("uid", "")) for o in self.store.fill_jobs.values()}
-        self.pod_refusals = {uid: r for uid, r in self.pod_refusals.items() if uid in live}  # gone jobs: forgotten
+        if self.pod_refusals:
+            live = {str((o.get("metadata") or {}).get("uid", "")) for o in self.store.fill_jobs.values()}
+            self.pod_refusals = {uid: r for uid, r in self.pod_refusals.items() if uid in live}  # gone jobs: forgotten
         return ClusterView(now, list(self.store.fill_jobs.values()), trainings, gpus, progress, self.config.policy,
                            failed_pods=failed, ended_pods=ended, fill_pods=self.config.fill_pods,
                            refused_pods=dict(self.pod_refusals), pod_retry_s=self.config.pod_retry_s,
@@ -442,12 +438,78 @@ class Operator:
                            cuda_context_bytes=self.config.cuda_context_bytes,
                            acting_s=time.monotonic() - self._started)
 
+    def _same_report(self, node: str, rep: NodeReport | None) -> NodeReport | None:
+        """``rep``, with the GPUs' part of the node's last report where it is equal (an agent over gRPC answers a new
+        object each time): the views made of it are then made once, and decide sees them unchanged."""
+        had = self._reports.get(node)
+        if rep is None or had is None or rep is had or rep.stages is had.stages:
+            return rep
+        if rep == had:
+            return had
+        return replace(rep, stages=had.stages) if rep.stages == had.stages else rep
+
+    def _pod_gpus(self, tkey: str, pod: Mapping[str, Any], reported: Sequence[StageReport], agent_up: bool,
+                  ) -> tuple[tuple[GpuView, ...], tuple[tuple[GpuKey, tuple[Any, BubbleCycle | None]], ...]]:
+        """The views of the GPUs a training Pod runs, as its node's agent reports them, and their parsed cycles. One
+        view per GPU (each stage, each rank: none collapses); a Pod no agent reports a GPU of is one view with stage
+        -1, for its training's status to say why."""
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        node = str(spec.get("nodeName") or "")
+        pod_name, pod_uid = str(meta.get("name")), str(meta.get("uid", ""))
+        tolerations = tuple(spec.get("tolerations") or ())
+        if not reported:
+            return (GpuView(tkey, -1, pod_name, pod_uid, node, "", None, agent_up=agent_up,
+                            tolerations=tolerations),), ()
+        views: list[GpuView] = []
+        cycles: list[tuple[GpuKey, tuple[Any, BubbleCycle | None]]] = []
+        for sr in reported:
+            gkey = sr.key
+            cycle = None
+            if sr.cycle is not None and node:
+                # Parsed once per reported cycle: the same object each round lets decisions memoize per GPU.
+                had = self._cycles.get(gkey)
+                if had is not None and (had[0] is sr.cycle or had[0] == sr.cycle):
+                    cycle = had[1]
+                else:
+                    try:
+                        cycle = BubbleCycle.from_dict(sr.cycle)
+                    except ValueError:
+                        cycle = None
+                cycles.append((gkey, (sr.cycle, cycle)))
+            views.append(GpuView(
+                tkey, sr.stage, pod_name, pod_uid, node, sr.device, cycle, agent_up=True,
+                hook_reporting=sr.hook_reporting, iteration_s=sr.iteration_s,
+                baseline_iteration_s=sr.baseline_iteration_s, bubble_s=sr.bubble_s, filled_s=sr.filled_s,
+                gpu_uuid=sr.gpu_uuid, gpu_resource=sr.gpu_resource,
+                training_membership=sr.training_membership, tolerations=tolerations,
+                rank=sr.rank, ranks=sr.ranks))
+        return tuple(views), tuple(cycles)
+
+    def _fill_pod_state(self, key: str, pod: Mapping[str, Any], now: dt.datetime) -> tuple[str, Any] | None:
+        """What a fill Pod says for decide: ("waiting", (the kubelet's reason or "", since when)) while Pending,
+        ("failed", why) or ("ended", why) once done; None for a running fill Pod or any other Pod."""
+        st = pod.get("status") or {}
+        phase = st.get("phase")
+        if ((pod.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") != "fill-job":
+            return None
+        if phase == "Pending":
+            # Every Pending fill Pod, with what the kubelet says keeps it (or "" while it is only starting: a
+            # volume that never mounts is said in Events alone, and must time out too).
+            return "waiting", (pod_not_starting(pod) or "", self._waiting_since(key, pod, now))
+        if phase in ("Failed", "Succeeded"):
+            states = [c.get("state") or {} for c in st.get("containerStatuses") or ()]
+            why = next((f"{s['terminated'].get('reason', 'Error')} (exit code {s['terminated'].get('exitCode')})"
+                        for s in states if "terminated" in s), st.get("reason") or f"the Pod {phase.lower()}")
+            said = f"{why}{': ' + st['message'] if st.get('message') else ''}"
+            return ("failed" if phase == "Failed" else "ended"), said
+        return None
+
     async def reconcile_once(self) -> Decisions:
         """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""
         t0 = time.perf_counter()
         view = await self.view()
         t1 = time.perf_counter()
-        d = reconcile(view, self.cache)
+        d = reconcile_round(view, self.cache, self.config.full_pass_s)
         t2 = time.perf_counter()
         await self.apply(d, view.now)
         self.round_s = [*self.round_s[-999:], (t1 - t0, t2 - t1, time.perf_counter() - t2)]

@@ -19,15 +19,13 @@ statuses; ``cache``: the memos.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from bubbles.core.identity import GpuKey
 from bubbles.core.resources import JobProgress, PipelineTrainingResource, ResourceError
 
 from .cache import DecideCache
 from .filljobs import see_fill_jobs
 from .placement import place
 from .pods import fill_pod, fill_pod_mounts, fill_pod_name, fill_pod_node, fill_pod_place, label_value, pod_not_starting
+from .rounds import reconcile_round
 from .status import ACTIVE, PHASE_TRANSITIONS, Assigned, FillJobStatus, InvalidTransition, check_transition
 from .trainings import invalid_training_statuses, training_statuses
 from .view import (
@@ -42,6 +40,7 @@ from .view import (
     FillPodSettings,
     GpuView,
     gpu_context_bytes,
+    gpus_by_key,
     key_of,
 )
 
@@ -75,6 +74,7 @@ __all__ = [
     "label_value",
     "pod_not_starting",
     "reconcile",
+    "reconcile_round",
 ]
 
 
@@ -90,21 +90,11 @@ def reconcile(view: ClusterView, cache: DecideCache | None = None) -> Decisions:
             trainings[key_of(t)] = PipelineTrainingResource.from_object(t)
         except ResourceError as exc:
             invalid[key_of(t)] = str(exc)  # said in its status; it selects no Pod until it is fixed
-    gpus = gpus_by_key(g for g in view.gpus if g.training in trainings)
+    gpus = cache.gpus_by_key(view.gpus, trainings)
     valid, busy = see_fill_jobs(view, out, cache, gpus, trainings, invalid)
     place(view, out, cache, valid, gpus, trainings, busy, view.now.timestamp())
     for _obj, _job, st in valid.values():
         st.finish()
     training_statuses(view, out, trainings, gpus, valid)
     invalid_training_statuses(view, out, invalid)
-    return out
-
-
-def gpus_by_key(gpus: Iterable[GpuView]) -> dict[GpuKey, GpuView]:
-    """The reported GPUs by key. A key is one rank of one stage: should two Pods report it at once (a replaced Pod
-    its agent still reports beside the new one), the one whose hook reports wins, then the Pod named first, so that
-    every round picks the same."""
-    out: dict[GpuKey, GpuView] = {}
-    for g in sorted((g for g in gpus if g.reported), key=lambda g: (not g.hook_reporting, g.pod)):
-        out.setdefault(g.key, g)
     return out

@@ -8,7 +8,7 @@ dominate the round).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from bubbles.core.api import WorkloadKind
@@ -17,7 +17,8 @@ from bubbles.core.plan import Bubble, FillNode
 from bubbles.core.resources import FillJobResource, PipelineTrainingResource
 from bubbles.operator.scheduler import ExecutorClass, FillConfig, FillProfile
 
-from .view import PROVISIONAL_STEP_S, GpuView
+from .memo import RoundMemo
+from .view import PROVISIONAL_STEP_S, GpuView, gpus_by_key
 
 # Past these sizes a memo starts again (bounded memory for a long-lived operator).
 MAX_PARSED = 100_000
@@ -34,6 +35,19 @@ class DecideCache:
         # GPU -> (cycle, share, reserve, class): a GPU's class is rebuilt only when its cycle object or its training's
         # share or reserve changes (the shell hands the same cycle object over while the report is unchanged).
         self.classes: dict[GpuKey, tuple[Any, float, int, ExecutorClass]] = {}
+        # placement's frame of the last round's GPUs: (what it was made of, placement.GpuFrame)
+        self.gpu_frame: tuple[tuple[Any, ...], Any] | None = None
+        self.rounds = RoundMemo()  # what the incremental round (rounds.reconcile_round) remembers
+        self._gpus: tuple[tuple[Any, ...], dict[GpuKey, GpuView]] | None = None
+
+    def gpus_by_key(self, gpus: Sequence[GpuView], trainings: Collection[str]) -> dict[GpuKey, GpuView]:
+        """``view.gpus_by_key`` of the GPUs of ``trainings`` (keys), remembered while the GPUs' views are the same
+        (the shell hands them over as the same objects while they are unchanged). The answer is shared: not to be
+        changed."""
+        key = (tuple(gpus), tuple(trainings))
+        if self._gpus is None or self._gpus[0] != key:
+            self._gpus = (key, gpus_by_key(g for g in gpus if g.training in trainings))
+        return self._gpus[1]
 
     def fill_job(self, obj: Mapping[str, Any]) -> FillJobResource:
         """``FillJobResource.from_object``, remembered per (identity, spec)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from bubbles.core.api import FillState
@@ -29,6 +30,8 @@ from .status import ACTIVE, Assigned, FillJobStatus, condition_of
 from .view import STARTUP_GRACE_S, Assignment, ClusterView, Decisions, Event, GpuView, gpu_context_bytes, key_of
 
 MAX_ETA_S = dt.datetime(9000, 1, 1, tzinfo=dt.UTC).timestamp()
+# A due time (Outlook.due) is brought this much earlier: the decision it bounds compares times as floats, rounded.
+CLOCK_MARGIN_S = 1e-3
 
 # A FillJob as this round sees it: its object, its parsed spec, the status being built.
 Seen = tuple[Mapping[str, Any], FillJobResource, FillJobStatus]
@@ -44,46 +47,94 @@ def see_fill_jobs(view: ClusterView, out: Decisions, cache: DecideCache, gpus: M
     valid: dict[str, Seen] = {}
     busy: dict[GpuKey, tuple[str, float]] = {}
     for obj in view.fill_jobs:
-        meta = obj.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
-            clean_up(obj, out)
-            continue
-        st = FillJobStatus(obj, view.now, out)
-        phase = st.phase_now
-        if phase is not None and phase.terminal:  # final: neither parsed nor looked at again (thousands pile up)
-            a = st.assignment
-            if a.node and st.uid in view.progress:
-                # The agent still holds the run: it lets go of it now that the final status is stored (told every
-                # round until it stops reporting the job, so a lost call costs a round).
-                out.cancel_run(st.key, st.uid, str(a.node))
-            st.finish()
-            continue
-        try:
-            job = cache.fill_job(obj)
-            if phase not in ACTIVE:  # a Pod made already has the mounts it has: a changed setting does not stop it
-                check_paths(job, view.fill_pods)
-        except ResourceError as exc:
-            a = Assigned.read(st.status.pop("assignment", None))
-            if a.pod:  # it ran: its spec was edited into an invalid one; stop it, free its stage
-                out.delete_pod(st.key, st.uid, str(meta.get("namespace", "")), str(a.pod))
-            if a.node:
-                out.cancel_run(st.key, st.uid, str(a.node))
-            st.status.pop("eta", None)
-            st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
-            st.phase(FillJobPhase.FAILED, f"invalid spec: {exc} (a Failed FillJob is not read again: delete it and "
-                     "apply it corrected)", event="InvalidSpec", warning=True)
-            st.finish()
-            continue
-        if phase is None or phase is FillJobPhase.PENDING:
-            st.condition(ConditionType.ADMITTED, True, "Valid", "the spec is valid")
-            st.status.setdefault("restarts", 0)
-            st.status.setdefault("counters", {"kills": 0, "placements": 0, "evictions": 0})
-            st.status.update(progress_fields(job, 0, 0.0))
-            st.phase(FillJobPhase.QUEUED, "waiting for a bubble it fits", event="Queued")
-        if st.phase_now in ACTIVE:
-            _track(out, view, cache, st, job, gpus, trainings, busy, now_s, invalid)
-        valid[st.key] = (obj, job, st)
+        seen = see_fill_job(obj, view, out, cache, gpus, trainings, invalid, busy, now_s, Outlook())
+        if seen is not None:
+            valid[seen[2].key] = seen
     return valid, busy
+
+
+@dataclass
+class Outlook:
+    """What a job's decision of this round holds on beyond its inputs (its object, its GPUs' views, its run's
+    progress, its Pod's state): the time from which it may change with nothing else changed (``due_s``), and the GPUs
+    it keeps busy with what their expected end is computed from at any time (``busy_keys``, ``end``)."""
+
+    due_s: float = math.inf
+    busy_keys: tuple[GpuKey, ...] = ()
+    end: EndEstimate | None = None
+
+    def due(self, at_s: float) -> None:
+        """The decision may change with the clock alone from ``at_s`` (a float's rounding early, to be safe)."""
+        self.due_s = min(self.due_s, at_s - CLOCK_MARGIN_S)
+
+
+@dataclass(frozen=True)
+class EndEstimate:
+    """What a placed job's expected end is computed from (``expected_end_s``): it moves with the clock alone."""
+
+    job: FillJobResource
+    assignment: Assigned
+    progress: JobProgress | None
+    done: int
+    rate: float
+
+    def at(self, now_s: float) -> float:
+        return expected_end_s(self.job, self.assignment, self.progress, self.done, self.rate, now_s)
+
+
+def expected_end_s(job: FillJobResource, a: Assigned, prog: JobProgress | None, done: int, rate: float,
+                   now_s: float) -> float:
+    """When a placed job is expected to finish at ``rate`` steps per second, ``done`` steps done, seen at ``now_s``
+    (inf where it makes no progress)."""
+    return now_s + _init_left_s(job, a, prog, now_s) + (job.steps - done) / rate if rate > 0 else math.inf
+
+
+def see_fill_job(obj: Mapping[str, Any], view: ClusterView, out: Decisions, cache: DecideCache,
+                 gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource],
+                 invalid: Mapping[str, str], busy: dict[GpuKey, tuple[str, float]], now_s: float, outlook: Outlook,
+                 parsed: FillJobResource | None = None) -> Seen | None:
+    """One FillJob of the view (``see_fill_jobs``): its decisions into ``out``, the GPUs it keeps busy into ``busy``,
+    what they rest on into ``outlook``. Returns it where it is valid (not deleted, not final, its spec valid).
+    ``parsed``: its spec parsed already (by an earlier round, from this very object)."""
+    meta = obj.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        clean_up(obj, out)
+        return None
+    st = FillJobStatus(obj, view.now, out)
+    phase = st.phase_now
+    if phase is not None and phase.terminal:  # final: neither parsed nor looked at again (thousands pile up)
+        a = st.assignment
+        if a.node and st.uid in view.progress:
+            # The agent still holds the run: it lets go of it now that the final status is stored (told every
+            # round until it stops reporting the job, so a lost call costs a round).
+            out.cancel_run(st.key, st.uid, str(a.node))
+        st.finish()
+        return None
+    try:
+        job = parsed if parsed is not None else cache.fill_job(obj)
+        if phase not in ACTIVE:  # a Pod made already has the mounts it has: a changed setting does not stop it
+            check_paths(job, view.fill_pods)
+    except ResourceError as exc:
+        a = Assigned.read(st.status.pop("assignment", None))
+        if a.pod:  # it ran: its spec was edited into an invalid one; stop it, free its stage
+            out.delete_pod(st.key, st.uid, str(meta.get("namespace", "")), str(a.pod))
+        if a.node:
+            out.cancel_run(st.key, st.uid, str(a.node))
+        st.status.pop("eta", None)
+        st.condition(ConditionType.ADMITTED, False, "InvalidSpec", str(exc))
+        st.phase(FillJobPhase.FAILED, f"invalid spec: {exc} (a Failed FillJob is not read again: delete it and "
+                 "apply it corrected)", event="InvalidSpec", warning=True)
+        st.finish()
+        return None
+    if phase is None or phase is FillJobPhase.PENDING:
+        st.condition(ConditionType.ADMITTED, True, "Valid", "the spec is valid")
+        st.status.setdefault("restarts", 0)
+        st.status.setdefault("counters", {"kills": 0, "placements": 0, "evictions": 0})
+        st.status.update(progress_fields(job, 0, 0.0))
+        st.phase(FillJobPhase.QUEUED, "waiting for a bubble it fits", event="Queued")
+    if st.phase_now in ACTIVE:
+        _track(out, view, cache, st, job, gpus, trainings, busy, now_s, invalid, outlook)
+    return (obj, job, st)
 
 
 def progress_fields(job: FillJobResource, done: int, flops: float) -> dict[str, Any]:
@@ -130,9 +181,12 @@ def clean_up(obj: Mapping[str, Any], out: Decisions) -> None:
 
 def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobStatus, job: FillJobResource,
            gpus: Mapping[GpuKey, GpuView], trainings: Mapping[str, PipelineTrainingResource],
-           busy: dict[GpuKey, tuple[str, float]], now_s: float, invalid: Mapping[str, str] | None = None) -> None:
+           busy: dict[GpuKey, tuple[str, float]], now_s: float, invalid: Mapping[str, str] | None = None,
+           outlook: Outlook | None = None) -> None:
     """A placed job: follow its progress, or evict it when its GPU (any of a gang's), Pod or agent is gone (or its
-    training's spec turned invalid: ``invalid``, training key -> why)."""
+    training's spec turned invalid: ``invalid``, training key -> why). ``outlook``: told when the decision may change
+    with the clock alone, and what its GPUs' expected end is computed from."""
+    outlook = outlook if outlook is not None else Outlook()
     a = st.assignment
     gkeys = a.gpu_keys(job.namespace)
     # Its rank runs in another Pod now: the job's Pod (its process, its bubbles) is gone for it.
@@ -150,6 +204,8 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
         if prog is None or prog.state is FillState.SUBMITTED else None
     if waiting is not None and waiting[0]:
         waiting = (_kubelet_words(st.status, str(a.pod), waiting[0]), waiting[1])
+    if waiting is not None:
+        outlook.due(waiting[1] + view.pod_start_timeout_s)  # its Pod's start times out then
     lost = None
     ended_itself = False  # the fill Pod (or its process) ended on its own: kept for its logs, not deleted
     # The training's doing (its Pod or spec changed), not the job's: not counted as a restart. Unless the job had its
@@ -232,10 +288,12 @@ def _track(out: Decisions, view: ClusterView, cache: DecideCache, st: FillJobSta
     if prog is not None:
         st.count("kills", at_least=prog.kills)
     rate = _steps_per_s(cache, job, on, trainings.get(gpu.training), gpu_context_bytes(view, gpu))
-    end_s = now_s + _init_left_s(job, a, prog, now_s) + (job.steps - done) / rate if rate > 0 else math.inf
+    end = EndEstimate(job, a, prog, done, rate)
+    end_s = end.at(now_s)
     for g in on:
         busy[g.key] = (uid, end_s)
-    set_eta(st, job, end_s)
+    outlook.busy_keys, outlook.end = tuple(g.key for g in on), end
+    outlook.due(set_eta(st, job, end_s))
     if waiting is not None and waiting[0]:
         what, hint = not_starting(waiting[0], str(a.pod))
         st.condition(ConditionType.RUNNING, False, "PodNotStarting", f"fill Pod {a.pod}: {waiting[0]}")
@@ -361,17 +419,29 @@ def _steps_per_s(cache: DecideCache, job: FillJobResource, on: Sequence[GpuView]
     return rate.steps_per_cycle / cls.iteration_s if rate else 0.0
 
 
-def set_eta(st: FillJobStatus, job: FillJobResource, end_s: float) -> None:
+def set_eta(st: FillJobStatus, job: FillJobResource, end_s: float) -> float:
     """Set the ETA, keeping the one written before while the new estimate is within max(30 s, 5% of the time
-    left) of it: an estimate that moves with every round would rewrite every status every round."""
+    left) of it: an estimate that moves with every round would rewrite every status every round. Returns until when
+    (epoch seconds) the same would be decided were nothing but the clock to move, for an estimate that moves with the
+    clock no faster than it (a placed job's: ``expected_end_s``)."""
+    now_s = st.now.timestamp()
     if math.isfinite(end_s) and end_s > MAX_ETA_S:
         end_s = math.inf  # beyond any calendar (a huge job at a trickle): no ETA
+    holds_s = math.inf
     if math.isfinite(end_s):
+        holds_s = now_s + (MAX_ETA_S - end_s)  # from then, beyond any calendar
         old = st.before.get("eta")
+        kept = False
         if old:
             old_s = dt.datetime.fromisoformat(str(old).replace("Z", "+00:00")).timestamp()
-            if abs(old_s - end_s) <= max(30.0, 0.05 * max(0.0, end_s - st.now.timestamp())):
-                end_s = old_s
+            off, slack = abs(old_s - end_s), max(30.0, 0.05 * max(0.0, end_s - now_s))
+            if off <= slack:
+                end_s, kept = old_s, True
+                # Kept while the estimate stays within the slack: it moves at most as fast as the clock, and the
+                # slack shrinks at most 0.05 times as fast (never below 30 s).
+                holds_s = min(holds_s, now_s + max(30.0 - off, (slack - off) / 1.05))
+        if not kept:
+            holds_s = now_s  # a new ETA: looked at again next round
         st.status["eta"] = rfc3339(dt.datetime.fromtimestamp(end_s, dt.UTC))
         if job.deadline is not None:
             st.status["deadlineFeasible"] = end_s <= job.deadline.timestamp()
@@ -379,5 +449,4 @@ def set_eta(st: FillJobStatus, job: FillJobResource, end_s: float) -> None:
         st.status.pop("eta", None)
         if job.deadline is not None:
             st.status["deadlineFeasible"] = False
-
-
+    return holds_s

@@ -14,6 +14,7 @@ import datetime as dt
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from bubbles.core.identity import GpuKey
@@ -28,6 +29,7 @@ from bubbles.core.resources import (
     selector_matches,
 )
 from bubbles.operator.scheduler import (
+    ExecutorClass,
     FillJobRequest,
     GangGroup,
     Scheduler,
@@ -103,15 +105,15 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
           busy: Mapping[GpuKey, tuple[str, float]], now_s: float) -> None:
     """Queued jobs onto free profiled GPUs: by priority tier, then by the scheduling policy. A GPU its fill Pod could
     not be given (``lacks_resource``) is no place for a job: the jobs that could use only such GPUs say why."""
-    usable = [g for g in gpus.values() if g.cycle is not None and g.agent_up]
-    no_resource = [g for g in usable if lacks_resource(view, g)]
-    usable = [g for g in usable if not lacks_resource(view, g)]
     # A job evicted this round is placed from the next: its eviction (Pod deleted, run cancelled, restarts counted) is
     # written first, whatever becomes of its next Pod (one the API server refuses writes nothing of its round).
     queued = [(obj, job, st) for obj, job, st in valid.values()
               if st.phase_now is FillJobPhase.QUEUED and not st.evicted]
     if not queued:
         return
+    frame = gpu_frame(view, cache, gpus, trainings)
+    usable, no_resource, classes, by_name = frame.usable, frame.no_resource, frame.classes, frame.by_name
+    groups, class_names = frame.groups, frame.class_names
     if not usable:
         memo: dict[str, list[str]] = {}
         for _obj, job, st in queued:
@@ -123,26 +125,16 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
             st.condition(ConditionType.PLACED, False, "NoProfiledTraining", why)
             st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
         return
-    classes = [cache.executor_class(g, trainings[g.training], gpu_context_bytes(view, g)) for g in usable]
-    by_name = {c.name: g for c, g in zip(classes, usable, strict=True)}
     # Scanning, not indexed: a round builds its scheduler afresh with a class per GPU, so an index would be built per
     # class every round (Python work per queued job) to serve a few decisions; the index pays where one scheduler
-    # lives across decisions (the simulator). An incremental round (issue 37, part 3) keeps one.
-    sched = Scheduler(classes, policy(view.policy), index=False)
-    executor_of = {g.key: e for e, g in enumerate(usable)}
-    groups = [GangGroup(f"{tk} stage {k} on {node} (Pod {pod})", tuple(executor_of[g.key] for g in members))
-              for (tk, k, node, pod), members in gang_groups(usable).items()]
+    # lives across decisions (the simulator). Its processing-time tables are the frame's, kept across rounds.
+    sched = Scheduler(classes, policy(view.policy), index=False, tables=frame.tables)
     for e, g in enumerate(usable):  # one executor per class: executor e is class e
-        if g.key in busy:
-            sched.occupy(e, busy[g.key][0], busy[g.key][1])
+        if (held := busy.get(g.key)) is not None:
+            sched.occupy(e, held[0], held[1])
     requests: dict[str, Seen] = {}
     tiers: dict[int, list[FillJobRequest]] = {}
     gangs: dict[int, list[FillJobRequest]] = {}  # by priority, in arrival order
-    class_names: dict[tuple[str, int | None], set[str]] = {}  # (training, stage or None: any) -> its usable GPUs
-    for c in classes:
-        g = by_name[c.name]
-        class_names.setdefault((g.training, None), set()).add(c.name)
-        class_names.setdefault((g.training, g.stage), set()).add(c.name)
     counts: dict[str, int] | None = None
     eligible_sets: dict[tuple[tuple[str, ...], int | None], frozenset[str]] = {}
     training_keys = sorted(trainings)
@@ -277,6 +269,47 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
         st.condition(ConditionType.PLACED, False, "AllBubblesBusy", "every GPU it fits runs another fill job")
         st.phase(FillJobPhase.QUEUED, "waiting: every bubble it fits is in use")
 
+
+
+@dataclass
+class GpuFrame:
+    """What placement makes of a round's GPUs before it looks at any job: the usable ones (profiled, their agent up,
+    their fill Pod able to get them), those it could not give a fill Pod (``lacks_resource``), a scheduler class for
+    each usable one (executor e is class e, GPU ``usable[e]``), the groups a gang may span, the class names of each
+    training and of each of its stages, and the schedulers' processing-time tables over these classes. Kept in the
+    ``DecideCache`` while the GPUs' views, their trainings and the settings it reads are the same."""
+
+    usable: list[GpuView]
+    no_resource: list[GpuView]
+    classes: list[ExecutorClass]
+    by_name: dict[str, GpuView]
+    groups: list[GangGroup]
+    class_names: dict[tuple[str, int | None], set[str]]  # (training, stage or None: any) -> its usable GPUs' classes
+    tables: dict[int, Any] = field(default_factory=dict)  # Scheduler(tables=...)
+
+
+def gpu_frame(view: ClusterView, cache: DecideCache, gpus: Mapping[GpuKey, GpuView],
+              trainings: Mapping[str, PipelineTrainingResource]) -> GpuFrame:
+    """The round's ``GpuFrame``: the cache's while what it is made of is the same."""
+    profiled = tuple(g for g in gpus.values() if g.cycle is not None and g.agent_up)
+    key = (profiled, dict(trainings), view.fill_pods.gpu_access, view.fill_pods.mps_pipe_dir, view.cuda_context_bytes)
+    if cache.gpu_frame is not None and cache.gpu_frame[0] == key:
+        frame: GpuFrame = cache.gpu_frame[1]
+        return frame
+    no_resource = [g for g in profiled if lacks_resource(view, g)]
+    usable = [g for g in profiled if not lacks_resource(view, g)]
+    classes = [cache.executor_class(g, trainings[g.training], gpu_context_bytes(view, g)) for g in usable]
+    by_name = {c.name: g for c, g in zip(classes, usable, strict=True)}
+    executor_of = {g.key: e for e, g in enumerate(usable)}
+    groups = [GangGroup(f"{tk} stage {k} on {node} (Pod {pod})", tuple(executor_of[g.key] for g in members))
+              for (tk, k, node, pod), members in gang_groups(usable).items()]
+    class_names: dict[tuple[str, int | None], set[str]] = {}
+    for c, g in zip(classes, usable, strict=True):
+        class_names.setdefault((g.training, None), set()).add(c.name)
+        class_names.setdefault((g.training, g.stage), set()).add(c.name)
+    frame = GpuFrame(usable, no_resource, classes, by_name, groups, class_names)
+    cache.gpu_frame = (key, frame)
+    return frame
 
 
 def lacks_resource(view: ClusterView, gpu: GpuView) -> bool:

@@ -4,11 +4,12 @@ grouped by FillJob: ``FillJobDecisions``; ``Assignment``; ``Event``)."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import posixpath
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -69,9 +70,15 @@ class GpuView:
     def reported(self) -> bool:
         return self.stage >= 0
 
-    @property
+    def same_for_jobs(self, other: GpuView) -> bool:
+        """Whether a FillJob placed on this GPU is decided alike on ``other``: every field equal but the training's
+        figures (``FIGURES``), which only its PipelineTraining's status reads (they move with every report)."""
+        return self is other or all(getattr(self, f) == getattr(other, f) for f in _DECIDING_FIELDS)
+
+    @functools.cached_property
     def key(self) -> GpuKey:
-        """Which GPU it is; ValueError for a Pod whose GPUs are not reported (``reported`` False)."""
+        """Which GPU it is; ValueError for a Pod whose GPUs are not reported (``reported`` False). Made once per view
+        (a key checks its parts as it is made, and a round asks each GPU's many times)."""
         namespace, _, name = self.training.partition("/")
         return GpuKey(namespace, name, self.stage, self.rank)
 
@@ -79,6 +86,11 @@ class GpuView:
     def where(self) -> str:
         """The GPU in words, for statuses and Events: "ml/llama stage 0 rank 1"."""
         return f"{self.training} stage {self.stage} rank {self.rank}"
+
+
+# A GpuView's figures of the training on it, which no FillJob's decision reads (GpuView.same_for_jobs).
+FIGURES = frozenset({"iteration_s", "baseline_iteration_s", "bubble_s", "filled_s", "training_membership"})
+_DECIDING_FIELDS = tuple(f.name for f in fields(GpuView) if f.name not in FIGURES)
 
 
 @dataclass(frozen=True)
@@ -328,6 +340,14 @@ class Decisions:
         """The deleted job's clean-up is done: its finalizer is removed."""
         self._job("remove_finalizer", key, uid, key).remove_finalizer = True
 
+    def position(self) -> tuple[int, int]:
+        """How many decisions and Events are taken so far (``since``'s argument)."""
+        return len(self._taken), len(self.events)
+
+    def since(self, position: tuple[int, int]) -> tuple[list[tuple[str, str, Any]], list[Event]]:
+        """What was decided after ``position``: (kind, FillJob key, what) in decided order, and the Events."""
+        return self._taken[position[0]:], self.events[position[1]:]
+
     def _all(self, kind: str) -> Iterator[tuple[str, Any]]:
         return ((key, what) for k, key, what in self._taken if k == kind)
 
@@ -372,3 +392,13 @@ def gpu_context_bytes(view: ClusterView, gpu: GpuView) -> int:
     """The CUDA-context allowance the GPU's agent adds to a job's memory: on a GPU, outside MPS."""
     on_gpu = bool(gpu.gpu_uuid) or gpu.device.startswith("cuda")
     return view.cuda_context_bytes if on_gpu and view.fill_pods.mps_pipe_dir is None else 0
+
+
+def gpus_by_key(gpus: Iterable[GpuView]) -> dict[GpuKey, GpuView]:
+    """The reported GPUs by key. A key is one rank of one stage: should two Pods report it at once (a replaced Pod
+    its agent still reports beside the new one), the one whose hook reports wins, then the Pod named first, so that
+    every round picks the same."""
+    out: dict[GpuKey, GpuView] = {}
+    for g in sorted((g for g in gpus if g.reported), key=lambda g: (not g.hook_reporting, g.pod)):
+        out.setdefault(g.key, g)
+    return out

@@ -167,6 +167,9 @@ class _Queue:
         self.index: dict[str, int] = {}
         self.row_of_seq: dict[int, int] = {}
         self.next_seq = 0  # above every submission number added so far
+        # Per class, how many queued jobs fit it (a finite processing time): a decision on a class none fits is
+        # answered without scoring the queue.
+        self.fits = np.zeros(classes, dtype=np.int64)
 
     def add(self, job: FillJobRequest, proc: np.ndarray, seq: int) -> None:
         if self.n == len(self.arrival_s):
@@ -184,6 +187,7 @@ class _Queue:
         self.arrival_s[k] = job.arrival_s
         self.deadline_s[k] = math.nan if job.deadline_s is None else job.deadline_s
         self.proc_s[k] = proc
+        self.fits += np.isfinite(proc)
         self.min_proc_s[k] = proc.min()
         self.seq[k] = seq
         self.index[job.job_id] = k
@@ -194,6 +198,7 @@ class _Queue:
     def remove(self, k: int) -> FillJobRequest:
         job = self.jobs[k]
         del self.row_of_seq[int(self.seq[k])]
+        self.fits -= np.isfinite(self.proc_s[k])
         last = self.n - 1
         if k != last:
             self.jobs[k] = self.jobs[last]
@@ -217,6 +222,7 @@ class _Queue:
         out.arrival_s, out.deadline_s = self.arrival_s[:n].copy(), self.deadline_s[:n].copy()
         out.proc_s, out.min_proc_s, out.seq = self.proc_s[:n].copy(), self.min_proc_s[:n].copy(), self.seq[:n].copy()
         out.index, out.row_of_seq = dict(self.index), dict(self.row_of_seq)
+        out.fits = self.fits.copy()
         return out
 
     def view_rows(self, rows: np.ndarray) -> QueueView:
@@ -325,7 +331,11 @@ class Scheduler:
     an idle executor fits it; ``release`` frees an executor and fills it with the best queued job.
     """
 
-    def __init__(self, classes: Sequence[ExecutorClass], policy: str | Policy = "fifo", *, index: bool = True) -> None:
+    def __init__(self, classes: Sequence[ExecutorClass], policy: str | Policy = "fifo", *, index: bool = True,
+                 tables: dict[int, tuple[FillProfile, tuple[np.ndarray, np.ndarray, tuple[Rate | None, ...]]]]
+                 | None = None) -> None:
+        """``tables``: where to keep each profile's processing times over ``classes``, to share them between
+        schedulers over the same classes (the operator makes one per round over the same GPUs); its own by default."""
         if not classes:
             raise ValueError(
                 "the scheduler needs at least one executor class (one per distinct bubble cycle)"
@@ -353,7 +363,7 @@ class Scheduler:
         self._queue = _Queue(len(classes))
         self._tables: dict[
             int, tuple[FillProfile, tuple[np.ndarray, np.ndarray, tuple[Rate | None, ...]]]
-        ] = {}
+        ] = tables if tables is not None else {}
         self._seq = 0
         self._version = 0
         self._projection: _Projection | None = None
@@ -552,6 +562,8 @@ class Scheduler:
 
     def choose(self, executor: int, now_s: float) -> int | None:
         """Index in the queue of the job the policy puts on ``executor`` (None if no queued job fits it)."""
+        if not self._queue.fits[self.executor_class[executor]]:
+            return None
         state = self.state(now_s)
         if self._indexes is not None:
             k = self._indexes.choose(executor, state)
@@ -648,16 +660,20 @@ class Scheduler:
                 seq=q.seq[:n].copy(),
             )
             left = n
+            fits = q.fits.copy()  # per class, the jobs not projected yet that fit it
             # Jobs already projected get +inf processing time everywhere, which _choose skips.
             while left and heap:
                 t, e = heapq.heappop(heap)
                 busy[e] = t
+                c = int(self.executor_class[e])
+                if not fits[c]:
+                    continue  # no remaining job fits this executor's class (what _choose answers): it stays idle
                 k = _choose(self.policy, view, SchedulerState(t, busy, self.executor_class), e)
                 if k is None:
                     continue  # no remaining job fits this executor's class: it stays idle
-                c = int(self.executor_class[e])
                 end = t + float(view.proc_s[k, c])
                 out[ids[k]] = end
+                fits -= np.isfinite(view.proc_s[k])
                 view.proc_s[k] = math.inf
                 view.min_proc_s[k] = math.inf
                 busy[e] = end
