@@ -205,7 +205,10 @@ class World:
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             return
         spec = {**obj["spec"], "work": {"steps": self.rng.choice([-1, 70, 5000])}}
-        meta = {**obj["metadata"], "generation": int(obj["metadata"].get("generation", 1)) + 1}
+        if self.rng.random() < 0.3:
+            spec = obj["spec"]  # its generation or labels alone
+        meta = {**obj["metadata"], "generation": int(obj["metadata"].get("generation", 1)) + 1,
+                "labels": {"team": self.rng.choice(["a", "b"])}}
         self.jobs[f"{NS}/{meta['name']}"] = self.obj({**obj, "metadata": meta, "spec": spec})
 
     def status_stale(self) -> None:

@@ -111,6 +111,16 @@ def test_the_cache_is_the_callers_and_remembers_across_its_rounds_only() -> None
         assert not [n for n, v in vars(module).items() if isinstance(v, dict) and not n.startswith("__")], module
 
 
+def test_a_remembered_spec_is_parsed_again_when_its_generation_or_labels_change() -> None:
+    cache = DecideCache()
+    job = fill_job()
+    first = cache.fill_job(job)
+    assert cache.fill_job({**job, "status": {"phase": "Queued"}}) is first  # its status is not what is parsed
+    bumped = cache.fill_job({**job, "metadata": {**job["metadata"], "generation": 2}})
+    relabelled = cache.fill_job({**job, "metadata": {**job["metadata"], "labels": {"team": "b"}}})
+    assert bumped.generation == 2 and relabelled.labels == {"team": "b"} and first.generation == 1
+
+
 def test_the_shell_owns_one_cache_and_hands_it_to_every_round(monkeypatch: pytest.MonkeyPatch) -> None:
     op = Operator(OperatorConfig(), Connection("http://127.0.0.1:9", insecure=True), InMemoryAgents())
     assert isinstance(op.cache, DecideCache)

@@ -30,7 +30,7 @@ class DecideCache:
     """Memos of pure values across reconcile rounds (``reconcile``'s default is a fresh one: nothing remembered)."""
 
     def __init__(self) -> None:
-        self.parsed: dict[tuple[str, str, str, str], FillJobResource] = {}
+        self.parsed: dict[tuple[str, str, str, str, str, str], FillJobResource] = {}
         self.profiles: dict[tuple[Any, ...], FillProfile] = {}
         # GPU -> (cycle, share, reserve, class): a GPU's class is rebuilt only when its cycle object or its training's
         # share or reserve changes (the shell hands the same cycle object over while the report is unchanged).
@@ -50,9 +50,10 @@ class DecideCache:
         return self._gpus[1]
 
     def fill_job(self, obj: Mapping[str, Any]) -> FillJobResource:
-        """``FillJobResource.from_object``, remembered per (identity, spec)."""
+        """``FillJobResource.from_object``, remembered per what it reads: identity, generation, labels and spec."""
         meta = obj.get("metadata") or {}
         key = (str(meta.get("uid") or ""), str(meta.get("namespace") or ""), str(meta.get("name") or ""),
+               str(meta.get("generation") or 1), json.dumps(meta.get("labels") or {}, sort_keys=True, default=str),
                json.dumps(obj.get("spec"), sort_keys=True, default=str))
         job = self.parsed.get(key)
         if job is None:

@@ -58,6 +58,7 @@ class JobMemo:
     """A FillJob as the last round that looked at it decided."""
 
     obj: Mapping[str, Any]  # the object it was decided on
+    key: str  # "namespace/name"
     job: FillJobResource | None  # its parsed spec, or None where it was not parsed
     uid: str
     # The decision to take again while nothing changes ((kind, what) in order: ``REPEATABLE`` kinds only), or None:
@@ -84,7 +85,7 @@ class TrainingMemo:
 class RoundMemo:
     """What ``reconcile_round`` remembers between rounds (one per ``DecideCache``)."""
 
-    jobs: dict[str, JobMemo] = field(default_factory=dict)
+    jobs: dict[int, JobMemo] = field(default_factory=dict)  # by id() of the object it holds
     trainings: dict[str, TrainingMemo] = field(default_factory=dict)
     # PipelineTraining key -> (its object, parsed or None, why invalid or None)
     parsed: dict[str, tuple[Mapping[str, Any], PipelineTrainingResource | None, str | None]] = field(

@@ -227,7 +227,7 @@ def place(view: ClusterView, out: Decisions, cache: DecideCache, valid: Mapping[
             st.condition(ConditionType.PLACED, False, "StageNotProfiled", why)
             st.phase(FillJobPhase.QUEUED, f"waiting: {why}")
             continue
-        if not eligible or not math.isfinite(min(sched.processing_times_s(req))):
+        if not eligible or not math.isfinite(sched.processing_times_s(req).min()):  # numpy's min: no Python loop
             pinned = f"stage {job.stage} of " if job.stage is not None else ""
             why = (f"fits no profiled bubble of {pinned}{', '.join(allowed)}: each step needs "
                    f"{(job.job.gating_step_s or PROVISIONAL_STEP_S) * 1e3:.3g} ms and "

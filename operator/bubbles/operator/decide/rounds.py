@@ -63,16 +63,19 @@ def reconcile_round(view: ClusterView, cache: DecideCache, full_pass_s: float = 
     if full:
         memo.full_at_s = now_s
     memo.settings, memo.now_s, memo.full = settings, now_s, full
-    jobs: dict[str, JobMemo] = {}
+    jobs: dict[int, JobMemo] = {}
     valid: dict[str, Any] = {}
     busy: dict[GpuKey, tuple[str, float]] = {}
     active: list[tuple[str, tuple[GpuKey, ...]]] = []
     looked: list[tuple[str, Mapping[str, Any], Any, list[tuple[str, str, Any]], bool, Outlook]] = []
     for obj in view.fill_jobs:
-        key = key_of(obj)
-        m = None if full else memo.jobs.get(key)
-        if m is not None and m.obj is obj and m.repeat is not None and now_s < m.due_s and m.reads is not None \
+        # By the object itself: a memo holds the object it was made of, so its id() is no other object's.
+        m = None if full else memo.jobs.get(id(obj))
+        if m is not None and m.obj is not obj:
+            m = None
+        if m is not None and m.repeat is not None and now_s < m.due_s and m.reads is not None \
                 and same_inputs(m.inputs, m.reads.inputs(view, gpus)):
+            key = m.key
             for kind, what in m.repeat:
                 if kind == "assign":
                     out.assign_job(key, m.uid, what)
@@ -84,12 +87,13 @@ def reconcile_round(view: ClusterView, cache: DecideCache, full_pass_s: float = 
                     busy[k] = (m.uid, end_s)
             if m.active is not None:
                 active.append(m.active)
-            jobs[key] = m
+            jobs[id(obj)] = m
             continue
+        key = key_of(obj)
         position = out.position()
         outlook = Outlook()
         seen = see_fill_job(obj, view, out, cache, gpus, trainings, invalid, busy, now_s, outlook,
-                            parsed=m.job if m is not None and m.obj is obj else None)
+                            parsed=m.job if m is not None else None)
         taken, events = out.since(position)
         if seen is not None:
             valid[seen[2].key] = seen
@@ -98,7 +102,7 @@ def reconcile_round(view: ClusterView, cache: DecideCache, full_pass_s: float = 
     for _obj, _job, st in valid.values():
         st.finish()
     for key, obj, seen, taken, evented, outlook in looked:
-        jobs[key] = _remember(key, obj, seen, taken, evented, outlook, out, view, gpus)
+        jobs[id(obj)] = _remember(key, obj, seen, taken, evented, outlook, out, view, gpus)
     memo.jobs = jobs
     memo.examined = len(looked)
     active.extend(active_placements(valid))
@@ -113,7 +117,7 @@ def _remember(key: str, obj: Mapping[str, Any], seen: Any, taken: list[tuple[str
     nothing and is not queued."""
     meta = obj.get("metadata") or {}
     uid = str(meta.get("uid", ""))
-    m = JobMemo(obj, seen[1] if seen is not None else None, uid)
+    m = JobMemo(obj, key, seen[1] if seen is not None else None, uid)
     d = out.fill_jobs.get(key)
     wrote = d is not None and (d.status is not None or d.create_pod is not None or bool(d.delete_pods)
                                or d.add_finalizer or d.remove_finalizer)

@@ -4,7 +4,6 @@ grouped by FillJob: ``FillJobDecisions``; ``Assignment``; ``Event``)."""
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import math
 import posixpath
 import re
@@ -75,12 +74,16 @@ class GpuView:
         figures (``FIGURES``), which only its PipelineTraining's status reads (they move with every report)."""
         return self is other or all(getattr(self, f) == getattr(other, f) for f in _DECIDING_FIELDS)
 
-    @functools.cached_property
+    @property
     def key(self) -> GpuKey:
         """Which GPU it is; ValueError for a Pod whose GPUs are not reported (``reported`` False). Made once per view
         (a key checks its parts as it is made, and a round asks each GPU's many times)."""
-        namespace, _, name = self.training.partition("/")
-        return GpuKey(namespace, name, self.stage, self.rank)
+        key: GpuKey | None = self.__dict__.get("_key")
+        if key is None:
+            namespace, _, name = self.training.partition("/")
+            key = GpuKey(namespace, name, self.stage, self.rank)
+            object.__setattr__(self, "_key", key)  # not a field: neither compared nor copied by replace()
+        return key
 
     @property
     def where(self) -> str:
