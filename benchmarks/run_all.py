@@ -29,6 +29,8 @@ def main() -> int:
         ["scheduler_latency.py", "--decisions", "200" if args.quick else "2000"],
         ["simulator_speed.py", "--jobs", "5000" if args.quick else "50000", "--json",
          str(args.out / "simulator-speed.json")],
+        ["round_cost.py", "--jobs", "100", "1000", "--rounds", "5" if args.quick else "20", "--round", "both", "--json",
+         str(args.out / "round-cost.json")],
         ["guard_synthetic.py", "--seeds", "5" if args.quick else "30"],
         ["gate_replay.py", "--seeds", "3" if args.quick else "20", "--out", str(args.out / "gate-replay.json")],
         ["step_gap.py", "--rounds", "2" if args.quick else "6", "--json", str(args.out / "step-gap.json")],
