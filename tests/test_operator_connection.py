@@ -88,6 +88,7 @@ def test_a_client_certificate_kubeconfig_reaches_a_real_api_server(tmp_path: Pat
     ("flags", "needle"),
     [
         (["--interval", "0"], "--interval must be > 0 seconds"),
+        (["--full-pass-interval", "0"], "--full-pass-interval must be > 0 seconds"),
         (["--metrics-port", "70000"], "--metrics-port must be a TCP port"),
         (["--policy", "luck"], "unknown scheduling policy 'luck'; known policies:"),
         (["--kubeconfig", "/no/such/kubeconfig"], "cannot read kubeconfig /no/such/kubeconfig"),

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or one registered in the bubbles.policies entry-point group (default fifo)")
     parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
                         help="seconds between reconcile rounds when nothing changes (default 2)")
+    parser.add_argument("--full-pass-interval", type=float, default=30.0, metavar="SECONDS",
+                        help="a round looks again only at what changed since the last; at least this often at every "
+                             "FillJob and PipelineTraining, a safety net (default 30)")
     parser.add_argument("--identity", default=None, metavar="NAME",
                         help="this replica's name in the Lease (default: the host name, i.e. the Pod's name)")
     scope = parser.add_argument_group("which namespaces to watch")
@@ -117,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--metrics-port must be a TCP port (0 = no endpoint), got {args.metrics_port}")
     if not args.interval > 0:
         return _fail(f"--interval must be > 0 seconds, got {args.interval}")
+    if not args.full_pass_interval > 0:
+        return _fail(f"--full-pass-interval must be > 0 seconds, got {args.full_pass_interval}")
     from bubbles.operator.scheduler import UnknownPolicyError, get_policy
 
     try:
@@ -174,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
         lease_name=args.lease_name, lease_namespace=args.lease_namespace or connection.namespace or "default",
         identity=args.identity or socket.gethostname(), metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port, fill_pods=fill_pods,
-        pod_start_timeout_s=args.fill_pod_start_timeout, cuda_context_bytes=args.fill_cuda_context_mib << 20)
+        pod_start_timeout_s=args.fill_pod_start_timeout, cuda_context_bytes=args.fill_cuda_context_mib << 20,
+        full_pass_s=args.full_pass_interval)
     log = logging.getLogger("bubbles.operator")
     if security is None:
         log.warning("no --agent-ca: the node agents are not called, so no bubble profile reaches the operator and "

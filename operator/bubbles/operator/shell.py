@@ -76,7 +76,7 @@ class OperatorConfig:
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_MIB << 20  # the agents' --cuda-context-mib: ClusterView's
     training_status_interval_s: float = 5.0  # figures in a PipelineTraining's status are rewritten at most this often
     # The rounds look again only at what changed (decide.reconcile_round); at least this often at everything, a safety
-    # net that costs one round as long as a round that looks at everything.
+    # net that costs one round as long as a round that looks at everything (--full-pass-interval).
     full_pass_s: float = 30.0
     metrics_interval_s: float = 1.0  # the per-job gauges are recomputed at most this often (scrapes are far rarer)
     metrics_port: int | None = None
