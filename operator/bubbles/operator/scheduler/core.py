@@ -562,7 +562,7 @@ class Scheduler:
 
     def choose(self, executor: int, now_s: float) -> int | None:
         """Index in the queue of the job the policy puts on ``executor`` (None if no queued job fits it)."""
-        if not self._queue.fits[self.executor_class[executor]]:
+        if not self._queue.fits[self._class_of[executor]]:
             return None
         state = self.state(now_s)
         if self._indexes is not None:
