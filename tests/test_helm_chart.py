@@ -199,6 +199,8 @@ def test_cert_manager_mode_issues_certificates_instead_of_generating_them() -> N
     ({"agent": {"cudaContextMiB": -1}}, "/agent/cudaContextMiB"),
     ({"agent": {"mps": {"daemonResources": "lots"}}}, "/agent/mps/daemonResources"),
     ({"operator": {"fillPodStartTimeoutSeconds": 0}}, "/operator/fillPodStartTimeoutSeconds"),
+    ({"operator": {"fullPassInterval": 0}}, "/operator/fullPassInterval"),
+    ({"operator": {"fullPassInterval": "30s"}}, "/operator/fullPassInterval"),
     ({"operator": {"fillPodStartTimeoutSeconds": 90000}}, "/operator/fillPodStartTimeoutSeconds"),
     ({"operator": {"fillPodTolerations": [{"key": "a", "operator": "Maybe"}]}}, "/operator/fillPodTolerations/0"),
     ({"operator": {"fillPodTolerations": [{"key": "a", "effects": "NoExecute"}]}}, "/operator/fillPodTolerations/0"),
@@ -257,6 +259,7 @@ def test_node_access_gpu_access_and_the_fill_uid_reach_the_operator() -> None:
     assert mps.fill_run_as_user == 1234 and mps.fill_mps_pipe_dir == "/tmp/nvidia-mps"
     assert op_args({"agent": {"isolation": "mps", "runAsUser": 1234}, "operator": {"fillRunAsUser": 1234}}) \
         .fill_run_as_user == 1234
+    assert csi.full_pass_interval == 30 and op_args({"operator": {"fullPassInterval": 5}}).full_pass_interval == 5
     host = op_args({"nodeAccess": "hostPath", "operator": {"fillGpuAccess": "envvar"}})
     assert (host.node_access, host.fill_gpu_access, host.fill_run_as_user, host.fill_uid, host.fill_gid) == (
         "hostPath", "envvar", None, 1000, 1000)
