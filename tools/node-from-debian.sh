@@ -296,6 +296,12 @@ down() {
     done
   fi
   halt kube-scheduler kube-controller-manager kube-apiserver etcd containerd
+  # What a test started beside the node and a killed run left running (its Prometheus, which scrapes the node's Pods
+  # and keeps its data in $STATE): every other process whose command line names this node's directory.
+  local p
+  for p in $(pgrep -f -- "$STATE/" || true); do
+    [[ $p != "$$" ]] && kill -KILL "$p" 2>/dev/null || true
+  done
   local m
   for m in $(awk -v s="$STATE/" 'index($5, s) == 1 {print $5}' /proc/self/mountinfo | sort -r); do
     umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || say "could not unmount $m"
