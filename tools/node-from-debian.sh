@@ -269,10 +269,14 @@ up() {
   launch kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$STATE/scheduler.kubeconfig" \
     --authentication-kubeconfig "$STATE/scheduler.kubeconfig" --authorization-kubeconfig "$STATE/scheduler.kubeconfig" \
     --bind-address 127.0.0.1 --port 0 --secure-port 0 --leader-elect=false
+  # --keep-terminated-pod-volumes: a finished Pod's emptyDir stays until the Pod is deleted (by default the kubelet
+  # tears a terminated Pod's volumes down), so that the tests read what a training wrote there (its losses) after it
+  # ended; the trainings run in a baseline namespace, with no hostPath to write to.
   launch kubelet env AWS_EC2_METADATA_DISABLED=true "$BIN/kubelet" --config "$STATE/kubelet.yaml" \
     --kubeconfig "$STATE/kubelet.kubeconfig" --root-dir "$STATE/kubelet" --cert-dir "$STATE/kubelet/pki" \
     --container-runtime remote --container-runtime-endpoint "unix://$SOCK" --image-service-endpoint "unix://$SOCK" \
-    --pod-infra-container-image "$PAUSE" --hostname-override "$NODE" --node-ip "$ip" --v 1
+    --pod-infra-container-image "$PAUSE" --hostname-override "$NODE" --node-ip "$ip" --keep-terminated-pod-volumes \
+    --v 1
 
   await 120 "the node to register" admin get node "$NODE"
   await 180 "the node to be Ready" admin wait --for condition=Ready "node/$NODE" --timeout 5s
