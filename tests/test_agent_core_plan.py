@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from helpers.agent_core import MS, armed, gpu, line, make_core
 
 from bubbles.agent.core import PLAN_FACTOR, PLAN_SLACK_STEPS, AgentCore, JobRecord, PlanWatch, within_factor
@@ -190,3 +191,21 @@ def test_reason_steps_too_slow_though_too_few_of_each_size_ran_to_measure_it() -
     assert (planned_, ran) == (5.0, 0.25)
     assert reason == "step time: the 4 steps that ran took 8.00 ms on average, at most 1.00 ms in the fill job's " \
                      "profile at init (too few of each size ran to measure it apart)"
+
+
+def test_a_first_step_time_reported_far_below_the_measured_one_is_the_runtime_forgetting_and_the_plan_follows() -> None:
+    """The runtime's measured gate forgot its slower half (StepGates.refused) and said so with a profile report of
+    its median: the plan drops the same slow durations, or it would keep planning 0 steps with what no longer gates
+    the job. A report near the measured 90th percentile (the runtime's usual one) keeps them."""
+    w = planned(step_s=0.001, predicted_ms=5.0)
+    run(w, 28, [1.0])
+    run(w, 4, [9.0])  # a busy spell: the first steps' 90th percentile past the 5 ms bubble
+    times = w.step_times()
+    assert times is not None and times[0][0].first_gate_s > 0.005
+    w.reported_times(0.0085, [])  # about the 90th percentile: nothing forgotten
+    times = w.step_times()
+    assert times is not None and times[0][0].first_gate_s > 0.005
+    w.reported_times(0.001, [])  # the median: the runtime forgot its slower half
+    times = w.step_times()
+    assert times is not None and times[0][0].first_gate_s == pytest.approx(0.001)
+    assert w.make(((0.005,),), 0.0) is not None and w.planned is not None and w.planned.steps_per_iteration > 0

@@ -109,6 +109,40 @@ def test_a_later_steps_gate_inflated_at_init_gives_way_to_what_first_steps_showe
     assert low.gate_ns(None, False) == 3 * MS  # never above the profile's
 
 
+def test_a_measured_gate_that_refuses_places_its_median_fits_forgets_its_slower_half() -> None:
+    """A busy spell's slow steps lift a measured gate past every bubble, and a gate learns only from steps it lets
+    run: after ``stale_after`` refusals (no step of that size and place run meanwhile) where the median would have
+    fitted, it forgets its slower half. Places too short even for the median neither count nor reset."""
+    g = StepGates([(1, 0.001), (4, 0.015)], min_samples=4, stale_after=3, floors={4: 0.0035})
+    for d in (1, 1, 1, 1, 1, 1, 20, 20):  # 90th percentile 20 ms, median 1 ms
+        g.observe(1, True, d * MS)
+    assert g.gate_ns(1, True) == 20 * MS and g.fitting(10 * MS, first=True) == []
+    assert g.refused(10 * MS, first=True) == [] and g.refused(10 * MS, first=True) == []
+    assert g.refused(MS // 2, first=True) == []  # too short for the median: not counted, the count kept
+    assert g.refused(10 * MS, first=False) == []  # later steps are another place (none measured: the profile's)
+    assert g.refused(10 * MS, first=True) == [1] and g.forgotten == 1  # the third in a row
+    assert g.gate_ns(1, True) == MS and g.fitting(10 * MS, first=True) == [1]
+    assert g.durations_ns(1, True) == [MS] * 6  # the slower half gone; enough left to stand for the gate
+    g.observe(1, True, 20 * MS)  # the gate re-measures from the steps that run now
+    assert g.gate_ns(1, True) > MS
+    # A step run resets the count: refusals must come in a row.
+    for d in (1, 1, 1, 1, 20, 20, 20):
+        g.observe(1, True, d * MS)
+    assert g.fitting(10 * MS, first=True) == []
+    g.refused(10 * MS, first=True)
+    g.refused(10 * MS, first=True)
+    g.observe(1, True, 20 * MS)
+    assert g.refused(10 * MS, first=True) == [] and g.forgotten == 1
+    # Never below a floor the spec states.
+    for d in (1, 1, 1, 1, 20):
+        g.observe(4, True, d * MS)
+    for _ in range(3):
+        forgot = g.refused(8 * MS, first=True)
+    assert 4 in forgot and g.gate_ns(4, True) == 3_500_000
+    with pytest.raises(ValueError, match="stale_after"):
+        StepGates([(None, 0.001)], stale_after=0)
+
+
 def test_an_end_not_read_yet_may_have_happened_the_lag_of_end_signals_widens_the_survivors() -> None:
     t = TailRisk(0.05)
     for n in range(36, 46):

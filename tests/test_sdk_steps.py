@@ -176,11 +176,12 @@ class PreemptedJob(BusyJob):
         return super().step()
 
 
-def send_bubbles(path: Path, count: int, *, length_s: float, gap_s: float, sleep_s: float | None = None) -> None:
-    """Bubbles 1..count to the runtime's socket as the hook sends them: START (predicted ``length_s``), a sleep
-    (``sleep_s``, default the length), END, then ``gap_s`` before the next."""
+def send_bubbles(path: Path, count: int, *, length_s: float, gap_s: float, sleep_s: float | None = None,
+                 first: int = 1) -> None:
+    """Bubbles first..first+count-1 to the runtime's socket as the hook sends them: START (predicted ``length_s``), a
+    sleep (``sleep_s``, default the length), END, then ``gap_s`` before the next."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sig:
-        for seq in range(1, count + 1):
+        for seq in range(first, first + count):
             start = time.monotonic_ns()
             sig.sendto(wire.encode_bubble_start(0, 0, seq, start, start + int(length_s * 1e9)), str(path))
             time.sleep(length_s if sleep_s is None else sleep_s)
@@ -225,6 +226,57 @@ def test_bubbles_too_short_even_for_the_median_do_not_relax_the_gates(tmp_path: 
         assert not rt.relaxed
         assert ch.count("step") == 0
         assert ch.count("profile") == 1
+        ch.send("stop")
+
+
+class SpellJob(BusyJob):
+    """Steps of 1 ms, each stretched by ``extra_ms`` while the test says so: a busy spell on the machine."""
+
+    def __init__(self) -> None:
+        super().__init__(step_ms=1.0)
+        self.extra_ms = 0.0
+
+    def step(self) -> StepResult:
+        if self.extra_ms:
+            time.sleep(self.extra_ms / 1e3)
+        return super().step()
+
+
+def test_a_measured_gate_lifted_past_every_bubble_by_a_busy_spell_forgets_its_slower_half(tmp_path: Path) -> None:
+    """The cluster tier's stall (2026-12-07): steps had run, a busy spell stretched a few first steps, their 90th
+    percentile crept past the longest bubble, and a gate that learns only from steps it lets run let none run again
+    (629 of 1,500 steps, ten minutes). After STARVED_BUBBLES bubbles in a row that its median would have fitted, it
+    forgets its slower half and the job runs again; the agent is told the new step time."""
+    job = SpellJob()
+    path = tmp_path / "fill-busy.sock"
+    with serving(path, job) as (ch, rt):
+        ch.send("init")
+        ch.wait("profile", timeout_s=60)
+        ch.send("arm", mode="harvest", share=1.0)
+        wait_for_socket(path)
+        send_bubbles(path, 12, length_s=0.010, gap_s=0.002)  # fast first steps: the gate is measured (8 of them)
+        job.extra_ms = 20.0  # a 21 ms first step: none fits a 10 ms bubble, but the gate lets the first ones start
+        send_bubbles(path, 5, length_s=0.010, gap_s=0.030, first=13)
+        job.extra_ms = 0.0
+        time.sleep(0.1)
+        assert rt.gates is not None and rt.gates.gate_ns(None, True) > 10_000_000  # past every bubble now
+        assert rt.gates.forgotten == 0
+        after = 18 + STARVED_BUBBLES + 8
+        send_bubbles(path, after - 18, length_s=0.010, gap_s=0.002, first=18)
+        time.sleep(0.2)
+        ch.drain()
+        assert rt.gates.forgotten == 1 and rt.gates.gate_ns(None, True) < 10_000_000
+        filled = {e["bubble_seq"] for e in ch.events if e.type == "step"}
+        runs, run = [], 0
+        for seq in range(13, after):
+            run = 0 if seq in filled else run + 1
+            runs.append(run)
+        # The stall: from the gate's rise to its forgetting, STARVED_BUBBLES bubbles in a row ran nothing (a bubble
+        # this loaded machine woke up for too late may add to them); then steps ran again.
+        assert STARVED_BUBBLES <= max(runs) <= STARVED_BUBBLES + 4, (runs, sorted(filled))
+        assert sum(seq in filled for seq in range(after - 8, after)) >= 6, sorted(filled)
+        profiles = [e["step_s"] for e in ch.events if e.type == "profile"]
+        assert profiles[-1] < 0.010 < max(profiles), profiles  # the agent was told the rise and the fall
         ch.send("stop")
 
 

@@ -82,6 +82,17 @@ class Channel:
         got = [e.type for e in self.events]
         raise AssertionError(f"no {type_} {match} event within {timeout_s} s; got {got}")
 
+    def drain(self) -> None:
+        """Read every event sent so far (until the socket has been quiet for its 50 ms timeout)."""
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                return
+            if not data:
+                return
+            self.events += [control.parse_event(line) for line in self.lines.feed(data)]
+
     def count(self, type_: str, **match: Any) -> int:
         return sum(1 for ev in self.events if ev.type == type_ and all(ev.get(k) == v for k, v in match.items()))
 

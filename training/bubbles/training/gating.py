@@ -38,12 +38,24 @@ class StepGates:
     outside bubbles would let first steps overrun. Until later steps of a size have a gate of their own, the first
     steps' bounds theirs (see ``gate_ns``). ``size`` None: a job whose step takes no size. ``floors`` (seconds by
     size): gates never go below them (a step time the job's spec states).
+
+    A measured gate learns only from steps it lets run, so a burst of slow steps (the machine busy for a few seconds)
+    can lift it past every bubble for good: the job then sits at 0 steps while its executor stays taken (the cluster
+    tier's operator-replacement test, 2026-12-07: a first step's 90th percentile crept past the longest bubble, and
+    the job stalled at 629 of 1,500 steps). So a size's measured gate that refuses ``stale_after`` places in a row
+    (``refused``) where its median would have fitted, with no step of it run meanwhile, forgets its slower half: the
+    gate becomes the median, and the steps that run then re-measure it.
     """
 
     def __init__(self, profiled: Sequence[tuple[int | None, float]], *, window: int = 32,
-                 min_samples: int = 8, floors: dict[int | None, float] | None = None) -> None:
-        if not profiled or window < 1 or not 1 <= min_samples <= window:
-            raise ValueError("StepGates needs profiled gates, window >= 1 and 1 <= min_samples <= window")
+                 min_samples: int = 8, floors: dict[int | None, float] | None = None,
+                 stale_after: int = 32) -> None:
+        if not profiled or window < 1 or not 1 <= min_samples <= window or stale_after < 1:
+            raise ValueError("StepGates needs profiled gates, window >= 1, 1 <= min_samples <= window and "
+                             "stale_after >= 1")
+        self.stale_after = stale_after
+        self._refused: dict[tuple[int | None, bool], int] = {}  # measured gates' refusals in a row (see refused)
+        self.forgotten = 0  # times a size forgot its slower half
         self.sizes = [size for size, _ in profiled]  # smallest first
         self._profiled = {size: int(t * 1e9) for size, t in profiled}
         self._seen: dict[tuple[int | None, bool], list[int]] = {}
@@ -64,12 +76,37 @@ class StepGates:
         return self._profiled[size]
 
     def observe(self, size: int | None, first: bool, duration_ns: int) -> None:
+        self._refused.pop((size, first), None)
         seen = self._seen.setdefault((size, first), [])
         seen.append(duration_ns)
         if len(seen) > self.window:
             del seen[0]
         if len(seen) >= self.min_samples:
             self._gate[(size, first)] = max(int(percentile(seen, 90)), self._floor.get(size, 0))
+
+    def refused(self, left_ns: int, first: bool) -> list[int | None]:
+        """No size's gate fitted the ``left_ns`` a place offered (a bubble's first step, or a later one). Counts, for
+        each size whose gate there is measured and whose recent median would have fitted, one refusal in a row;
+        returns the sizes that reached ``stale_after`` and forgot their slower half (their gate is now the median,
+        never below the floor)."""
+        out: list[int | None] = []
+        for size in self.sizes:
+            key = (size, first)
+            seen = self._seen.get(key, [])
+            if key not in self._gate or len(seen) < self.min_samples or self._gate[key] <= left_ns:
+                continue  # the profile's gate (the runtime's starvation fallback covers it), or one that fits
+            median = int(percentile(seen, 50))
+            if median > left_ns:
+                continue  # too short even for the median: not the gate's tail (nor counted, nor a reset)
+            n = self._refused[key] = self._refused.get(key, 0) + 1
+            if n < self.stale_after:
+                continue
+            del self._refused[key]
+            self._seen[key] = [d for d in seen if d <= median]
+            self._gate[key] = max(median, self._floor.get(size, 0))
+            self.forgotten += 1
+            out.append(size)
+        return out
 
     def durations_ns(self, size: int | None, first: bool) -> list[int]:
         """The step durations a size's gate stands for there: its recent ones once ``min_samples`` have run, else

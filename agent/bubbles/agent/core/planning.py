@@ -141,6 +141,13 @@ class PlanWatch:
             self.reported = tuple((int(size), float(t)) for size, t in sizes)
         else:
             self.reported = ((None, float(step_s)),)
+        for size, t in self.reported:
+            # A bubble's first step's gate reported at or below the 75th percentile of the durations measured here
+            # (a gate is their 90th): the runtime forgot its slower half (its gate had refused bubbles its median
+            # fitted, StepGates.refused); the plan forgets them too, or it would stay at what no longer gates the job.
+            first = self._durations.get((size, True))
+            if first and len(first) >= MIN_GATE_SAMPLES and t * 1e9 <= percentile(first, 75):
+                self._durations[(size, True)] = deque((d for d in first if d <= t * 1e9), maxlen=STEP_WINDOW)
 
     def step(self, seq: int, size: int | None, start_ns: int, end_ns: int, signal_ns: int, tail: bool) -> None:
         """A step the job ran in bubble ``seq`` (harvest mode), in the order the job reported them."""

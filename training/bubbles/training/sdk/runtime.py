@@ -605,7 +605,9 @@ class FillRuntime:
         ran = 0
         while self.mode is FillMode.HARVEST and self._bubble is b and not b.ended:
             now = time.monotonic_ns()
-            fits = gates.fitting(usable_end - now, ran == 0)  # the program-directed limit
+            left = usable_end - now
+            fits = gates.fitting(left, ran == 0)  # the program-directed limit
+            gated = not fits
             tail = False
             if not fits and tail_ok:
                 # Past what the prediction allows, while the slowdown guard has not cut the share: steps while the
@@ -615,6 +617,8 @@ class FillRuntime:
                 fits = self.tail.fitting(b.slot, now - b.start_ns, gates, ran == 0, since_ns=tail_since)
                 tail = bool(fits)
             if not fits:
+                if gated:
+                    self._stale_gates(gates, left, ran == 0)
                 break
             size = fits[-1]
             if ran == 0:
@@ -666,6 +670,23 @@ class FillRuntime:
               "steps ran beside the training's compute", file=sys.stderr, flush=True)
         self._report_step_time(first[0][1], first)
         self._flush()  # now: the agent plans with it, and the next step may be bubbles away
+
+    def _stale_gates(self, gates: StepGates, left_ns: int, first: bool) -> None:
+        """No gate fitted what was left of the bubble: where a measured gate has refused places its median would
+        have fitted long enough, it forgets its slower half (``StepGates.refused``); say so, and tell the agent when a
+        first step's gate moved."""
+        forgot = gates.refused(left_ns, first)
+        if not forgot:
+            return
+        where = "a bubble's first step" if first else "a bubble's later steps"
+        print(f"bubbles.sdk: the step time measured for {where} refused {gates.stale_after} bubbles in a row that "
+              f"its median would have fitted (sizes {forgot}): its slower half is forgotten, so steps run and "
+              "re-measure it (slow steps in a busy spell had lifted it past the bubbles)", file=sys.stderr,
+              flush=True)
+        if first:
+            sizes = gates.first_steps_s()
+            self._report_step_time(sizes[0][1], sizes)
+            self._flush()
 
     def _naive_loop(self) -> None:
         """Steps back to back; each waits for its device work too (``_run_step``), so naive co-location
