@@ -32,7 +32,7 @@ from bubbles.operator.scheduler import (
     get_policy,
 )
 from bubbles.operator.scheduler import core as core_mod
-from bubbles.operator.scheduler.index import SortedItems
+from bubbles.operator.scheduler.index import SortedItems, key2, ordered, ordered_many, seq_of, unordered
 from bubbles.operator.scheduler.policies import queue_index
 
 GIB = 2**30
@@ -440,3 +440,20 @@ def test_sorted_items_match_a_sorted_list(ops: list[tuple[bool, int, int]], load
     bulk = [(i, 0) for i in range(50)]
     items.update([x for x in bulk if x not in model])
     assert list(items) == sorted(set(model) | set(bulk))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(allow_nan=False), min_size=2, max_size=40),
+       st.lists(st.integers(0, 2**64 - 2), min_size=2, max_size=40))
+def test_int_keys_sort_as_the_float_tuples_they_stand_for(xs: list[float], seqs: list[int]) -> None:
+    """The indexes' keys: (a, seq) as one int, ordered as the tuple is, -0.0 equal to 0.0 (as the scan's floats);
+    each float comes back from its key, and numpy's encoding is the scalar one."""
+    pairs = list(zip(xs, seqs, strict=False))
+    by_tuple = sorted(pairs, key=lambda p: (p[0] + 0.0, p[1]))
+    by_int = sorted(pairs, key=lambda p: key2(*p))
+    assert [(a + 0.0, s) for a, s in by_tuple] == [(a + 0.0, s) for a, s in by_int]
+    assert ordered_many(np.array(xs)) == [ordered(x) for x in xs]
+    for a, s in pairs:
+        k = key2(a, s)
+        assert seq_of(k) == s and unordered(k >> 64) == a + 0.0
+    assert ordered(-0.0) == ordered(0.0) and ordered(-math.inf) < ordered(-1e308) < ordered(0.0) < ordered(math.inf)

@@ -308,9 +308,10 @@ class _Indexes:
         """Row ``k`` is about to leave the queue."""
         q = self.queue
         seq = int(q.seq[k])
+        proc = q.proc_s[k].tolist()  # read once: a numpy scalar per class costs more than the list
         view: QueueView | None = None
         for c, entry in self.by_class.items():
-            if entry.index is not None and seq < entry.seen and math.isfinite(q.proc_s[k, c]):
+            if entry.index is not None and seq < entry.seen and math.isfinite(proc[c]):
                 view = view or q.view()
                 entry.index.discard(view, k)
 

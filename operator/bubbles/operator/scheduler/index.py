@@ -31,6 +31,7 @@ search, so jobs sharing one key cost one step.
 from __future__ import annotations
 
 import math
+import struct
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -40,8 +41,50 @@ import numpy as np
 if TYPE_CHECKING:
     from bubbles.operator.scheduler.policies import DeadlinePolicy, Policy, QueueView, SchedulerState
 
-# A sentinel above every submission number (ints), to search past every item of one key: (key, AFTER).
-AFTER = math.inf
+# Keys are Python ints, not tuples: (a, seq) is ``ordered(a) << 64 | seq`` and (a, b, seq) is
+# ``ordered(a) << 128 | ordered(b) << 64 | seq``, where ``ordered`` maps a float to 64 bits whose order as unsigned
+# integers is the floats' (-0.0 taken as 0.0, which it equals). They sort as the tuples do, compare in one step (a
+# tuple compares its items for equality first, then for order), and the garbage collector does not track them:
+# at 100,000 GPUs x 100,000 queued, tuple keys made a decision's index upkeep (each of the 16 classes' indexes loses
+# the started job and takes in the next one) most of its time. Submission numbers stay below 2**64.
+SEQ_BITS = 64
+SEQ_MASK = (1 << SEQ_BITS) - 1
+AFTER = SEQ_MASK  # above every submission number: (a, AFTER) searches past every item of key a
+_SIGN = 1 << 63
+_F64 = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+
+
+def ordered(x: float) -> int:
+    """64 bits whose unsigned order is the floats' (not NaN; -0.0 as 0.0)."""
+    (b,) = _U64.unpack(_F64.pack(x + 0.0))
+    return b ^ SEQ_MASK if b & _SIGN else b | _SIGN
+
+
+def unordered(b: int) -> float:
+    """The float ``ordered`` mapped to ``b``."""
+    (x,) = _F64.unpack(_U64.pack(b ^ _SIGN if b & _SIGN else b ^ SEQ_MASK))
+    return float(x)
+
+
+def ordered_many(x: np.ndarray) -> list[int]:
+    """``ordered`` of each of ``x``."""
+    b = (np.asarray(x, dtype=np.float64) + 0.0).view(np.uint64)
+    out: list[int] = np.where(b >> np.uint64(63) != 0, ~b, b | np.uint64(_SIGN)).tolist()  # Python ints
+    return out
+
+
+def key2(a: float, seq: int) -> int:
+    return ordered(a) << SEQ_BITS | seq
+
+
+def key_first(key: int) -> float:
+    """The float a two-part key was made from."""
+    return unordered(key >> SEQ_BITS)
+
+
+def seq_of(key: int) -> int:
+    return key & SEQ_MASK
 
 
 class SortedItems:
@@ -189,7 +232,7 @@ class StaticIndex(QueueIndex):
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.items = SortedItems()
-        self.key_of: dict[int, tuple[float, ...]] = {}
+        self.key_of: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.items)
@@ -199,14 +242,16 @@ class StaticIndex(QueueIndex):
         tb = self.policy.tie_break(jobs, state, executor)
         ok = ~np.isnan(scores) & (scores != -math.inf)
         seqs = jobs.seq[ok].tolist()
-        neg = (-scores[ok]).tolist()
-        keys: list[tuple[float, ...]]
+        neg = ordered_many(-scores[ok])
+        keys: list[int]
         if tb is None:
-            keys = list(zip(neg, seqs, strict=True))
+            keys = [a << SEQ_BITS | s for a, s in zip(neg, seqs, strict=True)]
         else:
-            keys = list(zip(neg, (-np.asarray(tb, dtype=float)[ok]).tolist(), seqs, strict=True))
-        for key in keys:
-            self.key_of[int(key[-1])] = key
+            ties = ordered_many(-np.asarray(tb, dtype=float)[ok])
+            keys = [a << 2 * SEQ_BITS | b << SEQ_BITS | s for a, b, s in zip(neg, ties, seqs, strict=True)]
+        key_of = self.key_of
+        for key, s in zip(keys, seqs, strict=True):
+            key_of[s] = key
         self.items.update(keys)
 
     def discard(self, jobs: QueueView, k: int) -> None:
@@ -216,7 +261,7 @@ class StaticIndex(QueueIndex):
 
     def choose(self, state: SchedulerState, executor: int) -> int | None:
         first = self.items.first()
-        return None if first is None else int(first[-1])
+        return None if first is None else first & SEQ_MASK
 
 
 def _inverse(x: float) -> float:
@@ -234,10 +279,11 @@ class MakespanIndex(QueueIndex):
         return len(self.items)
 
     def add(self, jobs: QueueView, state: SchedulerState, executor: int) -> None:
-        self.items.update(list(zip(jobs.proc_s[:, self.c].tolist(), jobs.seq.tolist(), strict=True)))
+        procs = ordered_many(jobs.proc_s[:, self.c])
+        self.items.update([p << SEQ_BITS | s for p, s in zip(procs, jobs.seq.tolist(), strict=True)])
 
     def discard(self, jobs: QueueView, k: int) -> None:
-        self.items.remove((float(jobs.proc_s[k, self.c]), int(jobs.seq[k])))
+        self.items.remove(key2(float(jobs.proc_s[k, self.c]), int(jobs.seq[k])))
 
     def choose(self, state: SchedulerState, executor: int) -> int | None:
         items = self.items
@@ -245,21 +291,21 @@ class MakespanIndex(QueueIndex):
         if first is None:
             return None
         rem = state.max_rem_time_s
-        best = _inverse(max(first[0], rem))
+        cur = first >> SEQ_BITS  # p's bits: the search is on them, the score on p
+        best = _inverse(max(unordered(cur), rem))
         # The jobs scoring `best` are a prefix of the order (the score never rises with p); the scan breaks their tie
         # to the longest (MakespanPolicy.tie_break), then to the earliest submitted.
-        cur = first[0]
-        if cur <= rem:
-            under = items.last_at_most((rem, AFTER))  # every p <= rem scores exactly 1 / rem
+        if unordered(cur) <= rem:
+            under = items.last_at_most(key2(rem, AFTER))  # every p <= rem scores exactly 1 / rem
             assert under is not None  # the first one is
-            cur = under[0]
-        nxt = items.first_above((cur, AFTER))
-        while nxt is not None and _inverse(max(nxt[0], rem)) == best:
-            cur = nxt[0]
-            nxt = items.first_above((cur, AFTER))
-        winner = items.first_at_least((cur, -1))  # the earliest submitted of the longest
+            cur = under >> SEQ_BITS
+        nxt = items.first_above(cur << SEQ_BITS | AFTER)
+        while nxt is not None and _inverse(max(unordered(nxt >> SEQ_BITS), rem)) == best:
+            cur = nxt >> SEQ_BITS
+            nxt = items.first_above(cur << SEQ_BITS | AFTER)
+        winner = items.first_at_least(cur << SEQ_BITS)  # the earliest submitted of the longest
         assert winner is not None
-        return int(winner[1])
+        return winner & SEQ_MASK
 
 
 class DeadlineIndex(QueueIndex):
@@ -269,10 +315,10 @@ class DeadlineIndex(QueueIndex):
 
     def __init__(self, policy: DeadlinePolicy) -> None:
         self.policy = policy
-        self.dated = SortedItems()  # (deadline_s, seq)
+        self.dated = SortedItems()  # (deadline_s, seq) keys
         self.overdue = SortedItems()  # seq of the dated jobs with deadline_s <= self.split
         self.split = -math.inf
-        self.undated = SortedItems()  # (-score, seq)
+        self.undated = SortedItems()  # (-score, seq) keys
 
     def __len__(self) -> int:
         return len(self.dated) + len(self.undated)
@@ -280,27 +326,30 @@ class DeadlineIndex(QueueIndex):
     def add(self, jobs: QueueView, state: SchedulerState, executor: int) -> None:
         has = ~np.isnan(jobs.deadline_s)
         undated_scores = self.policy.undated_scores(jobs.min_proc_s[~has])
-        self.undated.update(list(zip((-undated_scores).tolist(), jobs.seq[~has].tolist(), strict=True)))
-        dated = list(zip(jobs.deadline_s[has].tolist(), jobs.seq[has].tolist(), strict=True))
-        self.dated.update(dated)
-        self.overdue.update([s for d, s in dated if d <= self.split])
+        self.undated.update([a << SEQ_BITS | s for a, s in zip(ordered_many(-undated_scores),
+                                                                 jobs.seq[~has].tolist(), strict=True)])
+        deadlines = jobs.deadline_s[has]
+        seqs = jobs.seq[has].tolist()
+        self.dated.update([d << SEQ_BITS | s for d, s in zip(ordered_many(deadlines), seqs, strict=True)])
+        self.overdue.update([s for d, s in zip(deadlines.tolist(), seqs, strict=True) if d <= self.split])
 
     def discard(self, jobs: QueueView, k: int) -> None:
         d, s = float(jobs.deadline_s[k]), int(jobs.seq[k])
         if math.isnan(d):
-            self.undated.remove((-float(self.policy.undated_scores(jobs.min_proc_s[k : k + 1])[0]), s))
+            self.undated.remove(key2(-float(self.policy.undated_scores(jobs.min_proc_s[k : k + 1])[0]), s))
             return
-        self.dated.remove((d, s))
+        self.dated.remove(key2(d, s))
         if d <= self.split:
             self.overdue.remove(s)
 
     def _move_split(self, now_s: float) -> None:
         """Re-key the jobs whose deadlines the clock passed since the last decision (or un-passed, going back)."""
         if now_s > self.split:
-            self.overdue.update([s for _d, s in self.dated.between((self.split, AFTER), (now_s, AFTER))])
+            self.overdue.update([k & SEQ_MASK for k in self.dated.between(key2(self.split, AFTER),
+                                                                           key2(now_s, AFTER))])
         elif now_s < self.split:
-            for _d, s in self.dated.between((now_s, AFTER), (self.split, AFTER)):
-                self.overdue.remove(s)
+            for k in self.dated.between(key2(now_s, AFTER), key2(self.split, AFTER)):
+                self.overdue.remove(k & SEQ_MASK)
         self.split = now_s
 
     def choose(self, state: SchedulerState, executor: int) -> int | None:
@@ -309,17 +358,17 @@ class DeadlineIndex(QueueIndex):
         first = self.dated.first()
         if first is None:
             u = self.undated.first()
-            return None if u is None else int(u[1])
+            return None if u is None else u & SEQ_MASK
         score = self.policy.dated_score
-        best = score(first[0], now)
+        best = score(key_first(first), now)
         # The best score's jobs are a prefix of the deadline order; the scan takes the earliest submitted of them.
         passed = self.overdue.first()
         if passed is not None:
-            cand, cur = int(passed), now
+            cand, cur = int(passed), ordered(now)
         else:
-            cand, cur = int(first[1]), first[0]
-        nxt = self.dated.first_above((cur, AFTER))
-        while nxt is not None and score(nxt[0], now) == best:
-            cand = min(cand, int(nxt[1]))
-            nxt = self.dated.first_above((nxt[0], AFTER))
+            cand, cur = first & SEQ_MASK, first >> SEQ_BITS
+        nxt = self.dated.first_above(cur << SEQ_BITS | AFTER)
+        while nxt is not None and score(key_first(nxt), now) == best:
+            cand = min(cand, nxt & SEQ_MASK)
+            nxt = self.dated.first_above((nxt >> SEQ_BITS) << SEQ_BITS | AFTER)
         return cand
