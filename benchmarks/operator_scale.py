@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from kubeapi import (  # noqa: E402
+from helpers.kubeapi import (  # noqa: E402
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     OPERATOR_TOKEN,
@@ -36,7 +36,7 @@ from kubeapi import (  # noqa: E402
     api_server,
     find_assets,
 )
-from operator_thread import OperatorThread  # noqa: E402
+from helpers.operator_thread import OperatorThread  # noqa: E402
 
 from bubbles.core.resources import NodeReport, StageReport  # noqa: E402
 from bubbles.core.stats import percentile  # noqa: E402
