@@ -44,7 +44,7 @@ from bubbles.core.stats import percentile  # noqa: E402
 from bubbles.operator.agents import InMemoryAgents  # noqa: E402
 from bubbles.operator.kube import Connection  # noqa: E402
 from bubbles.operator.rbac import cluster_role, cluster_role_binding  # noqa: E402
-from bubbles.operator.shell import Operator, OperatorConfig  # noqa: E402
+from bubbles.operator.shell import GC_FULL_S, Operator, OperatorConfig  # noqa: E402
 
 NS = "scale"
 CYCLE = {"training": "t", "stage": 0, "stages": 8, "microbatches": 16, "schedule": "TrainSchedule",
@@ -94,7 +94,8 @@ def operator_child(spec_path: Path) -> int:
         agents.reports[report.node] = report
     conn = Connection(spec["url"], token=OPERATOR_TOKEN, ca_path=spec["ca_path"], namespace=OPERATOR_NAMESPACE)
     op = Operator(OperatorConfig(interval_s=spec["interval_s"], lease_namespace=OPERATOR_NAMESPACE,
-                                 full_pass_s=spec.get("full_pass_s", OperatorConfig.full_pass_s)), conn, agents)
+                                 full_pass_s=spec.get("full_pass_s", OperatorConfig.full_pass_s),
+                                 gc_full_s=spec.get("gc_full_s", GC_FULL_S)), conn, agents)
     thread = OperatorThread(op)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -112,7 +113,8 @@ def operator_child(spec_path: Path) -> int:
 
 
 def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: float, workdir: Path,
-            rate: float | None = None, full_pass_s: float = OperatorConfig.full_pass_s) -> dict[str, Any]:
+            rate: float | None = None, full_pass_s: float = OperatorConfig.full_pass_s,
+            gc_full_s: float = GC_FULL_S) -> dict[str, Any]:
     import subprocess
 
     import kubernetes
@@ -121,7 +123,7 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
     stats = workdir / f"operator-{time.monotonic_ns()}.json"
     spec = workdir / "child.json"
     spec.write_text(json.dumps({"url": kube.url, "ca_path": kube.ca_path, "interval_s": interval_s,
-                                "full_pass_s": full_pass_s,
+                                "full_pass_s": full_pass_s, "gc_full_s": gc_full_s,
                                 "stats": str(stats), "reports": [r.to_dict() for r in agents.reports.values()]}))
     child = subprocess.Popen([sys.executable, __file__, "--operator-child", str(spec)])
     ready = Path(f"{stats}.ready")
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=1.0, help="the operator's idle reconcile interval (s)")
     p.add_argument("--full-pass-interval", type=float, default=OperatorConfig.full_pass_s,
                    help="the operator's --full-pass-interval (s; 0: every round a full pass, as before issue 37)")
+    p.add_argument("--gc-full-interval", type=float, default=GC_FULL_S,
+                   help="the operator process's full garbage collections (s; 0: Python's collector as it is)")
     p.add_argument("--rate", type=float, default=None, metavar="JOBS_PER_S",
                    help="create the FillJobs at this steady rate (default: as fast as the client can, a burst)")
     p.add_argument("--out", type=Path, default=None)
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[operator_scale] {args.trainings} trainings x {args.stages} stages set up in "
               f"{time.monotonic() - t0:.1f} s", flush=True)
         for r in range(args.runs):
-            res = one_run(kube, args.jobs, agents, args.interval, Path(tmp), args.rate, args.full_pass_interval)
+            res = one_run(kube, args.jobs, agents, args.interval, Path(tmp), args.rate, args.full_pass_interval,
+                          args.gc_full_interval)
             runs.append(res)
             print(f"[operator_scale] run {r + 1}: {json.dumps(res)}", flush=True)
     p50 = [r["latency_p50_s"] for r in runs if r["latency_p50_s"] is not None]

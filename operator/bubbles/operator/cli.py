@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .agents import InMemoryAgents
     from .kube import Connection
-    from .shell import Operator, OperatorConfig
+    from .shell import GC_FULL_S, Operator, OperatorConfig
 
     if not 1 <= args.agent_port <= 65535:
         return _fail(f"--agent-port must be a TCP port, got {args.agent_port}")
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         identity=args.identity or socket.gethostname(), metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr, agent_selector=selector, agent_port=args.agent_port, fill_pods=fill_pods,
         pod_start_timeout_s=args.fill_pod_start_timeout, cuda_context_bytes=args.fill_cuda_context_mib << 20,
-        full_pass_s=args.full_pass_interval)
+        full_pass_s=args.full_pass_interval, gc_full_s=GC_FULL_S)
     log = logging.getLogger("bubbles.operator")
     if security is None:
         log.warning("no --agent-ca: the node agents are not called, so no bubble profile reaches the operator and "
