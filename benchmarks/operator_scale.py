@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--trainings, --stages, --jobs and --runs must be >= 1")
     if args.rate is not None and not args.rate > 0:
         p.error("--rate must be > 0 jobs per second")
+    if not (args.full_pass_interval >= 0 and args.gc_full_interval >= 0):  # NaN fails too
+        p.error("--full-pass-interval and --gc-full-interval are seconds >= 0 (0: every round a full pass; "
+                "Python's collector as it is)")
     assets, why = find_assets()
     if assets is None:
         print(f"operator_scale: {why}", file=sys.stderr)

@@ -26,3 +26,13 @@ def test_a_benchmark_script_starts(script: Path) -> None:
                        env={**os.environ, "PYTHONPATH": path}, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage" in r.stdout.lower(), r.stdout[:500]
+
+
+@pytest.mark.parametrize("flag", ["--full-pass-interval", "--gc-full-interval"])
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_operator_scale_refuses_a_bad_interval_before_starting_anything(flag: str, value: str) -> None:
+    path = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "operator_scale.py"), flag, value],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path}, cwd=ROOT)
+    assert r.returncode == 2, (r.returncode, r.stderr[-1000:])
+    assert flag in r.stderr and "API server" not in r.stderr, r.stderr[-1000:]
