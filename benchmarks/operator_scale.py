@@ -16,7 +16,9 @@ includes the watch's delivery). Writes are counted by the operator's KubeWriter 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -94,6 +96,7 @@ def operator_child(spec_path: Path) -> int:
         agents.reports[report.node] = report
     conn = Connection(spec["url"], token=OPERATOR_TOKEN, ca_path=spec["ca_path"], namespace=OPERATOR_NAMESPACE)
     op = Operator(OperatorConfig(interval_s=spec["interval_s"], lease_namespace=OPERATOR_NAMESPACE,
+                                 write_concurrency=spec.get("write_concurrency", OperatorConfig.write_concurrency),
                                  full_pass_s=spec.get("full_pass_s", OperatorConfig.full_pass_s),
                                  gc_full_s=spec.get("gc_full_s", GC_FULL_S)), conn, agents)
     thread = OperatorThread(op)
@@ -105,16 +108,52 @@ def operator_child(spec_path: Path) -> int:
     ready.write_text("ready\n")
     done.wait()
     thread.close(60)
+    sums: dict[str, dict[str, float]] = {}
+    for metric in op.metrics.api_write_seconds.collect():
+        for sample in metric.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                sums.setdefault(sample.labels["kind"], {})[sample.name.rsplit("_", 1)[1]] = sample.value
     Path(spec["stats"]).write_text(json.dumps({
+        "write_ms_mean": {k: round(v["sum"] / v["count"] * 1e3, 1) for k, v in sums.items() if v.get("count")},
         "writes": dict(op.writes_total), "rounds": op.rounds,
         "round_ms_max": {k: round(max(r[i] for r in op.round_s) * 1e3, 1)
+                         for i, k in enumerate(("see", "decide", "act"))},
+        "round_ms_p50": {k: round(percentile([r[i] for r in op.round_s], 50) * 1e3, 1)
+                         for i, k in enumerate(("see", "decide", "act"))},
+        "round_ms_p99": {k: round(percentile([r[i] for r in op.round_s], 99) * 1e3, 1)
                          for i, k in enumerate(("see", "decide", "act"))}}))
     return 0
 
 
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds a process has used (Linux /proc), 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(names: tuple[str, ...]) -> dict[str, int]:
+    """This process's children whose program is one of ``names`` (the API server's etcd and kube-apiserver)."""
+    found: dict[str, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            prog = Path((d / "cmdline").read_bytes().split(b"\0")[0].decode()).name
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and prog in names:
+            found[prog] = int(d.name)
+    return found
+
+
 def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: float, workdir: Path,
             rate: float | None = None, full_pass_s: float = OperatorConfig.full_pass_s,
-            gc_full_s: float = GC_FULL_S) -> dict[str, Any]:
+            gc_full_s: float = GC_FULL_S, pin: bool = False,
+            write_concurrency: int = OperatorConfig.write_concurrency) -> dict[str, Any]:
     import subprocess
 
     import kubernetes
@@ -124,6 +163,7 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
     spec = workdir / "child.json"
     spec.write_text(json.dumps({"url": kube.url, "ca_path": kube.ca_path, "interval_s": interval_s,
                                 "full_pass_s": full_pass_s, "gc_full_s": gc_full_s,
+                                "write_concurrency": write_concurrency,
                                 "stats": str(stats), "reports": [r.to_dict() for r in agents.reports.values()]}))
     child = subprocess.Popen([sys.executable, __file__, "--operator-child", str(spec)])
     ready = Path(f"{stats}.ready")
@@ -153,6 +193,14 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     time.sleep(0.5)
+    procs = {**_children(("kube-apiserver", "etcd")), "operator": child.pid, "client": os.getpid()}
+    if pin:  # the operator on a core of its own, as in a cluster, where it runs on another machine than the API server
+        cpus = sorted(os.sched_getaffinity(0))
+        for name, pid in procs.items():
+            for task in Path(f"/proc/{pid}/task").iterdir():  # every thread: affinity is per thread on Linux
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task.name), set(cpus[-1:]) if name == "operator" else set(cpus[:-1]))
+    cpu0 = {k: _cpu_s(pid) for k, pid in procs.items()}
     t0 = time.monotonic()
     for i in range(jobs):
         if rate is not None:  # a steady arrival rate instead of a burst
@@ -169,6 +217,9 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
     deadline = time.monotonic() + 120
     while len(placed) < jobs and time.monotonic() < deadline:
         time.sleep(0.1)
+    # CPU each process used from the first create to the last placement (2 cores here: at most 2 s a second in all).
+    window_s = time.monotonic() - t0
+    cpu = {k: round(_cpu_s(pid) - cpu0[k], 1) for k, pid in procs.items()}
     time.sleep(interval_s * 2)  # the last round's write counts
     stop.set()
     child.terminate()
@@ -194,7 +245,13 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
         "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
         "latency_p99_s": round(percentile(lat, 99), 3) if lat else None,
         "latency_max_s": round(max(lat), 3) if lat else None,
-        "writes": writes, "rounds": counts["rounds"], "round_ms_max": counts["round_ms_max"],
+        "window_s": round(window_s, 1), "cpu_s": cpu,
+        # The five slowest placements: (seconds into the run when created, latency), to tell a stall from a queue.
+        "slowest": sorted(((round(created[n] - t0, 1), round(placed[n] - created[n], 2)) for n in created
+                           if n in placed), key=lambda x: -x[1])[:5],
+        "writes": writes, "write_ms_mean": counts["write_ms_mean"], "rounds": counts["rounds"],
+        "round_ms_max": counts["round_ms_max"],
+        "round_ms_p50": counts["round_ms_p50"], "round_ms_p99": counts["round_ms_p99"],
         "object_writes_per_placement": round((writes.get("status", 0) + writes.get("pod", 0)
                                               + writes.get("finalizer", 0)) / n, 2) if n else None,
         "events_per_placement": round(writes.get("event", 0) / n, 2) if n else None,
@@ -214,13 +271,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="the operator process's full garbage collections (s; 0: Python's collector as it is)")
     p.add_argument("--rate", type=float, default=None, metavar="JOBS_PER_S",
                    help="create the FillJobs at this steady rate (default: as fast as the client can, a burst)")
+    p.add_argument("--write-concurrency", type=int, default=OperatorConfig.write_concurrency,
+                   help="the operator's API writes in flight at once (OperatorConfig.write_concurrency)")
+    p.add_argument("--pin", action="store_true",
+                   help="run the operator on a CPU of its own, the API server, etcd and the load generator on the "
+                        "others (as in a cluster, where the operator runs on another machine than the API server)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--operator-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.operator_child is not None:
         return operator_child(args.operator_child)
-    if min(args.trainings, args.stages, args.jobs, args.runs) < 1:
-        p.error("--trainings, --stages, --jobs and --runs must be >= 1")
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        p.error("--pin needs at least 2 CPUs (the operator on one, the rest on the others)")
+    if min(args.trainings, args.stages, args.jobs, args.runs, args.write_concurrency) < 1:
+        p.error("--trainings, --stages, --jobs, --runs and --write-concurrency must be >= 1")
     if args.rate is not None and not args.rate > 0:
         p.error("--rate must be > 0 jobs per second")
     if not (args.full_pass_interval >= 0 and args.gc_full_interval >= 0):  # NaN fails too
@@ -244,12 +308,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.monotonic() - t0:.1f} s", flush=True)
         for r in range(args.runs):
             res = one_run(kube, args.jobs, agents, args.interval, Path(tmp), args.rate, args.full_pass_interval,
-                          args.gc_full_interval)
+                          args.gc_full_interval, args.pin, args.write_concurrency)
             runs.append(res)
             print(f"[operator_scale] run {r + 1}: {json.dumps(res)}", flush=True)
     p50 = [r["latency_p50_s"] for r in runs if r["latency_p50_s"] is not None]
     p99 = [r["latency_p99_s"] for r in runs if r["latency_p99_s"] is not None]
-    summary = {"trainings": args.trainings, "stages": args.stages, "jobs": args.jobs, "rate": args.rate, "runs": runs,
+    summary = {"pin": args.pin, "write_concurrency": args.write_concurrency, "trainings": args.trainings,
+               "stages": args.stages, "jobs": args.jobs, "rate": args.rate, "runs": runs,
                "median_of_p50_s": statistics.median(p50) if p50 else None,
                "median_of_p99_s": statistics.median(p99) if p99 else None,
                "p99_range_s": [min(p99), max(p99)] if p99 else None}

@@ -36,3 +36,12 @@ def test_operator_scale_refuses_a_bad_interval_before_starting_anything(flag: st
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path}, cwd=ROOT)
     assert r.returncode == 2, (r.returncode, r.stderr[-1000:])
     assert flag in r.stderr and "API server" not in r.stderr, r.stderr[-1000:]
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_operator_scale_refuses_a_bad_write_concurrency_before_starting_anything(value: str) -> None:
+    path = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "operator_scale.py"), "--write-concurrency", value],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path}, cwd=ROOT)
+    assert r.returncode == 2, (r.returncode, r.stderr[-1000:])
+    assert "--write-concurrency" in r.stderr and "API server" not in r.stderr, r.stderr[-1000:]

@@ -8,6 +8,7 @@ always exactly what ``bubbles.operator.decide`` computed. A create that finds it
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -15,7 +16,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,8 @@ def _api_message(exc: Exception) -> str:
 class KubeWriter:
     """Carries out the operator's writes; synchronous (the operator calls it from a worker thread)."""
 
-    def __init__(self, connection: Connection, pool: int = 4, request_timeout_s: float | None = None) -> None:
+    def __init__(self, connection: Connection, pool: int = 4, request_timeout_s: float | None = None,
+                 observe: Callable[[str, float], None] | None = None) -> None:
         import kubernetes
 
         # Each write gives up after this (None: the client's default); with leader election it ends before the
@@ -241,11 +243,20 @@ class KubeWriter:
         self.custom: Any = kubernetes.client.CustomObjectsApi(self.api)
         self.core: Any = kubernetes.client.CoreV1Api(self.api)
         self.writes: Counter[str] = Counter()  # by kind; written from the operator's write threads
+        self.observe = observe  # (kind, seconds) of each write as it ends, answered or not (the operator's histogram)
         self._lock = threading.Lock()
 
-    def _count(self, kind: str) -> None:
+    @contextlib.contextmanager
+    def _write(self, kind: str) -> Iterator[None]:
+        """One write of ``kind``: counted, and timed for ``observe`` (however it ends)."""
         with self._lock:
             self.writes[kind] += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.observe is not None:
+                self.observe(kind, time.perf_counter() - t0)
 
     def take_counts(self, only: str | None = None, exclude: str | None = None) -> dict[str, int]:
         """The writes counted since the last take (of kind ``only``, or all but ``exclude``), and forget them."""
@@ -259,7 +270,11 @@ class KubeWriter:
     def patch_status(self, plural: str, namespace: str, name: str, before: Mapping[str, Any],
                      after: Mapping[str, Any], kind: str = "status") -> dict[str, Any] | None:
         """The object after the patch, or None if it is gone (``kind`` labels the write in the counts)."""
-        self._count(kind)
+        with self._write(kind):
+            return self._patch_status(plural, namespace, name, before, after)
+
+    def _patch_status(self, plural: str, namespace: str, name: str, before: Mapping[str, Any],
+                      after: Mapping[str, Any]) -> dict[str, Any] | None:
         try:
             return dict(self.custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, plural, name, status_patch(before, after),
@@ -280,10 +295,10 @@ class KubeWriter:
         meta: dict[str, Any] = {"finalizers": want}
         if resource_version:
             meta["resourceVersion"] = resource_version
-        self._count("finalizer")
         try:
-            return dict(self.custom.patch_namespaced_custom_object(
-                GROUP, VERSION, namespace, plural, name, {"metadata": meta}, _request_timeout=self.timeout))
+            with self._write("finalizer"):
+                return dict(self.custom.patch_namespaced_custom_object(
+                    GROUP, VERSION, namespace, plural, name, {"metadata": meta}, _request_timeout=self.timeout))
         except Exception as exc:
             if self._ok(exc, 404):
                 return None
@@ -296,11 +311,11 @@ class KubeWriter:
         """True if created, False if this very Pod is there already (a retried placement: same FillJob uid, same
         node). A Pod of that name from another placement (a round whose status write was lost placed the attempt
         elsewhere) is deleted and ``PodConflict`` raised: the next round places the job again."""
-        self._count("pod")
         meta = manifest["metadata"]
         try:
-            _drain(self.core.create_namespaced_pod(meta["namespace"], dict(manifest), _request_timeout=self.timeout,
-                                                   _preload_content=False))
+            with self._write("pod"):
+                _drain(self.core.create_namespaced_pod(meta["namespace"], dict(manifest),
+                                                       _request_timeout=self.timeout, _preload_content=False))
             return True
         except Exception as exc:
             # Admission (403), or a spec the cluster finds invalid (400, 422): the job's to say. Not this operator's
@@ -323,16 +338,15 @@ class KubeWriter:
                           f"{have_uid}, node {have_node}); deleted, the job is placed again next round")
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        self._count("pod_delete")
         try:
-            _drain(self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=5,
-                                                   _request_timeout=self.timeout, _preload_content=False))
+            with self._write("pod_delete"):
+                _drain(self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=5,
+                                                       _request_timeout=self.timeout, _preload_content=False))
         except Exception as exc:
             if not self._ok(exc, 404):
                 raise
 
     def post_event(self, event: Event, now: dt.datetime, component: str = "bubbles-operator") -> None:
-        self._count("event")
         stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1", "kind": "Event",
@@ -345,8 +359,9 @@ class KubeWriter:
             "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }
         try:
-            _drain(self.core.create_namespaced_event(event.namespace, body, _request_timeout=self.timeout,
-                                                     _preload_content=False))
+            with self._write("event"):
+                _drain(self.core.create_namespaced_event(event.namespace, body, _request_timeout=self.timeout,
+                                                         _preload_content=False))
         except Exception as exc:
             if not self._ok(exc, 404, 403):  # an Event is best effort: losing one stops nothing
                 raise

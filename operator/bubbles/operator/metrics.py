@@ -34,6 +34,10 @@ class OperatorMetrics:
         self.reconciles = Counter("bubbles_operator_reconciles", "Reconcile rounds", registry=r)
         self.api_writes = Counter("bubbles_operator_api_writes", "Writes to the Kubernetes API by kind", ["kind"],
                                   registry=r)
+        self.api_write_seconds = Histogram(
+            "bubbles_operator_api_write_seconds", "How long each write to the Kubernetes API took, by kind (the "
+            "request's round trip, from the write thread; a slow API server shows here before in placement latency)",
+            ["kind"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
         self.leader = Gauge("bubbles_operator_leader", "1 while this replica holds the leader Lease", registry=r)
         self.completion = Histogram(
             "bubbles_operator_completion_seconds", "From a FillJob's creation to its success",

@@ -2,10 +2,12 @@
 
 kopf streams every FillJob, PipelineTraining and Pod event into ``Store`` (``on.event`` handlers only: kopf
 keeps no progress of its own on our objects, so it writes nothing to them). The loop then gathers the
-agents' reports, calls the pure ``bubbles.operator.decide.reconcile`` and carries out its decisions with
-``KubeWriter``, updating the store from each write's answer so that a decision taken is seen at once by the
-next round (a placement is never repeated while its watch event is still on its way). It runs every
-``interval_s`` or as soon as a watched object changes. With leader election on, only the Lease holder
+agents' reports, calls the pure ``bubbles.operator.decide.reconcile_round`` and carries out its decisions with
+``KubeWriter`` in a task of their own, beside the next rounds: a FillJob with writes in flight is shown in the store
+as they will leave it (``Store.assume``), and the store takes each write's answer when they end, so a decision taken
+is seen at once by the next round (a placement is never repeated while its writes or its watch event are on their
+way; docs/design.md, "The operator's writes beside its rounds"). It runs every ``interval_s`` or as soon as a
+watched object changes. With leader election on, only the Lease holder
 writes; a replica that loses the Lease stops before its next write.
 """
 
@@ -28,6 +30,7 @@ from bubbles.core.api import DEFAULT_CUDA_CONTEXT_MIB
 from bubbles.core.cycle import BubbleCycle
 from bubbles.core.identity import GpuKey
 from bubbles.core.resources import (
+    FINALIZER,
     GROUP,
     VERSION,
     JobProgress,
@@ -59,6 +62,7 @@ NO_REPORTS: tuple[StageReport, ...] = ()  # a Pod no agent reports a GPU of (one
 
 
 GC_FULL_S = 300.0  # the operator command's full collections (OperatorConfig.gc_full_s): one every 5 minutes
+ROUNDS_IN_FLIGHT = 8  # rounds whose writes go on at once (their writes together: write_concurrency at most)
 GC_YOUNG = 10_000  # and its young generation's threshold (Python's: 700): fewer collections of the round's objects
 
 
@@ -98,29 +102,84 @@ class OperatorConfig:
 
 @dataclass
 class Store:
-    """The latest body of every watched object, by kind and "namespace/name"."""
+    """The latest body of every watched object, by kind and "namespace/name".
+
+    A FillJob with writes in flight (``assume``) shows what those writes will make of it (its new status and
+    finalizers) until they end (``settle``): the rounds decided meanwhile see its placement, so they neither place it
+    again nor give its GPU to another job, as the kube-scheduler assumes a Pod bound while its binding is written.
+    Meanwhile its watch events and the writes' answers are kept aside (``held``); ``settle`` shows the latest of
+    them."""
 
     fill_jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     trainings: dict[str, dict[str, Any]] = field(default_factory=dict)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     pods_version: int = 0  # bumped on every Pod event (indexes over the Pods rebuild when it moves)
+    held: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # assumed FillJob -> its latest real body
 
     def put(self, kind: str, obj: Mapping[str, Any], deleted: bool = False) -> None:
         table = getattr(self, kind)
         key = key_of(obj)
         if kind == "pods":
             self.pods_version += 1
-        if deleted:
+        if kind == "fill_jobs" and key in self.held:
+            self.held[key] = _newer(self.held[key], obj, deleted)
+        elif deleted:
             table.pop(key, None)
         else:
-            old = table.get(key)
-            rv_old = int((old or {}).get("metadata", {}).get("resourceVersion") or 0) if old else -1
-            rv_new = int((obj.get("metadata") or {}).get("resourceVersion") or 0)
-            if old is None or rv_new == 0 or rv_new >= rv_old:  # an older watch event never undoes a write
-                # A shallow copy: watch events and write answers are fresh objects, and nothing changes a stored
-                # object in place (the reconcile copies what it changes). A deep copy of every event cost more of
-                # the operator's core than all its decisions at 1,000 FillJobs (benchmarks/operator_scale.py).
-                table[key] = dict(obj)
+            new = _newer(table.get(key), obj, deleted)
+            if new is not None:
+                table[key] = new
+
+    def real(self, key: str) -> dict[str, Any] | None:
+        """FillJob ``key``'s latest body from the API server (not what writes in flight will make of it)."""
+        return self.held[key] if key in self.held else self.fill_jobs.get(key)
+
+    def assume(self, key: str, obj: dict[str, Any]) -> None:
+        """Show ``obj`` for FillJob ``key`` until ``settle(key)``: what the writes in flight will make of it."""
+        if key not in self.held:
+            self.held[key] = self.fill_jobs.get(key)
+        self.fill_jobs[key] = obj
+
+    def settle(self, key: str) -> None:
+        """The writes for ``key`` ended (done or not): show its latest real body again (none if it is gone)."""
+        if key not in self.held:
+            return
+        real = self.held.pop(key)
+        if real is None:
+            self.fill_jobs.pop(key, None)
+        else:
+            self.fill_jobs[key] = real
+
+
+def _newer(old: dict[str, Any] | None, obj: Mapping[str, Any], deleted: bool) -> dict[str, Any] | None:
+    """What to keep of ``old`` and a newer sighting ``obj``: None if deleted; ``old`` if ``obj`` is older (an older
+    watch event never undoes a write)."""
+    if deleted:
+        return None
+    rv_old = int((old or {}).get("metadata", {}).get("resourceVersion") or 0) if old else -1
+    rv_new = int((obj.get("metadata") or {}).get("resourceVersion") or 0)
+    if old is None or rv_new == 0 or rv_new >= rv_old:
+        # A shallow copy: watch events and write answers are fresh objects, and nothing changes a stored object in
+        # place (the reconcile copies what it changes). A deep copy of every event cost more of the operator's core
+        # than all its decisions at 1,000 FillJobs (benchmarks/operator_scale.py).
+        return dict(obj)
+    return old
+
+
+def assumed(obj: Mapping[str, Any], job: FillJobDecisions) -> dict[str, Any] | None:
+    """What ``job``'s writes will make of FillJob ``obj`` (its status, its finalizers), or None if they change
+    neither (a Pod deleted, a run cancelled)."""
+    if job.status is None and not job.add_finalizer and not job.remove_finalizer:
+        return None
+    new = dict(obj)
+    if job.add_finalizer or job.remove_finalizer:
+        meta = dict(obj.get("metadata") or {})
+        kept = [f for f in meta.get("finalizers") or [] if f != FINALIZER]
+        meta["finalizers"] = kept + ([FINALIZER] if job.add_finalizer else [])
+        new["metadata"] = meta
+    if job.status is not None:
+        new["status"] = job.status
+    return new
 
 
 class Operator:
@@ -134,10 +193,11 @@ class Operator:
         self.wall = wall
         self.store = Store()
         self.cache = DecideCache()  # what the reconcile remembers between rounds: this replica's, every round
-        self.writer = KubeWriter(connection, pool=config.write_concurrency,
-                                 request_timeout_s=config.lease_s * 0.2 if config.leader_election else 30.0)
-        self._pool = concurrent.futures.ThreadPoolExecutor(config.write_concurrency, "bubbles-writes")
         self.metrics = OperatorMetrics()
+        self.writer = KubeWriter(connection, pool=config.write_concurrency,
+                                 request_timeout_s=config.lease_s * 0.2 if config.leader_election else 30.0,
+                                 observe=lambda kind, s: self.metrics.api_write_seconds.labels(kind).observe(s))
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.write_concurrency, "bubbles-writes")
         self.wake = asyncio.Event()
         self.rounds = 0
         self._started: float | None = None  # time.monotonic() of the first round (decide's acting_s)
@@ -147,6 +207,11 @@ class Operator:
         self.writes_total: Counter[str] = Counter()  # API writes by kind since start
         self.last: Decisions | None = None
         self._events: asyncio.Task[None] | None = None  # the Events of the last round, being posted
+        # The rounds' writes in flight (the loop does not wait for them: see _loop), and what they write for.
+        self._acts: set[asyncio.Task[None]] = set()
+        self._writing: set[str] = set()  # FillJob keys
+        self._writing_trainings: set[str] = set()  # PipelineTraining keys
+        self._sem: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None  # writes in flight, all rounds
         self._trainings_parsed: dict[str, tuple[str, PipelineTrainingResource | None]] = {}  # key -> (rv, parsed)
         self._pod_matches: dict[str, tuple[str, tuple[Any, ...], tuple[str, ...]]] = {}  # Pod -> (rv, trainings, keys)
         self._generation: tuple[Any, ...] = ()
@@ -234,7 +299,9 @@ class Operator:
         s = kopf.OperatorSettings()
         s.posting.enabled = False  # Events are the reconcile's, with their own reasons
         s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.bubbles.dev")
-        s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.bubbles.dev")
+        # kopf builds a diff base of every event's body (a deep copy) for change-detecting handlers, which this
+        # operator has none of: at a burst of 1,000 FillJobs that was a sixth of its process's CPU (benchmarks.md).
+        s.persistence.diffbase_storage = _no_diff_base()
         s.watching.server_timeout = 60
         # No watch on CRDs and namespaces: the operator needs no RBAC beyond its own resources (bubbles.operator.rbac).
         # The CRDs must therefore exist when it starts (Helm installs crds/ first).
@@ -255,7 +322,7 @@ class Operator:
             await asyncio.gather(*tasks)
         finally:
             stop.set()
-            for t in tasks:
+            for t in [*tasks, *self._acts]:
                 t.cancel()
             if self._events is not None:
                 with contextlib.suppress(Exception):
@@ -303,14 +370,24 @@ class Operator:
         return self.leader is None or self.leader.is_leader
 
     async def _loop(self, stop: asyncio.Event) -> None:
+        """Rounds until ``stop``. A round's writes go on beside the next rounds (at most ``ROUNDS_IN_FLIGHT``, all
+        rounds' writes together at most ``write_concurrency`` at a time): a job that arrives while a round writes is
+        decided at once, not after that round's last write. The store shows each job with writes in flight as they
+        will leave it (``Store.assume``), and a round leaves such a job, and a training with its status in flight, to
+        a later round: what it decided for them is dropped, as a write that failed before it was sent would be."""
         while not stop.is_set():
             self.wake.clear()
             if self.acting:
                 try:
-                    await self.reconcile_once()
-                except (PodConflict, FinalizerConflict) as exc:  # expected under concurrency: retried next round
-                    self.metrics.reconcile_errors.inc()
-                    log.warning("%s", exc)
+                    while len(self._acts) >= ROUNDS_IN_FLIGHT:
+                        await asyncio.wait(set(self._acts), return_when=asyncio.FIRST_COMPLETED)
+                    d, now, see_s, decide_s = await self._decide()
+                    if d.fill_jobs or d.training_status or d.events:
+                        task = asyncio.create_task(self._act_logged(d, now, see_s, decide_s))
+                        self._acts.add(task)
+                        task.add_done_callback(self._acts.discard)
+                    else:
+                        self._round_done(see_s, decide_s, 0.0)
                 except Exception:
                     self.metrics.reconcile_errors.inc()
                     log.exception("reconcile failed; retrying in %.1f s", self.config.interval_s)
@@ -325,7 +402,21 @@ class Operator:
             if self.leader is not None:
                 self.leader.changed.clear()
             self._collect()
-            await asyncio.sleep(0.02)  # let a burst of watch events land before the next round
+            # Let a burst of watch events land before the next round; and as the writes of earlier rounds go on
+            # beside, at most half the loop's time goes to seeing and deciding (a round looks at every FillJob's
+            # object, if not at its decision: at 1,000 FillJobs tens of ms, and each write's watch event wakes it).
+            see_s, decide_s, _ = self.round_s[-1] if self.round_s else (0.0, 0.0, 0.0)
+            await asyncio.sleep(max(0.02, see_s + decide_s))
+
+    async def _act_logged(self, d: Decisions, now: dt.datetime, see_s: float, decide_s: float) -> None:
+        try:
+            await self._act(d, now, see_s, decide_s)
+        except (PodConflict, FinalizerConflict) as exc:  # expected under concurrency: retried next round
+            self.metrics.reconcile_errors.inc()
+            log.warning("%s", exc)
+        except Exception:
+            self.metrics.reconcile_errors.inc()
+            log.exception("reconcile failed; retrying in %.1f s", self.config.interval_s)
 
     def _collect(self) -> None:
         """Keep Python's cyclic garbage collector off the objects that outlive a round. The store holds every
@@ -535,31 +626,66 @@ class Operator:
         return None
 
     async def reconcile_once(self) -> Decisions:
-        """One round: see, decide, act. Returns the decisions (tests and the benchmark read them)."""
+        """One round: see, decide, act, and wait for its writes. Returns the decisions (tests and the benchmark read
+        them)."""
+        d, now, see_s, decide_s = await self._decide()
+        await self._act(d, now, see_s, decide_s)
+        return d
+
+    async def _decide(self) -> tuple[Decisions, dt.datetime, float, float]:
+        """See and decide: the decisions, less those for what writes in flight still change (see ``_loop``)."""
         t0 = time.perf_counter()
         view = await self.view()
         t1 = time.perf_counter()
         d = reconcile_round(view, self.cache, self.config.full_pass_s)
+        if self._writing or self._writing_trainings:
+            _hold_back(d, self._writing, self._writing_trainings)
         t2 = time.perf_counter()
-        await self.apply(d, view.now)
-        self.round_s = [*self.round_s[-999:], (t1 - t0, t2 - t1, time.perf_counter() - t2)]
         self.rounds += 1
         self.last = d
         self.metrics.reconciles.inc()
         if time.monotonic() - self._observed >= self.config.metrics_interval_s:
             self._observed = time.monotonic()
             self.metrics.observe(list(self.store.fill_jobs.values()))
+        return d, view.now, t1 - t0, t2 - t1
+
+    async def _act(self, d: Decisions, now: dt.datetime, see_s: float, decide_s: float) -> None:
+        """Carry out ``d``, showing each FillJob it writes for as the writes will leave it until they end."""
+        t0 = time.perf_counter()
+        keys = [k for k, j in d.fill_jobs.items() if j.writes or j.cancel_on is not None]
+        trainings = list(d.training_status)
+        self._writing.update(keys)
+        self._writing_trainings.update(trainings)
+        for k in keys:
+            obj = self.store.fill_jobs.get(k)
+            new = assumed(obj, d.fill_jobs[k]) if obj is not None else None
+            if new is not None:
+                self.store.assume(k, new)
+        try:
+            await self.apply(d, now)
+        finally:
+            for k in keys:
+                self.store.settle(k)
+            self._writing.difference_update(keys)
+            self._writing_trainings.difference_update(trainings)
+            self._round_done(see_s, decide_s, time.perf_counter() - t0)
+            if keys or trainings:
+                self.wake.set()  # what the writes left is for the next round to see
         if d.create_pods or d.fill_job_status:
             log.debug("round %d: %d status(es), %d Pod(s) in %.1f ms", self.rounds, len(d.fill_job_status),
-                      len(d.create_pods), (time.perf_counter() - t0) * 1e3)
-        return d
+                      len(d.create_pods), (see_s + decide_s + time.perf_counter() - t0) * 1e3)
+
+    def _round_done(self, see_s: float, decide_s: float, act_s: float) -> None:
+        self.round_s = [*self.round_s[-999:], (see_s, decide_s, act_s)]
 
     async def apply(self, d: Decisions, now: dt.datetime) -> None:
         """Carry out ``d``. Per FillJob in order (finalizer, Pod, assignment, status; clean-up before releasing
         the finalizer); FillJobs, trainings and Events concurrently, at most ``write_concurrency`` at a time."""
         w = self.writer
-        sem = asyncio.Semaphore(self.config.write_concurrency)
         loop = asyncio.get_running_loop()
+        if self._sem is None or self._sem[0] is not loop:
+            self._sem = (loop, asyncio.Semaphore(self.config.write_concurrency))
+        sem = self._sem[1]
 
         async def write(fn: Callable[..., Any], *args: Any) -> Any:
             if not self.acting:
@@ -582,7 +708,7 @@ class Operator:
 
         async def fill_job(key: str, job: FillJobDecisions) -> None:
             async with sem:
-                obj = self.store.fill_jobs.get(key)
+                obj = self.store.real(key)
                 if obj is None:
                     return
                 meta = obj["metadata"]
@@ -615,7 +741,7 @@ class Operator:
                     await self.agents.assign(job.assignment)
                 if job.status is not None:
                     status = job.status
-                    before = (self.store.fill_jobs.get(key) or obj).get("status") or {}
+                    before = (self.store.real(key) or obj).get("status") or {}
                     new = await write(w.patch_status, "filljobs", meta["namespace"], meta["name"], before, status)
                     if new is None:
                         self.store.put("fill_jobs", obj, deleted=True)
@@ -623,7 +749,7 @@ class Operator:
                     self.store.put("fill_jobs", new)
                     self._observe_placement(meta, before, status, now)
                 if job.remove_finalizer:
-                    current = self.store.fill_jobs.get(key) or obj
+                    current = self.store.real(key) or obj
                     new = await write(w.set_finalizer, "filljobs", meta["namespace"], meta["name"], False,
                                       list(current["metadata"].get("finalizers") or []),
                                       current["metadata"].get("resourceVersion"))
@@ -672,9 +798,7 @@ class Operator:
             if not lost and events:
                 # Events are best effort and not on a job's path to Placed: posted beside the next round (at most
                 # one batch in flight: the next round waits for this one before it posts its own).
-                if self._events is not None:
-                    await self._events
-                self._events = asyncio.create_task(self._post_events(events, now))
+                self._events = asyncio.create_task(self._post_events(events, now, after=self._events))
             if lost:
                 log.warning("stopped mid-round: this replica no longer holds the lease")
             if errors:
@@ -682,7 +806,11 @@ class Operator:
         finally:
             self._count_writes(exclude="event")  # the Events' task counts its own
 
-    async def _post_events(self, events: list[Any], now: dt.datetime) -> None:
+    async def _post_events(self, events: list[Any], now: dt.datetime,
+                           after: asyncio.Task[None] | None = None) -> None:
+        if after is not None:  # the rounds' Events in their order, one batch at a time
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await after
         sem = asyncio.Semaphore(self.config.write_concurrency)
         loop = asyncio.get_running_loop()
 
@@ -713,6 +841,37 @@ class Operator:
             if created:
                 t = dt.datetime.fromisoformat(str(created).replace("Z", "+00:00"))
                 self.metrics.placement_latency.observe(max(0.0, (now - t).total_seconds()))
+
+
+def _hold_back(d: Decisions, jobs: set[str], trainings: set[str]) -> None:
+    """Drop from ``d`` what it decided for the FillJobs ``jobs`` and the trainings ``trainings``, which writes in
+    flight still change, and their Events: a later round decides for them again from what those writes left."""
+    for key in jobs & d.fill_jobs.keys():
+        del d.fill_jobs[key]
+    for key in trainings & d.training_status.keys():
+        del d.training_status[key]
+    d.events[:] = [e for e in d.events
+                   if f"{e.namespace}/{e.name}" not in (jobs if e.kind == "FillJob" else trainings)]
+
+
+def _no_diff_base() -> Any:
+    """A kopf diff-base storage that keeps nothing: the operator registers ``on.event`` handlers only, which kopf
+    calls with the event as it is; a diff base serves the change handlers (``on.create``, ``on.update``, ...). Were
+    one added, it would see every event as a first sighting: ``tests/test_operator_kopf.py`` holds the registry to
+    event handlers."""
+    import kopf
+
+    class NoDiffBase(kopf.DiffBaseStorage):
+        def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+            return {}
+
+        def fetch(self, *, body: Any) -> Any:
+            return None
+
+        def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+            return None
+
+    return NoDiffBase()
 
 
 def _named(report: StageReport, node: str) -> bool:
