@@ -16,7 +16,6 @@ includes the watch's delivery). Writes are counted by the operator's KubeWriter 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -152,7 +151,7 @@ def _children(names: tuple[str, ...]) -> dict[str, int]:
 
 def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: float, workdir: Path,
             rate: float | None = None, full_pass_s: float = OperatorConfig.full_pass_s,
-            gc_full_s: float = GC_FULL_S, pin: bool = False,
+            gc_full_s: float = GC_FULL_S,
             write_concurrency: int = OperatorConfig.write_concurrency) -> dict[str, Any]:
     import subprocess
 
@@ -194,12 +193,6 @@ def one_run(kube: ApiServer, jobs: int, agents: InMemoryAgents, interval_s: floa
     watcher.start()
     time.sleep(0.5)
     procs = {**_children(("kube-apiserver", "etcd")), "operator": child.pid, "client": os.getpid()}
-    if pin:  # the operator on a core of its own, as in a cluster, where it runs on another machine than the API server
-        cpus = sorted(os.sched_getaffinity(0))
-        for name, pid in procs.items():
-            for task in Path(f"/proc/{pid}/task").iterdir():  # every thread: affinity is per thread on Linux
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(task.name), set(cpus[-1:]) if name == "operator" else set(cpus[:-1]))
     cpu0 = {k: _cpu_s(pid) for k, pid in procs.items()}
     t0 = time.monotonic()
     for i in range(jobs):
@@ -273,16 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="create the FillJobs at this steady rate (default: as fast as the client can, a burst)")
     p.add_argument("--write-concurrency", type=int, default=OperatorConfig.write_concurrency,
                    help="the operator's API writes in flight at once (OperatorConfig.write_concurrency)")
-    p.add_argument("--pin", action="store_true",
-                   help="run the operator on a CPU of its own, the API server, etcd and the load generator on the "
-                        "others (as in a cluster, where the operator runs on another machine than the API server)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--operator-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.operator_child is not None:
         return operator_child(args.operator_child)
-    if args.pin and len(os.sched_getaffinity(0)) < 2:
-        p.error("--pin needs at least 2 CPUs (the operator on one, the rest on the others)")
     if min(args.trainings, args.stages, args.jobs, args.runs, args.write_concurrency) < 1:
         p.error("--trainings, --stages, --jobs, --runs and --write-concurrency must be >= 1")
     if args.rate is not None and not args.rate > 0:
@@ -308,12 +296,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.monotonic() - t0:.1f} s", flush=True)
         for r in range(args.runs):
             res = one_run(kube, args.jobs, agents, args.interval, Path(tmp), args.rate, args.full_pass_interval,
-                          args.gc_full_interval, args.pin, args.write_concurrency)
+                          args.gc_full_interval, args.write_concurrency)
             runs.append(res)
             print(f"[operator_scale] run {r + 1}: {json.dumps(res)}", flush=True)
     p50 = [r["latency_p50_s"] for r in runs if r["latency_p50_s"] is not None]
     p99 = [r["latency_p99_s"] for r in runs if r["latency_p99_s"] is not None]
-    summary = {"pin": args.pin, "write_concurrency": args.write_concurrency, "trainings": args.trainings,
+    summary = {"write_concurrency": args.write_concurrency, "trainings": args.trainings,
                "stages": args.stages, "jobs": args.jobs, "rate": args.rate, "runs": runs,
                "median_of_p50_s": statistics.median(p50) if p50 else None,
                "median_of_p99_s": statistics.median(p99) if p99 else None,
