@@ -224,9 +224,11 @@ def test_every_write_is_timed_for_the_histogram_even_one_that_fails() -> None:
     seen: list[tuple[str, float]] = []
     w = KubeWriter(Connection("http://127.0.0.1:9", insecure=True), request_timeout_s=2,
                    observe=lambda kind, s: seen.append((kind, s)))
-    with pytest.raises(Exception):  # nothing listens on port 9
+    from urllib3.exceptions import HTTPError
+
+    with pytest.raises(HTTPError):  # nothing listens on port 9
         w.patch_status("filljobs", "ml", "a", {}, {"phase": "Placed"})
-    with pytest.raises(Exception):
+    with pytest.raises(HTTPError):
         w.set_finalizer("filljobs", "ml", "a", True, [])
     assert [k for k, _ in seen] == ["status", "finalizer"] and all(s >= 0 for _, s in seen)
     assert w.take_counts() == {"status": 1, "finalizer": 1}
