@@ -270,15 +270,11 @@ class KubeWriter:
     def patch_status(self, plural: str, namespace: str, name: str, before: Mapping[str, Any],
                      after: Mapping[str, Any], kind: str = "status") -> dict[str, Any] | None:
         """The object after the patch, or None if it is gone (``kind`` labels the write in the counts)."""
-        with self._write(kind):
-            return self._patch_status(plural, namespace, name, before, after)
-
-    def _patch_status(self, plural: str, namespace: str, name: str, before: Mapping[str, Any],
-                      after: Mapping[str, Any]) -> dict[str, Any] | None:
         try:
-            return dict(self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, plural, name, status_patch(before, after),
-                _request_timeout=self.timeout))
+            with self._write(kind):
+                return dict(self.custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, plural, name, status_patch(before, after),
+                    _request_timeout=self.timeout))
         except Exception as exc:
             if self._ok(exc, 404):
                 return None

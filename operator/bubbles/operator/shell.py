@@ -62,8 +62,8 @@ NO_REPORTS: tuple[StageReport, ...] = ()  # a Pod no agent reports a GPU of (one
 
 
 GC_FULL_S = 300.0  # the operator command's full collections (OperatorConfig.gc_full_s): one every 5 minutes
-ROUNDS_IN_FLIGHT = 8  # rounds whose writes go on at once (their writes together: write_concurrency at most)
 GC_YOUNG = 10_000  # and its young generation's threshold (Python's: 700): fewer collections of the round's objects
+ROUNDS_IN_FLIGHT = 8  # rounds whose writes go on at once (their writes together: write_concurrency at most)
 
 
 @dataclass(frozen=True)
@@ -809,8 +809,7 @@ class Operator:
     async def _post_events(self, events: list[Any], now: dt.datetime,
                            after: asyncio.Task[None] | None = None) -> None:
         if after is not None:  # the rounds' Events in their order, one batch at a time
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await after
+            await asyncio.wait([after])  # however it ended; this task's own cancellation still stops it
         sem = asyncio.Semaphore(self.config.write_concurrency)
         loop = asyncio.get_running_loop()
 
